@@ -1,0 +1,82 @@
+"""trainkit: a functional training engine for PyTorch.
+
+Immutable bookkeeping records advanced by pure functions (``trainkit.bookkeeping``), a validated
+config (:class:`Config`), and a thin :class:`BaseTrainer` that wires them to torch, files, W&B and
+tqdm. ``import trainkit`` loads neither torch, wandb nor tqdm: the trainer is imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from trainkit.bookkeeping import (
+    BestState,
+    CkptRegistry,
+    LoopState,
+    PatienceState,
+    apply_payload,
+    collect_payload,
+    end_epoch,
+    register_items,
+    save_if_best,
+    should_validate,
+    step_patience,
+)
+from trainkit.config import Config
+from trainkit.errors import (
+    BookkeepingError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    ConfigError,
+    DistributedError,
+    HookNotImplementedError,
+    RegistryError,
+    TrainkitError,
+    UsageError,
+)
+
+if TYPE_CHECKING:
+    from trainkit.launcher import launch, spawn
+    from trainkit.trainer import BaseTrainer
+
+__version__ = "0.1.0"
+
+_LAZY = {"BaseTrainer": "trainkit.trainer", "launch": "trainkit.launcher", "spawn": "trainkit.launcher"}
+
+__all__ = [
+    "BaseTrainer",
+    "launch",
+    "spawn",
+    "Config",
+    "BestState",
+    "save_if_best",
+    "PatienceState",
+    "step_patience",
+    "CkptRegistry",
+    "register_items",
+    "collect_payload",
+    "apply_payload",
+    "LoopState",
+    "end_epoch",
+    "should_validate",
+    "TrainkitError",
+    "ConfigError",
+    "BookkeepingError",
+    "RegistryError",
+    "CheckpointError",
+    "CheckpointCorruptError",
+    "CheckpointMismatchError",
+    "DistributedError",
+    "UsageError",
+    "HookNotImplementedError",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'trainkit' has no attribute {name!r}")

@@ -1,0 +1,40 @@
+"""The pure bookkeeping core: immutable records and the pure functions that advance them.
+
+Imports only the standard library and attrs, so it can be embedded in any loop and property-tested
+without torch.
+"""
+
+from trainkit.bookkeeping.best import BestState, best_metric_key, save_if_best
+from trainkit.bookkeeping.patience import PatienceState, step_patience
+from trainkit.bookkeeping.registry import (
+    RESERVED_NAMES,
+    CkptRegistry,
+    apply_payload,
+    collect_payload,
+    register_items,
+)
+from trainkit.bookkeeping.schedule import (
+    STOP_EARLY,
+    STOP_MAX_EPOCHS,
+    LoopState,
+    end_epoch,
+    should_validate,
+)
+
+__all__ = [
+    "BestState",
+    "save_if_best",
+    "best_metric_key",
+    "PatienceState",
+    "step_patience",
+    "CkptRegistry",
+    "RESERVED_NAMES",
+    "register_items",
+    "collect_payload",
+    "apply_payload",
+    "LoopState",
+    "end_epoch",
+    "should_validate",
+    "STOP_EARLY",
+    "STOP_MAX_EPOCHS",
+]

@@ -1,0 +1,114 @@
+"""Plain-dict serialization shared by every bookkeeping record.
+
+Pure: stdlib and attrs only. Checkpoints store these dicts, never pickled classes, so a checkpoint
+stays loadable with ``torch.load(..., weights_only=True)`` and readable without trainkit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, TypeVar
+
+import attrs
+
+from trainkit.errors import BookkeepingError
+
+SCHEMA_VERSION = 1
+"""Version of the dicts written by ``to_dict``; bumped when a field changes meaning."""
+
+R = TypeVar("R")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def record_to_dict(record: Any) -> dict[str, Any]:
+    """Return a record's fields as plain JSON-able values, tagged with its kind and schema version.
+
+    Pure: builds a new dict; the record is left unchanged.
+
+    :param record: An attrs record of this package.
+    :returns: ``{"kind": ..., "schema_version": ..., <field>: <value>, ...}``.
+    """
+    data: dict[str, Any] = {"kind": type(record).__name__, "schema_version": SCHEMA_VERSION}
+    for field in attrs.fields(type(record)):
+        data[field.name] = _plain(getattr(record, field.name))
+    return data
+
+
+def record_from_dict(cls: type[R], data: Mapping[str, Any]) -> R:
+    """Rebuild a record from :func:`record_to_dict`'s output, re-running every validator.
+
+    Pure: reads ``data`` only.
+
+    :param cls: The record class to build.
+    :param data: A dict written by ``cls.to_dict()``.
+    :returns: The record.
+    :raises BookkeepingError: When the kind, the schema version or the set of fields does not match.
+    """
+    if not isinstance(data, Mapping):
+        raise BookkeepingError(f"{cls.__name__}.from_dict expects a mapping, got {type(data).__name__}")
+    kind = data.get("kind", cls.__name__)
+    if kind != cls.__name__:
+        raise BookkeepingError(f"{cls.__name__}.from_dict got a dict of kind {kind!r}")
+    version = data.get("schema_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise BookkeepingError(f"{cls.__name__}.from_dict: schema_version must be an int, got {version!r}")
+    if version > SCHEMA_VERSION:
+        raise BookkeepingError(
+            f"{cls.__name__}.from_dict: schema_version {version} is newer than this trainkit's "
+            f"{SCHEMA_VERSION}; upgrade trainkit to read it"
+        )
+    names = {field.name for field in attrs.fields(cls)}
+    given = set(data) - {"kind", "schema_version"}
+    unexpected = sorted(given - names)
+    if unexpected:
+        raise BookkeepingError(f"{cls.__name__}.from_dict: unexpected fields {unexpected}")
+    return cls(**{name: data[name] for name in names if name in data})
+
+
+def read_only_floats(metrics: Mapping[str, Any] | None) -> Mapping[str, float]:
+    """Freeze a metric mapping into a read-only mapping of str to float.
+
+    :param metrics: Any mapping whose values convert with ``float()``; None gives an empty mapping.
+    :returns: A :class:`types.MappingProxyType` over a fresh dict.
+    :raises BookkeepingError: When a value does not convert to float.
+    """
+    frozen: dict[str, float] = {}
+    for key, value in (metrics or {}).items():
+        frozen[str(key)] = as_float(value, f"metrics[{key!r}]")
+    return MappingProxyType(frozen)
+
+
+def as_float(value: Any, name: str) -> float:
+    """Convert a score-like value (float, int, 0-d tensor, numpy scalar) to a Python float.
+
+    :param value: The value to convert.
+    :param name: What the value is, for the error message.
+    :returns: ``float(value)``.
+    :raises BookkeepingError: When the value is a bool, None, or has no scalar float value.
+    """
+    if value is None or isinstance(value, bool | str | bytes):
+        raise BookkeepingError(f"{name} must be a real number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise BookkeepingError(f"{name} must be a real number (a float or a 1-element tensor), got {value!r}") from exc
+
+
+def same_float(a: float | None, b: float | None) -> bool:
+    """Tell whether two optional floats are equal, counting NaN as equal to NaN.
+
+    >>> same_float(float("nan"), float("nan")), same_float(1.0, 1.0), same_float(None, 0.0)
+    (True, True, False)
+    """
+    if a is None or b is None:
+        return a is b
+    return a == b or (math.isnan(a) and math.isnan(b))

@@ -1,0 +1,122 @@
+"""Early-stopping patience: how many more counted misses a run may take.
+
+Pure: stdlib and attrs only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from trainkit.bookkeeping._records import record_from_dict, record_to_dict
+from trainkit.errors import BookkeepingError
+
+__all__ = ["PatienceState", "step_patience"]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_patience(instance: Any, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is None:
+        return
+    if not _is_int(value):
+        raise BookkeepingError(f"PatienceState.patience must be an int >= 1 or None, got {value!r}")
+    if value < 1:
+        raise BookkeepingError(
+            f"PatienceState.patience must be >= 1 or None, got {value!r}; "
+            "use 1 to stop at the first counted miss, or None to disable early stopping"
+        )
+
+
+def _check_start(instance: Any, attribute: attrs.Attribute, value: int) -> None:
+    if not _is_int(value) or value < 0:
+        raise BookkeepingError(f"PatienceState.start_patience must be an int >= 0, got {value!r}")
+
+
+def _check_remaining(instance: PatienceState, attribute: attrs.Attribute, value: int | None) -> None:
+    if instance.patience is None:
+        if value is not None:
+            raise BookkeepingError(f"PatienceState.remaining must be None when patience is None, got {value!r}")
+        return
+    if not _is_int(value) or not 0 <= value <= instance.patience:
+        raise BookkeepingError(
+            f"PatienceState.remaining must be an int in [0, patience={instance.patience}], got {value!r}"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class PatienceState:
+    """Early-stopping counter.
+
+    :ivar patience: Counted misses allowed before stopping (>= 1), or None to never stop early.
+    :ivar start_patience: Misses in epochs before this 0-based epoch are not counted.
+    :ivar remaining: Counted misses left; starts at ``patience`` and is refilled by an improvement.
+
+    >>> PatienceState(patience=3).remaining
+    3
+    """
+
+    patience: int | None = attrs.field(default=None, validator=_check_patience)
+    start_patience: int = attrs.field(default=0, validator=_check_start)
+    remaining: int | None = attrs.field(
+        default=attrs.Factory(lambda self: self.patience, takes_self=True), validator=_check_remaining
+    )
+
+    @property
+    def exhausted(self) -> bool:
+        """True once no counted miss is left; always False when early stopping is disabled."""
+        return self.patience is not None and self.remaining == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the record as plain JSON-able values with a schema version.
+
+        >>> PatienceState.from_dict(PatienceState(patience=2).to_dict()) == PatienceState(patience=2)
+        True
+        """
+        return record_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PatienceState:
+        """Rebuild a record written by :meth:`to_dict`.
+
+        :param data: The dict.
+        :returns: The record.
+        :raises BookkeepingError: On a foreign kind, a newer schema or an invalid field.
+        """
+        return record_from_dict(cls, data)
+
+
+def step_patience(state: PatienceState, improved: Any, *, epoch: int | None = None) -> tuple[PatienceState, bool]:
+    """Advance the early-stopping counter by one validation outcome.
+
+    Pure. An improvement refills ``remaining`` to ``patience``; a miss takes one off, but only when
+    ``epoch`` is None or ``epoch >= start_patience``, and never below 0.
+
+    :param state: The current record; left unchanged.
+    :param improved: Whether this validation improved the best (a bool, or a bool-like 0-d tensor).
+    :param epoch: The 0-based epoch of this validation; None counts every miss.
+    :returns: The next record, and True once patience is exhausted (always False when patience is None).
+    :raises BookkeepingError: When ``improved`` is None or ``epoch`` is negative.
+
+    >>> state = PatienceState(patience=2)
+    >>> state, stop = step_patience(state, False, epoch=0)
+    >>> state.remaining, stop
+    (1, False)
+    >>> step_patience(state, False, epoch=1)[1]
+    True
+    """
+    if improved is None:
+        raise BookkeepingError("step_patience: improved must be a bool, got None; pass what save_if_best returned")
+    if epoch is not None and (not _is_int(epoch) or epoch < 0):
+        raise BookkeepingError(f"step_patience: epoch must be an int >= 0 or None, got {epoch!r}")
+    if state.patience is None:
+        return state, False
+    if bool(improved):
+        state = attrs.evolve(state, remaining=state.patience)
+    elif epoch is None or epoch >= state.start_patience:
+        state = attrs.evolve(state, remaining=max(0, state.remaining - 1))
+    return state, state.exhausted

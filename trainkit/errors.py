@@ -1,0 +1,93 @@
+"""Error types raised by trainkit.
+
+Every error is a :class:`TrainkitError` and also the builtin it refines, so callers can catch either:
+``except ValueError`` keeps working for a bad config value.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TrainkitError",
+    "ConfigError",
+    "BookkeepingError",
+    "RegistryError",
+    "CheckpointError",
+    "CheckpointCorruptError",
+    "CheckpointMismatchError",
+    "DistributedError",
+    "UsageError",
+    "HookNotImplementedError",
+]
+
+
+class TrainkitError(Exception):
+    """Base class of every error trainkit raises on purpose."""
+
+
+class ConfigError(TrainkitError, ValueError):
+    """A configuration key is unknown, or its value breaks the key's type or range rule.
+
+    :param key: The dotted key, e.g. ``"val.every_n_epochs"``.
+    :param rule: What the value must satisfy, e.g. ``"must be >= 1"``.
+    :param value: The value received.
+    :param hint: An optional fix appended to the message.
+    """
+
+    def __init__(
+        self, key: str, rule: str, value: object = None, *, hint: str = "", show_value: bool = True, message: str = ""
+    ):
+        self.key = key
+        self.rule = rule
+        self.value = value
+        self.hint = hint
+        self.show_value = show_value
+        if not message:
+            message = f"{key} {rule}"
+            if show_value:
+                message += f", got {value!r}"
+        if hint:
+            message += f"; {hint}"
+        self._message = message
+        super().__init__(message)
+
+    def with_prefix(self, prefix: str) -> ConfigError:
+        """Return the same error with its key qualified by a parent section.
+
+        :param prefix: The parent's dotted key, e.g. ``"val"``; empty leaves the key as it is.
+        :returns: A new error whose key reads ``prefix.key``.
+        """
+        if not prefix or self.rule == "is unknown":
+            return self
+        return ConfigError(f"{prefix}.{self.key}", self.rule, self.value, hint=self.hint, show_value=self.show_value)
+
+
+class BookkeepingError(TrainkitError, ValueError):
+    """A bookkeeping record was built or advanced with a value that breaks one of its rules."""
+
+
+class RegistryError(TrainkitError, ValueError):
+    """A checkpoint item name is reserved, registered twice, missing or unexpected."""
+
+
+class CheckpointError(TrainkitError, RuntimeError):
+    """A checkpoint could not be written, read or applied."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint file is truncated, fails its integrity check, or holds something that is not allowed."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint is intact but was written by an incompatible run (world size, schema, config)."""
+
+
+class DistributedError(TrainkitError, RuntimeError):
+    """The ranks of a distributed run disagree, or one of them failed."""
+
+
+class UsageError(TrainkitError, RuntimeError):
+    """An API was called at a moment or with a value that the trainer's contract does not allow."""
+
+
+class HookNotImplementedError(TrainkitError, NotImplementedError):
+    """A subclass did not implement a hook that the trainer had to call."""
