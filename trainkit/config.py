@@ -268,8 +268,11 @@ def _parse(text: str, tp: Any, key: str) -> Any:
     if origin is tuple:
         if text.startswith(("[", "(")):
             items = _literal(text)
-            return tuple(items) if isinstance(items, list | tuple) else items
-        return tuple(part.strip() for part in text.split(",") if part.strip())
+            if isinstance(items, list | tuple):
+                return tuple(items)
+            if text.endswith(("]", ")")):  # unquoted items, as a shell passes them: [a, b]
+                text = text[1:-1]
+        return tuple(_unquote(part.strip()) for part in text.split(",") if part.strip())
     if tp is bool:
         if lowered in ("true", "yes", "on", "1"):
             return True
@@ -277,8 +280,12 @@ def _parse(text: str, tp: Any, key: str) -> Any:
             return False
         raise ConfigError(key, "must be a bool (true or false)", text)
     if tp is str:
-        return text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" else text
+        return _unquote(text)
     return _literal(text)
+
+
+def _unquote(text: str) -> str:
+    return text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" else text
 
 
 def _literal(text: str) -> Any:

@@ -18,6 +18,7 @@ from trainkit.bookkeeping.schedule import (
     STOP_MAX_EPOCHS,
     LoopState,
     end_epoch,
+    resume_loop,
     should_validate,
 )
 
@@ -34,6 +35,7 @@ __all__ = [
     "apply_payload",
     "LoopState",
     "end_epoch",
+    "resume_loop",
     "should_validate",
     "STOP_EARLY",
     "STOP_MAX_EPOCHS",

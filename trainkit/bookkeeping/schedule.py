@@ -13,7 +13,7 @@ import attrs
 from trainkit.bookkeeping._records import record_from_dict, record_to_dict
 from trainkit.errors import BookkeepingError
 
-__all__ = ["should_validate", "LoopState", "end_epoch", "STOP_EARLY", "STOP_MAX_EPOCHS"]
+__all__ = ["should_validate", "LoopState", "end_epoch", "resume_loop", "STOP_EARLY", "STOP_MAX_EPOCHS"]
 
 STOP_EARLY = "early_stop"
 """Stop reason: ``val_epoch()`` returned a truthy verdict (patience exhausted)."""
@@ -126,3 +126,26 @@ def end_epoch(state: LoopState, *, epochs: int, early_stop: bool, step: int) -> 
     reason = STOP_EARLY if early_stop else STOP_MAX_EPOCHS if epoch >= epochs else None
     new = LoopState(epoch=epoch, step=step, stop_reason=reason)
     return new, not new.finished
+
+
+def resume_loop(state: LoopState, *, epochs: int) -> tuple[LoopState, bool]:
+    """Reconcile a loop record read from a checkpoint with the configured number of epochs.
+
+    Pure. A finished run stays finished (a larger ``epochs`` does not reopen it); an unfinished run
+    that has already done ``epochs`` epochs (the config was lowered) finishes now.
+
+    :param state: The record from the checkpoint; left unchanged.
+    :param epochs: The configured number of epochs.
+    :returns: The record to continue from, and whether another epoch runs.
+
+    >>> resume_loop(LoopState(epoch=3), epochs=5)
+    (LoopState(epoch=3, step=0, stop_reason=None), True)
+    >>> resume_loop(LoopState(epoch=3), epochs=2)
+    (LoopState(epoch=3, step=0, stop_reason='max_epochs'), False)
+    """
+    _check_int("epochs", epochs, 1)
+    if state.finished:
+        return state, False
+    if state.epoch >= epochs:
+        return attrs.evolve(state, stop_reason=STOP_MAX_EPOCHS), False
+    return state, True

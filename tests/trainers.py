@@ -1,0 +1,120 @@
+"""Small real trainers shared by the trainer tests (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from trainkit import BaseTrainer, Config
+
+
+@attrs.frozen(kw_only=True)
+class TinyConfig(Config):
+    """The engine's keys plus what the tiny regression task needs."""
+
+    lr: float = 0.05
+    batch_size: int = 32
+    n_samples: int = 320
+    scripted_scores: tuple[float, ...] = ()
+    local_scores_differ: bool = False
+    fail_rank: int | None = None
+    fail_epoch: int = 0
+    dropout: float = 0.1
+
+
+def make_data(n_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed synthetic regression set, the same in every process."""
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(n_samples, 8, generator=gen)
+    w = torch.randn(8, 1, generator=gen)
+    y = x @ w + 0.1 * torch.randn(n_samples, 1, generator=gen)
+    return x, y
+
+
+class TinyTrainer(BaseTrainer):
+    """An MLP regressor on synthetic data: SGD with momentum, a shuffling sampler, dropout (uses RNG)."""
+
+    config_class = TinyConfig
+    cfg: TinyConfig
+
+    def setup(self, ckpt):
+        cfg = self.cfg
+        x, y = make_data(cfg.n_samples)
+        n_train = int(0.6 * len(x))
+        n_val = int(0.2 * len(x))
+        self.train_set = TensorDataset(x[:n_train], y[:n_train])
+        self.val_x, self.val_y = x[n_train : n_train + n_val], y[n_train : n_train + n_val]
+        self.test_x, self.test_y = x[n_train + n_val :], y[n_train + n_val :]
+        net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(cfg.dropout), nn.Linear(32, 1))
+        self.model = self.make_ddp(net)
+        self.optimizer = torch.optim.SGD(self.get_param_groups(), lr=cfg.lr, momentum=0.9)
+        self.sampler = DistributedSampler(
+            self.train_set, num_replicas=self.world_size, rank=self.rank, shuffle=True, seed=cfg.seed
+        )
+        self.loader = DataLoader(self.train_set, batch_size=cfg.batch_size, sampler=self.sampler)
+        self.add_samplers(self.sampler)
+        self.add_checkpoint_items(model=self.model, optimizer=self.optimizer)
+        self.epochs_trained: list[int] = []
+        self.epochs_validated: list[int] = []
+
+    def train_epoch(self):
+        cfg = self.cfg
+        if cfg.fail_rank == self.rank and self.epoch == cfg.fail_epoch:
+            raise RuntimeError(f"injected failure on rank {self.rank} at epoch {self.epoch}")
+        self.epochs_trained.append(self.epoch)
+        self.model.train()
+        total = torch.zeros(())
+        count = 0
+        for x, y in self.progress(self.loader):
+            loss = nn.functional.mse_loss(self.model(x), y)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.clip_and_log_grad_norm()
+            self.optimizer.step()
+            total += loss.detach() * len(x)
+            count += len(x)
+        self.log({"train/loss": total / count})
+        self.log_epoch_grad_norm()
+        self.log_lr()
+
+    def _sq_error(self, x, y):
+        self.model.eval()
+        with torch.no_grad():
+            return ((self.model(x) - y) ** 2).sum(), len(x)
+
+    def val_epoch(self):
+        shard = slice(self.rank, None, self.world_size)
+        total, count = self._sq_error(self.val_x[shard], self.val_y[shard])
+        score = self.reduce_mean(total, count)
+        if self.cfg.scripted_scores:
+            score = self.cfg.scripted_scores[self.epoch]
+            if self.cfg.local_scores_differ:
+                score = score + (0.0 if self.rank == 0 else -1000.0 * (self.epoch + 1))
+        self.epochs_validated.append(self.epoch)
+        improved = self.save_if_best(score, {"val/loss": score})
+        self.log({"val/loss": score})
+        return self.step_patience(improved)
+
+    def test_epoch(self):
+        total, count = self._sq_error(self.test_x, self.test_y)
+        return {"loss": float(total / count)}
+
+
+def param_digest(module: nn.Module) -> str:
+    """A hash of every parameter's bytes, for bit-identical comparisons."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def pid_marker() -> int:
+    """The current process id, for leftover-process checks."""
+    return os.getpid()

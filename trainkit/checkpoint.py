@@ -1,0 +1,185 @@
+"""Checkpoint files: atomic, durable writes; verified, code-free reads; RNG capture.
+
+Side effects: file I/O. Payloads hold only tensors and plain Python values, so every checkpoint loads
+with ``torch.load(..., weights_only=True)``; trainkit never loads with ``weights_only=False``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import random
+import shutil
+import sys
+import tempfile
+import time
+import zipfile
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainkit.errors import CheckpointCorruptError, CheckpointError
+
+__all__ = ["atomic_save", "load_checkpoint", "verify_checkpoint", "capture_rng", "restore_rng", "remove_stale_temp_files"]
+
+TEMP_SUFFIX = ".tmp"
+
+
+def _fsync_directory(directory: Path) -> None:
+    with suppress(OSError):  # some filesystems (and Windows) cannot open a directory for fsync
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_save(payload: Any, path: str | os.PathLike[str]) -> float:
+    """Write ``payload`` to ``path`` so that a reader sees the old file or the new one, never a torn one.
+
+    Side effects: serializes straight into a temp file in the same directory, flushes, fsyncs,
+    ``os.replace``\\ s it over ``path`` and fsyncs the directory. On any failure the temp file is removed
+    and ``path`` is left byte-identical.
+
+    :param payload: Tensors and plain Python values.
+    :param path: The destination file.
+    :returns: The seconds the save took.
+    :raises CheckpointError: On a full disk, naming the path, the bytes written so far and the bytes free.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(payload, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        written = tmp.stat().st_size if tmp.exists() else 0
+        with suppress(OSError):
+            tmp.unlink()
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            free = shutil.disk_usage(path.parent).free
+            raise CheckpointError(
+                f"cannot write checkpoint {path}: disk full after {written} bytes written "
+                f"(at least that much more is needed), {free} bytes free; {path} was left unchanged"
+            ) from exc
+        raise
+    _fsync_directory(path.parent)
+    return time.perf_counter() - start
+
+
+def remove_stale_temp_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """Delete temp files left behind by saves that were killed mid-write.
+
+    Side effects: removes ``.<name>.*.tmp`` files in ``directory``. Call it only where no other process
+    is saving into the same directory (rank 0, before its first save).
+
+    :param directory: The checkpoint directory.
+    :returns: The files removed.
+    """
+    removed = []
+    directory = Path(directory)
+    if directory.is_dir():
+        for candidate in directory.glob(f".*{TEMP_SUFFIX}"):
+            with suppress(OSError):
+                candidate.unlink()
+                removed.append(candidate)
+    return removed
+
+
+def verify_checkpoint(path: str | os.PathLike[str]) -> None:
+    """Check a checkpoint's zip structure and every member's CRC-32 before anything is unpickled.
+
+    ``torch.load`` does not check the CRCs itself, so a flipped bit in tensor data would otherwise load
+    silently.
+
+    :param path: The checkpoint file.
+    :raises CheckpointCorruptError: When the file is missing, truncated, not a torch zip file, or corrupted.
+    """
+    path = Path(path)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"checkpoint {path} does not exist") from None
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as exc:
+        raise CheckpointCorruptError(
+            f"checkpoint {path} is truncated or not a torch checkpoint ({exc}); it was not loaded"
+        ) from exc
+    if bad is not None:
+        raise CheckpointCorruptError(f"checkpoint {path} is corrupted: CRC mismatch in {bad!r}; it was not loaded")
+
+
+def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[str, Any]:
+    """Verify and load a checkpoint with ``weights_only=True``: no code from the file ever runs.
+
+    :param path: The checkpoint file.
+    :param map_location: Where tensors go, ``"cpu"`` by default.
+    :returns: The payload dict.
+    :raises CheckpointCorruptError: When the file fails verification or holds objects that are not
+        tensors or plain values.
+    """
+    verify_checkpoint(path)
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointCorruptError(
+            f"checkpoint {path} was refused: it holds objects other than tensors and plain values "
+            f"(trainkit only loads with weights_only=True): {str(exc).splitlines()[0]}"
+        ) from exc
+    except (RuntimeError, EOFError, ValueError) as exc:
+        raise CheckpointCorruptError(f"checkpoint {path} could not be read: {exc}") from exc
+    if not isinstance(payload, dict):
+        raise CheckpointCorruptError(f"checkpoint {path} holds a {type(payload).__name__}, not a dict")
+    return payload
+
+
+def capture_rng() -> dict[str, Any]:
+    """Capture the state of every random generator this process uses, as tensors and plain values.
+
+    :returns: ``{"python": ..., "torch": ..., "numpy": ... (when numpy is loaded), "cuda": ... (when used)}``.
+    """
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        name, keys, pos, has_gauss, cached = numpy.random.get_state()
+        state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Restore generator states captured by :func:`capture_rng`.
+
+    :param state: The captured states.
+    """
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and "numpy" in state:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        numpy.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python's, numpy's (when loaded) and torch's generators (CUDA included).
+
+    :param seed: The seed; the trainer passes ``cfg.seed + rank``.
+    """
+    random.seed(seed)
+    torch.manual_seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)

@@ -1,0 +1,178 @@
+"""Process-group setup and the few collectives the trainer issues.
+
+Side effects: creates the ``torch.distributed`` process group and runs collectives. Every collective
+is bounded by the group's timeout (``dist.timeout_s``), so a dead rank makes the others fail rather
+than hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainkit.errors import DistributedError
+
+__all__ = [
+    "init_process_group",
+    "is_distributed",
+    "reduce_mean",
+    "broadcast_object",
+    "all_gather_objects",
+    "any_all",
+    "unwrap",
+    "free_port",
+]
+
+
+def is_distributed() -> bool:
+    """Tell whether a process group is initialized in this process.
+
+    :returns: True inside a multi-process run set up by :func:`init_process_group` or by the user.
+    """
+    return dist.is_available() and dist.is_initialized()
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that is free right now.
+
+    Side effects: binds and closes a socket.
+
+    :returns: The port number.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_process_group(rank: int, world_size: int, *, backend: str, timeout_s: float, device: torch.device) -> bool:
+    """Join the default process group unless one exists already.
+
+    Side effects: reads ``MASTER_ADDR``/``MASTER_PORT`` (defaults ``127.0.0.1``/``29500``) and creates
+    the group. ``backend="auto"`` picks nccl on CUDA and gloo on CPU.
+
+    :param rank: This process's rank.
+    :param world_size: The number of processes.
+    :param backend: ``"auto"``, ``"gloo"`` or ``"nccl"``.
+    :param timeout_s: The bound on every collective, in seconds.
+    :param device: The device this rank computes on; nccl binds to it.
+    :returns: True when this call created the group (and so the caller owns its teardown).
+    :raises DistributedError: When an existing group disagrees with ``rank``/``world_size``.
+    """
+    if is_distributed():
+        if dist.get_rank() != rank or dist.get_world_size() != world_size:
+            raise DistributedError(
+                f"a process group already exists with rank {dist.get_rank()} of {dist.get_world_size()}, "
+                f"but the trainer was given rank {rank} of {world_size}"
+            )
+        return False
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl":
+        kwargs["device_id"] = device
+    dist.init_process_group(
+        backend=backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **kwargs,
+    )
+    return True
+
+
+def _collective_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def reduce_mean(total: Any, count: Any) -> float:
+    """Pool a sum and a count over every rank and return their quotient.
+
+    Side effects: one all-reduce when distributed (sums in float64). Every rank must call it the same
+    number of times, in the same order.
+
+    :param total: This rank's summed quantity (a float or a scalar tensor).
+    :param count: This rank's number of terms in that sum.
+    :returns: The pooled mean, identical on every rank; NaN when no rank contributed a term.
+    """
+    if is_distributed():
+        device = _collective_device()
+        pair = torch.stack(
+            [torch.as_tensor(total, dtype=torch.float64).to(device).reshape(()),
+             torch.as_tensor(count, dtype=torch.float64).to(device).reshape(())]
+        )
+        dist.all_reduce(pair, op=dist.ReduceOp.SUM)
+        total_sum, count_sum = pair.tolist()
+    else:
+        total_sum, count_sum = float(total), float(count)
+    return total_sum / count_sum if count_sum > 0 else math.nan
+
+
+def broadcast_object(value: Any, src: int = 0) -> Any:
+    """Give every rank ``src``'s value of a small picklable object.
+
+    Side effects: one broadcast when distributed; returns ``value`` itself otherwise.
+
+    :param value: The value on ``src``; ignored elsewhere.
+    :param src: The rank whose value wins.
+    :returns: ``src``'s value, on every rank.
+    """
+    if not is_distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=src, device=_collective_device())
+    return box[0]
+
+
+def all_gather_objects(value: Any) -> list[Any]:
+    """Collect one small picklable object from every rank, in rank order.
+
+    :param value: This rank's object.
+    :returns: Every rank's object, on every rank; ``[value]`` when not distributed.
+    """
+    if not is_distributed():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def any_all(flags: list[bool]) -> tuple[list[bool], list[bool]]:
+    """Reduce boolean flags over every rank in one all-reduce.
+
+    :param flags: This rank's flags; every rank passes the same number.
+    :returns: For each flag, whether any rank set it, and whether every rank set it.
+    """
+    if not is_distributed():
+        return list(flags), list(flags)
+    device = _collective_device()
+    values = torch.tensor([int(f) for f in flags] + [int(not f) for f in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    got = values.tolist()
+    n = len(flags)
+    return [bool(v) for v in got[:n]], [not bool(v) for v in got[n:]]
+
+
+def unwrap(module: nn.Module | None) -> nn.Module | None:
+    """Return the module inside a DistributedDataParallel (or ``torch.compile``) wrapper.
+
+    :param module: A module, possibly wrapped, or None.
+    :returns: The innermost module.
+    """
+    while module is not None:
+        inner = getattr(module, "module", None) if isinstance(module, nn.parallel.DistributedDataParallel) else None
+        inner = inner if inner is not None else getattr(module, "_orig_mod", None)
+        if inner is None:
+            return module
+        module = inner
+    return module

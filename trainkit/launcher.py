@@ -1,0 +1,91 @@
+"""Entry points that run a trainer in one or many processes, on torch.distributed's own launchers.
+
+``launch`` is for a process started by ``torchrun``; ``spawn`` starts local processes itself with
+``torch.multiprocessing`` (spawn context). Both return rank 0's result and tear the process group down.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from trainkit.config import Config
+from trainkit.distributed import broadcast_object, free_port
+
+__all__ = ["launch", "spawn"]
+
+
+def _run(trainer_class: type, cfg: Config | Mapping[str, Any], rank: int, world_size: int) -> Any:
+    trainer = trainer_class(cfg, rank, world_size)
+    try:
+        result = trainer.train()
+        return broadcast_object(result, src=0) if world_size > 1 else result
+    finally:
+        trainer.close()
+
+
+def launch(trainer_class: type, cfg: Config | Mapping[str, Any]) -> Any:
+    """Run this process's rank of a job started by ``torchrun`` (or as a plain single process).
+
+    Reads ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (and ``MASTER_ADDR``/``MASTER_PORT``) from the
+    environment torchrun sets; without them it runs a single process. An exception on this rank
+    propagates (torchrun then stops the other ranks and exits non-zero).
+
+    :param trainer_class: A :class:`~trainkit.BaseTrainer` subclass.
+    :param cfg: Its config, or a mapping validated into one.
+    :returns: Rank 0's ``train()`` result, on every rank.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return _run(trainer_class, cfg, rank, world_size)
+
+
+def _worker(rank: int, trainer_class: type, cfg: Any, world_size: int, results: Any) -> None:
+    os.environ["RANK"] = str(rank)
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    result = _run(trainer_class, cfg, rank, world_size)
+    if rank == 0:
+        results.put(result)
+
+
+def spawn(trainer_class: type, cfg: Config | Mapping[str, Any], world_size: int) -> Any:
+    """Run a trainer in ``world_size`` local processes (spawn context), without torchrun.
+
+    Picks a free port on 127.0.0.1 for the rendezvous. When any rank raises, the others are
+    terminated and the original traceback is raised here; no process is left behind.
+
+    :param trainer_class: A :class:`~trainkit.BaseTrainer` subclass, importable by module path (the
+        children import it anew).
+    :param cfg: Its config, or a mapping validated into one.
+    :param world_size: The number of processes (>= 1).
+    :returns: Rank 0's ``train()`` result.
+    :raises torch.multiprocessing.ProcessRaisedException: With the failing rank's traceback.
+    :raises torch.multiprocessing.ProcessExitedException: When a rank died without an exception.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if isinstance(cfg, Config):
+        cfg_arg: Any = cfg
+    else:
+        cfg_arg = dict(cfg)
+    previous = {key: os.environ.get(key) for key in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(free_port())
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    try:
+        mp.start_processes(
+            _worker, args=(trainer_class, cfg_arg, world_size, results), nprocs=world_size, join=True,
+            start_method="spawn",
+        )
+        return results.get() if not results.empty() else None
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -1,0 +1,246 @@
+"""Metric buffering and the sinks pushed metrics go to: W&B (rank 0) and ``metrics.jsonl``.
+
+Side effects: W&B runs and file appends. This is the only trainkit module that imports wandb, and it
+does so lazily, when a run is started in a mode other than ``disabled``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import uuid
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["LogBuffer", "WandbSink", "NullSink", "JsonlSink", "new_run_id", "strip_secrets"]
+
+_SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD)", re.IGNORECASE)
+
+
+def new_run_id() -> str:
+    """Return a fresh W&B-compatible run id (8 lowercase alphanumerics)."""
+    return uuid.uuid4().hex[:8]
+
+
+def strip_secrets(data: Any) -> Any:
+    """Drop every mapping entry whose key names a secret (``*KEY*``, ``*TOKEN*``, ...), recursively.
+
+    :param data: Nested mappings, lists and plain values.
+    :returns: A copy without those entries.
+    """
+    if isinstance(data, Mapping):
+        return {k: strip_secrets(v) for k, v in data.items() if not _SECRET_NAME.search(str(k))}
+    if isinstance(data, list | tuple):
+        return [strip_secrets(v) for v in data]
+    return data
+
+
+class LogBuffer:
+    """Metrics waiting for the next push, kept on their device until then.
+
+    ``add`` only stores references; ``drain`` moves every tensor to the host in one transfer per device.
+    A key logged twice before a push keeps its last value.
+    """
+
+    def __init__(self) -> None:
+        self._scalars: dict[str, Any] = {}
+        self._vectors: list[tuple[list[str], torch.Tensor]] = []
+
+    def __len__(self) -> int:
+        return len(self._scalars) + sum(len(keys) for keys, _ in self._vectors)
+
+    def add(self, metrics: Mapping[str, Any]) -> None:
+        """Buffer scalar metrics: floats, ints, or 1-element tensors (kept on their device).
+
+        :param metrics: Name to value.
+        :raises TypeError: When a value is not a number or a 1-element tensor.
+        """
+        for key, value in metrics.items():
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise TypeError(f"logged metric {key!r} must be a 1-element tensor, got shape {tuple(value.shape)}")
+                value = value.detach()
+            elif isinstance(value, bool) or not isinstance(value, int | float):
+                try:
+                    value = float(value)
+                except (TypeError, ValueError):
+                    raise TypeError(f"logged metric {key!r} must be a number or a tensor, got {value!r}") from None
+            self._scalars[str(key)] = value
+
+    def add_vector(self, keys: list[str], values: torch.Tensor) -> None:
+        """Buffer many metrics held in one 1-D tensor, e.g. per-parameter statistics.
+
+        :param keys: One name per element.
+        :param values: The values, on any device.
+        """
+        if len(keys) != values.numel():
+            raise ValueError(f"add_vector got {len(keys)} keys for {values.numel()} values")
+        if keys:
+            self._vectors.append((list(keys), values.detach().reshape(-1)))
+
+    def drain(self) -> dict[str, float]:
+        """Return every buffered metric as a Python float and empty the buffer.
+
+        Side effects: one device-to-host transfer per device that holds buffered tensors.
+
+        :returns: Name to float, in logging order.
+        """
+        by_device: dict[torch.device, list[tuple[list[str], torch.Tensor]]] = {}
+        result: dict[str, float] = {}
+        for key, value in self._scalars.items():
+            if isinstance(value, torch.Tensor):
+                by_device.setdefault(value.device, []).append(([key], value.reshape(1)))
+                result[key] = math.nan  # placeholder keeps logging order
+            else:
+                result[key] = float(value)
+        for keys, values in self._vectors:
+            by_device.setdefault(values.device, []).append((keys, values))
+        for entries in by_device.values():
+            flat = torch.cat([values.to(torch.float64) for _, values in entries]).tolist()
+            names = [key for keys, _ in entries for key in keys]
+            result.update(zip(names, flat))
+        self._scalars.clear()
+        self._vectors.clear()
+        return result
+
+
+class NullSink:
+    """A sink that drops everything: W&B off, or a rank other than 0."""
+
+    run_id: str | None = None
+
+    def log(self, metrics: Mapping[str, float]) -> None:
+        """Drop ``metrics``."""
+
+    def summary(self, values: Mapping[str, Any]) -> None:
+        """Drop ``values``."""
+
+    def finish(self) -> None:
+        """Do nothing."""
+
+
+class WandbSink:
+    """The rank-0 W&B run.
+
+    trainkit never passes ``step=`` to ``wandb.log``: W&B's own step counter only grows, so steps in
+    W&B never go backwards, also after a resume from an older checkpoint. Charts use the logged
+    ``trainer/step`` as their x-axis (``define_metric``).
+
+    :param mode: ``"offline"``, ``"online"`` or ``"disabled"``.
+    :param run_id: The run id; a resumed trainer passes the one stored in its checkpoint.
+    :param directory: Where W&B writes its files (``out_dir``).
+    :param config: The config dict for W&B's config panel (secret-looking keys are dropped).
+    :param project: ``wandb.project``.
+    :param entity: ``wandb.entity``.
+    :param name: ``wandb.name``.
+    :param tags: ``wandb.tags``.
+    """
+
+    def __init__(
+        self,
+        *,
+        mode: str,
+        run_id: str,
+        directory: Path,
+        config: Mapping[str, Any],
+        project: str | None,
+        entity: str | None,
+        name: str | None,
+        tags: tuple[str, ...],
+    ) -> None:
+        try:
+            import wandb
+        except ImportError:  # pragma: no cover - wandb is a dependency; a stripped install may lack it
+            raise ImportError("wandb is not installed: pip install wandb, or set wandb.mode=disabled") from None
+        self._wandb = wandb
+        self.run_id = run_id
+        directory.mkdir(parents=True, exist_ok=True)
+        kwargs = dict(
+            id=run_id,
+            resume="allow",
+            dir=str(directory),
+            config=strip_secrets(dict(config)),
+            project=project,
+            entity=entity,
+            name=name,
+            tags=list(tags) or None,
+            reinit="create_new",
+        )
+        try:
+            self._run = wandb.init(mode=mode, settings=wandb.Settings(init_timeout=60, silent=True), **kwargs)
+        except Exception as exc:  # noqa: BLE001 - any failure to reach W&B must not stop training
+            if mode == "offline":
+                raise
+            warnings.warn(
+                f"W&B could not start in {mode!r} mode ({type(exc).__name__}: {exc}); logging offline to "
+                f"{directory} instead, sync it later with `wandb sync`",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._run = wandb.init(mode="offline", settings=wandb.Settings(silent=True), **kwargs)
+        self._run.define_metric("trainer/step")
+        self._run.define_metric("*", step_metric="trainer/step")
+
+    @property
+    def directory(self) -> Path:
+        """The W&B run's local folder."""
+        return Path(self._run.dir).parent
+
+    def log(self, metrics: Mapping[str, float]) -> None:
+        """Log one push as one W&B history row.
+
+        :param metrics: Name to float, including ``trainer/step`` and ``trainer/epoch``.
+        """
+        self._run.log(dict(metrics))
+
+    def summary(self, values: Mapping[str, Any]) -> None:
+        """Write values into the run summary.
+
+        :param values: Name to value.
+        """
+        self._run.summary.update(dict(values))
+
+    def finish(self) -> None:
+        """Finish the run, flushing its files."""
+        self._run.finish()
+
+
+class JsonlSink:
+    """``out_dir/metrics.jsonl``: one JSON object per push, flushed, append-only.
+
+    A resumed run truncates the file to the size recorded in its checkpoint, dropping the rows of the
+    epoch that was lost, so no step appears twice or goes backwards.
+
+    :param path: The file.
+    :param truncate_to: The byte size to cut the file back to, from the checkpoint; None keeps it whole.
+    """
+
+    def __init__(self, path: Path, truncate_to: int | None = None) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._handle = open(path, "a+b")  # noqa: SIM115 - held open for the run's lifetime
+        if truncate_to is not None and self._handle.seek(0, os.SEEK_END) > truncate_to:
+            self._handle.truncate(truncate_to)
+        self._handle.seek(0, os.SEEK_END)
+
+    def tell(self) -> int:
+        """The file's current size in bytes, for the checkpoint."""
+        return self._handle.tell()
+
+    def log(self, metrics: Mapping[str, float]) -> None:
+        """Append one row and flush it.
+
+        :param metrics: Name to float.
+        """
+        self._handle.write(json.dumps(dict(metrics), allow_nan=True).encode() + b"\n")
+        self._handle.flush()
+
+    def finish(self) -> None:
+        """Close the file."""
+        self._handle.close()

@@ -1,0 +1,139 @@
+"""Optimizer helpers: weight-decay parameter groups, fused gradient norms, per-parameter statistics.
+
+Side effects: only what each function's docstring states; nothing here syncs with the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from trainkit.distributed import unwrap
+
+__all__ = ["named_trainable_parameters", "make_param_groups", "total_grad_norm", "clip_grads_", "param_stats"]
+
+
+def named_trainable_parameters(modules: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """List the trainable parameters of ``modules`` once each, with readable names, in a fixed order.
+
+    Wrappers (DDP, ``torch.compile``) are looked through. A parameter shared by two modules, or tied
+    inside one, is listed once under its first name. With more than one module, names are prefixed by
+    the module's position (``"1.proj.weight"``) so they stay unique.
+
+    :param modules: The modules, in order.
+    :returns: ``(name, parameter)`` pairs.
+    """
+    seen: set[int] = set()
+    named = []
+    for index, module in enumerate(modules):
+        module = unwrap(module)
+        prefix = f"{index}." if len(modules) > 1 else ""
+        for name, param in module.named_parameters():
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            named.append((prefix + name, param))
+    return named
+
+
+def make_param_groups(
+    modules: Sequence[nn.Module], *, weight_decay: float, no_weight_decay: Iterable[str]
+) -> list[dict]:
+    """Split parameters into a weight-decayed group and an undecayed one.
+
+    A parameter is undecayed when it is 1-D or its name contains one of ``no_weight_decay``.
+
+    :param modules: The modules to take trainable parameters from.
+    :param weight_decay: The decay of the first group.
+    :param no_weight_decay: Name fragments that exempt a parameter.
+    :returns: ``[{"name": "decay", ...}, {"name": "no_decay", ...}]``, each with ``params``,
+        ``param_names`` and ``weight_decay``; an empty group is left out.
+    """
+    fragments = tuple(no_weight_decay)
+    decay: list[tuple[str, nn.Parameter]] = []
+    no_decay: list[tuple[str, nn.Parameter]] = []
+    for name, param in named_trainable_parameters(modules):
+        exempt = param.ndim <= 1 or any(fragment in name for fragment in fragments)
+        (no_decay if exempt else decay).append((name, param))
+    groups = []
+    for group_name, members, wd in (("decay", decay, float(weight_decay)), ("no_decay", no_decay, 0.0)):
+        if members:
+            groups.append(
+                {
+                    "name": group_name,
+                    "params": [p for _, p in members],
+                    "param_names": [n for n, _ in members],
+                    "weight_decay": wd,
+                }
+            )
+    return groups
+
+
+def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.grad for p in params if p.grad is not None]
+
+
+def total_grad_norm(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Compute the L2 norm of all gradients with fused foreach kernels, without a host sync.
+
+    :param params: The parameters whose ``.grad`` count; those without a gradient are skipped.
+    :returns: A 0-d float32 tensor on the parameters' device (0 when no gradient exists).
+    """
+    grads = _grads(params)
+    if not grads:
+        device = params[0].device if params else torch.device("cpu")
+        return torch.zeros((), device=device)
+    if hasattr(torch.nn.utils, "get_total_norm"):
+        return torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    norms = torch._foreach_norm(grads, 2.0)
+    return torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]), 2.0)
+
+
+def clip_grads_(params: Sequence[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale gradients in place so their total norm is at most ``max_norm``, without a host sync.
+
+    :param params: The parameters whose gradients are scaled.
+    :param max_norm: The bound.
+    :param total_norm: Their current total norm, from :func:`total_grad_norm`.
+    """
+    grads = _grads(params)
+    if not grads:
+        return
+    if hasattr(torch.nn.utils, "clip_grads_with_norm_"):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach=True)
+        return
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coef.to(grads[0].device))
+
+
+def param_stats(
+    named_params: Sequence[tuple[str, torch.Tensor]], *, weights: bool, grads: bool
+) -> tuple[list[str], torch.Tensor]:
+    """Compute per-parameter weight norms, grad norms and grad-to-weight ratios in a few fused ops.
+
+    :param named_params: ``(name, parameter)`` pairs.
+    :param weights: Include ``params/<name>/weight_norm``.
+    :param grads: Include ``params/<name>/grad_norm`` and ``params/<name>/grad_to_weight``.
+    :returns: The keys, and one 1-D float32 tensor of the values in the same order, still on the device.
+    """
+    keys: list[str] = []
+    pieces: list[torch.Tensor] = []
+    if not named_params or not (weights or grads):
+        return keys, torch.zeros(0)
+    tensors = [p.detach() for _, p in named_params]
+    weight_norms = torch.stack([n.float() for n in torch._foreach_norm(tensors, 2.0)])
+    if weights:
+        keys += [f"params/{name}/weight_norm" for name, _ in named_params]
+        pieces.append(weight_norms)
+    if grads:
+        with_grad = [(i, name, p.grad) for i, (name, p) in enumerate(named_params) if p.grad is not None]
+        if with_grad:
+            grad_norms = torch.stack([n.float() for n in torch._foreach_norm([g for _, _, g in with_grad], 2.0)])
+            index = torch.tensor([i for i, _, _ in with_grad], device=weight_norms.device)
+            ratios = grad_norms / weight_norms.index_select(0, index)
+            keys += [f"params/{name}/grad_norm" for _, name, _ in with_grad]
+            keys += [f"params/{name}/grad_to_weight" for _, name, _ in with_grad]
+            pieces += [grad_norms, ratios]
+    return keys, torch.cat(pieces)

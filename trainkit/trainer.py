@@ -1,0 +1,865 @@
+"""BaseTrainer: the only class that wires the pure core to torch, files, collectives, W&B and tqdm.
+
+The trainer holds immutable bookkeeping records and rebinds them; every decision (improved? stop?
+validate now? which epoch next?) comes from :mod:`trainkit.bookkeeping`.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import logging
+import os
+import warnings
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from torch import nn
+
+from trainkit import bookkeeping as core
+from trainkit import checkpoint as ckpt_io
+from trainkit import distributed as dist_utils
+from trainkit import optim as optim_utils
+from trainkit.config import Config
+from trainkit.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    DistributedError,
+    HookNotImplementedError,
+    UsageError,
+)
+from trainkit.logging import JsonlSink, LogBuffer, NullSink, WandbSink, new_run_id
+from trainkit.progress import EpochBar, step_bar
+
+__all__ = ["BaseTrainer", "CHECKPOINT_SCHEMA_VERSION"]
+
+logger = logging.getLogger("trainkit")
+
+T = TypeVar("T")
+
+CHECKPOINT_SCHEMA_VERSION = 1
+"""Version of the checkpoint layout written by this trainkit."""
+
+LAST_CKPT = "last.pt"
+BEST_CKPT = "best.pt"
+METRICS_FILE = "metrics.jsonl"
+
+_RUN_CONTROL_KEYS = ("epochs", "out_dir", "ckpt.", "wandb.", "progress.", "dist.", "test.", "log_")
+"""Config keys that may change between a run and its resume without affecting what it computes."""
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _as_verdict(value: Any) -> bool:
+    """Turn ``val_epoch``'s return value into a bool, refusing values that are not a verdict."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype == torch.bool:
+        return bool(value.item())
+    if type(value).__name__ == "bool_":  # numpy.bool_ without importing numpy
+        return bool(value)
+    raise UsageError(
+        f"val_epoch() must return a bool (True to stop early) or None, got {type(value).__name__} {value!r}; "
+        "return what step_patience() returned"
+    )
+
+
+class BaseTrainer(abc.ABC):
+    """The epoch loop, and everything around it that depends on neither task nor model.
+
+    Logging, checkpointing, DDP, early stopping and best-model selection live here; a subclass supplies
+    :meth:`setup` and the epoch internals (:meth:`train_epoch`, :meth:`val_epoch`, and
+    :meth:`test_epoch` when ``test.enable``).
+
+    Construction runs, in order: set up distributed (when ``world_size > 1``), seed every RNG from
+    ``cfg.seed + rank``, load the checkpoint (``ckpt.resume``), set up logging, call
+    :meth:`setup` with the loaded checkpoint dict (or None), then restore every item registered with
+    :meth:`add_checkpoint_items` (and the RNG states) from that checkpoint.
+
+    Attributes a subclass reads: ``cfg`` (the validated config), ``device`` (``cuda:LOCAL_RANK`` when
+    CUDA is available, else cpu), ``rank``, ``world_size``, ``is_main`` (rank 0), ``epoch`` (the 0-based
+    epoch being run), ``step`` (optimizer steps taken: advanced automatically after every ``step()`` of
+    the first optimizer registered with :meth:`add_checkpoint_items`; a subclass without a registered
+    optimizer advances it itself), ``model`` (set by the subclass in :meth:`setup`), ``best_model`` (the
+    snapshotted best weights, a state dict on ``device``, or None) and ``best_metrics`` (the ``best/val/*``
+    dict).
+
+    :param cfg: A :class:`~trainkit.Config` (or this trainer's :attr:`config_class`), or a nested mapping
+        validated into one.
+    :param rank: This process's rank.
+    :param world_size: The number of processes.
+    """
+
+    config_class: ClassVar[type[Config]] = Config
+    """The config record this trainer validates ``cfg`` into; subclasses with extra keys override it."""
+
+    def __init__(self, cfg: Config | Mapping[str, Any], rank: int = 0, world_size: int = 1) -> None:
+        self.cfg = self._validate_config(cfg)
+        if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise UsageError(f"rank must be in [0, world_size) and world_size >= 1, got rank={rank!r}, world_size={world_size!r}")
+        self.rank = rank
+        self.world_size = world_size
+        self.is_main = rank == 0
+        self.local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.out_dir = Path(self.cfg.out_dir)
+        self.model: nn.Module | None = None
+        self.best_model: dict[str, Any] | None = None
+        self.best_metrics: dict[str, float] = {}
+        self.epoch = 0
+        self.step = 0
+        self._registry = core.CkptRegistry()
+        self._samplers: list[Any] = []
+        self._loop = core.LoopState()
+        self._logs = LogBuffer()
+        self._latest_metrics: dict[str, float] = {}
+        self._results: dict[str, float] | None = None
+        self._in_validation = False
+        self._patience_stepped = False
+        self._best_dirty = False
+        self._step_hook: Any = None
+        self._grad_norm_sum: torch.Tensor | None = None
+        self._grad_norm_count = 0
+        self._owns_process_group = False
+        self._sink: Any = NullSink()
+        self._jsonl: JsonlSink | None = None
+        self._run_id: str | None = None
+
+        if world_size > 1:
+            self._owns_process_group = dist_utils.init_process_group(
+                rank, world_size, backend=self.cfg.dist.backend, timeout_s=self.cfg.dist.timeout_s, device=self.device
+            )
+        ckpt_io.seed_everything(self.cfg.seed + rank)
+        ckpt = self._load_resume_checkpoint()
+        self._setup_logging(ckpt)
+        self.setup(ckpt)
+        if ckpt is not None:
+            self._restore(ckpt)
+
+    # ------------------------------------------------------------------ hooks a subclass implements
+
+    @abc.abstractmethod
+    def setup(self, ckpt: dict[str, Any] | None) -> None:
+        """Set up the trainer.
+
+        This method is called after setting up distributed, loading the checkpoint, and setting up
+        logging. Build the model (``self.model``), data and optimizer here and register what must
+        survive a resume with :meth:`add_checkpoint_items`; the registered items are restored from
+        ``ckpt`` right after this returns.
+
+        :param ckpt: The checkpoint dictionary, if any.
+        """
+
+    @abc.abstractmethod
+    def train_epoch(self) -> None:
+        """Perform a training epoch."""
+
+    @abc.abstractmethod
+    def val_epoch(self) -> bool | None:
+        """Perform a validation epoch.
+
+        Called every ``val.every_n_epochs`` epochs, and at the end of training.
+
+        :returns: True if early stopping should be triggered, False (or None) otherwise.
+        """
+
+    def test_epoch(self) -> Mapping[str, Any] | None:
+        """Evaluate the test set; :meth:`test` calls it with the best weights loaded.
+
+        Log metrics with :meth:`log` or return them as a dict (keys get a ``test/`` prefix).
+
+        :returns: The test metrics, or None when they were logged directly.
+        :raises HookNotImplementedError: Unless a subclass overrides it.
+        """
+        raise HookNotImplementedError(
+            f"{type(self).__name__} must implement test_epoch() to evaluate its test set, or set test.enable=false"
+        )
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> dict[str, float] | None:
+        """Run the full training loop.
+
+        Iterates over epochs, calling :meth:`train_epoch` each epoch and :meth:`val_epoch` every
+        ``val.every_n_epochs`` epochs and at the final epoch. Checkpoints are saved after each epoch
+        (after validation, so they hold that epoch's bookkeeping), with buffered logs pushed first.
+        Supports early stopping via the return value of :meth:`val_epoch`; every rank must reach the
+        same verdict, and a disagreement raises :class:`~trainkit.DistributedError` on every rank.
+        Then :meth:`test` runs if ``test.enable``, then :meth:`log_training_results`. A run resumed from
+        the checkpoint of a finished run does no more epochs and returns its final metrics.
+
+        :returns: Final metrics dict (the last pushed value of every key, with ``best/val/*`` and any
+            ``test/*``), or None if no metrics were logged.
+        :raises DistributedError: When the ranks disagree on stopping.
+        """
+        if self._results is not None:
+            return dict(self._results) or None
+        self._loop, more = core.resume_loop(self._loop, epochs=self.cfg.epochs)
+        bar = EpochBar(total=self.cfg.epochs, initial=self._loop.epoch, enabled=self._bars_enabled)
+        try:
+            while more:
+                self.epoch = self._loop.epoch
+                for sampler in self._samplers:
+                    sampler.set_epoch(self.epoch)
+                self.train_epoch()
+                stop = False
+                if core.should_validate(self.epoch, self.cfg.epochs, self.cfg.val.every_n_epochs):
+                    stop = self._validate()
+                stop = self._agree_on_stop(stop)
+                self._loop, more = core.end_epoch(self._loop, epochs=self.cfg.epochs, early_stop=stop, step=self.step)
+                if len(self._logs):
+                    self.push_logs()
+                self._save_checkpoint()
+                bar.update(self.get_best_pbar_metrics())
+        finally:
+            bar.close()
+        return self._finish()
+
+    def _validate(self) -> bool:
+        self._in_validation = True
+        self._patience_stepped = False
+        try:
+            verdict = self.val_epoch()
+        finally:
+            self._in_validation = False
+        return _as_verdict(verdict)
+
+    def _agree_on_stop(self, stop: bool) -> bool:
+        if self.world_size == 1:
+            return stop
+        (anyone,), (everyone,) = dist_utils.any_all([stop])
+        if anyone != everyone:
+            raise DistributedError(
+                f"ranks disagree on early stopping at epoch {self.epoch} (rank {self.rank} said {stop}); "
+                "select on a rank-invariant score (reduce_mean() or a torchmetrics compute()), or broadcast a "
+                "rank-0-only verdict with broadcast() before step_patience()"
+            )
+        return stop
+
+    def _finish(self) -> dict[str, float] | None:
+        if self.cfg.test.enable:
+            self.test()
+        self.log_training_results()
+        self._results = {**self._latest_metrics, **self.best_metrics}
+        self._save_checkpoint()
+        self._close_sinks()
+        return dict(self._results) or None
+
+    def test(self) -> dict[str, float]:
+        """Perform a test epoch.
+
+        Called at the end of training if ``test.enable`` is True. Reloads :attr:`best_model` into
+        ``self.model`` (the best weights, not the last), calls :meth:`test_epoch`, and pushes the
+        ``test/*`` metrics.
+
+        :returns: The ``test/*`` metrics.
+        :raises HookNotImplementedError: When the subclass has no :meth:`test_epoch`.
+        """
+        model = dist_utils.unwrap(self.model)
+        if self.best_model is not None and model is not None:
+            model.load_state_dict(self.best_model)
+        elif model is not None:
+            warnings.warn("test(): no best model was recorded (save_if_best never improved); testing the current weights",
+                          RuntimeWarning, stacklevel=2)
+        result = self.test_epoch()
+        if result is not None:
+            if not isinstance(result, Mapping):
+                raise UsageError(f"test_epoch() must return a dict of metrics or None, got {type(result).__name__}")
+            self.log({key if key.startswith("test/") else f"test/{key}": value for key, value in result.items()})
+        pushed = self.push_logs()
+        return {key: value for key, value in pushed.items() if key.startswith("test/")}
+
+    def log_training_results(self) -> None:
+        """Log the training results, at the end of training.
+
+        Puts the best validation metrics, the best epoch, the test metrics, the epochs run and why
+        training stopped into the W&B run summary, and prints a short summary on rank 0.
+        """
+        summary: dict[str, Any] = {
+            "epochs_run": self._loop.epoch,
+            "stop_reason": self._loop.stop_reason,
+            **self.best_metrics,
+            **{k: v for k, v in self._latest_metrics.items() if k.startswith("test/")},
+        }
+        best = getattr(self, "best_state", None)
+        if best is not None and best.score is not None:
+            summary["best/epoch"] = best.epoch
+            summary["best/score"] = best.score
+        self._sink.summary(summary)
+        if self.is_main:
+            parts = [f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}" for key, value in summary.items()]
+            print("trainkit: " + ", ".join(parts), flush=True)
+
+    # ------------------------------------------------------------------ checkpoint registry
+
+    def add_checkpoint_items(self, **kwargs: Any) -> None:
+        """Add items to the checkpoint dictionary, saved and restored by state_dict.
+
+        Registering is what makes an object survive a resume, so every rank does it; writing the file
+        stays rank zero's job. Objects with ``state_dict()``/``load_state_dict()`` (modules, optimizers,
+        schedulers, GradScalers) are restored in place; plain values are saved as registered and read
+        back from :attr:`checkpoint_items`. The first optimizer registered drives :attr:`step`.
+
+        :param kwargs: The items to add to the checkpoint dictionary.
+        :raises RegistryError: When a name is reserved or already registered.
+        """
+        self._registry, _ = core.register_items(self._registry, kwargs)
+        for obj in kwargs.values():
+            if isinstance(obj, torch.optim.Optimizer) and self._step_hook is None:
+                self._step_hook = obj.register_step_post_hook(self._count_step)
+
+    def _count_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.step += 1
+
+    @property
+    def checkpoint_items(self) -> Mapping[str, Any]:
+        """The registered checkpoint items (after a resume, plain values hold the restored ones)."""
+        return self._registry.items
+
+    def add_samplers(self, *samplers: Any) -> None:
+        """Hand samplers to the trainer, which calls ``set_epoch(epoch)`` on each before every epoch.
+
+        Use it for a ``DistributedSampler`` (or anything with ``set_epoch``), so shuffling differs per
+        epoch and a resumed run shuffles exactly as the uninterrupted one.
+
+        :param samplers: Objects with a ``set_epoch(int)`` method.
+        :raises UsageError: When one has no ``set_epoch``.
+        """
+        for sampler in samplers:
+            if not callable(getattr(sampler, "set_epoch", None)):
+                raise UsageError(f"add_samplers() needs objects with set_epoch(epoch), got {type(sampler).__name__}")
+            self._samplers.append(sampler)
+
+    # ------------------------------------------------------------------ checkpoint files
+
+    @property
+    def last_ckpt_path(self) -> Path:
+        """``out_dir/last.pt``."""
+        return self.out_dir / LAST_CKPT
+
+    @property
+    def best_ckpt_path(self) -> Path:
+        """``out_dir/best.pt``."""
+        return self.out_dir / BEST_CKPT
+
+    def _load_resume_checkpoint(self) -> dict[str, Any] | None:
+        mode = self.cfg.ckpt.resume
+        if mode == "never":
+            return None
+        path = self.last_ckpt_path if mode == "auto" else Path(mode)
+        if mode == "auto" and not path.exists():
+            return None
+        if not path.exists():
+            raise CheckpointError(f"ckpt.resume={mode!r}: no checkpoint at {path}")
+        ckpt = ckpt_io.load_checkpoint(path)
+        self._check_compatible(ckpt, path)
+        return ckpt
+
+    def _check_compatible(self, ckpt: Mapping[str, Any], path: Path) -> None:
+        version = ckpt.get("schema_version")
+        if not isinstance(version, int) or "loop" not in ckpt:
+            raise CheckpointMismatchError(f"{path} is not a trainkit checkpoint (no schema_version/loop entries)")
+        if version > CHECKPOINT_SCHEMA_VERSION:
+            raise CheckpointMismatchError(
+                f"{path} has checkpoint schema version {version}, newer than this trainkit's "
+                f"{CHECKPOINT_SCHEMA_VERSION}; upgrade trainkit to resume it"
+            )
+        if ckpt.get("world_size") != self.world_size:
+            raise CheckpointMismatchError(
+                f"{path} was written by a run with world_size={ckpt.get('world_size')}, this run has "
+                f"world_size={self.world_size}; exact resume needs the same number of processes "
+                "(or start fresh with ckpt.resume=never)"
+            )
+        saved = _flatten(ckpt.get("config") or {})
+        current = _flatten(self.cfg.to_dict())
+        changed = sorted(
+            key
+            for key in set(saved) | set(current)
+            if saved.get(key, "<absent>") != current.get(key, "<absent>") and not key.startswith(_RUN_CONTROL_KEYS)
+        )
+        if "val.minimize" in changed and ckpt.get("best") is not None:
+            raise CheckpointMismatchError(
+                f"{path} tracked its best with val.minimize={saved['val.minimize']}, this config says "
+                f"{current['val.minimize']}; the best score cannot be compared across directions"
+            )
+        if changed:
+            details = ", ".join(f"{key}: {saved.get(key, '<absent>')!r} -> {current.get(key, '<absent>')!r}" for key in changed)
+            warnings.warn(f"resuming {path} with a changed config ({details}); the result may differ from an "
+                          "uninterrupted run", RuntimeWarning, stacklevel=4)
+
+    def _restore(self, ckpt: dict[str, Any]) -> None:
+        self._registry, _ = core.apply_payload(self._registry, ckpt)
+        self._loop = core.LoopState.from_dict(ckpt["loop"])
+        self.epoch = self._loop.epoch
+        self.step = self._loop.step
+        if ckpt.get("best") is not None:
+            self.best_state = core.BestState.from_dict(ckpt["best"])
+            self.best_metrics = dict(self.best_state.metrics)
+            self._load_best_model()
+        if ckpt.get("patience") is not None:
+            self.patience_state = core.PatienceState.from_dict(ckpt["patience"])
+        self._latest_metrics = dict(ckpt.get("latest_metrics") or {})
+        results = ckpt.get("results")
+        self._results = dict(results) if results is not None else None
+        rng = ckpt.get("rng")
+        if rng is not None:
+            ckpt_io.restore_rng(rng[self.rank])
+
+    def _load_best_model(self) -> None:
+        """Reload the best weights from ``best.pt`` so that test() after a resume uses them."""
+        best: core.BestState = self.best_state
+        if best.score is None:
+            return
+        path = self.best_ckpt_path
+        if not path.exists():
+            warnings.warn(f"{path} is missing although the checkpoint records a best score at epoch {best.epoch}; "
+                          "test() will use the current weights", RuntimeWarning, stacklevel=3)
+            return
+        payload = ckpt_io.load_checkpoint(path)
+        recorded = core.BestState.from_dict(payload["best"])
+        if recorded != best:
+            # best.pt is written before last.pt, so a crash between the two leaves it one improvement ahead;
+            # re-running the lost epoch (exact resume) writes the same improvement again.
+            warnings.warn(
+                f"{path} records the best at epoch {recorded.epoch} (score {recorded.score}) but {self.last_ckpt_path} "
+                f"at epoch {best.epoch} (score {best.score}); the run will rewrite {path} when it gets there again",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self.best_model = {key: value.to(self.device) if isinstance(value, torch.Tensor) else value
+                           for key, value in payload["model"].items()}
+
+    def _checkpoint_payload(self) -> dict[str, Any]:
+        payload = core.collect_payload(self._registry)
+        best = getattr(self, "best_state", None)
+        patience = getattr(self, "patience_state", None)
+        payload.update(
+            schema_version=CHECKPOINT_SCHEMA_VERSION,
+            epoch=self._loop.epoch,
+            step=self.step,
+            world_size=self.world_size,
+            config=self.cfg.to_dict(),
+            loop=self._loop.to_dict(),
+            best=best.to_dict() if best is not None else None,
+            patience=patience.to_dict() if patience is not None else None,
+            wandb_run_id=self._run_id,
+            items=list(self._registry.names),
+            latest_metrics=dict(self._latest_metrics),
+            results=self._results,
+            metrics_offset=self._jsonl.tell() if self._jsonl is not None else None,
+        )
+        return payload
+
+    def _save_checkpoint(self) -> None:
+        """Write best.pt (when the best changed) then last.pt on rank 0; every rank learns whether it worked."""
+        if not self.cfg.ckpt.enable:
+            self._best_dirty = False
+            return
+        rng = dist_utils.all_gather_objects(ckpt_io.capture_rng())
+        error: BaseException | None = None
+        if self.is_main:
+            try:
+                if self._best_dirty:
+                    best = self.best_state
+                    ckpt_io.atomic_save(
+                        {
+                            "schema_version": CHECKPOINT_SCHEMA_VERSION,
+                            "model": self.best_model,
+                            "best": best.to_dict(),
+                            "epoch": best.epoch,
+                            "config": self.cfg.to_dict(),
+                        },
+                        self.best_ckpt_path,
+                    )
+                payload = self._checkpoint_payload()
+                payload["rng"] = rng
+                seconds = ckpt_io.atomic_save(payload, self.last_ckpt_path)
+                logger.debug("saved %s in %.3f s", self.last_ckpt_path, seconds)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
+                error = exc
+        self._best_dirty = False
+        if self.world_size > 1:
+            (failed,), _ = dist_utils.any_all([error is not None])
+        else:
+            failed = error is not None
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError(f"rank 0 failed to write {self.last_ckpt_path}; see rank 0's traceback")
+
+    # ------------------------------------------------------------------ best model and early stopping
+
+    def reset_best_tracking(self, minimize: bool | None = None) -> None:
+        """Initialize the best-score bookkeeping used by :meth:`save_if_best`.
+
+        :meth:`save_if_best` calls this itself on first use, so a trainer only needs it to pin a direction
+        that config does not carry: pass ``minimize`` when the trainer fixes it in code, or call it from
+        setup after deciding ``val.minimize`` there. Direction otherwise comes from ``val.minimize``,
+        defaulting to maximizing.
+
+        A trainer that never tracks a best never gets these attributes (``best_state``,
+        ``patience_state``), so it stays free to use those names itself. Only :attr:`best_model` and
+        :attr:`best_metrics` are always defined, since code outside this method reads them.
+
+        :param minimize: The direction; None takes ``val.minimize``.
+        """
+        direction = self.cfg.val.minimize if minimize is None else bool(minimize)
+        self.best_state = core.BestState(minimize=direction, min_delta=self.cfg.val.min_delta)
+        self.patience_state = self._fresh_patience()
+        self.best_model = None
+        self.best_metrics = {}
+
+    def _fresh_patience(self) -> core.PatienceState:
+        return core.PatienceState(patience=self.cfg.val.patience, start_patience=self.cfg.val.start_patience)
+
+    def save_if_best(self, score: Any, metrics: Mapping[str, Any] | None = None) -> bool:
+        """Keep this epoch's weights if its score is the best seen so far.
+
+        On an improvement: records the score and epoch, snapshots the weights of ``self.model``
+        (unwrapped from DDP) into :attr:`best_model` (reusing its buffers), and writes ``best.pt`` at the
+        end of the epoch, before ``last.pt``. The two have different readers: :attr:`best_model` is what
+        :meth:`test` reloads in this same process, and it survives ``ckpt.enable=false``; ``best.pt`` is
+        what a later run loads. Pass ``metrics`` to also record the ``best/val/*`` dict for logging. Feed
+        the result to :meth:`step_patience` to early-stop as well; a trainer that only wants best-model
+        selection can call this alone.
+
+        Call it on every rank, since every rank's test reloads its own :attr:`best_model`; the ``best.pt``
+        write self-gates to rank 0 on its own. A trainer whose score only exists on rank 0 may call it
+        under a rank guard, but then owes :meth:`step_patience` a verdict broadcast to the other ranks
+        (:meth:`broadcast`).
+
+        :param score: The scalar being tracked, in ``val.minimize`` direction. A non-finite score never
+            counts as an improvement.
+        :param metrics: The epoch's val metrics, if they should be recorded too.
+        :returns: True if the score improved, i.e. the weights were kept.
+        :raises UsageError: When ``self.model`` is not set.
+        """
+        if not hasattr(self, "best_state"):
+            self.reset_best_tracking()
+        self.best_state, improved = core.save_if_best(self.best_state, score, epoch=self.epoch, metrics=metrics)
+        if improved:
+            self._snapshot_best()
+            self.best_metrics = dict(self.best_state.metrics)
+            self._best_dirty = True
+        return improved
+
+    def _snapshot_best(self) -> None:
+        model = dist_utils.unwrap(self.model)
+        if model is None:
+            raise UsageError("save_if_best() snapshots self.model, which is not set; assign it in setup()")
+        state = model.state_dict()
+        snapshot = self.best_model
+        reusable = snapshot is not None and snapshot.keys() == state.keys() and all(
+            isinstance(v, torch.Tensor) == isinstance(snapshot[k], torch.Tensor)
+            and (not isinstance(v, torch.Tensor)
+                 or (v.shape == snapshot[k].shape and v.dtype == snapshot[k].dtype and v.device == snapshot[k].device))
+            for k, v in state.items()
+        )
+        if not reusable:
+            self.best_model = {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                               for k, v in state.items()}
+            return
+        keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
+        with torch.no_grad():
+            torch._foreach_copy_([snapshot[k] for k in keys], [state[k].detach() for k in keys])
+        for k, v in state.items():
+            if not isinstance(v, torch.Tensor):
+                snapshot[k] = copy.deepcopy(v)
+
+    def step_patience(self, improved: bool) -> bool:
+        """Advance the early-stopping counter with this epoch's outcome.
+
+        An improvement refills the counter; otherwise it ticks down, but only once the epoch reaches
+        ``val.start_patience``. Call it at most once per validation, inside :meth:`val_epoch`.
+
+        Every rank has to reach the same verdict, or one leaves the epoch loop while the others block in
+        the next collective. That holds on its own when the score is rank-invariant, i.e. a torchmetrics
+        ``compute()`` or a :meth:`reduce_mean` result; a rank-0-only score has to be broadcast by the
+        caller instead. The loop checks the verdicts agree and raises on every rank if they do not.
+
+        :param improved: What :meth:`save_if_best` returned for this epoch.
+        :returns: True once patience is exhausted, i.e. training should stop.
+        :raises UsageError: When called outside :meth:`val_epoch`, or twice in one validation.
+        """
+        if not self._in_validation:
+            raise UsageError("step_patience() counts validation outcomes; call it inside val_epoch()")
+        if self._patience_stepped:
+            raise UsageError(f"step_patience() was already called in epoch {self.epoch}'s validation; call it once")
+        if not hasattr(self, "patience_state"):
+            self.patience_state = self._fresh_patience()
+        self.patience_state, stop = core.step_patience(self.patience_state, improved, epoch=self.epoch)
+        self._patience_stepped = True
+        return stop
+
+    def get_best_pbar_metrics(self) -> dict[str, float]:
+        """Return the best validation metrics formatted for the epoch progress bar.
+
+        :returns: Best validation metrics with the ``best/val/`` prefix stripped, or an empty dict if no
+            validation has been run yet.
+        """
+        prefix = "best/val/"
+        return {key[len(prefix):] if key.startswith(prefix) else key: value for key, value in self.best_metrics.items()}
+
+    # ------------------------------------------------------------------ distributed helpers
+
+    def make_ddp(self, module: nn.Module, find_unused_parameters: bool = False) -> nn.Module:
+        """Wrap a module in DistributedDataParallel if running in distributed mode.
+
+        :param module: The module to wrap (moved to :attr:`device` first).
+        :param find_unused_parameters: Passed to DDP. Set to True if some parameters are not used in the
+            forward pass. Defaults to False.
+        :returns: The DDP-wrapped module, or the original module if not distributed.
+        """
+        module = module.to(self.device)
+        if self.world_size == 1:
+            return module
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(
+            module, device_ids=device_ids, find_unused_parameters=find_unused_parameters
+        )
+
+    def barrier(self) -> None:
+        """Synchronize all processes in the distributed group (bounded by ``dist.timeout_s``)."""
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+    def reduce_mean(self, total: Any, count: Any) -> float:
+        """Mean over the whole split rather than over this rank's shard of it.
+
+        A distributed sampler hands every rank a different slice, so a locally divided sum leaves the
+        ranks disagreeing on the score they select on. Every rank must call this the same number of
+        times, in the same order. Sums are taken in float64.
+
+        :param total: This rank's summed quantity.
+        :param count: This rank's number of terms in that sum.
+        :returns: The pooled mean, NaN if no rank contributed a term.
+        """
+        return dist_utils.reduce_mean(total, count)
+
+    def broadcast(self, value: T, src: int = 0) -> T:
+        """Give every rank ``src``'s value, e.g. a verdict computed from a rank-0-only score.
+
+        :param value: The value on ``src`` (ignored on the other ranks).
+        :param src: The rank whose value wins.
+        :returns: ``src``'s value, on every rank.
+        """
+        return dist_utils.broadcast_object(value, src=src)
+
+    # ------------------------------------------------------------------ optimizer helpers
+
+    def _modules(self, modules: tuple[nn.Module, ...], caller: str) -> tuple[nn.Module, ...]:
+        if modules:
+            return modules
+        if self.model is None:
+            raise UsageError(f"{caller}() defaults to self.model, which is not set; assign it in setup() or pass modules")
+        return (self.model,)
+
+    def get_param_groups(self, *modules: nn.Module) -> list[dict]:
+        """Split parameters into a weight-decayed and an undecayed optimizer group.
+
+        A parameter skips weight decay if it is 1-D (biases, norm and other scale vectors) or if its name
+        contains one of ``cfg.no_weight_decay``. The default list covers biases, norms and every ``*_emb``
+        lookup table; a model overrides it only when a name lies about what it is. Every trainable
+        parameter lands in exactly one group, once, even when tied or shared; frozen parameters are left
+        out. Each group dict carries ``name`` (``"decay"``/``"no_decay"``) and ``param_names``.
+
+        :param modules: Modules to take parameters from, ``self.model`` when none are given. Pass more
+            when parameters outside the model are trained by the same optimizer, such as an objective with
+            its own projection head.
+        :returns: The groups, ready for any torch optimizer.
+        """
+        return optim_utils.make_param_groups(
+            self._modules(modules, "get_param_groups"),
+            weight_decay=self.cfg.weight_decay,
+            no_weight_decay=self.cfg.no_weight_decay,
+        )
+
+    def _params(self, modules: tuple[nn.Module, ...], caller: str) -> list[nn.Parameter]:
+        return [p for _, p in optim_utils.named_trainable_parameters(self._modules(modules, caller))]
+
+    def clip_and_log_grad_norm(self, *modules: nn.Module) -> torch.Tensor:
+        """Clip gradients in place and log the pre-clip norm as ``train/grad_norm``.
+
+        The norm is measured even when ``grad_clip`` is unset so the metric does not vanish on unclipped
+        runs. Call once per optimizer step, after ``backward()`` (under AMP, after
+        ``scaler.unscale_(optimizer)``). Fused foreach kernels, no host sync: the value reaches the host
+        when logs are pushed. Under DDP the gradients are already averaged, so every rank sees the same
+        norm.
+
+        :param modules: Modules to clip over, ``self.model`` by default. Pass the same ones as
+            :meth:`get_param_groups`, so the norm spans every parameter stepped.
+        :returns: The pre-clip total L2 norm, a 0-d tensor on the gradients' device.
+        """
+        params = self._params(modules, "clip_and_log_grad_norm")
+        norm = optim_utils.total_grad_norm(params)
+        if self.cfg.grad_clip is not None:
+            optim_utils.clip_grads_(params, self.cfg.grad_clip, norm)
+        norm = norm.detach()
+        self._grad_norm_sum = norm.clone() if self._grad_norm_sum is None else self._grad_norm_sum.add_(norm)
+        self._grad_norm_count += 1
+        self._logs.add({"train/grad_norm": norm})
+        return norm
+
+    def log_epoch_grad_norm(self) -> None:
+        """Log the epoch-mean grad norm, the counterpart to the epoch-mean train loss.
+
+        Logs ``train/grad_norm_epoch``, the mean of the norms :meth:`clip_and_log_grad_norm` measured
+        since the last call, and starts a new epoch's mean. Logs nothing when no norm was measured.
+        """
+        if self._grad_norm_sum is None or self._grad_norm_count == 0:
+            return
+        self._logs.add({"train/grad_norm_epoch": self._grad_norm_sum / self._grad_norm_count})
+        self._grad_norm_sum = None
+        self._grad_norm_count = 0
+
+    def log_param_grad_stats(self, *modules: nn.Module) -> None:
+        """Log per-parameter weight norm, grad norm, and grad-to-weight ratio.
+
+        Each gate costs one W&B key per parameter, so both are throttled to every
+        ``log_stats_every_n_steps`` steps. Call after ``backward()``, before any clip. ``log_weight_stats``
+        gates ``params/<name>/weight_norm``; ``log_grad_stats`` gates ``params/<name>/grad_norm`` and
+        ``params/<name>/grad_to_weight``. A few fused ops per call; the values stay on the device until
+        the next push.
+
+        :param modules: Modules to measure, ``self.model`` by default.
+        """
+        cfg = self.cfg
+        if not (cfg.log_weight_stats or cfg.log_grad_stats) or self.step % cfg.log_stats_every_n_steps != 0:
+            return
+        named = optim_utils.named_trainable_parameters(self._modules(modules, "log_param_grad_stats"))
+        keys, values = optim_utils.param_stats(named, weights=cfg.log_weight_stats, grads=cfg.log_grad_stats)
+        self._logs.add_vector(keys, values)
+
+    def _optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        registered = {name: obj for name, obj in self._registry.items.items() if isinstance(obj, torch.optim.Optimizer)}
+        if registered:
+            return registered
+        return {name: obj for name, obj in vars(self).items() if isinstance(obj, torch.optim.Optimizer)}
+
+    def log_lr(self) -> None:
+        """Log the current learning rate for each optimizer parameter group.
+
+        Keys are ``lr/<optimizer>/<group>``: the optimizer's name is the one it was registered under with
+        :meth:`add_checkpoint_items` (or, when none is registered, the attribute holding it), and the
+        group's is its ``name`` entry (as :meth:`get_param_groups` sets) or its index.
+        """
+        lrs: dict[str, Any] = {}
+        for opt_name, optimizer in self._optimizers().items():
+            for index, group in enumerate(optimizer.param_groups):
+                lrs[f"lr/{opt_name}/{group.get('name', index)}"] = group["lr"]
+        self._logs.add(lrs)
+
+    # ------------------------------------------------------------------ logging
+
+    @property
+    def _bars_enabled(self) -> bool:
+        return self.cfg.progress.enable and self.is_main
+
+    def _setup_logging(self, ckpt: Mapping[str, Any] | None) -> None:
+        self._run_id = (ckpt or {}).get("wandb_run_id") or new_run_id()
+        if not self.is_main:
+            return
+        if self.cfg.ckpt.enable:
+            ckpt_io.remove_stale_temp_files(self.out_dir)
+            offset = (ckpt or {}).get("metrics_offset")
+            self._jsonl = JsonlSink(self.out_dir / METRICS_FILE, truncate_to=offset if ckpt is not None else None)
+        wb = self.cfg.wandb
+        if wb.mode != "disabled":
+            self._sink = WandbSink(
+                mode=wb.mode,
+                run_id=self._run_id,
+                directory=self.out_dir,
+                config=self.cfg.to_dict(),
+                project=wb.project,
+                entity=wb.entity,
+                name=wb.name,
+                tags=wb.tags,
+            )
+
+    def log(self, metrics: Mapping[str, Any] | None = None, **named: Any) -> None:
+        """Buffer metrics for the next :meth:`push_logs`; nothing leaves the device here.
+
+        Values are floats, ints or 1-element tensors; a key logged twice before a push keeps its last
+        value. Use ``train/``, ``val/`` and ``test/`` prefixes.
+
+        :param metrics: Name to value.
+        :param named: More metrics as keyword arguments (for names that are identifiers).
+        :raises TypeError: When a value is not a number or a 1-element tensor.
+        """
+        if metrics:
+            self._logs.add(metrics)
+        if named:
+            self._logs.add(named)
+
+    def push_logs(self) -> dict[str, float]:
+        """Flush accumulated logs to W&B, including current epoch and step.
+
+        Moves the whole buffer to the host in one transfer, appends it to ``metrics.jsonl`` and logs it
+        as one W&B row with ``trainer/epoch`` and ``trainer/step``, then clears the buffer. Runs on every
+        rank (so every rank drains its buffer); only rank 0 writes.
+
+        :returns: The pushed metrics, without the epoch and step entries.
+        """
+        metrics = self._logs.drain()
+        if not metrics:
+            return metrics
+        self._latest_metrics.update(metrics)
+        row = {"trainer/step": self.step, "trainer/epoch": self.epoch, **metrics}
+        if self.is_main:
+            self._sink.log(row)
+            if self._jsonl is not None:
+                self._jsonl.log(row)
+        return metrics
+
+    def progress(self, iterable: Iterable[T], desc: str | None = None, total: int | None = None) -> Iterable[T]:
+        """Iterate with a per-step progress bar (rank 0, ``progress.enable``), e.g. ``for x, y in self.progress(loader)``.
+
+        :param iterable: The batches.
+        :param desc: The bar's label; defaults to the current epoch.
+        :param total: The number of batches when ``len(iterable)`` does not give it.
+        :returns: An iterable over the same batches; the iterable itself when bars are off.
+        """
+        return step_bar(iterable, desc=desc or f"epoch {self.epoch}", total=total, enabled=self._bars_enabled)
+
+    def close(self) -> None:
+        """Finish the W&B run, close ``metrics.jsonl`` and leave the process group if the trainer made it.
+
+        ``train()`` finishes the W&B run and the metrics file itself; call this when the trainer is done
+        (``launch``/``spawn`` do) to also tear down the process group.
+        """
+        self._close_sinks()
+        if self._owns_process_group and dist_utils.is_distributed():
+            torch.distributed.destroy_process_group()
+            self._owns_process_group = False
+
+    def _close_sinks(self) -> None:
+        self._sink.finish()
+        self._sink = NullSink()
+        if self._jsonl is not None:
+            self._jsonl.finish()
+            self._jsonl = None
+
+    def _validate_config(self, cfg: Config | Mapping[str, Any]) -> Config:
+        cls = self.config_class
+        if isinstance(cfg, cls):
+            return cfg
+        if isinstance(cfg, Config):
+            return cls.from_mapping(cfg.to_dict())
+        if isinstance(cfg, Mapping):
+            return cls.from_mapping(cfg)
+        raise UsageError(f"cfg must be a {cls.__name__} or a mapping, got {type(cfg).__name__}")
+
