@@ -31,6 +31,8 @@ RESERVED_NAMES = frozenset(
         "wandb_run_id",
         "items",
         "results",
+        "latest_metrics",
+        "metrics_offset",
     }
 )
 """Top-level checkpoint keys that hold the engine's own state; no registered item may take them."""
