@@ -117,6 +117,6 @@ def step_patience(state: PatienceState, improved: Any, *, epoch: int | None = No
         return state, False
     if bool(improved):
         state = attrs.evolve(state, remaining=state.patience)
-    elif epoch is None or epoch > state.start_patience:
+    elif epoch is None or epoch >= state.start_patience:
         state = attrs.evolve(state, remaining=max(0, state.remaining - 1))
     return state, state.exhausted
