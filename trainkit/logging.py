@@ -121,7 +121,7 @@ class NullSink:
     def summary(self, values: Mapping[str, Any]) -> None:
         """Drop ``values``."""
 
-    def finish(self) -> None:
+    def finish(self, exit_code: int = 0) -> None:
         """Do nothing."""
 
 
@@ -206,9 +206,12 @@ class WandbSink:
         """
         self._run.summary.update(dict(values))
 
-    def finish(self) -> None:
-        """Finish the run, flushing its files."""
-        self._run.finish()
+    def finish(self, exit_code: int = 0) -> None:
+        """Finish the run, flushing its files.
+
+        :param exit_code: Non-zero marks the run as failed.
+        """
+        self._run.finish(exit_code=exit_code)
 
 
 class JsonlSink:
@@ -224,23 +227,32 @@ class JsonlSink:
     def __init__(self, path: Path, truncate_to: int | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._handle = open(path, "a+b")  # noqa: SIM115 - held open for the run's lifetime
-        if truncate_to is not None and self._handle.seek(0, os.SEEK_END) > truncate_to:
-            self._handle.truncate(truncate_to)
-        self._handle.seek(0, os.SEEK_END)
+        with open(path, "a+b") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            if truncate_to is not None and size > truncate_to:
+                handle.truncate(truncate_to)
+                size = truncate_to
+        self._size = size
+        self._handle: Any = None
 
     def tell(self) -> int:
         """The file's current size in bytes, for the checkpoint."""
-        return self._handle.tell()
+        return self._size
 
     def log(self, metrics: Mapping[str, float]) -> None:
         """Append one row and flush it.
 
         :param metrics: Name to float.
         """
-        self._handle.write(json.dumps(dict(metrics), allow_nan=True).encode() + b"\n")
+        if self._handle is None:
+            self._handle = open(self.path, "ab")  # noqa: SIM115 - held open until finish()
+        line = json.dumps(dict(metrics), allow_nan=True).encode() + b"\n"
+        self._handle.write(line)
         self._handle.flush()
+        self._size += len(line)
 
     def finish(self) -> None:
-        """Close the file."""
-        self._handle.close()
+        """Close the file (idempotent)."""
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None

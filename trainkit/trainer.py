@@ -211,22 +211,28 @@ class BaseTrainer(abc.ABC):
         self._loop, more = core.resume_loop(self._loop, epochs=self.cfg.epochs)
         bar = EpochBar(total=self.cfg.epochs, initial=self._loop.epoch, enabled=self._bars_enabled)
         try:
-            while more:
-                self.epoch = self._loop.epoch
-                for sampler in self._samplers:
-                    sampler.set_epoch(self.epoch)
-                self.train_epoch()
-                stop = False
-                if core.should_validate(self.epoch, self.cfg.epochs, self.cfg.val.every_n_epochs):
-                    stop = self._validate()
-                stop = self._agree_on_stop(stop)
-                self._loop, more = core.end_epoch(self._loop, epochs=self.cfg.epochs, early_stop=stop, step=self.step)
-                if len(self._logs):
-                    self.push_logs()
-                self._save_checkpoint()
-                bar.update(self.get_best_pbar_metrics())
+            return self._run_epochs(more, bar)
+        except BaseException:
+            self._close_sinks(failed=True)
+            raise
         finally:
             bar.close()
+
+    def _run_epochs(self, more: bool, bar: EpochBar) -> dict[str, float] | None:
+        while more:
+            self.epoch = self._loop.epoch
+            for sampler in self._samplers:
+                sampler.set_epoch(self.epoch)
+            self.train_epoch()
+            stop = False
+            if core.should_validate(self.epoch, self.cfg.epochs, self.cfg.val.every_n_epochs):
+                stop = self._validate()
+            stop = self._agree_on_stop(stop)
+            self._loop, more = core.end_epoch(self._loop, epochs=self.cfg.epochs, early_stop=stop, step=self.step)
+            if len(self._logs):
+                self.push_logs()
+            self._save_checkpoint()
+            bar.update(self.get_best_pbar_metrics())
         return self._finish()
 
     def _validate(self) -> bool:
@@ -404,7 +410,8 @@ class BaseTrainer(abc.ABC):
     def _restore(self, ckpt: dict[str, Any]) -> None:
         self._registry, _ = core.apply_payload(self._registry, ckpt)
         self._loop = core.LoopState.from_dict(ckpt["loop"])
-        self.epoch = self._loop.epoch
+        # inside the loop self.epoch is the epoch being run; after it, the last one that ran
+        self.epoch = self._loop.epoch - 1 if self._loop.finished else self._loop.epoch
         self.step = self._loop.step
         if ckpt.get("best") is not None:
             self.best_state = core.BestState.from_dict(ckpt["best"])
@@ -846,8 +853,8 @@ class BaseTrainer(abc.ABC):
             torch.distributed.destroy_process_group()
             self._owns_process_group = False
 
-    def _close_sinks(self) -> None:
-        self._sink.finish()
+    def _close_sinks(self, failed: bool = False) -> None:
+        self._sink.finish(exit_code=1 if failed else 0)
         self._sink = NullSink()
         if self._jsonl is not None:
             self._jsonl.finish()

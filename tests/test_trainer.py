@@ -1,0 +1,422 @@
+"""BaseTrainer's loop, best-model selection, early stopping and checkpoints, on a real tiny model on CPU."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from tests.trainers import TinyTrainer, param_digest
+from trainkit import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    HookNotImplementedError,
+    RegistryError,
+    UsageError,
+)
+from trainkit.bookkeeping import RESERVED_NAMES
+from trainkit.trainer import BaseTrainer
+
+
+def make_cfg(tmp_path, **overrides):
+    """A quiet config in tmp_path: W&B disabled, no bars."""
+    cfg = {
+        "epochs": 4,
+        "out_dir": str(tmp_path),
+        "wandb": {"mode": "disabled"},
+        "progress": {"enable": False},
+        "val": {"minimize": True},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            cfg[key] = {**cfg.get(key, {}), **value}
+        else:
+            cfg[key] = value
+    return cfg
+
+
+class Crash(Exception):
+    """Stands in for a kill: raised from inside the loop."""
+
+
+def dying(epoch: int, where: str = "train_epoch"):
+    """A TinyTrainer subclass that raises Crash when it reaches ``where`` in ``epoch``."""
+
+    class Dying(TinyTrainer):
+        def train_epoch(self):
+            if where == "train_epoch" and self.epoch == epoch:
+                raise Crash
+            super().train_epoch()
+
+        def test_epoch(self):
+            if where == "test_epoch":
+                raise Crash
+            return super().test_epoch()
+
+    return Dying
+
+
+def test_validation_schedule_every_3_of_10(tmp_path):
+    """epochs=10 with val.every_n_epochs=3 validates after epochs 2, 5, 8 and 9, and trains every epoch."""
+    trainer = TinyTrainer(make_cfg(tmp_path, epochs=10, val={"every_n_epochs": 3}, ckpt={"enable": False}))
+    trainer.train()
+    assert trainer.epochs_validated == [2, 5, 8, 9]
+    assert trainer.epochs_trained == list(range(10))
+
+
+def test_early_stopping_stops_at_the_third_counted_miss(tmp_path):
+    """With patience=3 the run stops after the third consecutive miss, and records why."""
+    scores = (5.0, 4.0, 4.5, 4.0, 4.2, 9.0, 1.0, 1.0)
+    trainer = TinyTrainer(make_cfg(tmp_path, epochs=8, scripted_scores=scores, val={"patience": 3}))
+    trainer.train()
+    assert trainer.epochs_trained == [0, 1, 2, 3, 4]
+    assert trainer.best_state.score == 4.0 and trainer.best_state.epoch == 1
+    last = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert last["loop"]["stop_reason"] == "early_stop" and last["epoch"] == 5
+
+
+def test_start_patience_ignores_early_misses(tmp_path):
+    """Misses before val.start_patience are not counted, so the stop comes later."""
+    scores = (5.0, 6.0, 6.0, 6.0, 6.0, 6.0)
+    trainer = TinyTrainer(
+        make_cfg(tmp_path, epochs=6, scripted_scores=scores, val={"patience": 2, "start_patience": 3})
+    )
+    trainer.train()
+    assert trainer.epochs_trained == [0, 1, 2, 3, 4]
+
+
+def test_non_finite_scores_never_become_the_best(tmp_path):
+    """NaN and inf scores are misses: the best stays the last finite improvement."""
+    scores = (float("nan"), 3.0, float("-inf"), float("nan"))
+    trainer = TinyTrainer(make_cfg(tmp_path, scripted_scores=scores, val={"patience": 5}))
+    trainer.train()
+    assert trainer.best_state.score == 3.0 and trainer.best_state.epoch == 1
+    assert trainer.patience_state.remaining == 3
+
+
+def test_best_pt_loads_weights_only_and_holds_the_best_weights(tmp_path):
+    """best.pt loads with weights_only=True and holds the best epoch's weights and record."""
+    scores = (3.0, 1.0, 2.0, 2.5)
+    trainer = TinyTrainer(make_cfg(tmp_path, scripted_scores=scores))
+    trainer.train()
+    best = torch.load(tmp_path / "best.pt", weights_only=True)
+    assert best["best"]["score"] == 1.0 and best["best"]["epoch"] == 1 and best["epoch"] == 1
+    assert best["best"]["metrics"] == {"best/val/loss": 1.0}
+    for key, value in trainer.best_model.items():
+        assert torch.equal(best["model"][key], value)
+    last = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert not all(torch.equal(best["model"][k], v) for k, v in last["model"].items())
+
+
+def test_best_model_snapshot_reuses_its_buffers(tmp_path):
+    """A second improvement copies into the existing best_model tensors instead of allocating new ones."""
+    trainer = TinyTrainer(make_cfg(tmp_path, scripted_scores=(3.0, 2.0, 1.0, 0.5), ckpt={"enable": False}))
+    trainer.epoch = 0
+    assert trainer.save_if_best(3.0)
+    pointers = {k: v.data_ptr() for k, v in trainer.best_model.items()}
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(1.0)
+    trainer.epoch = 1
+    assert trainer.save_if_best(2.0)
+    assert {k: v.data_ptr() for k, v in trainer.best_model.items()} == pointers
+    assert all(torch.equal(trainer.best_model[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def test_test_uses_best_weights_not_last(tmp_path):
+    """test() reloads the best epoch's weights into the model before calling test_epoch()."""
+    seen = {}
+
+    class Recording(TinyTrainer):
+        def train_epoch(self):
+            super().train_epoch()
+            seen["last"] = param_digest(self.model)
+
+        def test_epoch(self):
+            seen["digest"] = param_digest(self.model)
+            return super().test_epoch()
+
+    trainer = Recording(make_cfg(tmp_path, scripted_scores=(2.0, 1.0, 3.0, 4.0), test={"enable": True}))
+    result = trainer.train()
+    best = torch.load(tmp_path / "best.pt", weights_only=True)
+    expected = TinyTrainer(make_cfg(tmp_path / "other", ckpt={"enable": False}))
+    expected.model.load_state_dict(best["model"])
+    assert seen["digest"] == param_digest(expected.model) != seen["last"]
+    assert "test/loss" in result and result["best/val/loss"] == 1.0
+
+
+def test_ckpt_disabled_writes_nothing_yet_best_and_early_stop_work(tmp_path):
+    """With ckpt.enable=false no file is written, but best_model, test() and early stopping still work."""
+    out = tmp_path / "run"
+    trainer = TinyTrainer(
+        make_cfg(out, epochs=6, scripted_scores=(1.0, 2.0, 2.0, 2.0, 2.0, 2.0), val={"patience": 2},
+                 ckpt={"enable": False}, test={"enable": True})
+    )
+    result = trainer.train()
+    assert not out.exists() or not any(out.iterdir())
+    assert trainer.epochs_trained == [0, 1, 2] and trainer.best_model is not None
+    assert "test/loss" in result
+
+
+@pytest.mark.parametrize("crash_epoch", range(5))
+def test_resume_after_any_epoch_is_bit_identical(tmp_path, crash_epoch):
+    """A run killed at any epoch (or in test) and resumed ends with bit-identical weights, optimizer state and metrics."""
+    cfg_kwargs = dict(epochs=4, val={"patience": 3, "every_n_epochs": 2}, test={"enable": True})
+    reference = TinyTrainer(make_cfg(tmp_path / "ref", **cfg_kwargs))
+    expected = reference.train()
+    expected_last = torch.load(tmp_path / "ref" / "last.pt", weights_only=True)
+
+    out = tmp_path / "resumed"
+    where = "test_epoch" if crash_epoch == 4 else "train_epoch"
+    with pytest.raises(Crash):
+        dying(crash_epoch, where)(make_cfg(out, **cfg_kwargs)).train()
+    resumed = TinyTrainer(make_cfg(out, **cfg_kwargs))
+    assert resumed.epoch == min(crash_epoch, 3)
+    assert resumed.train() == expected
+    assert resumed.epochs_trained == list(range(crash_epoch, 4))
+    last = torch.load(out / "last.pt", weights_only=True)
+    for key in expected_last["model"]:
+        assert torch.equal(last["model"][key], expected_last["model"][key])
+    assert str(last["optimizer"]) == str(expected_last["optimizer"])
+    assert param_digest(resumed.model) == param_digest(reference.model)
+    ref_rows = (tmp_path / "ref" / "metrics.jsonl").read_text()
+    assert (out / "metrics.jsonl").read_text() == ref_rows
+
+
+def test_resuming_a_finished_run_does_no_more_epochs(tmp_path):
+    """A run resumed from a finished run's checkpoint returns its final metrics without training."""
+    first = TinyTrainer(make_cfg(tmp_path, test={"enable": True})).train()
+    again = TinyTrainer(make_cfg(tmp_path, epochs=8, test={"enable": True}))
+    assert again.train() == first
+    assert again.epochs_trained == []
+
+
+def test_failing_checkpoint_write_leaves_previous_intact(tmp_path):
+    """An exception inside a state_dict() during a save raises and leaves last.pt byte-identical and no temp file."""
+
+    class Fragile:
+        fail = False
+
+        def state_dict(self):
+            if self.fail:
+                raise OSError("injected write failure")
+            return {"ok": 1}
+
+        def load_state_dict(self, state):
+            pass
+
+    fragile = Fragile()
+
+    class WithFragile(TinyTrainer):
+        def setup(self, ckpt):
+            super().setup(ckpt)
+            self.add_checkpoint_items(fragile=fragile)
+
+        def train_epoch(self):
+            super().train_epoch()
+            fragile.fail = self.epoch == 2
+
+    trainer = WithFragile(make_cfg(tmp_path))
+    snapshots = []
+    original = trainer._save_checkpoint
+
+    def save():
+        if (tmp_path / "last.pt").exists():
+            snapshots.append((tmp_path / "last.pt").read_bytes())
+        original()
+
+    trainer._save_checkpoint = save
+    with pytest.raises(OSError, match="injected write failure"):
+        trainer.train()
+    assert (tmp_path / "last.pt").read_bytes() == snapshots[-1]
+    assert torch.load(tmp_path / "last.pt", weights_only=True)["epoch"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "last.pt", "metrics.jsonl"]
+
+
+def flip_bit_in_tensor_data(path, offset_in_member=7):
+    """Flip one bit inside the first tensor storage of a torch zip checkpoint."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size > 16)
+    raw = bytearray(path.read_bytes())
+    header = info.header_offset
+    name_len = int.from_bytes(raw[header + 26 : header + 28], "little")
+    extra_len = int.from_bytes(raw[header + 28 : header + 30], "little")
+    data_start = header + 30 + name_len + extra_len
+    raw[data_start + offset_in_member] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def test_corrupted_last_pt_is_a_clear_error_and_nothing_is_overwritten(tmp_path):
+    """A bit flip in last.pt's tensor data is detected before unpickling, named, and the file is left as it is."""
+    TinyTrainer(make_cfg(tmp_path, epochs=2)).train()
+    path = tmp_path / "last.pt"
+    flip_bit_in_tensor_data(path)
+    corrupted = path.read_bytes()
+    with pytest.raises(CheckpointCorruptError, match="last.pt.*CRC"):
+        TinyTrainer(make_cfg(tmp_path, epochs=3))
+    assert path.read_bytes() == corrupted
+
+
+def test_truncated_last_pt_is_a_clear_error(tmp_path):
+    """A truncated last.pt is reported as truncated, naming the file."""
+    TinyTrainer(make_cfg(tmp_path, epochs=2)).train()
+    path = tmp_path / "last.pt"
+    path.write_bytes(path.read_bytes()[:-200])
+    with pytest.raises(CheckpointCorruptError, match="last.pt is truncated"):
+        TinyTrainer(make_cfg(tmp_path))
+
+
+def test_resume_with_another_world_size_is_refused(tmp_path):
+    """A checkpoint written with a different world size is a clear mismatch error."""
+    TinyTrainer(make_cfg(tmp_path, epochs=1)).train()
+    payload = torch.load(tmp_path / "last.pt", weights_only=True)
+    payload["world_size"] = 2
+    torch.save(payload, tmp_path / "last.pt")
+    with pytest.raises(CheckpointMismatchError, match="world_size=2"):
+        TinyTrainer(make_cfg(tmp_path))
+
+
+def test_resume_from_newer_schema_is_refused(tmp_path):
+    """A checkpoint from a newer trainkit is refused with the versions named."""
+    TinyTrainer(make_cfg(tmp_path, epochs=1)).train()
+    payload = torch.load(tmp_path / "last.pt", weights_only=True)
+    payload["schema_version"] = 99
+    torch.save(payload, tmp_path / "last.pt")
+    with pytest.raises(CheckpointMismatchError, match="schema version 99"):
+        TinyTrainer(make_cfg(tmp_path))
+
+
+def test_resume_with_changed_config_warns_and_flipped_direction_fails(tmp_path):
+    """A changed computing key warns naming it; a flipped val.minimize with a recorded best is an error."""
+    TinyTrainer(make_cfg(tmp_path, epochs=2)).train()
+    with pytest.warns(RuntimeWarning, match=r"lr: 0.05 -> 0.1"):
+        TinyTrainer(make_cfg(tmp_path, epochs=3, lr=0.1))
+    with pytest.raises(CheckpointMismatchError, match="val.minimize"):
+        TinyTrainer(make_cfg(tmp_path, epochs=3, val={"minimize": False}))
+
+
+def test_explicit_resume_path_must_exist(tmp_path):
+    """ckpt.resume set to a missing path is an error naming it."""
+    with pytest.raises(CheckpointError, match="nope.pt"):
+        TinyTrainer(make_cfg(tmp_path, ckpt={"resume": str(tmp_path / "nope.pt")}))
+
+
+def test_resume_never_starts_fresh(tmp_path):
+    """ckpt.resume=never ignores an existing last.pt and trains from epoch 0."""
+    TinyTrainer(make_cfg(tmp_path, epochs=2)).train()
+    trainer = TinyTrainer(make_cfg(tmp_path, epochs=2, ckpt={"resume": "never"}))
+    assert trainer.epoch == 0
+    trainer.train()
+    assert trainer.epochs_trained == [0, 1]
+
+
+def test_tracking_attributes_exist_only_after_first_use(tmp_path):
+    """best_state/patience_state appear on first use; best_model and best_metrics always exist."""
+    trainer = TinyTrainer(make_cfg(tmp_path))
+    assert not hasattr(trainer, "best_state") and not hasattr(trainer, "patience_state")
+    assert trainer.best_model is None and trainer.best_metrics == {}
+    assert trainer.get_best_pbar_metrics() == {}
+    trainer.reset_best_tracking(minimize=False)
+    assert trainer.best_state.minimize is False and trainer.patience_state.patience is None
+
+
+def test_reset_best_tracking_pins_the_direction(tmp_path):
+    """reset_best_tracking(minimize=...) overrides val.minimize for save_if_best."""
+    trainer = TinyTrainer(make_cfg(tmp_path, ckpt={"enable": False}))
+    trainer.reset_best_tracking(minimize=False)
+    assert trainer.save_if_best(1.0) and trainer.save_if_best(2.0) and not trainer.save_if_best(1.5)
+    assert trainer.get_best_pbar_metrics() == {}
+    trainer.save_if_best(3.0, {"val/acc": 0.9})
+    assert trainer.get_best_pbar_metrics() == {"acc": 0.9}
+
+
+def test_step_patience_outside_validation_or_twice_is_refused(tmp_path):
+    """step_patience() is only valid once per validation, inside val_epoch()."""
+    trainer = TinyTrainer(make_cfg(tmp_path))
+    with pytest.raises(UsageError, match="inside val_epoch"):
+        trainer.step_patience(False)
+
+    class Twice(TinyTrainer):
+        def val_epoch(self):
+            super().val_epoch()
+            return self.step_patience(False)
+
+    with pytest.raises(UsageError, match="already called"):
+        Twice(make_cfg(tmp_path / "twice")).train()
+
+
+def test_val_epoch_must_return_a_verdict(tmp_path):
+    """val_epoch() returning a float instead of a bool is a clear UsageError."""
+
+    class ReturnsScore(TinyTrainer):
+        def val_epoch(self):
+            super().val_epoch()
+            return 0.5
+
+    with pytest.raises(UsageError, match="must return a bool"):
+        ReturnsScore(make_cfg(tmp_path)).train()
+
+
+def test_missing_test_epoch_names_the_hook(tmp_path):
+    """test.enable without a test_epoch() override raises HookNotImplementedError naming the hook."""
+
+    class NoTest(TinyTrainer):
+        test_epoch = BaseTrainer.test_epoch
+
+    with pytest.raises(HookNotImplementedError, match="test_epoch"):
+        NoTest(make_cfg(tmp_path, test={"enable": True})).train()
+
+
+def test_registering_twice_or_reserved_names_is_refused(tmp_path):
+    """add_checkpoint_items refuses a name registered twice and names reserved by the engine."""
+    trainer = TinyTrainer(make_cfg(tmp_path))
+    with pytest.raises(RegistryError, match="'model' is already registered"):
+        trainer.add_checkpoint_items(model=trainer.model)
+    with pytest.raises(RegistryError, match="'epoch' is reserved"):
+        trainer.add_checkpoint_items(epoch=3)
+
+
+def test_engine_keys_in_last_pt_are_all_reserved(tmp_path):
+    """Every top-level key the engine writes is reserved, so no user item can collide with it."""
+    trainer = TinyTrainer(make_cfg(tmp_path, epochs=1))
+    trainer.train()
+    payload = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert set(payload) - {"model", "optimizer"} <= RESERVED_NAMES
+
+
+def test_step_counts_optimizer_steps(tmp_path):
+    """self.step advances once per optimizer.step() of the first registered optimizer."""
+    trainer = TinyTrainer(make_cfg(tmp_path, epochs=2, ckpt={"enable": False}))
+    trainer.train()
+    batches = math.ceil(int(0.6 * 320) / 32)
+    assert trainer.step == 2 * batches
+
+
+def test_stale_temp_files_are_cleaned_up(tmp_path):
+    """Temp files left by a killed save are removed when the next run starts."""
+    tmp_path.mkdir(exist_ok=True)
+    leftover = tmp_path / ".last.pt.abc123.tmp"
+    leftover.write_bytes(b"partial")
+    TinyTrainer(make_cfg(tmp_path))
+    assert not leftover.exists()
+
+
+def test_mapping_config_is_validated(tmp_path):
+    """A mapping with a typo is refused by the trainer's own config class, naming the closest key."""
+    from trainkit import ConfigError
+
+    with pytest.raises(ConfigError, match="did you mean 'lr'"):
+        TinyTrainer(make_cfg(tmp_path, lrr=0.1))
+
+
+def test_no_warnings_on_a_clean_run(tmp_path):
+    """A plain run and its resume emit no warnings."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TinyTrainer(make_cfg(tmp_path, epochs=2)).train()
+        TinyTrainer(make_cfg(tmp_path, epochs=2)).train()
