@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import difflib
 import functools
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -53,6 +54,8 @@ def _rule(check: typing.Callable[[Any], bool], text: str) -> typing.Callable[[An
     """Build a range validator; values of the wrong type are left to the type check, which names them."""
 
     def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if _is_number(value) and not math.isfinite(value):
+            raise ConfigError(attribute.name, "must be a finite number", value)
         if _is_number(value) and not check(value):
             raise ConfigError(attribute.name, text, value)
 
@@ -91,7 +94,10 @@ def _optional(validator: typing.Callable[[Any, attrs.Attribute, Any], None]) -> 
 def _patience_rule(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if _is_number(value) and value < 1:
         raise ConfigError(
-            attribute.name, "must be >= 1 or None", value, hint="use 1 to stop at the first counted miss, or null to disable early stopping"
+            attribute.name,
+            "must be >= 1 or None",
+            value,
+            hint="use 1 to stop at the first counted miss, or null to disable early stopping",
         )
 
 
@@ -236,10 +242,20 @@ def _all_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
+def _sections(cls: type, prefix: str = "") -> list[str]:
+    names = []
+    for field in attrs.fields(cls):
+        tp = _hints(cls).get(field.name)
+        if tp is not None and attrs.has(tp):
+            names.append(prefix + field.name)
+            names.extend(_sections(tp, prefix + field.name + "."))
+    return names
+
+
 def _unknown_key(root: type, key: str) -> ConfigError:
     known = _all_keys(root)
     leaf = key.rsplit(".", 1)[-1]
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(key, known + _sections(root), n=1, cutoff=0.6)
     if not close:
         by_leaf = {k.rsplit(".", 1)[-1]: k for k in known}
         close = [by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)]
@@ -279,6 +295,11 @@ def _parse(text: str, tp: Any, key: str) -> Any:
         if lowered in ("false", "no", "off", "0"):
             return False
         raise ConfigError(key, "must be a bool (true or false)", text)
+    if tp in (int, float):
+        try:
+            return tp(text)
+        except ValueError:
+            return _literal(text)
     if tp is str:
         return _unquote(text)
     return _literal(text)

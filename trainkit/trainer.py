@@ -135,6 +135,7 @@ class BaseTrainer(abc.ABC):
         self._grad_norm_sum: torch.Tensor | None = None
         self._grad_norm_count = 0
         self._owns_process_group = False
+        self._failed = False
         self._sink: Any = NullSink()
         self._jsonl: JsonlSink | None = None
         self._run_id: str | None = None
@@ -213,6 +214,7 @@ class BaseTrainer(abc.ABC):
         try:
             return self._run_epochs(more, bar)
         except BaseException:
+            self._failed = True
             self._close_sinks(failed=True)
             raise
         finally:
@@ -846,10 +848,15 @@ class BaseTrainer(abc.ABC):
         """Finish the W&B run, close ``metrics.jsonl`` and leave the process group if the trainer made it.
 
         ``train()`` finishes the W&B run and the metrics file itself; call this when the trainer is done
-        (``launch``/``spawn`` do) to also tear down the process group.
+        (``launch``/``spawn`` do) to also tear down the process group. After a successful ``train()`` the
+        ranks meet in a barrier first; after a failed one they do not (the others may be gone).
         """
         self._close_sinks()
         if self._owns_process_group and dist_utils.is_distributed():
+            if not self._failed:
+                # every rank reaches teardown before rank 0, which hosts the store, tears it down;
+                # without this a rank can abort in gloo's destructor while the others still exit
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
             self._owns_process_group = False
 

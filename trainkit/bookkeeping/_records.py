@@ -59,8 +59,8 @@ def record_from_dict(cls: type[R], data: Mapping[str, Any]) -> R:
     if kind != cls.__name__:
         raise BookkeepingError(f"{cls.__name__}.from_dict got a dict of kind {kind!r}")
     version = data.get("schema_version")
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise BookkeepingError(f"{cls.__name__}.from_dict: schema_version must be an int, got {version!r}")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise BookkeepingError(f"{cls.__name__}.from_dict: schema_version must be an int >= 1, got {version!r}")
     if version > SCHEMA_VERSION:
         raise BookkeepingError(
             f"{cls.__name__}.from_dict: schema_version {version} is newer than this trainkit's "
@@ -95,12 +95,25 @@ def as_float(value: Any, name: str) -> float:
     :returns: ``float(value)``.
     :raises BookkeepingError: When the value is a bool, None, or has no scalar float value.
     """
-    if value is None or isinstance(value, bool | str | bytes):
+    if value is None or isinstance(value, bool | str | bytes) or is_bool_like(value):
         raise BookkeepingError(f"{name} must be a real number, got {value!r}")
     try:
         return float(value)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise BookkeepingError(f"{name} must be a real number (a float or a 1-element tensor), got {value!r}") from exc
+
+
+def is_bool_like(value: Any) -> bool:
+    """Tell whether a value is a boolean of any library: ``bool``, ``numpy.bool_``, a bool tensor.
+
+    Pure: looks at types and dtypes only, importing nothing.
+
+    >>> is_bool_like(True), is_bool_like(1), is_bool_like(0.0)
+    (True, False, False)
+    """
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return True
+    return str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
 
 
 def same_float(a: float | None, b: float | None) -> bool:

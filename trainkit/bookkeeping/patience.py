@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 
-from trainkit.bookkeeping._records import record_from_dict, record_to_dict
+from trainkit.bookkeeping._records import is_bool_like, record_from_dict, record_to_dict
 from trainkit.errors import BookkeepingError
 
 __all__ = ["PatienceState", "step_patience"]
@@ -100,7 +100,7 @@ def step_patience(state: PatienceState, improved: Any, *, epoch: int | None = No
     :param improved: Whether this validation improved the best (a bool, or a bool-like 0-d tensor).
     :param epoch: The 0-based epoch of this validation; None counts every miss.
     :returns: The next record, and True once patience is exhausted (always False when patience is None).
-    :raises BookkeepingError: When ``improved`` is None or ``epoch`` is negative.
+    :raises BookkeepingError: When ``improved`` is not a bool (None, a number, a string) or ``epoch`` is negative.
 
     >>> state = PatienceState(patience=2)
     >>> state, stop = step_patience(state, False, epoch=0)
@@ -109,8 +109,10 @@ def step_patience(state: PatienceState, improved: Any, *, epoch: int | None = No
     >>> step_patience(state, False, epoch=1)[1]
     True
     """
-    if improved is None:
-        raise BookkeepingError("step_patience: improved must be a bool, got None; pass what save_if_best returned")
+    if not is_bool_like(improved) or getattr(improved, "ndim", 0) != 0:
+        raise BookkeepingError(
+            f"step_patience: improved must be a bool, got {improved!r}; pass what save_if_best returned"
+        )
     if epoch is not None and (not _is_int(epoch) or epoch < 0):
         raise BookkeepingError(f"step_patience: epoch must be an int >= 0 or None, got {epoch!r}")
     if state.patience is None:

@@ -1,0 +1,89 @@
+"""Real 2-process gloo runs: pooled means, rank-consistent early stopping, exact DDP resume, failures."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import psutil
+import pytest
+import torch.multiprocessing as mp
+
+import trainkit
+from tests.trainers import ReportingTrainer
+
+pytestmark = pytest.mark.ddp
+
+
+def cfg(out_dir, **overrides):
+    """A quiet 2-process config with a short collective timeout."""
+    base = {
+        "epochs": 4,
+        "out_dir": str(out_dir),
+        "wandb": {"mode": "disabled"},
+        "progress": {"enable": False},
+        "val": {"minimize": True, "patience": 2},
+        "test": {"enable": True},
+        "dist": {"timeout_s": 60},
+    }
+    for key, value in overrides.items():
+        base[key] = {**base[key], **value} if isinstance(value, dict) else value
+    return base
+
+
+def reports(out_dir):
+    """Each rank's report, in rank order."""
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def no_children_left():
+    """Assert this process has no live child processes (spawned ranks all reaped)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        alive = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+        # the resource tracker of multiprocessing may linger briefly; ranks must not
+        ranks = [c for c in alive if "resource_tracker" not in " ".join(c.cmdline())]
+        if not ranks:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"leftover processes: {[c.cmdline() for c in ranks]}")
+
+
+def test_two_ranks_agree_and_resume_bit_identical(tmp_path):
+    """reduce_mean pools uneven shards like one process would, and a 2-rank run killed mid-way resumes bit-identically."""
+    ref_dir = tmp_path / "ref"
+    expected = trainkit.spawn(ReportingTrainer, cfg(ref_dir), 2)
+    ref = reports(ref_dir)
+    assert ref[0]["pooled"] == ref[1]["pooled"] == pytest.approx(sum([1, 2, 3, 10, 11, 12, 13, 14]) / 8)
+    assert ref[0]["empty_is_nan"] == ref[1]["empty_is_nan"] == "nan"
+    assert ref[0]["digest"] == ref[1]["digest"]  # DDP keeps replicas identical
+    assert ref[0]["epochs_trained"] == ref[1]["epochs_trained"]
+
+    out = tmp_path / "resumed"
+    with pytest.raises(mp.ProcessRaisedException, match="injected failure on rank 1 at epoch 2"):
+        trainkit.spawn(ReportingTrainer, cfg(out, fail_rank=1, fail_epoch=2), 2)
+    no_children_left()
+    result = trainkit.spawn(ReportingTrainer, cfg(out), 2)
+    got = reports(out)
+    assert [r["epochs_trained"] for r in got] == [[2, 3], [2, 3]]
+    assert got[0]["digest"] == got[1]["digest"] == ref[0]["digest"]
+    assert result == expected
+
+
+def test_disagreeing_verdicts_fail_on_every_rank_instead_of_hanging(tmp_path):
+    """When ranks select on rank-local scores and disagree on stopping, every rank raises DistributedError promptly."""
+    start = time.monotonic()
+    scripted = cfg(tmp_path, scripted_scores=[1.0, 2.0, 3.0, 4.0], local_scores_differ=True, val={"patience": 1})
+    with pytest.raises(mp.ProcessRaisedException, match="ranks disagree on early stopping at epoch 1"):
+        trainkit.spawn(ReportingTrainer, scripted, 2)
+    assert time.monotonic() - start < 50
+    no_children_left()
+
+
+def test_pooled_score_stops_both_ranks_at_the_same_epoch(tmp_path):
+    """Local losses differ per rank, but the reduce_mean score makes both ranks stop at the same epoch."""
+    run = cfg(tmp_path, epochs=12, val={"patience": 1})
+    trainkit.spawn(ReportingTrainer, run, 2)
+    got = reports(tmp_path)
+    assert got[0]["epochs_trained"] == got[1]["epochs_trained"]
+    assert got[0]["best"] == got[1]["best"]
