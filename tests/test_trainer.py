@@ -233,7 +233,8 @@ def test_failing_checkpoint_write_leaves_previous_intact(tmp_path):
         trainer.train()
     assert (tmp_path / "last.pt").read_bytes() == snapshots[-1]
     assert torch.load(tmp_path / "last.pt", weights_only=True)["epoch"] == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "last.pt", "metrics.jsonl"]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert {"best.pt", "last.pt", "last.prev.pt", "metrics.jsonl"} <= {p.name for p in tmp_path.iterdir()}
 
 
 def flip_bit_in_tensor_data(path, offset_in_member=7):
@@ -254,6 +255,7 @@ def flip_bit_in_tensor_data(path, offset_in_member=7):
 def test_corrupted_last_pt_is_a_clear_error_and_nothing_is_overwritten(tmp_path):
     """A bit flip in last.pt's tensor data is detected before unpickling, named, and the file is left as it is."""
     TinyTrainer(make_cfg(tmp_path, epochs=2)).train()
+    (tmp_path / "last.prev.pt").unlink()
     path = tmp_path / "last.pt"
     flip_bit_in_tensor_data(path)
     corrupted = path.read_bytes()
@@ -262,9 +264,32 @@ def test_corrupted_last_pt_is_a_clear_error_and_nothing_is_overwritten(tmp_path)
     assert path.read_bytes() == corrupted
 
 
+def test_corrupted_last_pt_falls_back_to_the_previous_one(tmp_path):
+    """Auto-resume from a corrupted last.pt warns naming both files and resumes from last.prev.pt."""
+    with pytest.raises(Crash):
+        dying(2)(make_cfg(tmp_path, epochs=3)).train()
+    flip_bit_in_tensor_data(tmp_path / "last.pt")
+    corrupted = (tmp_path / "last.pt").read_bytes()
+    with pytest.warns(RuntimeWarning, match=r"last.pt is corrupted.*resuming from the previous checkpoint .*last.prev.pt"):
+        trainer = TinyTrainer(make_cfg(tmp_path, epochs=3))
+    assert trainer.epoch == 1
+    assert (tmp_path / "last.corrupt.pt").read_bytes() == corrupted
+    trainer.train()
+    assert trainer.epochs_trained == [1, 2]
+
+
+def test_explicit_corrupted_path_is_an_error(tmp_path):
+    """A corrupted checkpoint named by ckpt.resume is an error, with no fallback."""
+    TinyTrainer(make_cfg(tmp_path, epochs=2)).train()
+    flip_bit_in_tensor_data(tmp_path / "last.pt")
+    with pytest.raises(CheckpointCorruptError, match="CRC"):
+        TinyTrainer(make_cfg(tmp_path, ckpt={"resume": str(tmp_path / "last.pt")}))
+
+
 def test_truncated_last_pt_is_a_clear_error(tmp_path):
     """A truncated last.pt is reported as truncated, naming the file."""
     TinyTrainer(make_cfg(tmp_path, epochs=2)).train()
+    (tmp_path / "last.prev.pt").unlink()
     path = tmp_path / "last.pt"
     path.write_bytes(path.read_bytes()[:-200])
     with pytest.raises(CheckpointCorruptError, match="last.pt is truncated"):

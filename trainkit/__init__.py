@@ -33,6 +33,7 @@ from trainkit.errors import (
     DistributedError,
     HookNotImplementedError,
     RegistryError,
+    TrainingInterrupted,
     TrainkitError,
     UsageError,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "DistributedError",
     "UsageError",
     "HookNotImplementedError",
+    "TrainingInterrupted",
 ]
 
 

@@ -23,9 +23,38 @@ import torch
 
 from trainkit.errors import CheckpointCorruptError, CheckpointError
 
-__all__ = ["atomic_save", "load_checkpoint", "verify_checkpoint", "capture_rng", "restore_rng", "remove_stale_temp_files"]
+__all__ = [
+    "atomic_save",
+    "previous_path",
+    "load_checkpoint",
+    "verify_checkpoint",
+    "capture_rng",
+    "restore_rng",
+    "seed_everything",
+    "remove_stale_temp_files",
+]
 
 TEMP_SUFFIX = ".tmp"
+
+
+def _default_file_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+_FILE_MODE = _default_file_mode()
+"""Checkpoints get the permissions ``open()`` would give (mkstemp alone makes them owner-only)."""
+
+
+def previous_path(path: str | os.PathLike[str]) -> Path:
+    """Return where the previous version of a checkpoint is kept: ``last.pt`` -> ``last.prev.pt``.
+
+    :param path: The checkpoint path.
+    :returns: The sibling path for its previous version.
+    """
+    path = Path(path)
+    return path.with_name(f"{path.stem}.prev{path.suffix}")
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -37,7 +66,7 @@ def _fsync_directory(directory: Path) -> None:
             os.close(fd)
 
 
-def atomic_save(payload: Any, path: str | os.PathLike[str]) -> float:
+def atomic_save(payload: Any, path: str | os.PathLike[str], *, keep_previous: bool = False) -> float:
     """Write ``payload`` to ``path`` so that a reader sees the old file or the new one, never a torn one.
 
     Side effects: serializes straight into a temp file in the same directory, flushes, fsyncs,
@@ -46,6 +75,8 @@ def atomic_save(payload: Any, path: str | os.PathLike[str]) -> float:
 
     :param payload: Tensors and plain Python values.
     :param path: The destination file.
+    :param keep_previous: Keep the file being replaced as :func:`previous_path` (a hard link, so no copy),
+        for a fallback when the newest one turns out corrupted.
     :returns: The seconds the save took.
     :raises CheckpointError: On a full disk, naming the path, the bytes written so far and the bytes free.
     """
@@ -59,6 +90,9 @@ def atomic_save(payload: Any, path: str | os.PathLike[str]) -> float:
             torch.save(payload, handle)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, _FILE_MODE)
+        if keep_previous and path.exists():
+            _link_previous(path)
         os.replace(tmp, path)
     except BaseException as exc:
         written = tmp.stat().st_size if tmp.exists() else 0
@@ -73,6 +107,19 @@ def atomic_save(payload: Any, path: str | os.PathLike[str]) -> float:
         raise
     _fsync_directory(path.parent)
     return time.perf_counter() - start
+
+
+def _link_previous(path: Path) -> None:
+    """Point ``previous_path(path)`` at the current ``path`` atomically; both stay loadable throughout."""
+    previous = previous_path(path)
+    link_tmp = path.with_name(f".{previous.name}.{os.getpid()}.link{TEMP_SUFFIX}")
+    with suppress(FileNotFoundError):
+        link_tmp.unlink()
+    try:
+        os.link(path, link_tmp)
+    except OSError:  # no hard links on this filesystem: fall back to a copy
+        shutil.copyfile(path, link_tmp)
+    os.replace(link_tmp, previous)
 
 
 def remove_stale_temp_files(directory: str | os.PathLike[str]) -> list[Path]:

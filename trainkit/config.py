@@ -91,6 +91,13 @@ def _optional(validator: typing.Callable[[Any, attrs.Attribute, Any], None]) -> 
     return validate
 
 
+def _signal_name(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    import signal
+
+    if isinstance(value, str) and not isinstance(getattr(signal, value, None), signal.Signals):
+        raise ConfigError(attribute.name, "must be a signal name such as 'SIGUSR1'", value)
+
+
 def _patience_rule(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if _is_number(value) and value < 1:
         raise ConfigError(
@@ -375,10 +382,13 @@ class CkptConfig(_Section):
 
     ``resume`` is ``"auto"`` (resume from ``out_dir/last.pt`` when it exists), ``"never"`` (start fresh;
     an existing ``last.pt`` is overwritten by the first epoch), or the path of a checkpoint to resume from.
+    ``requeue_signal`` is a signal name (besides SIGTERM and SIGINT) that makes the run save at the end of
+    the current epoch and exit, as a cluster scheduler sends before requeueing a job; None disables it.
     """
 
     enable: bool = True
     resume: str = attrs.field(default="auto", validator=_non_empty)
+    requeue_signal: str | None = attrs.field(default="SIGUSR1", validator=_optional(_signal_name))
 
 
 @attrs.frozen(kw_only=True)

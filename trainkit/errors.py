@@ -17,6 +17,7 @@ __all__ = [
     "DistributedError",
     "UsageError",
     "HookNotImplementedError",
+    "TrainingInterrupted",
 ]
 
 
@@ -91,3 +92,29 @@ class UsageError(TrainkitError, RuntimeError):
 
 class HookNotImplementedError(TrainkitError, NotImplementedError):
     """A subclass did not implement a hook that the trainer had to call."""
+
+
+class TrainingInterrupted(TrainkitError):
+    """A signal (SIGTERM, SIGINT, or the requeue signal) stopped training at an epoch boundary.
+
+    The epoch that was running finished and ``last.pt`` holds it; running the same command again resumes
+    from there. :func:`trainkit.launch` turns this into the exit code :attr:`exit_code`.
+
+    :param signal_name: The signal's name, e.g. ``"SIGTERM"``.
+    :param signal_number: The signal's number.
+    :param epoch: The 0-based epoch that finished before stopping.
+    :param save_seconds: How long saving ``last.pt`` took, or None when checkpoints are disabled.
+    """
+
+    def __init__(self, signal_name: str, signal_number: int, epoch: int, save_seconds: float | None = None):
+        self.signal_name = signal_name
+        self.signal_number = signal_number
+        self.epoch = epoch
+        self.save_seconds = save_seconds
+        saved = f"last.pt saved in {save_seconds:.3f} s" if save_seconds is not None else "checkpoints are disabled"
+        super().__init__(f"{signal_name} received: stopped after epoch {epoch} ({saved}); run again to resume")
+
+    @property
+    def exit_code(self) -> int:
+        """``128 + signal number``, the code a shell reports for a process ended by that signal."""
+        return 128 + self.signal_number

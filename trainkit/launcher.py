@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from trainkit.config import Config
 from trainkit.distributed import broadcast_object, free_port
+from trainkit.errors import TrainingInterrupted
 
 __all__ = ["launch", "spawn"]
 
@@ -32,15 +33,21 @@ def launch(trainer_class: type, cfg: Config | Mapping[str, Any]) -> Any:
 
     Reads ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (and ``MASTER_ADDR``/``MASTER_PORT``) from the
     environment torchrun sets; without them it runs a single process. An exception on this rank
-    propagates (torchrun then stops the other ranks and exits non-zero).
+    propagates (torchrun then stops the other ranks and exits non-zero). A run stopped by a signal
+    (:class:`~trainkit.TrainingInterrupted`) exits the process with ``128 + signal number`` after
+    saving, e.g. 143 for SIGTERM and 130 for Ctrl-C.
 
     :param trainer_class: A :class:`~trainkit.BaseTrainer` subclass.
     :param cfg: Its config, or a mapping validated into one.
     :returns: Rank 0's ``train()`` result, on every rank.
+    :raises SystemExit: With ``128 + signal number`` when a signal stopped training.
     """
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    return _run(trainer_class, cfg, rank, world_size)
+    try:
+        return _run(trainer_class, cfg, rank, world_size)
+    except TrainingInterrupted as exc:
+        raise SystemExit(exc.exit_code) from exc
 
 
 def _worker(rank: int, trainer_class: type, cfg: Any, world_size: int, results: Any) -> None:

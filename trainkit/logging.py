@@ -44,8 +44,8 @@ def strip_secrets(data: Any) -> Any:
 class LogBuffer:
     """Metrics waiting for the next push, kept on their device until then.
 
-    ``add`` only stores references; ``drain`` moves every tensor to the host in one transfer per device.
-    A key logged twice before a push keeps its last value.
+    ``add`` keeps a device-side copy of each tensor (no host sync); ``drain`` moves every tensor to the
+    host in one transfer per device. A key logged twice before a push keeps its last value.
     """
 
     def __init__(self) -> None:
@@ -65,7 +65,9 @@ class LogBuffer:
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
                     raise TypeError(f"logged metric {key!r} must be a 1-element tensor, got shape {tuple(value.shape)}")
-                value = value.detach()
+                value = value.detach().clone()  # a snapshot (no host sync): later in-place changes stay out
+            elif isinstance(value, str | bytes):
+                raise TypeError(f"logged metric {key!r} must be a number or a tensor, got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, int | float):
                 try:
                     value = float(value)

@@ -136,4 +136,6 @@ def param_stats(
             keys += [f"params/{name}/grad_norm" for _, name, _ in with_grad]
             keys += [f"params/{name}/grad_to_weight" for _, name, _ in with_grad]
             pieces += [grad_norms, ratios]
+    if not pieces:  # grads only, and no parameter has a gradient yet
+        return keys, torch.zeros(0, device=weight_norms.device)
     return keys, torch.cat(pieces)

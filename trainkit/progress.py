@@ -21,8 +21,12 @@ TTY_INTERVAL_S = 0.5
 """Minimum seconds between redraws on a terminal."""
 
 
+def _is_terminal() -> bool:
+    return bool(getattr(sys.stderr, "isatty", lambda: False)())
+
+
 def _interval() -> float:
-    return TTY_INTERVAL_S if getattr(sys.stderr, "isatty", lambda: False)() else NON_TTY_INTERVAL_S
+    return TTY_INTERVAL_S if _is_terminal() else NON_TTY_INTERVAL_S
 
 
 def _format(metrics: Mapping[str, float]) -> dict[str, str]:
@@ -48,7 +52,7 @@ class EpochBar:
     def update(self, best_metrics: Mapping[str, float]) -> None:
         """Count one finished epoch and show the best metrics.
 
-        :param best_metrics: What :meth:`BaseTrainer.get_best_pbar_metrics` returns.
+        :param best_metrics: What :meth:`trainkit.BaseTrainer.get_best_pbar_metrics` returns.
         """
         if self._bar is not None:
             self._bar.set_postfix(_format(best_metrics), refresh=False)
@@ -64,13 +68,16 @@ class EpochBar:
 def step_bar(iterable: Iterable[T], *, desc: str | None, total: int | None, enabled: bool) -> Iterable[T]:
     """Wrap an iterable in a transient per-step bar, or return it untouched when disabled.
 
+    When stderr is not a terminal there is no step bar (the epoch bar alone reports progress), so a run
+    redirected to a log file writes a few lines per epoch bar refresh, not two per epoch.
+
     :param iterable: The batches, usually a DataLoader.
     :param desc: The bar's label.
     :param total: The number of items when ``len(iterable)`` does not give it.
     :param enabled: False returns ``iterable`` itself, at zero cost per step.
     :returns: An iterable over the same items.
     """
-    if not enabled:
+    if not enabled or not _is_terminal():
         return iterable
     from tqdm.auto import tqdm
 

@@ -10,6 +10,9 @@ import abc
 import copy
 import logging
 import os
+import signal
+import sys
+import threading
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -24,10 +27,12 @@ from trainkit import distributed as dist_utils
 from trainkit import optim as optim_utils
 from trainkit.config import Config
 from trainkit.errors import (
+    CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     DistributedError,
     HookNotImplementedError,
+    TrainingInterrupted,
     UsageError,
 )
 from trainkit.logging import JsonlSink, LogBuffer, NullSink, WandbSink, new_run_id
@@ -136,6 +141,7 @@ class BaseTrainer(abc.ABC):
         self._grad_norm_count = 0
         self._owns_process_group = False
         self._failed = False
+        self._signal: int | None = None
         self._sink: Any = NullSink()
         self._jsonl: JsonlSink | None = None
         self._run_id: str | None = None
@@ -210,17 +216,28 @@ class BaseTrainer(abc.ABC):
         if self._results is not None:
             return dict(self._results) or None
         self._loop, more = core.resume_loop(self._loop, epochs=self.cfg.epochs)
-        bar = EpochBar(total=self.cfg.epochs, initial=self._loop.epoch, enabled=self._bars_enabled)
+        previous_handlers = self._install_signal_handlers()
         try:
-            return self._run_epochs(more, bar)
+            bar = EpochBar(total=self.cfg.epochs, initial=self._loop.epoch, enabled=self._bars_enabled)
+            try:
+                self._run_epochs(more, bar)
+            finally:
+                bar.close()
+            return self._finish()
+        except TrainingInterrupted as exc:
+            if self.is_main:
+                print(f"trainkit: {exc}", file=sys.stderr, flush=True)
+            self._failed = True
+            self._close_sinks(failed=True)
+            raise
         except BaseException:
             self._failed = True
             self._close_sinks(failed=True)
             raise
         finally:
-            bar.close()
+            self._restore_signal_handlers(previous_handlers)
 
-    def _run_epochs(self, more: bool, bar: EpochBar) -> dict[str, float] | None:
+    def _run_epochs(self, more: bool, bar: EpochBar) -> None:
         while more:
             self.epoch = self._loop.epoch
             for sampler in self._samplers:
@@ -229,13 +246,42 @@ class BaseTrainer(abc.ABC):
             stop = False
             if core.should_validate(self.epoch, self.cfg.epochs, self.cfg.val.every_n_epochs):
                 stop = self._validate()
-            stop = self._agree_on_stop(stop)
+            stop, signalled = self._agree_on_stop(stop)
             self._loop, more = core.end_epoch(self._loop, epochs=self.cfg.epochs, early_stop=stop, step=self.step)
             if len(self._logs):
                 self.push_logs()
-            self._save_checkpoint()
+            seconds = self._save_checkpoint()
             bar.update(self.get_best_pbar_metrics())
-        return self._finish()
+            if signalled and more:
+                self._stop_for_signal(seconds)
+
+    # ------------------------------------------------------------------ signals
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        """Route SIGTERM, SIGINT and the requeue signal to a flag that the loop reads at epoch boundaries."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        names = ["SIGTERM", "SIGINT"] + ([self.cfg.ckpt.requeue_signal] if self.cfg.ckpt.requeue_signal else [])
+        previous = {}
+        for name in dict.fromkeys(names):
+            number = getattr(signal, name)
+            previous[number] = signal.signal(number, self._on_signal)
+        return previous
+
+    def _on_signal(self, number: int, frame: Any) -> None:
+        # only flags here: no I/O and no collectives inside a signal handler
+        if self._signal is not None and number == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C aborts now; last.pt still holds the previous epoch
+        self._signal = number
+
+    @staticmethod
+    def _restore_signal_handlers(previous: Mapping[int, Any]) -> None:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+    def _stop_for_signal(self, save_seconds: float | None) -> None:
+        number = self._signal if self._signal is not None else signal.SIGTERM
+        raise TrainingInterrupted(signal.Signals(number).name, int(number), self.epoch, save_seconds)
 
     def _validate(self) -> bool:
         self._in_validation = True
@@ -246,17 +292,19 @@ class BaseTrainer(abc.ABC):
             self._in_validation = False
         return _as_verdict(verdict)
 
-    def _agree_on_stop(self, stop: bool) -> bool:
+    def _agree_on_stop(self, stop: bool) -> tuple[bool, bool]:
+        """Check every rank's stop verdict agrees and learn whether any rank got a signal, in one all-reduce."""
+        signalled = self._signal is not None
         if self.world_size == 1:
-            return stop
-        (anyone,), (everyone,) = dist_utils.any_all([stop])
+            return stop, signalled
+        (anyone, any_signal), (everyone, _) = dist_utils.any_all([stop, signalled])
         if anyone != everyone:
             raise DistributedError(
                 f"ranks disagree on early stopping at epoch {self.epoch} (rank {self.rank} said {stop}); "
                 "select on a rank-invariant score (reduce_mean() or a torchmetrics compute()), or broadcast a "
                 "rank-0-only verdict with broadcast() before step_patience()"
             )
-        return stop
+        return stop, any_signal
 
     def _finish(self) -> dict[str, float] | None:
         if self.cfg.test.enable:
@@ -369,12 +417,29 @@ class BaseTrainer(abc.ABC):
         if mode == "never":
             return None
         path = self.last_ckpt_path if mode == "auto" else Path(mode)
-        if mode == "auto" and not path.exists():
+        previous = ckpt_io.previous_path(path)
+        if mode == "auto" and not path.exists() and not previous.exists():
             return None
-        if not path.exists():
+        if mode != "auto" and not path.exists():
             raise CheckpointError(f"ckpt.resume={mode!r}: no checkpoint at {path}")
-        ckpt = ckpt_io.load_checkpoint(path)
+        try:
+            ckpt = ckpt_io.load_checkpoint(path)
+        except CheckpointCorruptError as exc:
+            if mode != "auto" or not previous.exists():
+                raise
+            # the newest file is damaged (bit rot, a disk that lied about fsync): the one before it is intact
+            ckpt = ckpt_io.load_checkpoint(previous)
+            kept = path.with_name(f"{path.stem}.corrupt{path.suffix}")
+            if self.is_main:
+                os.replace(path, kept)  # kept for inspection, and so the next save cannot rotate it into .prev
+            warnings.warn(f"{exc}; resuming from the previous checkpoint {previous} instead (the damaged file "
+                          f"is kept as {kept})", RuntimeWarning, stacklevel=3)
+            path = previous
         self._check_compatible(ckpt, path)
+        if self.is_main:
+            loop = ckpt["loop"]
+            state = f"finished ({loop.get('stop_reason')})" if loop.get("stop_reason") else f"at epoch {loop.get('epoch')}"
+            print(f"trainkit: resuming {path} {state}", file=sys.stderr, flush=True)
         return ckpt
 
     def _check_compatible(self, ckpt: Mapping[str, Any], path: Path) -> None:
@@ -434,23 +499,40 @@ class BaseTrainer(abc.ABC):
         if best.score is None:
             return
         path = self.best_ckpt_path
-        if not path.exists():
-            warnings.warn(f"{path} is missing although the checkpoint records a best score at epoch {best.epoch}; "
-                          "test() will use the current weights", RuntimeWarning, stacklevel=3)
+        payload = self._read_best_checkpoint(path, best)
+        if payload is None:
             return
-        payload = ckpt_io.load_checkpoint(path)
-        recorded = core.BestState.from_dict(payload["best"])
-        if recorded != best:
-            # best.pt is written before last.pt, so a crash between the two leaves it one improvement ahead;
-            # re-running the lost epoch (exact resume) writes the same improvement again.
-            warnings.warn(
-                f"{path} records the best at epoch {recorded.epoch} (score {recorded.score}) but {self.last_ckpt_path} "
-                f"at epoch {best.epoch} (score {best.score}); the run will rewrite {path} when it gets there again",
-                RuntimeWarning,
-                stacklevel=3,
-            )
         self.best_model = {key: value.to(self.device) if isinstance(value, torch.Tensor) else value
                            for key, value in payload["model"].items()}
+
+    def _read_best_checkpoint(self, path: Path, best: core.BestState) -> dict[str, Any] | None:
+        """Read best.pt, or repair it from best.prev.pt when a crash left it out of step with last.pt."""
+        candidates = [path, ckpt_io.previous_path(path)]
+        found = []
+        for candidate in candidates:
+            if not candidate.exists():
+                continue
+            try:
+                payload = ckpt_io.load_checkpoint(candidate)
+            except CheckpointCorruptError as exc:
+                warnings.warn(str(exc), RuntimeWarning, stacklevel=4)
+                continue
+            if core.BestState.from_dict(payload["best"]) == best:
+                if candidate != path and self.is_main:
+                    # best.pt was written, last.pt was not: put the matching best back in place
+                    ckpt_io.atomic_save(payload, path)
+                    warnings.warn(f"{path} did not match the best recorded in {self.last_ckpt_path} (epoch "
+                                  f"{best.epoch}); repaired it from {candidate}", RuntimeWarning, stacklevel=4)
+                return payload
+            found.append(f"{candidate.name}: epoch {payload['best'].get('epoch')}")
+        warnings.warn(
+            f"no best checkpoint matches the best recorded in {self.last_ckpt_path} (epoch {best.epoch}, score "
+            f"{best.score}; found {', '.join(found) or 'none'}); test() will use the current weights until the "
+            "next improvement",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return None
 
     def _checkpoint_payload(self) -> dict[str, Any]:
         payload = core.collect_payload(self._registry)
@@ -473,11 +555,15 @@ class BaseTrainer(abc.ABC):
         )
         return payload
 
-    def _save_checkpoint(self) -> None:
-        """Write best.pt (when the best changed) then last.pt on rank 0; every rank learns whether it worked."""
+    def _save_checkpoint(self) -> float | None:
+        """Write best.pt (when the best changed) then last.pt on rank 0; every rank learns whether it worked.
+
+        :returns: The seconds last.pt took to write on rank 0 (None elsewhere, or with ckpt disabled).
+        """
+        seconds = None
         if not self.cfg.ckpt.enable:
             self._best_dirty = False
-            return
+            return seconds
         rng = dist_utils.all_gather_objects(ckpt_io.capture_rng())
         error: BaseException | None = None
         if self.is_main:
@@ -493,10 +579,11 @@ class BaseTrainer(abc.ABC):
                             "config": self.cfg.to_dict(),
                         },
                         self.best_ckpt_path,
+                        keep_previous=True,
                     )
                 payload = self._checkpoint_payload()
                 payload["rng"] = rng
-                seconds = ckpt_io.atomic_save(payload, self.last_ckpt_path)
+                seconds = ckpt_io.atomic_save(payload, self.last_ckpt_path, keep_previous=True)
                 logger.debug("saved %s in %.3f s", self.last_ckpt_path, seconds)
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
                 error = exc
@@ -509,6 +596,7 @@ class BaseTrainer(abc.ABC):
             raise error
         if failed:
             raise CheckpointError(f"rank 0 failed to write {self.last_ckpt_path}; see rank 0's traceback")
+        return seconds
 
     # ------------------------------------------------------------------ best model and early stopping
 

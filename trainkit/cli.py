@@ -1,0 +1,221 @@
+"""Command-line helpers: build a config from ``argv``, and ``python -m trainkit report OUT_DIR``.
+
+Side effects: reads YAML files and run folders, writes ``curves.png``. PyYAML and matplotlib are
+optional and imported only when used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from trainkit.config import Config
+from trainkit.errors import ConfigError
+
+__all__ = ["config_from_argv", "load_yaml", "read_metrics", "summarize_run", "main"]
+
+C = TypeVar("C", bound=Config)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file into a dict.
+
+    :param path: The file.
+    :returns: Its top-level mapping (empty for an empty file).
+    :raises ConfigError: When the file is missing or its top level is not a mapping.
+    :raises ImportError: When PyYAML is not installed, saying how to get it.
+    """
+    try:
+        import yaml
+    except ImportError:
+        raise ImportError("PyYAML is needed to read YAML configs: pip install 'trainkit[examples]' (or pyyaml)") from None
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("config file", "does not exist", str(path))
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}", "must hold a mapping at the top level", type(data).__name__)
+    return data
+
+
+def config_from_argv(config_class: type[C], argv: Sequence[str], defaults: dict[str, Any] | None = None) -> C:
+    """Build a config from command-line words: YAML files (``*.yaml``/``*.yml``) then ``dotted.key=value`` overrides.
+
+    Later files override earlier ones key by key; overrides apply last, in order.
+
+    :param config_class: The config record to build.
+    :param argv: The words after the program name, e.g. ``["conf.yaml", "epochs=40", "val.patience=5"]``.
+    :param defaults: Values applied before any file (a script's own defaults).
+    :returns: The validated config.
+    :raises ConfigError: On an unknown key, a bad value, or a word that is neither a file nor an override.
+    """
+    data: dict[str, Any] = {}
+    _merge(data, defaults or {})
+    overrides = []
+    for word in argv:
+        if "=" in word:
+            overrides.append(word)
+        elif word.endswith((".yaml", ".yml")):
+            _merge(data, load_yaml(word))
+        else:
+            raise ConfigError("argument", "must be a YAML file (*.yaml) or a dotted.key=value override", word)
+    return config_class.from_mapping(data, overrides)
+
+
+def _merge(into: dict[str, Any], new: dict[str, Any]) -> None:
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def read_metrics(out_dir: str | Path) -> list[dict[str, float]]:
+    """Read every row of ``out_dir/metrics.jsonl``.
+
+    :param out_dir: The run folder.
+    :returns: The rows, in order.
+    :raises FileNotFoundError: When the run folder has no metrics file.
+    """
+    path = Path(out_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: is {out_dir} a trainkit run folder (with ckpt.enable=true)?")
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rows.append(json.loads(line))
+    return rows
+
+
+def summarize_run(out_dir: str | Path) -> dict[str, Any]:
+    """Summarize a run folder: best epoch and metrics, stop reason, epochs run, test metrics.
+
+    :param out_dir: The run folder.
+    :returns: The summary as plain values.
+    """
+    rows = read_metrics(out_dir)
+    summary: dict[str, Any] = {"rows": len(rows)}
+    last_path = Path(out_dir) / "last.pt"
+    if last_path.is_file():
+        from trainkit.checkpoint import load_checkpoint
+
+        ckpt = load_checkpoint(last_path)
+        loop = ckpt.get("loop") or {}
+        best = ckpt.get("best") or {}
+        summary.update(
+            epochs_run=loop.get("epoch"),
+            stop_reason=loop.get("stop_reason") or "not finished",
+            best_epoch=best.get("epoch"),
+            best_score=best.get("score"),
+            best_metrics=best.get("metrics", {}),
+        )
+    latest: dict[str, float] = {}
+    for row in rows:
+        latest.update(row)
+    summary["test_metrics"] = {k: v for k, v in latest.items() if k.startswith("test/")}
+    return summary
+
+
+def _series(rows: list[dict[str, float]], key: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for row in rows:
+        value = row.get(key)
+        if value is not None and not (isinstance(value, float) and math.isnan(value)):
+            xs.append(row.get("trainer/epoch", len(xs)))
+            ys.append(value)
+    return xs, ys
+
+
+def plot_curves(out_dir: str | Path, summary: dict[str, Any]) -> Path:
+    """Draw the train/val curves per epoch with the best epoch marked, into ``out_dir/curves.png``.
+
+    :param out_dir: The run folder.
+    :param summary: What :func:`summarize_run` returned.
+    :returns: The image path.
+    :raises ImportError: When matplotlib is not installed, saying how to get it.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        raise ImportError("matplotlib is needed to draw curves: pip install 'trainkit[report]' (or matplotlib)") from None
+    rows = read_metrics(out_dir)
+    keys = sorted({k for row in rows for k in row if k.startswith(("train/", "val/")) and "grad_norm" not in k})
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        groups.setdefault(key.split("/", 1)[1], []).append(key)
+    fig, axes = plt.subplots(len(groups) or 1, 1, figsize=(7, 2.6 * max(len(groups), 1)), squeeze=False)
+    for ax, (name, members) in zip(axes[:, 0], sorted(groups.items())):
+        for key in members:
+            xs, ys = _series(rows, key)
+            ax.plot(xs, ys, marker="o", markersize=3, label=key)
+        if summary.get("best_epoch") is not None:
+            ax.axvline(summary["best_epoch"], color="tab:red", linestyle="--", linewidth=1, label="best epoch")
+        ax.set_ylabel(name)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("epoch")
+    fig.suptitle(f"{Path(out_dir).name}: stopped by {summary.get('stop_reason')}")
+    fig.tight_layout()
+    path = Path(out_dir) / "curves.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _format(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def report(out_dir: str, plot: bool = True) -> int:
+    """Print a run's summary and draw its curves; the ``report`` command.
+
+    :param out_dir: The run folder.
+    :param plot: Also write ``curves.png``.
+    :returns: The process exit code.
+    """
+    summary = summarize_run(out_dir)
+    print(f"run:          {out_dir}")
+    print(f"epochs run:   {summary.get('epochs_run')}")
+    print(f"stop reason:  {summary.get('stop_reason')}")
+    print(f"best epoch:   {summary.get('best_epoch')}  (score {_format(summary.get('best_score'))})")
+    for key, value in sorted((summary.get("best_metrics") or {}).items()):
+        print(f"  {key}: {_format(value)}")
+    for key, value in sorted(summary["test_metrics"].items()):
+        print(f"{key}: {_format(value)}")
+    if plot:
+        try:
+            path = plot_curves(out_dir, summary)
+        except ImportError as exc:
+            print(f"no curves: {exc}", file=sys.stderr)
+            return 0
+        print(f"curves:       {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``python -m trainkit``.
+
+    :param argv: The arguments after the program name; ``sys.argv[1:]`` by default.
+    :returns: The process exit code.
+    """
+    parser = argparse.ArgumentParser(prog="python -m trainkit", description="trainkit command-line tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+    report_parser = commands.add_parser("report", help="summarize a run folder and draw its curves")
+    report_parser.add_argument("out_dir", help="the run's out_dir")
+    report_parser.add_argument("--no-plot", action="store_true", help="skip curves.png")
+    args = parser.parse_args(argv)
+    try:
+        return report(args.out_dir, plot=not args.no_plot)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
