@@ -1,0 +1,129 @@
+"""The examples run for real, on short settings, so none of them can rot; and the report command draws a run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+QUIET = ["wandb.mode=disabled", "progress.enable=false"]
+
+
+def run(args, **kwargs):
+    """Run a command from the repository root and return the completed process."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env, **kwargs)
+
+
+def test_digits_trains_tests_and_leaves_its_files(tmp_path):
+    """A short digits run prints its test accuracy and leaves last.pt, best.pt and metrics.jsonl."""
+    out = tmp_path / "digits"
+    proc = run([sys.executable, "examples/digits.py", "epochs=4", f"out_dir={out}", *QUIET])
+    assert proc.returncode == 0, proc.stderr
+    assert "test accuracy:" in proc.stdout
+    accuracy = float(proc.stdout.split("test accuracy:")[1].split("%")[0])
+    assert accuracy > 80.0
+    assert {"last.pt", "best.pt", "metrics.jsonl"} <= {p.name for p in out.iterdir()}
+    last = torch.load(out / "last.pt", weights_only=True)
+    assert {"model", "optimizer", "scheduler"} <= set(last)
+
+
+def test_digits_reads_a_yaml_file_and_overrides(tmp_path):
+    """A YAML file sets keys, and later dotted overrides win over it."""
+    config = tmp_path / "conf.yaml"
+    config.write_text(f"epochs: 9\nout_dir: {tmp_path / 'yaml'}\nval:\n  patience: 2\nchannels: 8\n")
+    proc = run([sys.executable, "examples/digits.py", str(config), "epochs=2", *QUIET])
+    assert proc.returncode == 0, proc.stderr
+    last = torch.load(tmp_path / "yaml" / "last.pt", weights_only=True)
+    assert last["config"]["epochs"] == 2 and last["config"]["channels"] == 8 and last["config"]["val"]["patience"] == 2
+
+
+def test_digits_typo_is_a_clear_error(tmp_path):
+    """A misspelled override stops the script with the closest key named."""
+    proc = run([sys.executable, "examples/digits.py", "val.paitence=3", f"out_dir={tmp_path}", *QUIET])
+    assert proc.returncode != 0
+    assert "did you mean 'val.patience'?" in proc.stderr
+
+
+def test_ctrl_c_then_rerun_resumes_to_the_same_result(tmp_path):
+    """Ctrl-C mid-run exits 130 after saving; the same command resumes and ends exactly like an uninterrupted run."""
+    args = [sys.executable, "examples/digits.py", "epochs=6", "val.patience=null", *QUIET]
+    reference = run([*args, f"out_dir={tmp_path / 'ref'}"])
+    assert reference.returncode == 0, reference.stderr
+
+    out = tmp_path / "interrupted"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([*args, f"out_dir={out}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "last.pt").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before the signal arrived")
+    assert proc.returncode == 130, stderr
+    assert "SIGINT received" in stderr
+    resumed = run([*args, f"out_dir={out}"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "trainkit: resuming" in resumed.stderr
+    accuracy = [line for line in resumed.stdout.splitlines() if line.startswith("test accuracy")]
+    expected = [line for line in reference.stdout.splitlines() if line.startswith("test accuracy")]
+    assert accuracy[0].split("(")[0] == expected[0].split("(")[0]
+    ref_last = torch.load(tmp_path / "ref" / "last.pt", weights_only=True)
+    got_last = torch.load(out / "last.pt", weights_only=True)
+    for key, value in ref_last["model"].items():
+        assert torch.equal(got_last["model"][key], value), key
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [row["trainer/step"] for row in rows]
+    assert steps == sorted(steps)
+    assert (out / "metrics.jsonl").read_text() == (tmp_path / "ref" / "metrics.jsonl").read_text()
+
+
+@pytest.mark.ddp
+def test_digits_runs_under_torchrun_with_two_processes(tmp_path):
+    """The unchanged script runs as 2 gloo processes under torchrun and reports a test accuracy."""
+    out = tmp_path / "ddp"
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                "examples/digits.py", "epochs=3", f"out_dir={out}", "dist.timeout_s=60", *QUIET])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("test accuracy:") == 1
+    assert torch.load(out / "last.pt", weights_only=True)["world_size"] == 2
+
+
+def test_embed_bookkeeping_example_resumes_from_plain_dicts(tmp_path):
+    """The no-trainer example pauses, resumes from its JSON records, and finishes."""
+    proc = run([sys.executable, "examples/embed_bookkeeping.py", str(tmp_path / "embed")])
+    assert proc.returncode == 0, proc.stderr
+    assert "paused after epoch 9" in proc.stdout and "resumed at epoch 10" in proc.stdout
+    state = json.loads((tmp_path / "embed" / "state.json").read_text())
+    assert state["best"]["kind"] == "BestState"
+
+
+def test_report_prints_the_summary_and_draws_curves(tmp_path):
+    """python -m trainkit report summarizes a real run and writes curves.png."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "digits"
+    proc = run([sys.executable, "examples/digits.py", "epochs=3", f"out_dir={out}", *QUIET])
+    assert proc.returncode == 0, proc.stderr
+    report = run([sys.executable, "-m", "trainkit", "report", str(out)])
+    assert report.returncode == 0, report.stderr
+    for needle in ("epochs run:   3", "stop reason:  max_epochs", "best epoch:", "test/acc:", "curves:"):
+        assert needle in report.stdout
+    png = (out / "curves.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_report_on_a_folder_without_a_run_fails_clearly(tmp_path):
+    """The report command names the missing metrics file and exits 2."""
+    report = run([sys.executable, "-m", "trainkit", "report", str(tmp_path)])
+    assert report.returncode == 2
+    assert "metrics.jsonl does not exist" in report.stderr
