@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 import zipfile
 from contextlib import suppress
 from pathlib import Path
@@ -32,6 +33,8 @@ __all__ = [
     "restore_rng",
     "seed_everything",
     "remove_stale_temp_files",
+    "payload_nbytes",
+    "warn_if_low_on_space",
 ]
 
 TEMP_SUFFIX = ".tmp"
@@ -100,9 +103,10 @@ def atomic_save(payload: Any, path: str | os.PathLike[str], *, keep_previous: bo
             tmp.unlink()
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             free = shutil.disk_usage(path.parent).free
+            needed = max(payload_nbytes(payload), written)
             raise CheckpointError(
-                f"cannot write checkpoint {path}: disk full after {written} bytes written "
-                f"(at least that much more is needed), {free} bytes free; {path} was left unchanged"
+                f"cannot write checkpoint {path}: no space left after {written} bytes; about {needed} bytes "
+                f"are needed and {free} bytes are free; {path} was left unchanged"
             ) from exc
         raise
     _fsync_directory(path.parent)
@@ -120,6 +124,49 @@ def _link_previous(path: Path) -> None:
     except OSError:  # no hard links on this filesystem: fall back to a copy
         shutil.copyfile(path, link_tmp)
     os.replace(link_tmp, previous)
+
+
+def payload_nbytes(payload: Any) -> int:
+    """Estimate a payload's size on disk: the bytes of every tensor storage in it, counted once.
+
+    :param payload: Nested dicts, lists and tuples of tensors and plain values.
+    :returns: The total tensor bytes (pickled plain values are small next to them and not counted).
+    """
+    seen: set[int] = set()
+    total = 0
+    stack = [payload]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            if storage.data_ptr() not in seen or storage.nbytes() == 0:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return total
+
+
+def warn_if_low_on_space(payload: Any, path: str | os.PathLike[str]) -> None:
+    """Warn when the checkpoint's disk has less than twice the payload's size free.
+
+    Two copies must fit during a save: the temp file being written and the file it replaces.
+
+    :param payload: What is about to be saved.
+    :param path: Where it goes.
+    """
+    needed = payload_nbytes(payload)
+    directory = Path(path).parent
+    free = shutil.disk_usage(directory if directory.exists() else Path.cwd()).free
+    if free < 2 * needed:
+        warnings.warn(
+            f"{directory} has {free} bytes free, less than twice the checkpoint's ~{needed} bytes; "
+            "saves may fail with a full disk (the previous checkpoint stays intact if they do)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def remove_stale_temp_files(directory: str | os.PathLike[str]) -> list[Path]:

@@ -142,6 +142,7 @@ class BaseTrainer(abc.ABC):
         self._owns_process_group = False
         self._failed = False
         self._signal: int | None = None
+        self._space_checked = False
         self._sink: Any = NullSink()
         self._jsonl: JsonlSink | None = None
         self._run_id: str | None = None
@@ -583,6 +584,9 @@ class BaseTrainer(abc.ABC):
                     )
                 payload = self._checkpoint_payload()
                 payload["rng"] = rng
+                if not self._space_checked:
+                    ckpt_io.warn_if_low_on_space(payload, self.last_ckpt_path)
+                    self._space_checked = True
                 seconds = ckpt_io.atomic_save(payload, self.last_ckpt_path, keep_previous=True)
                 logger.debug("saved %s in %.3f s", self.last_ckpt_path, seconds)
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks hear of it

@@ -129,7 +129,8 @@ def apply_payload(
     :param strict: When True, a registered name missing from the payload, or a payload item that is not
         registered, is an error.
     :returns: The registry with plain values replaced by the restored ones, and the names restored.
-    :raises RegistryError: Naming every missing and unexpected entry, when ``strict``.
+    :raises RegistryError: Naming every missing and unexpected entry, when ``strict``; or naming the item
+        whose ``load_state_dict()`` refused its state (e.g. parameter names or shapes that differ).
 
     >>> registry, _ = register_items(CkptRegistry(), {"note": "old"})
     >>> registry, restored = apply_payload(registry, {"note": "new"})
@@ -155,7 +156,13 @@ def apply_payload(
         if name not in payload:
             continue
         if _has(obj, "load_state_dict"):
-            obj.load_state_dict(payload[name])
+            try:
+                obj.load_state_dict(payload[name])
+            except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+                raise RegistryError(
+                    f"checkpoint item {name!r} could not be restored into the registered "
+                    f"{type(obj).__name__}: {exc}"
+                ) from exc
         else:
             restored[name] = payload[name]
         names.append(name)
