@@ -50,10 +50,10 @@ class LogBuffer:
 
     def __init__(self) -> None:
         self._scalars: dict[str, Any] = {}
-        self._vectors: list[tuple[list[str], torch.Tensor]] = []
+        self._vectors: dict[tuple[str, ...], torch.Tensor] = {}
 
     def __len__(self) -> int:
-        return len(self._scalars) + sum(len(keys) for keys, _ in self._vectors)
+        return len(self._scalars) + sum(len(keys) for keys in self._vectors)
 
     def add(self, metrics: Mapping[str, Any]) -> None:
         """Buffer scalar metrics: floats, ints, or 1-element tensors (kept on their device).
@@ -84,7 +84,9 @@ class LogBuffer:
         if len(keys) != values.numel():
             raise ValueError(f"add_vector got {len(keys)} keys for {values.numel()} values")
         if keys:
-            self._vectors.append((list(keys), values.detach().reshape(-1)))
+            # the same keys logged again before a push replace the older values, so memory stays bounded
+            self._vectors.pop(tuple(keys), None)
+            self._vectors[tuple(keys)] = values.detach().reshape(-1)
 
     def drain(self) -> dict[str, float]:
         """Return every buffered metric as a Python float and empty the buffer.
@@ -101,8 +103,8 @@ class LogBuffer:
                 result[key] = math.nan  # placeholder keeps logging order
             else:
                 result[key] = float(value)
-        for keys, values in self._vectors:
-            by_device.setdefault(values.device, []).append((keys, values))
+        for keys, values in self._vectors.items():
+            by_device.setdefault(values.device, []).append((list(keys), values))
         for entries in by_device.values():
             flat = torch.cat([values.to(torch.float64) for _, values in entries]).tolist()
             names = [key for keys, _ in entries for key in keys]

@@ -15,6 +15,21 @@ from trainkit.distributed import unwrap
 __all__ = ["named_trainable_parameters", "make_param_groups", "total_grad_norm", "clip_grads_", "param_stats"]
 
 
+def _named_trainable(modules: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter, tuple[str, ...]]]:
+    """Each trainable parameter once: its first name, itself, and every name it goes by (tied weights)."""
+    order: dict[int, tuple[str, nn.Parameter]] = {}
+    aliases: dict[int, list[str]] = {}
+    for index, module in enumerate(modules):
+        module = unwrap(module)
+        prefix = f"{index}." if len(modules) > 1 else ""
+        for name, param in module.named_parameters(remove_duplicate=False):
+            if not param.requires_grad:
+                continue
+            order.setdefault(id(param), (prefix + name, param))
+            aliases.setdefault(id(param), []).append(prefix + name)
+    return [(name, param, tuple(aliases[key])) for key, (name, param) in order.items()]
+
+
 def named_trainable_parameters(modules: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]]:
     """List the trainable parameters of ``modules`` once each, with readable names, in a fixed order.
 
@@ -25,17 +40,7 @@ def named_trainable_parameters(modules: Sequence[nn.Module]) -> list[tuple[str, 
     :param modules: The modules, in order.
     :returns: ``(name, parameter)`` pairs.
     """
-    seen: set[int] = set()
-    named = []
-    for index, module in enumerate(modules):
-        module = unwrap(module)
-        prefix = f"{index}." if len(modules) > 1 else ""
-        for name, param in module.named_parameters():
-            if not param.requires_grad or id(param) in seen:
-                continue
-            seen.add(id(param))
-            named.append((prefix + name, param))
-    return named
+    return [(name, param) for name, param, _ in _named_trainable(modules)]
 
 
 def make_param_groups(
@@ -43,7 +48,8 @@ def make_param_groups(
 ) -> list[dict]:
     """Split parameters into a weight-decayed group and an undecayed one.
 
-    A parameter is undecayed when it is 1-D or its name contains one of ``no_weight_decay``.
+    A parameter is undecayed when it is 1-D or any of its names (a tied weight has several) contains one
+    of ``no_weight_decay``, so an embedding tied to an output head is undecayed whichever is declared first.
 
     :param modules: The modules to take trainable parameters from.
     :param weight_decay: The decay of the first group.
@@ -54,8 +60,8 @@ def make_param_groups(
     fragments = tuple(no_weight_decay)
     decay: list[tuple[str, nn.Parameter]] = []
     no_decay: list[tuple[str, nn.Parameter]] = []
-    for name, param in named_trainable_parameters(modules):
-        exempt = param.ndim <= 1 or any(fragment in name for fragment in fragments)
+    for name, param, names in _named_trainable(modules):
+        exempt = param.ndim <= 1 or any(fragment in alias for alias in names for fragment in fragments)
         (no_decay if exempt else decay).append((name, param))
     groups = []
     for group_name, members, wd in (("decay", decay, float(weight_decay)), ("no_decay", no_decay, 0.0)):

@@ -877,9 +877,11 @@ class BaseTrainer(abc.ABC):
         if self.cfg.ckpt.enable:
             ckpt_io.remove_stale_temp_files(self.out_dir)
             offset = (ckpt or {}).get("metrics_offset")
-            self._jsonl = JsonlSink(self.out_dir / METRICS_FILE, truncate_to=offset if ckpt is not None else None)
+            # a fresh run starts a fresh file; a resumed one drops the rows of the epoch it lost
+            self._jsonl = JsonlSink(self.out_dir / METRICS_FILE, truncate_to=offset if ckpt is not None else 0)
         wb = self.cfg.wandb
-        if wb.mode != "disabled":
+        finished = ckpt is not None and ckpt.get("results") is not None
+        if wb.mode != "disabled" and not finished:  # a finished run only returns its results: no new W&B run
             self._sink = WandbSink(
                 mode=wb.mode,
                 run_id=self._run_id,

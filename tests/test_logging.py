@@ -1,0 +1,238 @@
+"""log() and push_logs(): a device-side buffer drained in one transfer, and metrics.jsonl across a resume."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from tests.trainers import TinyTrainer
+
+HOST_SYNCS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
+"""Tensor methods that move a value to the host (and so wait for the device)."""
+
+
+@contextlib.contextmanager
+def count_host_syncs(monkeypatch):
+    """Count calls to the tensor methods that sync with the host, while the block runs."""
+    counts: Counter[str] = Counter()
+    with monkeypatch.context() as patch:
+        for name in HOST_SYNCS:
+            original = getattr(torch.Tensor, name)
+
+            def counting(self, *args, _name=name, _original=original, **kwargs):
+                counts[_name] += 1
+                return _original(self, *args, **kwargs)
+
+            patch.setattr(torch.Tensor, name, counting)
+        yield counts
+
+
+def config(tmp_path, **overrides):
+    return {
+        "epochs": 3,
+        "out_dir": str(tmp_path),
+        "wandb": {"mode": "disabled"},
+        "progress": {"enable": False},
+        **overrides,
+    }
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    trainer = TinyTrainer(config(tmp_path, log_weight_stats=True))
+    yield trainer
+    trainer.close()
+
+
+def read_rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------------- the buffer
+
+
+def test_log_buffers_without_a_host_sync(trainer, monkeypatch):
+    """log() of floats, ints and tensors (mapping or keywords) touches no tensor-to-host method."""
+    loss = torch.tensor(0.25) * 2
+    with count_host_syncs(monkeypatch) as counts:
+        trainer.log({"train/loss": loss, "train/acc": 0.75, "train/count": 3})
+        trainer.log(extra=torch.tensor([4.0]))
+        trainer.log_param_grad_stats()
+    assert counts == Counter()
+
+
+def test_push_moves_everything_in_one_transfer_and_clears(trainer, monkeypatch):
+    """push_logs() turns every buffered tensor into a float with one tolist() and empties the buffer."""
+    trainer.log({"train/loss": torch.tensor(0.5), "train/acc": 0.75, "train/count": 3})
+    trainer.log(extra=torch.tensor([4.0], dtype=torch.float16), n=torch.tensor(7))
+    trainer.log_param_grad_stats()  # a vector of four weight norms, from the same device
+    with count_host_syncs(monkeypatch) as counts:
+        pushed = trainer.push_logs()
+    assert counts == Counter({"tolist": 1})
+    weight_keys = {f"params/{name}/weight_norm" for name, _ in trainer.model.named_parameters()}
+    assert set(pushed) == {"train/loss", "train/acc", "train/count", "extra", "n"} | weight_keys
+    assert pushed["train/loss"] == 0.5 and pushed["train/acc"] == 0.75 and pushed["train/count"] == 3.0
+    assert pushed["extra"] == 4.0 and pushed["n"] == 7.0
+    assert all(type(value) is float for value in pushed.values())
+    assert trainer.push_logs() == {}
+
+
+def test_a_key_logged_twice_keeps_its_last_value(trainer):
+    """Logging a key again before a push replaces the earlier value."""
+    trainer.log({"val/loss": torch.tensor(1.0)})
+    trainer.log({"val/loss": 2.0})
+    trainer.log({"train/loss": 3.0})
+    trainer.log({"train/loss": torch.tensor(4.0)})
+    assert trainer.push_logs() == {"val/loss": 2.0, "train/loss": 4.0}
+
+
+def test_a_logged_tensor_keeps_its_value_at_log_time(trainer):
+    """A tensor changed in place after log() is pushed with the value it had when it was logged."""
+    running = torch.zeros(())
+    running += 2.0
+    trainer.log({"train/loss_sum": running})
+    running.zero_()  # e.g. an accumulator reset by the next phase before the end-of-epoch push
+    assert trainer.push_logs() == {"train/loss_sum": 2.0}
+
+
+@pytest.mark.parametrize(
+    "value",
+    [torch.ones(2), torch.zeros(0), torch.ones(1, 2), "abc", "1.5", None, [1.0], {"a": 1.0}],
+    ids=["vector", "empty", "matrix", "word", "numeric-string", "none", "list", "dict"],
+)
+def test_log_rejects_non_scalars_naming_the_key(trainer, value):
+    """log() raises TypeError naming the key for a tensor of other than one element, or a value that is no number."""
+    with pytest.raises(TypeError, match="train/bad"):
+        trainer.log({"train/bad": value})
+
+
+def test_push_writes_one_jsonl_row_with_step_and_epoch(trainer):
+    """Each non-empty push appends a metrics.jsonl row with trainer/step and trainer/epoch; an empty one writes none."""
+    path = trainer.out_dir / "metrics.jsonl"
+    trainer.log({"train/loss": torch.tensor(1.5)})
+    assert trainer.push_logs() == {"train/loss": 1.5}
+    trainer.step, trainer.epoch = 7, 2
+    trainer.log(a=1.0)
+    trainer.push_logs()
+    trainer.push_logs()
+    assert read_rows(path) == [
+        {"trainer/step": 0, "trainer/epoch": 0, "train/loss": 1.5},
+        {"trainer/step": 7, "trainer/epoch": 2, "a": 1.0},
+    ]
+
+
+def test_a_run_writes_one_row_per_epoch(tmp_path):
+    """A plain run pushes once per epoch: rows with epochs 0..n-1 and the step after each epoch's optimizer steps."""
+    trainer = TinyTrainer(config(tmp_path))
+    try:
+        result = trainer.train()
+    finally:
+        trainer.close()
+    rows = read_rows(tmp_path / "metrics.jsonl")
+    assert [row["trainer/epoch"] for row in rows] == [0, 1, 2]
+    assert [row["trainer/step"] for row in rows] == [6, 12, 18]  # 192 training samples in batches of 32
+    assert all({"train/loss", "train/grad_norm", "train/grad_norm_epoch", "val/loss"} <= row.keys() for row in rows)
+    assert result["val/loss"] == rows[-1]["val/loss"]
+
+
+# ---------------------------------------------------------------------------------- metrics.jsonl across a resume
+
+
+class Crash(Exception):
+    """The injected failure."""
+
+
+class PushingTrainer(TinyTrainer):
+    """TinyTrainer that also pushes after training, mid-epoch, then crashes at ``crash_at`` after that push."""
+
+    crash_at: int | None = None
+
+    def train_epoch(self):
+        super().train_epoch()
+        self.push_logs()  # rows the next checkpoint covers; lost if the epoch dies
+        if self.epoch == self.crash_at:
+            raise Crash(f"injected crash after epoch {self.epoch}'s training push")
+
+
+def run(cls, cfg):
+    trainer = cls(cfg)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+def crashing(at):
+    return type(f"CrashAt{at}", (PushingTrainer,), {"crash_at": at})
+
+
+def check_monotone(rows):
+    keys = [(row["trainer/epoch"], row["trainer/step"], tuple(sorted(row))) for row in rows]
+    assert len(keys) == len(set(keys)), "a row was written twice"
+    steps = [row["trainer/step"] for row in rows]
+    epochs = [row["trainer/epoch"] for row in rows]
+    assert steps == sorted(steps) and epochs == sorted(epochs), "rows went backwards"
+
+
+def test_resume_after_a_crash_leaves_no_duplicate_or_backward_rows(tmp_path):
+    """After a crash mid-epoch and a resume with the same config, metrics.jsonl equals an uninterrupted run's."""
+    cfg_a = config(tmp_path / "a", epochs=4)
+    cfg_b = config(tmp_path / "b", epochs=4)
+    run(PushingTrainer, cfg_a)
+    with pytest.raises(Crash):
+        run(crashing(2), cfg_b)
+    crashed = read_rows(tmp_path / "b" / "metrics.jsonl")
+    assert [row["trainer/epoch"] for row in crashed] == [0, 0, 1, 1, 2]  # epoch 2's training row was written
+
+    run(PushingTrainer, cfg_b)
+
+    reference = read_rows(tmp_path / "a" / "metrics.jsonl")
+    resumed = read_rows(tmp_path / "b" / "metrics.jsonl")
+    check_monotone(resumed)
+
+    def when(rows):
+        return [(row["trainer/epoch"], row["trainer/step"]) for row in rows]
+
+    assert when(resumed) == when(reference)
+    assert resumed == reference  # exact resume: same values too
+
+
+def test_resume_twice_and_after_finishing_adds_no_rows(tmp_path):
+    """Two crashes and resumes give the uninterrupted file; resuming a finished run appends nothing."""
+    cfg_a = config(tmp_path / "a", epochs=4)
+    cfg_b = config(tmp_path / "b", epochs=4)
+    run(PushingTrainer, cfg_a)
+    for at in (1, 3):
+        with pytest.raises(Crash):
+            run(crashing(at), cfg_b)
+    run(PushingTrainer, cfg_b)
+    path = tmp_path / "b" / "metrics.jsonl"
+    size = path.stat().st_size
+    run(PushingTrainer, cfg_b)
+    assert path.stat().st_size == size
+    assert read_rows(path) == read_rows(tmp_path / "a" / "metrics.jsonl")
+
+
+def test_crash_before_the_first_checkpoint_leaves_no_stale_rows(tmp_path):
+    """A run that died in epoch 0 (before any last.pt) and is started again leaves no rows of the dead attempt."""
+    cfg = config(tmp_path, epochs=2)
+    with pytest.raises(Crash):
+        run(crashing(0), cfg)
+    assert not (tmp_path / "last.pt").exists()
+    run(PushingTrainer, cfg)
+    rows = read_rows(tmp_path / "metrics.jsonl")
+    check_monotone(rows)
+    assert [row["trainer/epoch"] for row in rows] == [0, 0, 1, 1]
+
+
+def test_nan_and_inf_metrics_reach_the_file(trainer):
+    """Non-finite values are written as such, not dropped or turned into strings."""
+    trainer.log({"a": math.nan, "b": torch.tensor(math.inf)})
+    trainer.push_logs()
+    (row,) = read_rows(trainer.out_dir / "metrics.jsonl")
+    assert math.isnan(row["a"]) and row["b"] == math.inf
