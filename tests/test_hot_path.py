@@ -1,0 +1,76 @@
+"""Nothing trainkit does per step forces a device-to-host sync: counted over whole training steps."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import attrs
+import torch
+from torch import nn
+
+import trainkit
+from tests.trainers import TinyConfig, TinyTrainer
+
+TRAINKIT_DIR = str(Path(trainkit.__file__).parent)
+HOST_SYNCS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
+
+
+@attrs.frozen(kw_only=True)
+class HotConfig(TinyConfig):
+    """TinyConfig with the per-parameter statistics on, every step."""
+
+    log_weight_stats: bool = True
+    log_grad_stats: bool = True
+    log_stats_every_n_steps: int = 1
+
+
+class CountingTrainer(TinyTrainer):
+    """Counts host syncs made from trainkit code during each optimizer step (forward to optimizer.step)."""
+
+    config_class = HotConfig
+
+    def train_epoch(self):
+        counts: Counter[str] = Counter()
+        originals = {name: getattr(torch.Tensor, name) for name in HOST_SYNCS}
+
+        def counting(name):
+            original = originals[name]
+
+            def wrapper(tensor, *args, **kwargs):
+                caller = sys._getframe(1).f_code.co_filename
+                if caller.startswith(TRAINKIT_DIR):
+                    counts[f"{name} from {Path(caller).name}:{sys._getframe(1).f_lineno}"] += 1
+                return original(tensor, *args, **kwargs)
+
+            return wrapper
+
+        self.model.train()
+        for x, y in self.progress(self.loader):
+            try:
+                for name in HOST_SYNCS:
+                    setattr(torch.Tensor, name, counting(name))
+                loss = nn.functional.mse_loss(self.model(x), y)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                self.log_param_grad_stats()
+                self.clip_and_log_grad_norm()
+                self.optimizer.step()
+                self.log({"train/loss": loss.detach(), "train/lr": self.optimizer.param_groups[0]["lr"]})
+                self.log_lr()
+            finally:
+                for name, original in originals.items():
+                    setattr(torch.Tensor, name, original)
+        self.log_epoch_grad_norm()
+        self.syncs = getattr(self, "syncs", Counter()) + counts
+
+
+def test_no_host_sync_per_step(tmp_path):
+    """Over two epochs of steps with every per-step helper on, trainkit code calls no syncing tensor method."""
+    cfg = {"epochs": 2, "out_dir": str(tmp_path), "wandb": {"mode": "disabled"}, "progress": {"enable": True},
+           "grad_clip": 0.5, "val": {"minimize": True}}
+    trainer = CountingTrainer(cfg)
+    trainer.train()
+    assert trainer.step > 10
+    assert trainer.syncs == Counter()
