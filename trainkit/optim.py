@@ -134,13 +134,16 @@ def param_stats(
         keys += [f"params/{name}/weight_norm" for name, _ in named_params]
         pieces.append(weight_norms)
     if grads:
-        with_grad = [(i, name, p.grad) for i, (name, p) in enumerate(named_params) if p.grad is not None]
+        with_grad = [(name, p) for name, p in named_params if p.grad is not None]
         if with_grad:
-            grad_norms = torch.stack([n.float() for n in torch._foreach_norm([g for _, _, g in with_grad], 2.0)])
-            index = torch.tensor([i for i, _, _ in with_grad], device=weight_norms.device)
-            ratios = grad_norms / weight_norms.index_select(0, index)
-            keys += [f"params/{name}/grad_norm" for _, name, _ in with_grad]
-            keys += [f"params/{name}/grad_to_weight" for _, name, _ in with_grad]
+            grad_norms = torch.stack([n.float() for n in torch._foreach_norm([p.grad for _, p in with_grad], 2.0)])
+            if len(with_grad) == len(named_params):
+                own_weight_norms = weight_norms
+            else:  # a second fused norm rather than an index tensor built on the host (an H2D copy)
+                own_weight_norms = torch.stack([n.float() for n in torch._foreach_norm([p.detach() for _, p in with_grad], 2.0)])
+            ratios = grad_norms / own_weight_norms
+            keys += [f"params/{name}/grad_norm" for name, _ in with_grad]
+            keys += [f"params/{name}/grad_to_weight" for name, _ in with_grad]
             pieces += [grad_norms, ratios]
     if not pieces:  # grads only, and no parameter has a gradient yet
         return keys, torch.zeros(0, device=weight_norms.device)
