@@ -384,11 +384,14 @@ class CkptConfig(_Section):
     an existing ``last.pt`` is overwritten by the first epoch), or the path of a checkpoint to resume from.
     ``requeue_signal`` is a signal name (besides SIGTERM and SIGINT) that makes the run save at the end of
     the current epoch and exit, as a cluster scheduler sends before requeueing a job; None disables it.
+    ``async_save`` copies the state into reused host buffers and writes it from a background thread, so
+    the loop waits only for the copy (off by default).
     """
 
     enable: bool = True
     resume: str = attrs.field(default="auto", validator=_non_empty)
     requeue_signal: str | None = attrs.field(default="SIGUSR1", validator=_optional(_signal_name))
+    async_save: bool = False
 
 
 @attrs.frozen(kw_only=True)

@@ -25,6 +25,7 @@ from trainkit import bookkeeping as core
 from trainkit import checkpoint as ckpt_io
 from trainkit import distributed as dist_utils
 from trainkit import optim as optim_utils
+from trainkit.async_save import AsyncCheckpointWriter, StagingBuffers
 from trainkit.config import Config
 from trainkit.errors import (
     CheckpointCorruptError,
@@ -143,6 +144,8 @@ class BaseTrainer(abc.ABC):
         self._failed = False
         self._signal: int | None = None
         self._space_checked = False
+        self._writer = AsyncCheckpointWriter() if self.cfg.ckpt.async_save else None
+        self._staging = StagingBuffers()
         self._sink: Any = NullSink()
         self._jsonl: JsonlSink | None = None
         self._run_id: str | None = None
@@ -226,6 +229,7 @@ class BaseTrainer(abc.ABC):
                 bar.close()
             return self._finish()
         except TrainingInterrupted as exc:
+            self._finish_writes_after_failure()
             if self.is_main:
                 print(f"trainkit: {exc}", file=sys.stderr, flush=True)
             self._failed = True
@@ -233,6 +237,7 @@ class BaseTrainer(abc.ABC):
             raise
         except BaseException:
             self._failed = True
+            self._finish_writes_after_failure()
             self._close_sinks(failed=True)
             raise
         finally:
@@ -281,6 +286,9 @@ class BaseTrainer(abc.ABC):
             signal.signal(number, handler)
 
     def _stop_for_signal(self, save_seconds: float | None) -> None:
+        if self._writer is not None and self.is_main:
+            self._wait_for_writes()
+            save_seconds = self._writer.last_seconds
         number = self._signal if self._signal is not None else signal.SIGTERM
         raise TrainingInterrupted(signal.Signals(number).name, int(number), self.epoch, save_seconds)
 
@@ -313,6 +321,8 @@ class BaseTrainer(abc.ABC):
         self.log_training_results()
         self._results = {**self._latest_metrics, **self.best_metrics}
         self._save_checkpoint()
+        if self.is_main:
+            self._wait_for_writes()
         self._close_sinks()
         return dict(self._results) or None
 
@@ -326,6 +336,7 @@ class BaseTrainer(abc.ABC):
         :returns: The ``test/*`` metrics.
         :raises HookNotImplementedError: When the subclass has no :meth:`test_epoch`.
         """
+        self._wait_for_writes()
         model = dist_utils.unwrap(self.model)
         if self.best_model is not None and model is not None:
             model.load_state_dict(self.best_model)
@@ -559,7 +570,10 @@ class BaseTrainer(abc.ABC):
     def _save_checkpoint(self) -> float | None:
         """Write best.pt (when the best changed) then last.pt on rank 0; every rank learns whether it worked.
 
-        :returns: The seconds last.pt took to write on rank 0 (None elsewhere, or with ckpt disabled).
+        With ``ckpt.async_save`` rank 0 only copies the state into reused host buffers here and a
+        background thread writes it (as atomically and durably); a failed write raises at the next save.
+
+        :returns: The seconds last.pt took to write on rank 0 (None elsewhere, with ckpt disabled, or async).
         """
         seconds = None
         if not self.cfg.ckpt.enable:
@@ -569,26 +583,31 @@ class BaseTrainer(abc.ABC):
         error: BaseException | None = None
         if self.is_main:
             try:
-                if self._best_dirty:
+                self._wait_for_writes()  # a failed background write surfaces here, and every rank hears of it
+                writes: dict[str, tuple[dict[str, Any], Path]] = {}
+                if self._best_dirty:  # best.pt before last.pt: a crash between them is repaired on resume
                     best = self.best_state
-                    ckpt_io.atomic_save(
-                        {
-                            "schema_version": CHECKPOINT_SCHEMA_VERSION,
-                            "model": self.best_model,
-                            "best": best.to_dict(),
-                            "epoch": best.epoch,
-                            "config": self.cfg.to_dict(),
-                        },
-                        self.best_ckpt_path,
-                        keep_previous=True,
-                    )
+                    best_payload = {
+                        "schema_version": CHECKPOINT_SCHEMA_VERSION,
+                        "model": self.best_model,
+                        "best": best.to_dict(),
+                        "epoch": best.epoch,
+                        "config": self.cfg.to_dict(),
+                    }
+                    writes["best"] = (best_payload, self.best_ckpt_path)
                 payload = self._checkpoint_payload()
                 payload["rng"] = rng
+                writes["last"] = (payload, self.last_ckpt_path)
                 if not self._space_checked:
                     ckpt_io.warn_if_low_on_space(payload, self.last_ckpt_path)
                     self._space_checked = True
-                seconds = ckpt_io.atomic_save(payload, self.last_ckpt_path, keep_previous=True)
-                logger.debug("saved %s in %.3f s", self.last_ckpt_path, seconds)
+                if self._writer is not None:
+                    staged = self._staging.stage({name: data for name, (data, _) in writes.items()})
+                    self._writer.submit([(staged[name], path) for name, (_, path) in writes.items()])
+                else:
+                    for data, path in writes.values():
+                        seconds = ckpt_io.atomic_save(data, path, keep_previous=True)
+                    logger.debug("saved %s in %.3f s", self.last_ckpt_path, seconds)
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
                 error = exc
         self._best_dirty = False
@@ -945,6 +964,8 @@ class BaseTrainer(abc.ABC):
         (``launch``/``spawn`` do) to also tear down the process group. After a successful ``train()`` the
         ranks meet in a barrier first; after a failed one they do not (the others may be gone).
         """
+        if self.is_main and not self._failed:
+            self._wait_for_writes()
         self._close_sinks()
         if self._owns_process_group and dist_utils.is_distributed():
             if not self._failed:
@@ -953,6 +974,18 @@ class BaseTrainer(abc.ABC):
                 torch.distributed.barrier()
             torch.distributed.destroy_process_group()
             self._owns_process_group = False
+
+    def _finish_writes_after_failure(self) -> None:
+        """Let an in-flight background write land (its state is good), without masking the error at hand."""
+        try:
+            self._wait_for_writes()
+        except Exception as exc:  # noqa: BLE001 - the exception being raised matters more
+            warnings.warn(f"a background checkpoint write also failed: {exc!r}", RuntimeWarning, stacklevel=3)
+
+    def _wait_for_writes(self) -> None:
+        """Block until a background checkpoint write is on disk; raise its failure if it had one."""
+        if self._writer is not None:
+            self._writer.wait()
 
     def _close_sinks(self, failed: bool = False) -> None:
         self._sink.finish(exit_code=1 if failed else 0)

@@ -1,0 +1,81 @@
+"""ckpt.async_save: the same files and exact resume as synchronous saves, failures surfaced, buffers reused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trainkit.async_save
+from tests.test_trainer import Crash, dying, make_cfg
+from tests.trainers import TinyTrainer
+from trainkit.async_save import AsyncCheckpointWriter, StagingBuffers
+
+
+def test_async_run_writes_the_same_checkpoints_as_a_sync_run(tmp_path):
+    """With async_save on, last.pt and best.pt hold exactly what a synchronous run writes."""
+    sync = TinyTrainer(make_cfg(tmp_path / "sync", test={"enable": True}))
+    expected = sync.train()
+    trainer = TinyTrainer(make_cfg(tmp_path / "async", test={"enable": True}, ckpt={"async_save": True}))
+    assert trainer.train() == expected
+    for name in ("last.pt", "best.pt"):
+        want = torch.load(tmp_path / "sync" / name, weights_only=True)
+        got = torch.load(tmp_path / "async" / name, weights_only=True)
+        assert str(got["model"]) == str(want["model"]) and got.get("best") == want.get("best")
+
+
+def test_async_resume_is_bit_identical(tmp_path):
+    """A crash during an async run resumes to the same weights as an uninterrupted synchronous run."""
+    reference = TinyTrainer(make_cfg(tmp_path / "ref"))
+    reference.train()
+    cfg = make_cfg(tmp_path / "run", ckpt={"async_save": True})
+    with pytest.raises(Crash):
+        dying(2)(cfg).train()
+    resumed = TinyTrainer(cfg)
+    assert resumed.epoch == 2
+    resumed.train()
+    for key, value in reference.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[key], value)
+
+
+def test_background_failure_surfaces_at_the_next_save_with_the_original_error(tmp_path, monkeypatch):
+    """A write that fails in the background raises its own error from the next save, and last.pt stays loadable."""
+    calls = {"n": 0}
+    real_save = trainkit.async_save.atomic_save
+
+    def flaky(payload, path, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(28, "injected: no space left on device")
+        return real_save(payload, path, **kwargs)
+
+    monkeypatch.setattr(trainkit.async_save, "atomic_save", flaky)
+    trainer = TinyTrainer(make_cfg(tmp_path, epochs=4, ckpt={"async_save": True}))
+    with pytest.raises(OSError, match="injected: no space left"):
+        trainer.train()
+    torch.load(tmp_path / "last.pt", weights_only=True)
+
+
+def test_staging_reuses_its_buffers_and_shares_nothing_with_the_payload():
+    """Staging the same layout twice reuses the same host buffers, and later changes to the source stay out."""
+    staging = StagingBuffers()
+    source = {"model": {"w": torch.ones(3, 3)}, "step": 4, "names": ["a"]}
+    first = staging.stage(source)
+    pointer = first["model"]["w"].data_ptr()
+    source["model"]["w"].add_(1)
+    assert torch.equal(first["model"]["w"], torch.ones(3, 3))
+    second = staging.stage(source)
+    assert second["model"]["w"].data_ptr() == pointer and torch.equal(second["model"]["w"], 2 * torch.ones(3, 3))
+    assert second["names"] == ["a"] and second["names"] is not source["names"]
+    assert staging.nbytes == 9 * 4
+
+
+def test_writer_keeps_at_most_one_job_in_flight(tmp_path):
+    """submit() waits for the previous job, so two writes never overlap, and wait() leaves nothing running."""
+    writer = AsyncCheckpointWriter()
+    big = {"x": torch.zeros(2_000_000)}
+    writer.submit([(big, tmp_path / "a.pt")])
+    writer.submit([({"x": torch.ones(1)}, tmp_path / "a.pt")])
+    writer.wait()
+    assert not writer.busy
+    assert torch.equal(torch.load(tmp_path / "a.pt", weights_only=True)["x"], torch.ones(1))
+    assert (tmp_path / "a.prev.pt").exists()

@@ -1,0 +1,121 @@
+"""Asynchronous checkpoint writes: copy the state into reused CPU buffers, write it in the background.
+
+Side effects: a background thread that calls :func:`trainkit.checkpoint.atomic_save`, so every write is
+as atomic and durable as a synchronous one. At most one write is in flight; the next submit, and
+:meth:`AsyncCheckpointWriter.wait`, wait for it and re-raise its failure with the original exception.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainkit.checkpoint import atomic_save
+
+__all__ = ["AsyncCheckpointWriter", "StagingBuffers"]
+
+
+class StagingBuffers:
+    """Host copies of a payload's tensors, allocated once per tensor slot and reused by every save.
+
+    The payload's structure (dict keys, list positions) names each slot; a slot whose shape or dtype
+    changes gets a new buffer. On CUDA the buffers are pinned, so the device-to-host copies are DMA.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the buffers."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def stage(self, payload: Any) -> Any:
+        """Copy ``payload`` into the buffers: tensors into their slots, everything else deep-copied.
+
+        Side effects: one copy per tensor (waits for device copies to finish before returning).
+
+        :param payload: Nested dicts, lists and tuples of tensors and plain values.
+        :returns: A structure equal to ``payload`` that shares nothing with it.
+        """
+        staged = self._stage(payload, ())
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the write thread must see finished copies
+        return staged
+
+    def _stage(self, item: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(item, torch.Tensor):
+            buffer = self._buffers.get(path)
+            if buffer is None or buffer.shape != item.shape or buffer.dtype != item.dtype:
+                buffer = torch.empty(item.shape, dtype=item.dtype, device="cpu",
+                                     pin_memory=item.device.type == "cuda")
+                self._buffers[path] = buffer
+            buffer.copy_(item.detach(), non_blocking=item.device.type == "cuda")
+            return buffer
+        if isinstance(item, dict):
+            staged = {key: self._stage(value, (*path, key)) for key, value in item.items()}
+            if isinstance(item, OrderedDict):  # a module's state_dict: keep its type and version metadata
+                staged = OrderedDict(staged)
+                if hasattr(item, "_metadata"):
+                    staged._metadata = copy.deepcopy(item._metadata)  # type: ignore[attr-defined]
+            return staged
+        if isinstance(item, list | tuple):
+            staged = [self._stage(value, (*path, index)) for index, value in enumerate(item)]
+            return staged if isinstance(item, list) else tuple(staged)
+        return copy.deepcopy(item)
+
+
+class AsyncCheckpointWriter:
+    """One background writer; at most one job (a list of ``(payload, path)`` writes) in flight."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_seconds: float | None = None
+
+    def submit(self, writes: list[tuple[Any, Path]], on_done: Callable[[float], None] | None = None) -> None:
+        """Wait for the previous job, then start writing ``writes`` in order in the background.
+
+        :param writes: ``(staged payload, path)`` pairs; each is written with ``atomic_save(keep_previous=True)``.
+        :param on_done: Called with the job's seconds when it succeeds (from the writer thread).
+        :raises BaseException: The previous job's failure, unchanged.
+        """
+        self.wait()
+
+        def run() -> None:
+            total = 0.0
+            try:
+                for payload, path in writes:
+                    total += atomic_save(payload, path, keep_previous=True)
+            except BaseException as exc:  # noqa: BLE001 - surfaced by the next wait()
+                self._error = exc
+                return
+            self.last_seconds = total
+            if on_done is not None:
+                on_done(total)
+
+        self._thread = threading.Thread(target=run, name="trainkit-checkpoint-writer", daemon=False)
+        self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        """True while a job is being written."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Block until the job in flight (if any) is on disk.
+
+        :raises BaseException: That job's failure, with its original traceback (raised once).
+        """
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
