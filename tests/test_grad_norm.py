@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections import Counter
 
@@ -10,26 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.host_syncs import HOST_SYNCS, count_host_syncs
 from trainkit import BaseTrainer
-
-HOST_SYNCS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
-"""Tensor methods that move a value to the host (and so wait for the device)."""
-
-
-@contextlib.contextmanager
-def count_host_syncs(monkeypatch):
-    """Count calls to the tensor methods that sync with the host, while the block runs."""
-    counts: Counter[str] = Counter()
-    with monkeypatch.context() as patch:
-        for name in HOST_SYNCS:
-            original = getattr(torch.Tensor, name)
-
-            def counting(self, *args, _name=name, _original=original, **kwargs):
-                counts[_name] += 1
-                return _original(self, *args, **kwargs)
-
-            patch.setattr(torch.Tensor, name, counting)
-        yield counts
 
 
 class Net(nn.Module):
@@ -174,7 +155,7 @@ def test_clip_and_log_grad_norm_does_not_sync_with_the_host(make_trainer, monkey
     """Measuring, clipping and logging the norm (and the epoch mean) call no tensor-to-host method."""
     trainer = make_trainer(grad_clip=grad_clip)
     backward(trainer.model, scale=10.0)
-    with count_host_syncs(monkeypatch) as counts:
+    with count_host_syncs() as counts:
         trainer.clip_and_log_grad_norm()
         trainer.clip_and_log_grad_norm()
         trainer.log_epoch_grad_norm()
@@ -184,7 +165,7 @@ def test_clip_and_log_grad_norm_does_not_sync_with_the_host(make_trainer, monkey
 def test_host_sync_counter_sees_syncs(monkeypatch):
     """The counter used above does notice each kind of host transfer (so a zero count means something)."""
     t = torch.ones(())
-    with count_host_syncs(monkeypatch) as counts:
+    with count_host_syncs() as counts:
         t.item(), float(t), t.tolist(), t.cpu(), int(t), bool(t), t.numpy()
     assert counts == Counter({name: 1 for name in HOST_SYNCS})
 
@@ -306,7 +287,7 @@ def test_param_stats_do_not_sync_with_the_host(make_trainer, monkeypatch):
     """Computing and buffering the per-parameter statistics calls no tensor-to-host method."""
     trainer = make_trainer(log_weight_stats=True, log_grad_stats=True)
     backward(trainer.model)
-    with count_host_syncs(monkeypatch) as counts:
+    with count_host_syncs() as counts:
         trainer.log_param_grad_stats()
     assert counts == Counter()
     assert len(trainer.push_logs()) == 3 * len(TRAINABLE)

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from pathlib import Path
 
 import attrs
-import torch
 from torch import nn
 
 import trainkit
+from tests.host_syncs import count_host_syncs
 from tests.trainers import TinyConfig, TinyTrainer
 
 TRAINKIT_DIR = str(Path(trainkit.__file__).parent)
-HOST_SYNCS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
 
 
 @attrs.frozen(kw_only=True)
@@ -33,24 +31,9 @@ class CountingTrainer(TinyTrainer):
 
     def train_epoch(self):
         counts: Counter[str] = Counter()
-        originals = {name: getattr(torch.Tensor, name) for name in HOST_SYNCS}
-
-        def counting(name):
-            original = originals[name]
-
-            def wrapper(tensor, *args, **kwargs):
-                caller = sys._getframe(1).f_code.co_filename
-                if caller.startswith(TRAINKIT_DIR):
-                    counts[f"{name} from {Path(caller).name}:{sys._getframe(1).f_lineno}"] += 1
-                return original(tensor, *args, **kwargs)
-
-            return wrapper
-
         self.model.train()
         for x, y in self.progress(self.loader):
-            try:
-                for name in HOST_SYNCS:
-                    setattr(torch.Tensor, name, counting(name))
+            with count_host_syncs(only_from=TRAINKIT_DIR) as step_counts:
                 loss = nn.functional.mse_loss(self.model(x), y)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -59,9 +42,7 @@ class CountingTrainer(TinyTrainer):
                 self.optimizer.step()
                 self.log({"train/loss": loss.detach(), "train/lr": self.optimizer.param_groups[0]["lr"]})
                 self.log_lr()
-            finally:
-                for name, original in originals.items():
-                    setattr(torch.Tensor, name, original)
+            counts += step_counts
         self.log_epoch_grad_norm()
         self.syncs = getattr(self, "syncs", Counter()) + counts
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from collections import Counter
@@ -10,26 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
+from tests.host_syncs import count_host_syncs
 from tests.trainers import TinyTrainer
-
-HOST_SYNCS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
-"""Tensor methods that move a value to the host (and so wait for the device)."""
-
-
-@contextlib.contextmanager
-def count_host_syncs(monkeypatch):
-    """Count calls to the tensor methods that sync with the host, while the block runs."""
-    counts: Counter[str] = Counter()
-    with monkeypatch.context() as patch:
-        for name in HOST_SYNCS:
-            original = getattr(torch.Tensor, name)
-
-            def counting(self, *args, _name=name, _original=original, **kwargs):
-                counts[_name] += 1
-                return _original(self, *args, **kwargs)
-
-            patch.setattr(torch.Tensor, name, counting)
-        yield counts
 
 
 def config(tmp_path, **overrides):
@@ -59,7 +40,7 @@ def read_rows(path):
 def test_log_buffers_without_a_host_sync(trainer, monkeypatch):
     """log() of floats, ints and tensors (mapping or keywords) touches no tensor-to-host method."""
     loss = torch.tensor(0.25) * 2
-    with count_host_syncs(monkeypatch) as counts:
+    with count_host_syncs() as counts:
         trainer.log({"train/loss": loss, "train/acc": 0.75, "train/count": 3})
         trainer.log(extra=torch.tensor([4.0]))
         trainer.log_param_grad_stats()
@@ -71,7 +52,7 @@ def test_push_moves_everything_in_one_transfer_and_clears(trainer, monkeypatch):
     trainer.log({"train/loss": torch.tensor(0.5), "train/acc": 0.75, "train/count": 3})
     trainer.log(extra=torch.tensor([4.0], dtype=torch.float16), n=torch.tensor(7))
     trainer.log_param_grad_stats()  # a vector of four weight norms, from the same device
-    with count_host_syncs(monkeypatch) as counts:
+    with count_host_syncs() as counts:
         pushed = trainer.push_logs()
     assert counts == Counter({"tolist": 1})
     weight_keys = {f"params/{name}/weight_norm" for name, _ in trainer.model.named_parameters()}

@@ -1,0 +1,1 @@
+"""Helper scripts that the fault-injection tests run as real processes."""

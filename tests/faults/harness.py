@@ -1,0 +1,161 @@
+"""Start, watch, signal and reap the real training processes of the fault tests; leave none behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a training process: this one, one thread per op, unbuffered, the repo importable."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    env.update(extra)
+    return env
+
+
+def write_run(path: Path, config: dict[str, Any], fault: dict[str, Any] | None = None) -> Path:
+    """Write the JSON file that tests/faults/train.py reads: the trainer's config and the injected faults."""
+    path.write_text(json.dumps({"config": config, "fault": fault or {}}))
+    return path
+
+
+class Run:
+    """One training process (or a torchrun job) in its own session, its output in files.
+
+    :param args: The command after the interpreter, e.g. ``["-m", "tests.faults.train", run_json]``.
+    :param log: Where stdout and stderr go (``log`` and ``log.err``).
+    """
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.log = log
+        self.err = log.with_suffix(".err")
+        with open(self.log, "wb") as out, open(self.err, "wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, *args], cwd=ROOT, env=env or child_env(), stdout=out, stderr=err,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        self.pids = {self.proc.pid}
+
+    @property
+    def stdout(self) -> str:
+        """Everything printed on stdout so far."""
+        return self.log.read_text(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        """Everything printed on stderr so far."""
+        return self.err.read_text(errors="replace")
+
+    def members(self) -> list[psutil.Process]:
+        """The live processes of this run's session (the process, its workers, their helpers)."""
+        found = []
+        for proc in psutil.process_iter():
+            try:
+                if os.getsid(proc.pid) == self.proc.pid and proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc)
+            except (OSError, psutil.Error):
+                continue
+        return found
+
+    def wait_for(self, text: str, timeout: float = 120.0) -> bool:
+        """Wait until ``text`` is on stdout; False when the process ended first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.stdout:
+                return True
+            if self.proc.poll() is not None:
+                return text in self.stdout
+            time.sleep(0.005)
+        raise TimeoutError(f"{text!r} did not appear within {timeout} s; stderr:\n{self.stderr[-3000:]}")
+
+    def signal(self, number: int) -> None:
+        """Send a signal to the process (not its session)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(number)
+
+    def wait(self, timeout: float = 120.0) -> int:
+        """Wait for the process to end and every member of its session to be gone; return its exit code."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_session()
+            raise AssertionError(f"process did not end within {timeout} s; stderr:\n{self.stderr[-3000:]}") from None
+        self.assert_nothing_left()
+        return code
+
+    def assert_nothing_left(self, grace: float = 10.0) -> None:
+        """Fail (after killing them) when processes of this run outlive it by more than ``grace`` seconds."""
+        deadline = time.monotonic() + grace
+        while (left := self.members()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if left:
+            names = [" ".join(p.cmdline())[:200] for p in left]
+            self.kill_session()
+            raise AssertionError(f"processes left behind by {self.proc.args[:4]}: {names}")
+
+    def kill_session(self) -> None:
+        """SIGKILL every process of this run's session (cleanup after a failure)."""
+        for proc in self.members():
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+def train(run_json: Path, log: Path, env: dict[str, str] | None = None) -> Run:
+    """Start ``python -m tests.faults.train run_json``."""
+    return Run(["-m", "tests.faults.train", str(run_json)], log, env)
+
+
+def load(path: Path) -> dict[str, Any]:
+    """Load a checkpoint the way a user would inspect one."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_training(got_dir: Path, ref_dir: Path, *, metrics: bool = True) -> None:
+    """Assert two runs ended with bit-identical model and optimizer states (and, optionally, metrics.jsonl)."""
+    got, ref = load(got_dir / "last.pt"), load(ref_dir / "last.pt")
+    assert got["loop"] == ref["loop"] and got["step"] == ref["step"]
+    assert got["model"].keys() == ref["model"].keys()
+    for key, value in ref["model"].items():
+        assert torch.equal(got["model"][key], value), f"model[{key!r}] differs"
+    assert_equal_state(got["optimizer"], ref["optimizer"], "optimizer")
+    best_got, best_ref = load(got_dir / "best.pt"), load(ref_dir / "best.pt")
+    assert best_got["best"] == best_ref["best"]
+    for key, value in best_ref["model"].items():
+        assert torch.equal(best_got["model"][key], value), f"best model[{key!r}] differs"
+    if metrics:
+        assert (got_dir / "metrics.jsonl").read_bytes() == (ref_dir / "metrics.jsonl").read_bytes()
+
+
+def assert_equal_state(got: Any, ref: Any, where: str) -> None:
+    """Assert two nested states are equal, tensors bit for bit (torch.equal), naming the first difference."""
+    if isinstance(ref, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == ref.dtype and torch.equal(got, ref), f"{where} differs"
+    elif isinstance(ref, dict):
+        assert isinstance(got, dict) and got.keys() == ref.keys(), f"{where} keys differ"
+        for key in ref:
+            assert_equal_state(got[key], ref[key], f"{where}[{key!r}]")
+    elif isinstance(ref, list | tuple):
+        assert isinstance(got, list | tuple) and len(got) == len(ref), f"{where} lengths differ"
+        for index, (a, b) in enumerate(zip(got, ref)):
+            assert_equal_state(a, b, f"{where}[{index}]")
+    else:
+        assert got == ref, f"{where}: {got!r} != {ref!r}"
+
+
+SIGTERM_CODE = 128 + signal.SIGTERM

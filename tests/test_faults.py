@@ -1,0 +1,556 @@
+"""Fault injection on real processes and real files: signals, SIGKILL, torn writes, bit rot, a full disk.
+
+The training processes run ``tests/faults/train.py`` (a TinyTrainer behind ``trainkit.launch``); each
+ends with its model, optimizer, best checkpoint and metrics.jsonl compared bit for bit with an
+uninterrupted run's. Set ``TRAINKIT_SLOW=1`` for the long fuzz variants.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import time
+import warnings
+import zipfile
+from collections import OrderedDict, namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainkit.checkpoint as ckpt_io
+from tests.faults.harness import SIGTERM_CODE, assert_same_training, load, train, write_run
+from tests.test_trainer import Crash, dying, flip_bit_in_tensor_data, make_cfg
+from tests.trainers import TinyTrainer, param_digest
+from trainkit import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, RegistryError
+
+SLOW = os.environ.get("TRAINKIT_SLOW") == "1"
+slow = pytest.mark.skipif(not SLOW, reason="long fuzz variant: set TRAINKIT_SLOW=1")
+
+BATCH_SLEEP = 0.02
+"""Seconds slept after each of the 6 batches of an epoch, so an epoch lasts ~0.15 s and signals land anywhere."""
+
+BALLAST = 1_000_000
+"""Float32 elements of a dummy checkpoint item: a 4 MB last.pt, so a save is slow enough to be killed mid-write."""
+
+
+def fault_cfg(out_dir: Path, **overrides):
+    """The config of the subprocess runs: 8 epochs, validation every epoch, a test at the end."""
+    return make_cfg(out_dir, epochs=8, test={"enable": True}, **overrides)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted subprocess run with the same config; its folder."""
+    base = tmp_path_factory.mktemp("reference")
+    run = train(write_run(base / "run.json", fault_cfg(base / "run")), base / "log")
+    assert run.wait() == 0, run.stderr
+    return base / "run"
+
+
+def checkpoints_load(out: Path) -> list[str]:
+    """Assert every checkpoint file in ``out`` loads with trainkit's verified loader; return their names."""
+    names = []
+    for name in ("last.pt", "last.prev.pt", "best.pt", "best.prev.pt"):
+        if (out / name).exists():
+            ckpt_io.load_checkpoint(out / name)
+            names.append(name)
+    return names
+
+
+def temp_files(out: Path) -> list[str]:
+    """The names of the temp files of unfinished saves in ``out``."""
+    return [p.name for p in out.glob(f".*{ckpt_io.TEMP_SUFFIX}")] if out.exists() else []
+
+
+# ---------------------------------------------------------------------------------------------- signals
+
+Interruption = namedtuple("Interruption", "signals batch_sleep expected")
+
+INTERRUPTIONS = [
+    Interruption([signal.SIGTERM], BATCH_SLEEP, SIGTERM_CODE),
+    Interruption([signal.SIGTERM], BATCH_SLEEP, SIGTERM_CODE),
+    Interruption([signal.SIGUSR1], BATCH_SLEEP, 128 + signal.SIGUSR1),
+    # the second Ctrl-C aborts mid-epoch: long batches make sure the first one is still pending then
+    Interruption([signal.SIGINT, signal.SIGINT], 0.3, -signal.SIGINT),
+]
+
+
+@pytest.mark.timeout(240)
+def test_signals_at_random_moments_resume_bit_identically(tmp_path, reference):
+    """SIGTERM and SIGUSR1 at random moments exit 128+signum (or 0 when finished), a double Ctrl-C aborts at once; reruns end bit-identical."""
+    rng = random.Random(20240601)
+    out = tmp_path / "run"
+    plans = INTERRUPTIONS + ([Interruption([signal.SIGTERM], BATCH_SLEEP, SIGTERM_CODE)] * 6 if SLOW else [])
+    codes = []
+    for attempt, plan in enumerate([*plans, None]):
+        fault = {"batch_sleep": plan.batch_sleep if plan else BATCH_SLEEP}
+        run = train(write_run(tmp_path / "run.json", fault_cfg(out), fault), tmp_path / f"log{attempt}")
+        before = load(out / "last.pt")["epoch"] if (out / "last.pt").exists() else 0
+        if plan is not None and run.wait_for("epoch "):  # training is under way: the handlers are installed
+            time.sleep(rng.uniform(0.0, 0.1) if len(plan.signals) > 1 else rng.uniform(0.0, 0.5))
+            run.signal(plan.signals[0])
+            if len(plan.signals) > 1:
+                time.sleep(0.2)
+                sent = time.monotonic()
+                run.signal(plan.signals[1])
+        code = run.wait()
+        codes.append(code)
+        if code == 0:
+            break
+        assert plan is not None and code == plan.expected, (code, run.stderr[-3000:])
+        after = load(out / "last.pt")["epoch"] if (out / "last.pt").exists() else 0
+        if len(plan.signals) > 1:
+            assert time.monotonic() - sent < 1.5, "a second Ctrl-C must not wait for the epoch to end"
+            assert "KeyboardInterrupt" in run.stderr
+            assert after == before, "the aborted epoch must not be in last.pt"
+        else:
+            name = signal.Signals(plan.signals[0]).name
+            assert f"{name} received: stopped after epoch {after - 1}" in run.stderr
+            assert after > before
+        assert not temp_files(out)
+    assert codes[-1] == 0 and len([c for c in codes if c != 0]) >= 3, codes
+    assert_same_training(out, reference)
+
+
+# ---------------------------------------------------------------------------------------------- SIGKILL
+
+
+def kill_when_a_save_is_in_flight(run, out: Path, timeout: float = 60.0) -> bool:
+    """SIGKILL the run as soon as a temp file of a save appears; True when the kill left it torn."""
+    run.wait_for("epoch ")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and run.proc.poll() is None:
+        if any(name.startswith(".last.pt.") for name in temp_files(out)):
+            run.signal(signal.SIGKILL)
+            run.wait()
+            return any(name.startswith(".last.pt.") for name in temp_files(out))
+        time.sleep(0.001)
+    raise AssertionError("no save was seen in flight")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kills", [4, pytest.param(20, marks=[pytest.mark.slow, slow])])
+def test_sigkill_fuzz_resumes_bit_identically(tmp_path, reference, kills):
+    """SIGKILL before the first checkpoint, mid-write and at random moments; every file stays loadable and the reruns end bit-identical."""
+    rng = random.Random(1000 + kills)
+    out = tmp_path / "run"
+    run_json = write_run(tmp_path / "run.json", fault_cfg(out), {"batch_sleep": BATCH_SLEEP, "ballast_numel": BALLAST})
+    plans = ["before_first_checkpoint", "mid_write"] + ["random"] * (kills - 2)
+    survived = torn = 0
+    attempt = 0
+    for plan in plans:
+        for _ in range(3):  # a save can finish between seeing its temp file and the kill landing: try again
+            attempt += 1
+            run = train(run_json, tmp_path / f"log{attempt}")
+            if plan == "mid_write":
+                was_torn = kill_when_a_save_is_in_flight(run, out)
+                torn += was_torn
+            else:
+                if run.wait_for("epoch "):
+                    time.sleep(0.0 if plan == "before_first_checkpoint" else rng.uniform(0.0, 0.8))
+                run.signal(signal.SIGKILL)
+                was_torn = True
+            code = run.wait()
+            if code == 0:
+                break
+            assert code == -signal.SIGKILL, run.stderr[-3000:]
+            survived += 1
+            if plan == "before_first_checkpoint":
+                assert not (out / "last.pt").exists()
+            checkpoints_load(out)
+            if was_torn:
+                break
+        else:
+            pytest.fail(f"could not kill a run mid-write in 3 tries ({plan})")
+    assert torn >= 1 and survived >= kills
+    run = train(run_json, tmp_path / "final.log")
+    assert run.wait() == 0, run.stderr[-3000:]
+    assert not temp_files(out), "temp files of killed saves must be cleaned up by the next run"
+    assert_same_training(out, reference)
+
+
+@pytest.mark.timeout(120)
+def test_atomic_save_survives_sigkill_at_random_moments(tmp_path):
+    """A process rewriting last.pt with atomic_save(keep_previous=True) is SIGKILLed 120 times; last.pt and last.prev.pt always load and are consistent."""
+    kills = 1000 if SLOW else 120
+    rng = random.Random(7)
+    path = tmp_path / "last.pt"
+    block = torch.arange(4096, dtype=torch.float32)  # made here: the forked child runs no torch kernels
+
+    def payload(counter: int) -> dict:
+        return {"counter": counter, "stamp": torch.tensor([counter]), "block": block}
+
+    ckpt_io.atomic_save(payload(0), path, keep_previous=True)
+    seen, torn, between, stale = 0, 0, 0, set()
+    for _ in range(kills):
+        pid = os.fork()
+        if pid == 0:  # the child rewrites until it is killed; it never returns into pytest
+            try:
+                counter = seen
+                while True:
+                    counter += 1
+                    ckpt_io.atomic_save(payload(counter), path, keep_previous=True)
+            finally:
+                os._exit(1)
+        time.sleep(rng.uniform(0.0, 0.015))
+        os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        left = set(temp_files(tmp_path))
+        torn += bool(left - stale)
+        stale = left
+        now = ckpt_io.load_checkpoint(path)
+        assert now["stamp"].item() == now["counter"] >= seen and torch.equal(now["block"], block)
+        if ckpt_io.previous_path(path).exists():
+            previous = ckpt_io.load_checkpoint(ckpt_io.previous_path(path))
+            assert previous["stamp"].item() == previous["counter"] in (now["counter"] - 1, now["counter"])
+            between += previous["counter"] == now["counter"]
+        else:
+            assert now["counter"] == 0  # nothing was replaced yet
+        seen = now["counter"]
+    assert seen > kills / 2, "the child must get saves done between the kills"
+    assert torn > kills / 10, f"only {torn} of {kills} kills landed mid-write"
+    assert len(ckpt_io.remove_stale_temp_files(tmp_path)) == len(stale) and not temp_files(tmp_path)
+    print(f"atomic_save: {kills} kills, {torn} mid-write, {between} between link and replace, {seen} saves")
+
+
+# ---------------------------------------------------------------------------------------------- bit rot
+
+
+def tensor_data_spans(path: Path) -> list[tuple[str, int, int]]:
+    """(member, start, size) of every tensor storage's bytes inside a torch zip checkpoint."""
+    raw = path.read_bytes()
+    spans = []
+    with zipfile.ZipFile(path) as archive:
+        for info in archive.infolist():
+            if "/data/" not in info.filename or info.file_size == 0:
+                continue
+            header = info.header_offset
+            name_len = int.from_bytes(raw[header + 26 : header + 28], "little")
+            extra_len = int.from_bytes(raw[header + 28 : header + 30], "little")
+            spans.append((info.filename, header + 30 + name_len + extra_len, info.file_size))
+    return spans
+
+
+@pytest.fixture(scope="module")
+def real_last_pt(tmp_path_factory):
+    """A real last.pt of a 2-epoch TinyTrainer run with a best.pt and optimizer state."""
+    out = tmp_path_factory.mktemp("bitrot")
+    TinyTrainer(make_cfg(out, epochs=2)).train()
+    return out / "last.pt"
+
+
+def test_random_bit_flips_in_tensor_data_are_all_detected(tmp_path, real_last_pt):
+    """50 random single-bit flips anywhere in the tensor data of a real last.pt are each refused with CheckpointCorruptError."""
+    rng = random.Random(50)
+    spans = tensor_data_spans(real_last_pt)
+    assert len(spans) >= 8  # model, optimizer momenta, RNG states
+    original = real_last_pt.read_bytes()
+    weights = [size for _, _, size in spans]
+    detected = 0
+    for trial in range(50):
+        member, start, size = rng.choices(spans, weights=weights)[0]
+        offset, bit = rng.randrange(size), rng.randrange(8)
+        copy = tmp_path / f"flip{trial}.pt"
+        raw = bytearray(original)
+        raw[start + offset] ^= 1 << bit
+        copy.write_bytes(bytes(raw))
+        with pytest.raises(CheckpointCorruptError, match=rf"{copy.name} is corrupted: CRC mismatch in '{member}'"):
+            ckpt_io.verify_checkpoint(copy)
+        with pytest.raises(CheckpointCorruptError, match="CRC mismatch"):
+            ckpt_io.load_checkpoint(copy)
+        detected += 1
+        copy.unlink()
+    assert detected == 50
+
+
+def test_bit_flips_anywhere_are_refused_or_harmless(tmp_path, real_last_pt):
+    """A single-bit flip anywhere in the file (headers, pickle, directory) is refused as corrupt or loads the identical payload."""
+    rng = random.Random(51)
+    original = real_last_pt.read_bytes()
+    reference = ckpt_io.load_checkpoint(real_last_pt)
+    refused = harmless = 0
+    for trial in range(150 if SLOW else 50):
+        raw = bytearray(original)
+        raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+        copy = tmp_path / f"flip{trial}.pt"
+        copy.write_bytes(bytes(raw))
+        try:
+            payload = ckpt_io.load_checkpoint(copy)
+        except CheckpointCorruptError:
+            refused += 1
+        else:
+            assert str(payload) == str(reference), f"trial {trial}: a flip loaded silently changed data"
+            harmless += 1
+        copy.unlink()
+    assert refused > harmless
+
+
+def test_auto_resume_from_a_flipped_last_pt_falls_back_and_still_ends_identically(tmp_path):
+    """A bit flip in last.pt (via the shared helper) makes auto-resume fall back to last.prev.pt and the run still ends bit-identical."""
+    ref = TinyTrainer(make_cfg(tmp_path / "ref", epochs=4))
+    ref.train()
+    out = tmp_path / "run"
+    with pytest.raises(Crash):
+        dying(3)(make_cfg(out, epochs=4)).train()
+    flip_bit_in_tensor_data(out / "last.pt", offset_in_member=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = TinyTrainer(make_cfg(out, epochs=4))
+    messages = [str(w.message) for w in caught]
+    assert any(re.search("CRC mismatch.*resuming from the previous checkpoint .*last.prev.pt", m) for m in messages)
+    assert any("best.pt did not match" in m for m in messages)  # best.pt of epoch 2 is newer than last.prev.pt
+    assert resumed.epoch == 2
+    resumed.train()
+    assert param_digest(resumed.model) == param_digest(ref.model)
+    assert (out / "metrics.jsonl").read_bytes() == (tmp_path / "ref" / "metrics.jsonl").read_bytes()
+
+
+# ---------------------------------------------------------------------------------------------- full disk
+
+
+class LimitedFile:
+    """A writable file that fails with ENOSPC once ``limit`` bytes were written through it."""
+
+    def __init__(self, handle, limit: int) -> None:
+        self._handle = handle
+        self._left = limit
+
+    def write(self, data) -> int:
+        data = memoryview(data).cast("B")
+        if len(data) > self._left:
+            self._handle.write(data[: self._left])
+            self._left = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._left -= len(data)
+        return self._handle.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self._handle.close()
+
+
+def limit_writes(monkeypatch, limit: int, after_saves: int = 0) -> None:
+    """Make checkpoint writes hit a full disk after ``limit`` bytes, from save number ``after_saves`` on."""
+    real_fdopen = os.fdopen
+    count = {"saves": 0}
+
+    def fdopen(fd, mode="r", *args, **kwargs):
+        handle = real_fdopen(fd, mode, *args, **kwargs)
+        if "w" not in mode:
+            return handle
+        count["saves"] += 1
+        return LimitedFile(handle, limit) if count["saves"] > after_saves else handle
+
+    monkeypatch.setattr(ckpt_io.os, "fdopen", fdopen)
+
+
+ENOSPC_MESSAGE = re.compile(r"no space left after (\d+) bytes; about (\d+) bytes are needed and (\d+) bytes are free")
+
+
+def test_full_disk_leaves_the_previous_checkpoint_and_names_the_numbers(tmp_path, monkeypatch):
+    """ENOSPC mid-save raises CheckpointError naming the path, bytes needed and free; last.pt stays byte-identical, no temp file."""
+    path = tmp_path / "last.pt"
+    old = {"weights": torch.zeros(1000)}
+    ckpt_io.atomic_save(old, path, keep_previous=True)
+    before = path.read_bytes()
+    new = {"weights": torch.ones(100_000)}
+    for limit in (0, 64, 4096, 200_000):
+        limit_writes(monkeypatch, limit)
+        with pytest.raises(CheckpointError) as info:
+            ckpt_io.atomic_save(new, path, keep_previous=True)
+        monkeypatch.undo()
+        message = str(info.value)
+        assert str(path) in message and "was left unchanged" in message
+        written, needed, free = map(int, ENOSPC_MESSAGE.search(message).groups())
+        assert written <= limit + 8192  # what the buffered writer had flushed when the disk filled
+        assert needed >= ckpt_io.payload_nbytes(new) == 400_000
+        assert abs(free - shutil.disk_usage(tmp_path).free) < 512 * 2**20
+        assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
+        assert path.read_bytes() == before
+        assert not temp_files(tmp_path)
+        assert not (tmp_path / "last.prev.pt").exists()
+
+
+def test_full_disk_during_training_stops_with_last_pt_intact_and_resumes(tmp_path, monkeypatch):
+    """A trainer whose third save hits a full disk raises CheckpointError from train(); the rerun resumes bit-identically."""
+    ref = TinyTrainer(make_cfg(tmp_path / "ref"))
+    ref.train()
+    out = tmp_path / "run"
+    limit_writes(monkeypatch, limit=1000, after_saves=4)  # best 0, last 0, last 1, best 2, then last 2 fails
+    trainer = TinyTrainer(make_cfg(out))
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*last\.pt: no space left"):
+        trainer.train()
+    monkeypatch.undo()
+    assert load(out / "last.pt")["epoch"] == 2 and load(out / "best.pt")["epoch"] == 2
+    assert not temp_files(out)
+    with pytest.warns(RuntimeWarning, match="best.pt did not match"):  # best.pt of epoch 2 got out, last.pt did not
+        resumed = TinyTrainer(make_cfg(out))
+    resumed.train()
+    assert param_digest(resumed.model) == param_digest(ref.model)
+    assert (out / "metrics.jsonl").read_bytes() == (tmp_path / "ref" / "metrics.jsonl").read_bytes()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 1 MiB tmpfs, mounted for the test and always unmounted; skipped where mounting is not allowed."""
+    mount_point = tmp_path / "tmpfs"
+    mount_point.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
+                                 capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot run mount: {exc}")
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here: {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=30)
+
+
+def test_real_full_tmpfs(small_tmpfs):
+    """On a real 1 MiB tmpfs a save that does not fit raises CheckpointError; the previous last.pt stays byte-identical, no temp file."""
+    path = small_tmpfs / "last.pt"
+    ckpt_io.atomic_save({"weights": torch.zeros(64_000)}, path, keep_previous=True)  # 256 KB fits
+    before = path.read_bytes()
+    too_big = {"weights": torch.ones(200_000)}  # 800 KB does not fit next to it
+    with pytest.warns(RuntimeWarning, match=r"bytes free, less than twice"):
+        ckpt_io.warn_if_low_on_space(too_big, path)
+    with pytest.raises(CheckpointError) as info:
+        ckpt_io.atomic_save(too_big, path, keep_previous=True)
+    written, needed, free = map(int, ENOSPC_MESSAGE.search(str(info.value)).groups())
+    assert str(path) in str(info.value) and needed >= 800_000 and free < 1 << 20
+    assert path.read_bytes() == before
+    assert not temp_files(small_tmpfs)
+    assert ckpt_io.load_checkpoint(path)["weights"].shape == (64_000,)
+    ckpt_io.atomic_save({"weights": torch.ones(64_000)}, path, keep_previous=True)  # space came back
+    assert ckpt_io.load_checkpoint(ckpt_io.previous_path(path))["weights"].sum() == 0
+
+
+def test_low_space_warns_once_before_the_first_save(tmp_path, monkeypatch):
+    """With less than twice a checkpoint's size free the trainer warns once, naming the directory, and still saves."""
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(ckpt_io.shutil, "disk_usage", lambda _: usage._replace(free=1000))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        TinyTrainer(make_cfg(tmp_path, epochs=3)).train()
+    low = [w for w in caught if "less than twice" in str(w.message)]
+    assert len(low) == 1 and issubclass(low[0].category, RuntimeWarning)
+    assert f"{tmp_path} has 1000 bytes free" in str(low[0].message)
+    assert load(tmp_path / "last.pt")["epoch"] == 3
+
+
+# ---------------------------------------------------------------------------------------------- best.pt vs last.pt
+
+
+def test_crash_between_best_and_last_is_repaired_on_resume(tmp_path, monkeypatch):
+    """A crash after best.pt but before last.pt was written is repaired from best.prev.pt on resume, and test() uses the right best weights."""
+    scores = (3.0, 2.0, 2.5, 1.0, 1.5)
+    kwargs = dict(epochs=5, scripted_scores=scores, test={"enable": True})
+    ref = TinyTrainer(make_cfg(tmp_path / "ref", **kwargs))
+    expected = ref.train()
+    real_save = ckpt_io.atomic_save
+
+    def crash_before_last_of_epoch_3(payload, path, **kwargs):
+        if Path(path).name == "last.pt" and payload["epoch"] == 4:
+            raise Crash
+        return real_save(payload, path, **kwargs)
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(ckpt_io, "atomic_save", crash_before_last_of_epoch_3)
+    with pytest.raises(Crash):
+        TinyTrainer(make_cfg(out, **kwargs)).train()
+    monkeypatch.undo()
+    assert load(out / "best.pt")["best"]["epoch"] == 3 and load(out / "last.pt")["best"]["epoch"] == 1
+
+    with pytest.warns(RuntimeWarning, match=r"best.pt did not match the best recorded in .*last.pt \(epoch 1\); "
+                                            r"repaired it from .*best.prev.pt"):
+        resumed = TinyTrainer(make_cfg(out, **kwargs))
+    repaired = load(out / "best.pt")
+    assert repaired["best"]["epoch"] == 1
+    best_of_epoch_1 = load(tmp_path / "ref" / "best.prev.pt")  # ref's best.pt moved on to epoch 3
+    assert best_of_epoch_1["best"]["epoch"] == 1
+    for key, value in best_of_epoch_1["model"].items():
+        assert torch.equal(resumed.best_model[key], value) and torch.equal(repaired["model"][key], value)
+    assert resumed.train() == expected
+    assert (out / "metrics.jsonl").read_bytes() == (tmp_path / "ref" / "metrics.jsonl").read_bytes()
+
+
+def test_test_after_resume_uses_the_repaired_best_weights(tmp_path):
+    """A newer best.pt written by hand over a stopped run is replaced by best.prev.pt on resume, and test() then scores the true best."""
+    scores = (3.0, 1.0, 2.0, 2.5)
+    kwargs = dict(epochs=4, scripted_scores=scores, test={"enable": True})
+    expected = TinyTrainer(make_cfg(tmp_path / "ref", **kwargs)).train()
+    out = tmp_path / "run"
+    with pytest.raises(Crash):
+        dying(3)(make_cfg(out, **kwargs)).train()
+    stray = load(out / "best.pt")
+    stray["best"] = {**stray["best"], "epoch": 2, "score": 0.5}
+    stray["model"] = {key: torch.randn_like(value) for key, value in stray["model"].items()}
+    ckpt_io.atomic_save(stray, out / "best.pt", keep_previous=True)
+    with pytest.warns(RuntimeWarning, match="repaired it from"):
+        resumed = TinyTrainer(make_cfg(out, **kwargs))
+    result = resumed.train()
+    assert result["test/loss"] == expected["test/loss"] and result == expected
+    assert load(out / "best.pt")["best"]["epoch"] == 1
+
+
+# ---------------------------------------------------------------------------------------------- mismatches
+
+
+@pytest.mark.parametrize("what", ["schema", "world_size"])
+def test_mismatched_checkpoint_is_refused_naming_both_sides(tmp_path, what):
+    """A last.pt from a newer schema or another world size is refused, naming both values, and is left untouched."""
+    TinyTrainer(make_cfg(tmp_path, epochs=1)).train()
+    payload = load(tmp_path / "last.pt")
+    payload.update(schema_version=7) if what == "schema" else payload.update(world_size=4)
+    ckpt_io.atomic_save(payload, tmp_path / "last.pt")
+    written = (tmp_path / "last.pt").read_bytes()
+    expected = (r"schema version 7, newer than this trainkit's 1" if what == "schema"
+                else r"world_size=4, this run has world_size=1")
+    for resume in ("auto", str(tmp_path / "last.pt")):
+        with pytest.raises(CheckpointMismatchError, match=expected):
+            TinyTrainer(make_cfg(tmp_path, ckpt={"resume": resume}))
+    assert (tmp_path / "last.pt").read_bytes() == written
+
+
+class RenamedTrainer(TinyTrainer):
+    """TinyTrainer whose model holds the same layers under other names (``encoder.0.weight``, ...)."""
+
+    def make_ddp(self, module, find_unused_parameters=False):
+        return super().make_ddp(torch.nn.Sequential(OrderedDict(encoder=module)), find_unused_parameters)
+
+
+class WiderTrainer(TinyTrainer):
+    """TinyTrainer whose hidden layer is wider: the same names with other shapes."""
+
+    def make_ddp(self, module, find_unused_parameters=False):
+        module[0], module[3] = torch.nn.Linear(8, 48), torch.nn.Linear(48, 1)
+        return super().make_ddp(module, find_unused_parameters)
+
+
+def test_renamed_or_reshaped_parameters_are_refused_naming_them(tmp_path):
+    """Resuming into a model with renamed parameters or other shapes raises RegistryError naming the item and the parameters."""
+    TinyTrainer(make_cfg(tmp_path, epochs=1)).train()
+    written = (tmp_path / "last.pt").read_bytes()
+    with pytest.raises(RegistryError) as info:
+        RenamedTrainer(make_cfg(tmp_path))
+    message = str(info.value)
+    assert "checkpoint item 'model'" in message
+    assert "Missing key(s)" in message and '"encoder.0.weight"' in message
+    assert "Unexpected key(s)" in message and '"0.weight"' in message
+    with pytest.raises(RegistryError, match=r"(?s)checkpoint item 'model'.*size mismatch for 0.weight: .*\[32, 8\]"):
+        WiderTrainer(make_cfg(tmp_path))
+    assert (tmp_path / "last.pt").read_bytes() == written
