@@ -50,7 +50,7 @@ def no_children_left():
 
 
 def test_two_ranks_agree_and_resume_bit_identical(tmp_path):
-    """reduce_mean pools uneven shards like one process would, and a 2-rank run killed mid-way resumes bit-identically."""
+    """reduce_mean pools uneven shards as one process would; a 2-rank run killed mid-way resumes bit-identically."""
     ref_dir = tmp_path / "ref"
     expected = trainkit.spawn(ReportingTrainer, cfg(ref_dir), 2)
     ref = reports(ref_dir)

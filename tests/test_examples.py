@@ -61,8 +61,9 @@ def test_ctrl_c_then_rerun_resumes_to_the_same_result(tmp_path):
 
     out = tmp_path / "interrupted"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([*args, f"out_dir={out}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [*args, f"out_dir={out}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 120
     while not (out / "last.pt").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -92,8 +93,20 @@ def test_ctrl_c_then_rerun_resumes_to_the_same_result(tmp_path):
 def test_digits_runs_under_torchrun_with_two_processes(tmp_path):
     """The unchanged script runs as 2 gloo processes under torchrun and reports a test accuracy."""
     out = tmp_path / "ddp"
-    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                "examples/digits.py", "epochs=3", f"out_dir={out}", "dist.timeout_s=60", *QUIET])
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "examples/digits.py",
+            "epochs=3",
+            f"out_dir={out}",
+            "dist.timeout_s=60",
+            *QUIET,
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("test accuracy:") == 1
     assert torch.load(out / "last.pt", weights_only=True)["world_size"] == 2

@@ -152,8 +152,14 @@ def test_ckpt_disabled_writes_nothing_yet_best_and_early_stop_work(tmp_path):
     """With ckpt.enable=false no file is written, but best_model, test() and early stopping still work."""
     out = tmp_path / "run"
     trainer = TinyTrainer(
-        make_cfg(out, epochs=6, scripted_scores=(1.0, 2.0, 2.0, 2.0, 2.0, 2.0), val={"patience": 2},
-                 ckpt={"enable": False}, test={"enable": True})
+        make_cfg(
+            out,
+            epochs=6,
+            scripted_scores=(1.0, 2.0, 2.0, 2.0, 2.0, 2.0),
+            val={"patience": 2},
+            ckpt={"enable": False},
+            test={"enable": True},
+        )
     )
     result = trainer.train()
     assert not out.exists() or not any(out.iterdir())
@@ -163,7 +169,7 @@ def test_ckpt_disabled_writes_nothing_yet_best_and_early_stop_work(tmp_path):
 
 @pytest.mark.parametrize("crash_epoch", range(5))
 def test_resume_after_any_epoch_is_bit_identical(tmp_path, crash_epoch):
-    """A run killed at any epoch (or in test) and resumed ends with bit-identical weights, optimizer state and metrics."""
+    """A run killed at any epoch (or in test) and resumed ends with identical weights, optimizer state and metrics."""
     cfg_kwargs = dict(epochs=4, val={"patience": 3, "every_n_epochs": 2}, test={"enable": True})
     reference = TinyTrainer(make_cfg(tmp_path / "ref", **cfg_kwargs))
     expected = reference.train()
@@ -270,7 +276,9 @@ def test_corrupted_last_pt_falls_back_to_the_previous_one(tmp_path):
         dying(2)(make_cfg(tmp_path, epochs=3)).train()
     flip_bit_in_tensor_data(tmp_path / "last.pt")
     corrupted = (tmp_path / "last.pt").read_bytes()
-    with pytest.warns(RuntimeWarning, match=r"last.pt is corrupted.*resuming from the previous checkpoint .*last.prev.pt"):
+    with pytest.warns(
+        RuntimeWarning, match=r"last.pt is corrupted.*resuming from the previous checkpoint .*last.prev.pt"
+    ):
         trainer = TinyTrainer(make_cfg(tmp_path, epochs=3))
     assert trainer.epoch == 1
     assert (tmp_path / "last.corrupt.pt").read_bytes() == corrupted

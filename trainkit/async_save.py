@@ -53,8 +53,7 @@ class StagingBuffers:
         if isinstance(item, torch.Tensor):
             buffer = self._buffers.get(path)
             if buffer is None or buffer.shape != item.shape or buffer.dtype != item.dtype:
-                buffer = torch.empty(item.shape, dtype=item.dtype, device="cpu",
-                                     pin_memory=item.device.type == "cuda")
+                buffer = torch.empty(item.shape, dtype=item.dtype, device="cpu", pin_memory=item.device.type == "cuda")
                 self._buffers[path] = buffer
             buffer.copy_(item.detach(), non_blocking=item.device.type == "cuda")
             return buffer

@@ -33,7 +33,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     try:
         import yaml
     except ImportError:
-        raise ImportError("PyYAML is needed to read YAML configs: pip install 'trainkit[examples]' (or pyyaml)") from None
+        raise ImportError(
+            "PyYAML is needed to read YAML configs: pip install 'trainkit[examples]' (or pyyaml)"
+        ) from None
     path = Path(path)
     if not path.is_file():
         raise ConfigError("config file", "does not exist", str(path))
@@ -146,7 +148,9 @@ def plot_curves(out_dir: str | Path, summary: dict[str, Any]) -> Path:
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
     except ImportError:
-        raise ImportError("matplotlib is needed to draw curves: pip install 'trainkit[report]' (or matplotlib)") from None
+        raise ImportError(
+            "matplotlib is needed to draw curves: pip install 'trainkit[report]' (or matplotlib)"
+        ) from None
     rows = read_metrics(out_dir)
     keys = sorted({k for row in rows for k in row if k.startswith(("train/", "val/")) and "grad_norm" not in k})
     groups: dict[str, list[str]] = {}

@@ -86,7 +86,10 @@ def spawn(trainer_class: type, cfg: Config | Mapping[str, Any], world_size: int)
     results = ctx.SimpleQueue()
     try:
         mp.start_processes(
-            _worker, args=(trainer_class, cfg_arg, world_size, results), nprocs=world_size, join=True,
+            _worker,
+            args=(trainer_class, cfg_arg, world_size, results),
+            nprocs=world_size,
+            join=True,
             start_method="spawn",
         )
         return results.get() if not results.empty() else None

@@ -140,7 +140,9 @@ def param_stats(
             if len(with_grad) == len(named_params):
                 own_weight_norms = weight_norms
             else:  # a second fused norm rather than an index tensor built on the host (an H2D copy)
-                own_weight_norms = torch.stack([n.float() for n in torch._foreach_norm([p.detach() for _, p in with_grad], 2.0)])
+                own_weight_norms = torch.stack(
+                    [n.float() for n in torch._foreach_norm([p.detach() for _, p in with_grad], 2.0)]
+                )
             ratios = grad_norms / own_weight_norms
             keys += [f"params/{name}/grad_norm" for name, _ in with_grad]
             keys += [f"params/{name}/grad_to_weight" for name, _ in with_grad]

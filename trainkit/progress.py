@@ -46,8 +46,9 @@ class EpochBar:
         if enabled:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total, initial=initial, desc="epochs", unit="epoch", mininterval=_interval(),
-                             dynamic_ncols=True)
+            self._bar = tqdm(
+                total=total, initial=initial, desc="epochs", unit="epoch", mininterval=_interval(), dynamic_ncols=True
+            )
 
     def update(self, best_metrics: Mapping[str, float]) -> None:
         """Count one finished epoch and show the best metrics.

@@ -112,7 +112,9 @@ class BaseTrainer(abc.ABC):
     def __init__(self, cfg: Config | Mapping[str, Any], rank: int = 0, world_size: int = 1) -> None:
         self.cfg = self._validate_config(cfg)
         if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise UsageError(f"rank must be in [0, world_size) and world_size >= 1, got rank={rank!r}, world_size={world_size!r}")
+            raise UsageError(
+                f"rank must be in [0, world_size) and world_size >= 1, got rank={rank!r}, world_size={world_size!r}"
+            )
         self.rank = rank
         self.world_size = world_size
         self.is_main = rank == 0
@@ -341,8 +343,11 @@ class BaseTrainer(abc.ABC):
         if self.best_model is not None and model is not None:
             model.load_state_dict(self.best_model)
         elif model is not None:
-            warnings.warn("test(): no best model was recorded (save_if_best never improved); testing the current weights",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                "test(): no best model was recorded (save_if_best never improved); testing the current weights",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         result = self.test_epoch()
         if result is not None:
             if not isinstance(result, Mapping):
@@ -369,7 +374,9 @@ class BaseTrainer(abc.ABC):
             summary["best/score"] = best.score
         self._sink.summary(summary)
         if self.is_main:
-            parts = [f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}" for key, value in summary.items()]
+            parts = [
+                f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}" for key, value in summary.items()
+            ]
             print("trainkit: " + ", ".join(parts), flush=True)
 
     # ------------------------------------------------------------------ checkpoint registry
@@ -444,13 +451,18 @@ class BaseTrainer(abc.ABC):
             kept = path.with_name(f"{path.stem}.corrupt{path.suffix}")
             if self.is_main:
                 os.replace(path, kept)  # kept for inspection, and so the next save cannot rotate it into .prev
-            warnings.warn(f"{exc}; resuming from the previous checkpoint {previous} instead (the damaged file "
-                          f"is kept as {kept})", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"{exc}; resuming from the previous checkpoint {previous} instead (the damaged file is kept as {kept})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             path = previous
         self._check_compatible(ckpt, path)
         if self.is_main:
             loop = ckpt["loop"]
-            state = f"finished ({loop.get('stop_reason')})" if loop.get("stop_reason") else f"at epoch {loop.get('epoch')}"
+            state = (
+                f"finished ({loop.get('stop_reason')})" if loop.get("stop_reason") else f"at epoch {loop.get('epoch')}"
+            )
             print(f"trainkit: resuming {path} {state}", file=sys.stderr, flush=True)
         return ckpt
 
@@ -482,9 +494,14 @@ class BaseTrainer(abc.ABC):
                 f"{current['val.minimize']}; the best score cannot be compared across directions"
             )
         if changed:
-            details = ", ".join(f"{key}: {saved.get(key, '<absent>')!r} -> {current.get(key, '<absent>')!r}" for key in changed)
-            warnings.warn(f"resuming {path} with a changed config ({details}); the result may differ from an "
-                          "uninterrupted run", RuntimeWarning, stacklevel=4)
+            details = ", ".join(
+                f"{key}: {saved.get(key, '<absent>')!r} -> {current.get(key, '<absent>')!r}" for key in changed
+            )
+            warnings.warn(
+                f"resuming {path} with a changed config ({details}); the result may differ from an uninterrupted run",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
         self._registry, _ = core.apply_payload(self._registry, ckpt)
@@ -514,8 +531,10 @@ class BaseTrainer(abc.ABC):
         payload = self._read_best_checkpoint(path, best)
         if payload is None:
             return
-        self.best_model = {key: value.to(self.device) if isinstance(value, torch.Tensor) else value
-                           for key, value in payload["model"].items()}
+        self.best_model = {
+            key: value.to(self.device) if isinstance(value, torch.Tensor) else value
+            for key, value in payload["model"].items()
+        }
 
     def _read_best_checkpoint(self, path: Path, best: core.BestState) -> dict[str, Any] | None:
         """Read best.pt, or repair it from best.prev.pt when a crash left it out of step with last.pt."""
@@ -533,8 +552,12 @@ class BaseTrainer(abc.ABC):
                 if candidate != path and self.is_main:
                     # best.pt was written, last.pt was not: put the matching best back in place
                     ckpt_io.atomic_save(payload, path)
-                    warnings.warn(f"{path} did not match the best recorded in {self.last_ckpt_path} (epoch "
-                                  f"{best.epoch}); repaired it from {candidate}", RuntimeWarning, stacklevel=4)
+                    warnings.warn(
+                        f"{path} did not match the best recorded in {self.last_ckpt_path} (epoch "
+                        f"{best.epoch}); repaired it from {candidate}",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
                 return payload
             found.append(f"{candidate.name}: epoch {payload['best'].get('epoch')}")
         warnings.warn(
@@ -683,15 +706,24 @@ class BaseTrainer(abc.ABC):
             raise UsageError("save_if_best() snapshots self.model, which is not set; assign it in setup()")
         state = model.state_dict()
         snapshot = self.best_model
-        reusable = snapshot is not None and snapshot.keys() == state.keys() and all(
-            isinstance(v, torch.Tensor) == isinstance(snapshot[k], torch.Tensor)
-            and (not isinstance(v, torch.Tensor)
-                 or (v.shape == snapshot[k].shape and v.dtype == snapshot[k].dtype and v.device == snapshot[k].device))
-            for k, v in state.items()
+        reusable = (
+            snapshot is not None
+            and snapshot.keys() == state.keys()
+            and all(
+                isinstance(v, torch.Tensor) == isinstance(snapshot[k], torch.Tensor)
+                and (
+                    not isinstance(v, torch.Tensor)
+                    or (
+                        v.shape == snapshot[k].shape and v.dtype == snapshot[k].dtype and v.device == snapshot[k].device
+                    )
+                )
+                for k, v in state.items()
+            )
         )
         if not reusable:
-            self.best_model = {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-                               for k, v in state.items()}
+            self.best_model = {
+                k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in state.items()
+            }
             return
         keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
         with torch.no_grad():
@@ -732,7 +764,9 @@ class BaseTrainer(abc.ABC):
             validation has been run yet.
         """
         prefix = "best/val/"
-        return {key[len(prefix):] if key.startswith(prefix) else key: value for key, value in self.best_metrics.items()}
+        return {
+            key[len(prefix) :] if key.startswith(prefix) else key: value for key, value in self.best_metrics.items()
+        }
 
     # ------------------------------------------------------------------ distributed helpers
 
@@ -785,7 +819,9 @@ class BaseTrainer(abc.ABC):
         if modules:
             return modules
         if self.model is None:
-            raise UsageError(f"{caller}() defaults to self.model, which is not set; assign it in setup() or pass modules")
+            raise UsageError(
+                f"{caller}() defaults to self.model, which is not set; assign it in setup() or pass modules"
+            )
         return (self.model,)
 
     def get_param_groups(self, *modules: nn.Module) -> list[dict]:
@@ -948,7 +984,10 @@ class BaseTrainer(abc.ABC):
         return metrics
 
     def progress(self, iterable: Iterable[T], desc: str | None = None, total: int | None = None) -> Iterable[T]:
-        """Iterate with a per-step progress bar (rank 0, ``progress.enable``), e.g. ``for x, y in self.progress(loader)``.
+        """Iterate with a per-step progress bar: ``for x, y in self.progress(loader)``.
+
+        The bar shows on rank 0 when ``progress.enable`` is set and stderr is a terminal; otherwise this
+        returns ``iterable`` itself, at no cost per step.
 
         :param iterable: The batches.
         :param desc: The bar's label; defaults to the current epoch.
@@ -1003,4 +1042,3 @@ class BaseTrainer(abc.ABC):
         if isinstance(cfg, Mapping):
             return cls.from_mapping(cfg)
         raise UsageError(f"cfg must be a {cls.__name__} or a mapping, got {type(cfg).__name__}")
-
