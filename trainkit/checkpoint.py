@@ -7,12 +7,13 @@ with ``torch.load(..., weights_only=True)``; trainkit never loads with ``weights
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import pickle
 import random
+import re
 import shutil
 import sys
-import tempfile
 import time
 import warnings
 import zipfile
@@ -40,14 +41,10 @@ __all__ = [
 TEMP_SUFFIX = ".tmp"
 
 
-def _default_file_mode() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
+_FILE_MODE = 0o666
+"""Checkpoints get the permissions ``open()`` gives (the umask applies), not mkstemp's owner-only ones."""
 
-
-_FILE_MODE = _default_file_mode()
-"""Checkpoints get the permissions ``open()`` would give (mkstemp alone makes them owner-only)."""
+_TEMP_COUNTER = itertools.count()
 
 
 def previous_path(path: str | os.PathLike[str]) -> Path:
@@ -86,14 +83,18 @@ def atomic_save(payload: Any, path: str | os.PathLike[str], *, keep_previous: bo
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
-    tmp = Path(tmp_name)
+    while True:  # a name no other save uses; O_EXCL refuses a leftover from a process with the same pid
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{next(_TEMP_COUNTER)}{TEMP_SUFFIX}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), _FILE_MODE)
+            break
+        except FileExistsError:
+            continue
     try:
         with os.fdopen(fd, "wb") as handle:
             torch.save(payload, handle)
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(tmp, _FILE_MODE)
         if keep_previous and path.exists():
             _link_previous(path)
         os.replace(tmp, path)
@@ -101,29 +102,39 @@ def atomic_save(payload: Any, path: str | os.PathLike[str], *, keep_previous: bo
         written = tmp.stat().st_size if tmp.exists() else 0
         with suppress(OSError):
             tmp.unlink()
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        full = _disk_full_error(exc)
+        if full is not None:
             free = shutil.disk_usage(path.parent).free
             needed = max(payload_nbytes(payload), written)
             raise CheckpointError(
                 f"cannot write checkpoint {path}: no space left after {written} bytes; about {needed} bytes "
                 f"are needed and {free} bytes are free; {path} was left unchanged"
-            ) from exc
+            ) from full
         raise
     _fsync_directory(path.parent)
     return time.perf_counter() - start
 
 
+def _disk_full_error(exc: BaseException | None) -> OSError | None:
+    """Find the ENOSPC/EDQUOT error behind ``exc``: torch's zip writer masks it with its own RuntimeError."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _link_previous(path: Path) -> None:
-    """Point ``previous_path(path)`` at the current ``path`` atomically; both stay loadable throughout."""
+    """Point ``previous_path(path)`` at the current ``path``; ``path`` itself stays loadable throughout."""
     previous = previous_path(path)
-    link_tmp = path.with_name(f".{previous.name}.{os.getpid()}.link{TEMP_SUFFIX}")
     with suppress(FileNotFoundError):
-        link_tmp.unlink()
+        previous.unlink()
     try:
-        os.link(path, link_tmp)
+        os.link(path, previous)
     except OSError:  # no hard links on this filesystem: fall back to a copy
-        shutil.copyfile(path, link_tmp)
-    os.replace(link_tmp, previous)
+        shutil.copyfile(path, previous)
 
 
 def payload_nbytes(payload: Any) -> int:
@@ -201,14 +212,20 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> None:
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
+            # torch's reader skips a member flagged as a directory and leaves its tensor's memory uninitialized
+            folders = [info.filename for info in archive.infolist() if info.is_dir() or info.external_attr & 0x10]
     except FileNotFoundError:
         raise CheckpointCorruptError(f"checkpoint {path} does not exist") from None
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as exc:
+    except Exception as exc:  # noqa: BLE001 - zipfile also raises RuntimeError (a flipped "encrypted" flag), zlib.error
         raise CheckpointCorruptError(
             f"checkpoint {path} is truncated or not a torch checkpoint ({exc}); it was not loaded"
         ) from exc
     if bad is not None:
         raise CheckpointCorruptError(f"checkpoint {path} is corrupted: CRC mismatch in {bad!r}; it was not loaded")
+    if folders:
+        raise CheckpointCorruptError(
+            f"checkpoint {path} is corrupted: {folders[0]!r} is marked as a directory; it was not loaded"
+        )
 
 
 def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[str, Any]:
@@ -224,9 +241,13 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> 
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
+        # torch's first line advises loading with weights_only=False; name what was refused instead
+        refused = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        lines = str(exc).strip().splitlines() or ["an empty pickle"]
+        detail = f"refused global {refused.group(1)}" if refused else lines[-1]
         raise CheckpointCorruptError(
             f"checkpoint {path} was refused: it holds objects other than tensors and plain values "
-            f"(trainkit only loads with weights_only=True): {str(exc).splitlines()[0]}"
+            f"(trainkit only loads with weights_only=True): {detail}"
         ) from exc
     except (RuntimeError, EOFError, ValueError) as exc:
         raise CheckpointCorruptError(f"checkpoint {path} could not be read: {exc}") from exc
@@ -241,7 +262,9 @@ def capture_rng() -> dict[str, Any]:
     :returns: ``{"python": ..., "torch": ..., "numpy": ... (when numpy is loaded), "cuda": ... (when used)}``.
     """
     version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
+    # one int64 tensor pickles far faster than a list of 625 ints
+    state: dict[str, Any] = {"python": [version, torch.tensor(internal, dtype=torch.int64), gauss],
+                             "torch": torch.get_rng_state()}
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         name, keys, pos, has_gauss, cached = numpy.random.get_state()
@@ -257,6 +280,7 @@ def restore_rng(state: dict[str, Any]) -> None:
     :param state: The captured states.
     """
     version, internal, gauss = state["python"]
+    internal = internal.tolist() if isinstance(internal, torch.Tensor) else internal
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
     numpy = sys.modules.get("numpy")

@@ -65,7 +65,11 @@ class LogBuffer:
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
                     raise TypeError(f"logged metric {key!r} must be a 1-element tensor, got shape {tuple(value.shape)}")
-                value = value.detach().clone()  # a snapshot (no host sync): later in-place changes stay out
+                value = value.detach()
+                if value.dim():
+                    value = value.reshape(())
+                # one device-side copy is the snapshot (later in-place changes stay out) and the cast for drain
+                value = value.to(torch.float64, copy=True)
             elif isinstance(value, str | bytes):
                 raise TypeError(f"logged metric {key!r} must be a number or a tensor, got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, int | float):
@@ -95,19 +99,28 @@ class LogBuffer:
 
         :returns: Name to float, in logging order.
         """
-        by_device: dict[torch.device, list[tuple[list[str], torch.Tensor]]] = {}
+        scalars: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+        vectors: dict[torch.device, list[tuple[tuple[str, ...], torch.Tensor]]] = {}
         result: dict[str, float] = {}
         for key, value in self._scalars.items():
             if isinstance(value, torch.Tensor):
-                by_device.setdefault(value.device, []).append(([key], value.reshape(1)))
+                scalars.setdefault(value.device, []).append((key, value))
                 result[key] = math.nan  # placeholder keeps logging order
             else:
                 result[key] = float(value)
         for keys, values in self._vectors.items():
-            by_device.setdefault(values.device, []).append((list(keys), values))
-        for entries in by_device.values():
-            flat = torch.cat([values.to(torch.float64) for _, values in entries]).tolist()
-            names = [key for keys, _ in entries for key in keys]
+            vectors.setdefault(values.device, []).append((keys, values))
+        for device in {**scalars, **vectors}:
+            names: list[str] = []
+            parts: list[torch.Tensor] = []
+            if scalars.get(device):
+                entries = scalars[device]
+                names += [key for key, _ in entries]
+                parts.append(entries[0][1].reshape(1) if len(entries) == 1 else torch.stack([v for _, v in entries]))
+            for keys, values in vectors.get(device, []):
+                names += keys
+                parts.append(values.to(torch.float64))
+            flat = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()  # the one transfer per device
             result.update(zip(names, flat))
         self._scalars.clear()
         self._vectors.clear()
@@ -196,12 +209,12 @@ class WandbSink:
         """The W&B run's local folder."""
         return Path(self._run.dir).parent
 
-    def log(self, metrics: Mapping[str, float]) -> None:
+    def log(self, metrics: dict[str, float]) -> None:
         """Log one push as one W&B history row.
 
-        :param metrics: Name to float, including ``trainer/step`` and ``trainer/epoch``.
+        :param metrics: Name to float, including ``trainer/step`` and ``trainer/epoch``; W&B may keep it.
         """
-        self._run.log(dict(metrics))
+        self._run.log(metrics)
 
     def summary(self, values: Mapping[str, Any]) -> None:
         """Write values into the run summary.

@@ -125,6 +125,7 @@ class BaseTrainer(abc.ABC):
         else:
             self.device = torch.device("cpu")
         self.out_dir = Path(self.cfg.out_dir)
+        self._cfg_dict = self.cfg.to_dict()  # the config is frozen: one plain copy serves every save
         self.model: nn.Module | None = None
         self.best_model: dict[str, Any] | None = None
         self.best_metrics: dict[str, float] = {}
@@ -258,7 +259,8 @@ class BaseTrainer(abc.ABC):
             self._loop, more = core.end_epoch(self._loop, epochs=self.cfg.epochs, early_stop=stop, step=self.step)
             if len(self._logs):
                 self.push_logs()
-            seconds = self._save_checkpoint()
+            # after the last epoch without a test, _finish() writes the same state (plus results) at once
+            seconds = self._save_checkpoint() if more or self.cfg.test.enable else None
             bar.update(self.get_best_pbar_metrics())
             if signalled and more:
                 self._stop_for_signal(seconds)
@@ -482,7 +484,7 @@ class BaseTrainer(abc.ABC):
                 "(or start fresh with ckpt.resume=never)"
             )
         saved = _flatten(ckpt.get("config") or {})
-        current = _flatten(self.cfg.to_dict())
+        current = _flatten(self._cfg_dict)
         changed = sorted(
             key
             for key in set(saved) | set(current)
@@ -578,7 +580,7 @@ class BaseTrainer(abc.ABC):
             epoch=self._loop.epoch,
             step=self.step,
             world_size=self.world_size,
-            config=self.cfg.to_dict(),
+            config=self._cfg_dict,
             loop=self._loop.to_dict(),
             best=best.to_dict() if best is not None else None,
             patience=patience.to_dict() if patience is not None else None,
@@ -615,7 +617,7 @@ class BaseTrainer(abc.ABC):
                         "model": self.best_model,
                         "best": best.to_dict(),
                         "epoch": best.epoch,
-                        "config": self.cfg.to_dict(),
+                        "config": self._cfg_dict,
                     }
                     writes["best"] = (best_payload, self.best_ckpt_path)
                 payload = self._checkpoint_payload()
@@ -941,7 +943,7 @@ class BaseTrainer(abc.ABC):
                 mode=wb.mode,
                 run_id=self._run_id,
                 directory=self.out_dir,
-                config=self.cfg.to_dict(),
+                config=self._cfg_dict,
                 project=wb.project,
                 entity=wb.entity,
                 name=wb.name,
