@@ -127,14 +127,18 @@ def _disk_full_error(exc: BaseException | None) -> OSError | None:
 
 
 def _link_previous(path: Path) -> None:
-    """Point ``previous_path(path)`` at the current ``path``; ``path`` itself stays loadable throughout."""
+    """Point ``previous_path(path)`` at the current ``path`` atomically; both stay loadable throughout.
+
+    The link is made under a temp name and renamed over the old previous file: unlinking it first would
+    leave no previous file at all if the process were killed in between.
+    """
     previous = previous_path(path)
-    with suppress(FileNotFoundError):
-        previous.unlink()
+    link_tmp = path.with_name(f".{previous.name}.{os.getpid()}.{next(_TEMP_COUNTER)}{TEMP_SUFFIX}")
     try:
-        os.link(path, previous)
+        os.link(path, link_tmp)
     except OSError:  # no hard links on this filesystem: fall back to a copy
-        shutil.copyfile(path, previous)
+        shutil.copyfile(path, link_tmp)
+    os.replace(link_tmp, previous)
 
 
 def payload_nbytes(payload: Any) -> int:

@@ -79,6 +79,9 @@ def init_process_group(rank: int, world_size: int, *, backend: str, timeout_s: f
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
         kwargs["device_id"] = device
+    store = _elastic_attempt_store(world_size, datetime.timedelta(seconds=timeout_s))
+    if store is not None:
+        kwargs["store"] = store
     dist.init_process_group(
         backend=backend,
         rank=rank,
@@ -87,6 +90,22 @@ def init_process_group(rank: int, world_size: int, *, backend: str, timeout_s: f
         **kwargs,
     )
     return True
+
+
+def _elastic_attempt_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """Return torchrun's agent store scoped to this restart attempt, or None when not under its shared store.
+
+    torchrun's agent hosts one TCPStore for every restart attempt (``TORCHELASTIC_USE_AGENT_STORE``), and
+    the process group's keys carry no attempt in their names: a restarted rank would read the dead
+    attempt's peer addresses and fail to connect. A prefix per ``TORCHELASTIC_RESTART_COUNT`` keeps the
+    attempts apart (the count is the same on every rank of a single-node job).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"trainkit/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
 
 
 def _collective_device() -> torch.device:

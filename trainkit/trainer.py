@@ -36,7 +36,7 @@ from trainkit.errors import (
     TrainingInterrupted,
     UsageError,
 )
-from trainkit.logging import JsonlSink, LogBuffer, NullSink, WandbSink, new_run_id
+from trainkit.logging import JsonlSink, LogBuffer, NullSink, WandbSink, new_run_id, strip_secrets
 from trainkit.progress import EpochBar, step_bar
 
 __all__ = ["BaseTrainer", "CHECKPOINT_SCHEMA_VERSION"]
@@ -125,7 +125,8 @@ class BaseTrainer(abc.ABC):
         else:
             self.device = torch.device("cpu")
         self.out_dir = Path(self.cfg.out_dir)
-        self._cfg_dict = self.cfg.to_dict()  # the config is frozen: one plain copy serves every save
+        # the config is frozen: one plain copy serves every save; secret-looking keys never reach a file
+        self._cfg_dict = strip_secrets(self.cfg.to_dict())
         self.model: nn.Module | None = None
         self.best_model: dict[str, Any] | None = None
         self.best_metrics: dict[str, float] = {}

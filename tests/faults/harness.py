@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -68,6 +69,11 @@ class Run:
                 continue
         return found
 
+    def worker_pids(self) -> set[int]:
+        """The pids that tests/faults/train.py printed at its epoch starts (every rank, every attempt)."""
+        return {int(line.rsplit(" pid ", 1)[1]) for line in self.stdout.splitlines()
+                if line.startswith("epoch ") and " pid " in line}
+
     def wait_for(self, text: str, timeout: float = 120.0) -> bool:
         """Wait until ``text`` is on stdout; False when the process ended first."""
         deadline = time.monotonic() + timeout
@@ -94,10 +100,22 @@ class Run:
         self.assert_nothing_left()
         return code
 
+    def leftovers(self) -> list[psutil.Process]:
+        """Live processes of this run: its session's members, and workers that printed their pid."""
+        found = {p.pid: p for p in self.members()}
+        for pid in self.worker_pids() - found.keys():
+            try:
+                proc = psutil.Process(pid)
+                if proc.status() != psutil.STATUS_ZOMBIE and "tests.faults.train" in " ".join(proc.cmdline()):
+                    found[pid] = proc
+            except psutil.Error:
+                continue
+        return list(found.values())
+
     def assert_nothing_left(self, grace: float = 10.0) -> None:
         """Fail (after killing them) when processes of this run outlive it by more than ``grace`` seconds."""
         deadline = time.monotonic() + grace
-        while (left := self.members()) and time.monotonic() < deadline:
+        while (left := self.leftovers()) and time.monotonic() < deadline:
             time.sleep(0.05)
         if left:
             names = [" ".join(p.cmdline())[:200] for p in left]
@@ -105,12 +123,10 @@ class Run:
             raise AssertionError(f"processes left behind by {self.proc.args[:4]}: {names}")
 
     def kill_session(self) -> None:
-        """SIGKILL every process of this run's session (cleanup after a failure)."""
-        for proc in self.members():
-            try:
+        """SIGKILL every process of this run (cleanup after a failure)."""
+        for proc in self.leftovers():
+            with contextlib.suppress(psutil.Error):
                 proc.kill()
-            except psutil.Error:
-                pass
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=30)

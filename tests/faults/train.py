@@ -10,7 +10,7 @@ the injected behaviour, and stays out of the config so it never changes what a c
 - ``exit_rank``/``exit_epoch``: that rank calls ``os._exit(1)`` at the start of that epoch, on the
   first torchrun attempt only (``TORCHELASTIC_RESTART_COUNT`` is ``"0"``).
 
-Each epoch start prints ``epoch <n> rank <r>`` to stdout, so a test knows training is under way.
+Each epoch start prints ``epoch <n> rank <r> pid <pid>`` to stdout, so a test knows training is under way.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class FaultTrainer(TinyTrainer):
             self.optimizer.register_step_post_hook(lambda *_: time.sleep(sleep))
 
     def train_epoch(self):
-        print(f"epoch {self.epoch} rank {self.rank}", flush=True)
+        # one write() per line: the ranks of a torchrun job share this file, and print() writes twice
+        os.write(sys.stdout.fileno(), f"epoch {self.epoch} rank {self.rank} pid {os.getpid()}\n".encode())
         if (
             self.fault.get("exit_rank") == self.rank
             and self.fault.get("exit_epoch") == self.epoch

@@ -1,0 +1,32 @@
+"""The benchmark scripts run in their smoke modes, so they cannot rot between full runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_overhead_quick_mode_runs_and_checks_same_work(tmp_path):
+    """benchmarks/overhead.py --quick runs every section and writes its JSON and Markdown tables."""
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/overhead.py", "--quick", "--no-lightning", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "latest.md").is_file()
+    assert json.loads((tmp_path / "latest.json").read_text())
+
+
+def test_gpu_check_cpu_smoke_runs(tmp_path):
+    """benchmarks/gpu_check.py --cpu-smoke exercises the GPU check's code paths and reports the same work."""
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check_smoke.json").read_text())
+    assert report["tiny"]["same_loss"] and report["medium"]["same_loss"]

@@ -1,0 +1,55 @@
+"""Real torchrun jobs: an automatic restart after a rank dies resumes exactly; a failing rank ends the job promptly."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.faults.harness import Run, assert_same_training, write_run
+from tests.test_trainer import make_cfg
+
+pytestmark = [pytest.mark.ddp, pytest.mark.timeout(240)]
+
+
+def ddp_cfg(out_dir, **overrides):
+    """A 2-process gloo config: 6 epochs, a test at the end, collectives bounded by 30 s."""
+    return make_cfg(out_dir, epochs=6, test={"enable": True}, dist={"backend": "gloo", "timeout_s": 30}, **overrides)
+
+
+def torchrun(run_json, log, max_restarts=0) -> Run:
+    """Start ``torchrun --standalone --nproc_per_node=2`` on tests/faults/train.py."""
+    return Run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", f"--max-restarts={max_restarts}",
+                "--monitor-interval=0.1", "-m", "tests.faults.train", str(run_json)], log)
+
+
+def test_torchrun_restart_after_a_dead_rank_resumes_bit_identically(tmp_path):
+    """Rank 1 dying mid-run on the first attempt: torchrun --max-restarts=1 exits 0 with the uninterrupted weights."""
+    ref = torchrun(write_run(tmp_path / "ref.json", ddp_cfg(tmp_path / "ref")), tmp_path / "ref.log")
+    assert ref.wait(timeout=180) == 0, ref.stderr[-4000:]
+
+    out = tmp_path / "run"
+    fault = {"exit_rank": 1, "exit_epoch": 2}
+    run = torchrun(write_run(tmp_path / "run.json", ddp_cfg(out), fault), tmp_path / "run.log", max_restarts=1)
+    code = run.wait(timeout=180)
+    assert code == 0, run.stderr[-4000:]
+    lines = run.stdout.splitlines()
+    assert sum(line.startswith("epoch 2 rank 1 ") for line in lines) == 2, "rank 1 must run epoch 2 on both attempts"
+    assert sum(line.startswith("epoch 0 rank 0 ") for line in lines) == 1, "the restart must resume, not start over"
+    assert "trainkit: resuming" in run.stderr and "at epoch 2" in run.stderr
+    assert len(run.worker_pids()) == 4  # two ranks, two attempts: all gone (checked by wait)
+    assert_same_training(out, tmp_path / "ref")
+
+
+def test_exception_on_one_rank_ends_the_torchrun_job_promptly(tmp_path):
+    """An exception on rank 1 ends the torchrun job promptly, non-zero, with its traceback and no process left."""
+    cfg = ddp_cfg(tmp_path / "run", fail_rank=1, fail_epoch=1)
+    start = time.monotonic()
+    run = torchrun(write_run(tmp_path / "run.json", cfg), tmp_path / "run.log")
+    code = run.wait(timeout=120)
+    elapsed = time.monotonic() - start
+    assert code != 0
+    assert elapsed < 25, f"the job took {elapsed:.0f} s to end: a rank waited for the 30 s collective timeout"
+    assert "Traceback" in run.stderr and "RuntimeError: injected failure on rank 1 at epoch 1" in run.stderr
+    assert "tests/trainers.py" in run.stderr  # the original frame, not just torchrun's summary
+    assert len(run.worker_pids()) == 2
