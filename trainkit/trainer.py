@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -78,6 +79,22 @@ def _as_verdict(value: Any) -> bool:
         f"val_epoch() must return a bool (True to stop early) or None, got {type(value).__name__} {value!r}; "
         "return what step_patience() returned"
     )
+
+
+def _step_counter(trainer: BaseTrainer) -> Any:
+    """An optimizer post-step hook that advances ``trainer.step``, holding the trainer only weakly.
+
+    A strong reference would make a cycle (trainer -> optimizer -> hook -> trainer) that keeps the model,
+    and under DDP its process group, alive until the garbage collector runs, possibly at interpreter exit.
+    """
+    ref = weakref.ref(trainer)
+
+    def count(optimizer: Any, args: Any, kwargs: Any) -> None:
+        owner = ref()
+        if owner is not None:
+            owner.step += 1
+
+    return count
 
 
 class BaseTrainer(abc.ABC):
@@ -398,10 +415,7 @@ class BaseTrainer(abc.ABC):
         self._registry, _ = core.register_items(self._registry, kwargs)
         for obj in kwargs.values():
             if isinstance(obj, torch.optim.Optimizer) and self._step_hook is None:
-                self._step_hook = obj.register_step_post_hook(self._count_step)
-
-    def _count_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.step += 1
+                self._step_hook = obj.register_step_post_hook(_step_counter(self))
 
     @property
     def checkpoint_items(self) -> Mapping[str, Any]:
