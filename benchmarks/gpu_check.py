@@ -228,7 +228,9 @@ def main(argv: list[str]) -> int:
                 "raw_peak_bytes": raw_peak,
                 "trainkit_peak_bytes": tk_peak,
                 "peak_ratio": (tk_peak / raw_peak) if raw_peak else None,
-                "host_syncs_in_trainkit_calls": "none (sync debug mode 'error' raised nothing)" if not smoke else "not checked",
+                "host_syncs_in_trainkit_calls": (
+                    "none (sync debug mode 'error' raised nothing)" if not smoke else "not checked"
+                ),
             }
         report["snapshot"] = snapshot_check(device, smoke, rounds)
     if not smoke:

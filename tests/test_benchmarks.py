@@ -30,3 +30,14 @@ def test_gpu_check_cpu_smoke_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check_smoke.json").read_text())
     assert report["tiny"]["same_loss"] and report["medium"]["same_loss"]
+
+
+def test_async_save_benchmark_runs(tmp_path):
+    """benchmarks/async_save.py measures blocked and lost time (gates apply at ~600 MB, not at this size)."""
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/async_save.py", "--mb", "16", "--rounds", "1", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    report = json.loads((tmp_path / "async_save.json").read_text())
+    assert report["median_s"]["sync_s"] > 0 and report["median_s"]["blocked_s"] > 0
