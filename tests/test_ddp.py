@@ -10,25 +10,19 @@ import pytest
 import torch.multiprocessing as mp
 
 import trainkit
+from tests.test_trainer import make_cfg
 from tests.trainers import ReportingTrainer
 
 pytestmark = pytest.mark.ddp
 
 
+DDP_DEFAULTS = {"epochs": 4, "val": {"patience": 2}, "test": {"enable": True}, "dist": {"timeout_s": 60}}
+"""What the 2-process runs add to test_trainer's quiet config: patience, a test phase, a short timeout."""
+
+
 def cfg(out_dir, **overrides):
     """A quiet 2-process config with a short collective timeout."""
-    base = {
-        "epochs": 4,
-        "out_dir": str(out_dir),
-        "wandb": {"mode": "disabled"},
-        "progress": {"enable": False},
-        "val": {"minimize": True, "patience": 2},
-        "test": {"enable": True},
-        "dist": {"timeout_s": 60},
-    }
-    for key, value in overrides.items():
-        base[key] = {**base[key], **value} if isinstance(value, dict) else value
-    return base
+    return make_cfg(out_dir, **{**DDP_DEFAULTS, **overrides})
 
 
 def reports(out_dir):
