@@ -1,6 +1,6 @@
 """Gate for ``ckpt.async_save``: how long a save blocks the loop, and how much training the writer costs.
 
-    python benchmarks/async_save.py [--mb 600] [--rounds 3] [--out benchmarks/results]
+    python benchmarks/async_save.py [--mb 600] [--rounds 3] [--device cpu|cuda] [--out benchmarks/results]
 
 A ~600 MB state (a model's weights plus Adam's two moments) is saved three ways, interleaved:
 - sync: :func:`trainkit.checkpoint.atomic_save` (temp file, fsync, replace, directory fsync);
@@ -8,6 +8,8 @@ A ~600 MB state (a model's weights plus Adam's two moments) is saved three ways,
   writer), and the training time lost while the writer runs (a fixed amount of matmul work timed with and
   without the writer running, measured side by side).
 Gates (ratios to the synchronous save): blocked <= 0.15, blocked + lost <= 0.5. Exits 1 when one is missed.
+With ``--device cuda`` the state lives on the GPU, staging copies it into pinned host buffers, and the
+training stand-in is GPU matmul work launched from the loop's thread (``async_save_cuda.json``).
 """
 
 from __future__ import annotations
@@ -31,22 +33,30 @@ GATE_BLOCKED = 0.15
 GATE_BLOCKED_PLUS_LOST = 0.5
 
 
-def make_state(total_mb: int) -> dict:
+def make_state(total_mb: int, device: torch.device) -> dict:
     """Weights plus two Adam moments of the same size, in 64 tensors, about ``total_mb`` MB in all."""
     per_copy = total_mb * 2**20 // 3 // 4  # float32 elements per copy
     shapes = [(per_copy // 64,)] * 64
-    weights = {f"layer{i}.weight": torch.randn(shape) for i, shape in enumerate(shapes)}
-    adam = {i: {"exp_avg": torch.randn(shape), "exp_avg_sq": torch.rand(shape), "step": torch.tensor(10.0)}
-            for i, shape in enumerate(shapes)}
+    weights = {f"layer{i}.weight": torch.randn(shape, device=device) for i, shape in enumerate(shapes)}
+    adam = {
+        i: {"exp_avg": torch.randn(shape, device=device), "exp_avg_sq": torch.rand(shape, device=device),
+            "step": torch.tensor(10.0)}  # Adam keeps step on the CPU unless capturable
+        for i, shape in enumerate(shapes)
+    }
     return {"model": weights, "optimizer": {"state": adam, "param_groups": [{"lr": 1e-3, "params": list(range(64))}]}}
 
 
-def train_work(steps: int) -> float:
+def train_work(steps: int, device: torch.device) -> float:
     """A fixed amount of compute standing in for training steps; returns its wall time."""
-    a = torch.randn(384, 384)
+    size = 384 if device.type == "cpu" else 4096
+    a = torch.randn(size, size, device=device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
         a = torch.tanh(a @ a) * 0.5
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -54,14 +64,16 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=600, help="state size in MB")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
     torch.set_num_threads(1)
-    state = make_state(args.mb)
+    state = make_state(args.mb, device)
     staging = StagingBuffers()
     writer = AsyncCheckpointWriter()
-    steps = 40
-    train_work(5)
+    steps = 40 if device.type == "cpu" else 200
+    train_work(5, device)
     rows = {"sync_s": [], "blocked_s": [], "lost_s": [], "writer_s": []}
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as folder:
         path = Path(folder) / "last.pt"
@@ -69,7 +81,7 @@ def main(argv: list[str]) -> int:
         staging.stage(state)
         for _ in range(args.rounds):
             rows["sync_s"].append(atomic_save(state, path, keep_previous=True))
-            alone = train_work(steps)
+            alone = train_work(steps, device)
             start = time.perf_counter()
             staged = staging.stage(state)
             writer.submit([(staged, path)])
@@ -77,7 +89,7 @@ def main(argv: list[str]) -> int:
             busy_start = time.perf_counter()
             with_writer = 0.0
             while writer.busy:  # train while the writer writes, as the loop would
-                with_writer += train_work(steps)
+                with_writer += train_work(steps, device)
                 if time.perf_counter() - busy_start > 120:
                     break
             writer.wait()
@@ -89,6 +101,7 @@ def main(argv: list[str]) -> int:
     blocked = med["blocked_s"] / med["sync_s"]
     blocked_plus_lost = (med["blocked_s"] + med["lost_s"]) / med["sync_s"]
     report = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "state_mb": args.mb,
         "rounds": args.rounds,
         "median_s": med,
@@ -103,7 +116,8 @@ def main(argv: list[str]) -> int:
         failures.append(f"(blocked + lost) / sync = {blocked_plus_lost:.3f} > {GATE_BLOCKED_PLUS_LOST}")
     report["failures"] = failures
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "async_save.json").write_text(json.dumps(report, indent=2))
+    name = "async_save.json" if device.type == "cpu" else "async_save_cuda.json"
+    (Path(args.out) / name).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     return 1 if failures else 0
 

@@ -9,7 +9,8 @@ import torch
 
 from tests.test_trainer import make_cfg
 from tests.trainers import TinyTrainer
-from trainkit import BookkeepingError, RegistryError, UsageError
+from trainkit import BookkeepingError, DistributedError, RegistryError, UsageError
+from trainkit import distributed as dist_utils
 from trainkit.trainer import BaseTrainer
 
 
@@ -123,3 +124,24 @@ def test_resume_with_different_registered_items_names_them(tmp_path):
 
     with pytest.raises(RegistryError, match=r"missing from the checkpoint: \['scheduler'\]"):
         Extra(make_cfg(tmp_path, epochs=2))
+
+
+@pytest.mark.parametrize("local_world_size", [None, "2"])
+def test_nccl_with_more_processes_than_gpus_names_the_fix(monkeypatch, local_world_size):
+    """Two processes per node on one GPU is refused with the numbers and the fix, before NCCL says 'Duplicate GPU'."""
+    if local_world_size is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # spawn: every process on this node
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    expected = r"2 processes share this node's 1 visible CUDA device.*--nproc_per_node=1"
+    with pytest.raises(DistributedError, match=expected):
+        dist_utils.init_process_group(0, 2, backend="nccl", timeout_s=5, device=torch.device("cuda", 0))
+    assert not torch.distributed.is_initialized()
+
+
+def test_nccl_with_one_process_per_gpu_passes_the_check(monkeypatch):
+    """Four ranks on two nodes of two GPUs each (LOCAL_WORLD_SIZE=2) are not refused by the GPU count."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    dist_utils._check_one_gpu_per_process(world_size=4)

@@ -29,7 +29,11 @@ def test_gpu_check_cpu_smoke_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check_smoke.json").read_text())
-    assert report["tiny"]["same_loss"] and report["medium"]["same_loss"]
+    assert report["failures"] == []
+    for name in ("tiny/off", "tiny/helpers", "medium/off", "medium/helpers"):
+        assert report["timing"][name]["same_final_loss"], name
+    assert report["snapshot"]["snapshot_equals_weights"]
+    assert report["resume"]["bitwise_equal_weights"] and report["resume"]["checkpoint_epoch"] == 1
 
 
 def test_async_save_benchmark_runs(tmp_path):

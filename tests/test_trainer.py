@@ -126,6 +126,27 @@ def test_best_model_snapshot_reuses_its_buffers(tmp_path):
     assert all(torch.equal(trainer.best_model[k], v) for k, v in trainer.model.state_dict().items())
 
 
+def test_best_model_snapshot_of_large_and_small_tensors_is_exact_and_reused(tmp_path):
+    """Tensors above the foreach size limit are copied one by one, the rest fused; both land exactly."""
+    trainer = TinyTrainer(make_cfg(tmp_path, ckpt={"enable": False}))
+    trainer.model.register_buffer("big", torch.arange(3 * 2**20, dtype=torch.float32))  # > 1M elements
+    trainer.epoch = 0
+    assert trainer.save_if_best(3.0)
+    pointers = {k: v.data_ptr() for k, v in trainer.best_model.items()}
+    with torch.no_grad():
+        trainer.model.big.mul_(-2.0)
+        for p in trainer.model.parameters():
+            p.add_(1.0)
+    trainer.epoch = 1
+    assert trainer.save_if_best(2.0)
+    assert {k: v.data_ptr() for k, v in trainer.best_model.items()} == pointers
+    assert all(torch.equal(trainer.best_model[k], v) for k, v in trainer.model.state_dict().items())
+    trainer.model.big = torch.zeros(5, dtype=torch.float64)  # a slot that no longer fits: fresh buffers
+    trainer.epoch = 2
+    assert trainer.save_if_best(1.0)
+    assert trainer.best_model["big"].dtype == torch.float64 and torch.equal(trainer.best_model["big"], torch.zeros(5))
+
+
 def test_test_uses_best_weights_not_last(tmp_path):
     """test() reloads the best epoch's weights into the model before calling test_epoch()."""
     seen = {}

@@ -63,7 +63,8 @@ def init_process_group(rank: int, world_size: int, *, backend: str, timeout_s: f
     :param timeout_s: The bound on every collective, in seconds.
     :param device: The device this rank computes on; nccl binds to it.
     :returns: True when this call created the group (and so the caller owns its teardown).
-    :raises DistributedError: When an existing group disagrees with ``rank``/``world_size``.
+    :raises DistributedError: When an existing group disagrees with ``rank``/``world_size``, or when nccl
+        would have to put two of this node's processes on one GPU.
     """
     if is_distributed():
         if dist.get_rank() != rank or dist.get_world_size() != world_size:
@@ -78,6 +79,7 @@ def init_process_group(rank: int, world_size: int, *, backend: str, timeout_s: f
         backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
+        _check_one_gpu_per_process(world_size)
         kwargs["device_id"] = device
     store = _elastic_attempt_store(world_size, datetime.timedelta(seconds=timeout_s))
     if store is not None:
@@ -90,6 +92,18 @@ def init_process_group(rank: int, world_size: int, *, backend: str, timeout_s: f
         **kwargs,
     )
     return True
+
+
+def _check_one_gpu_per_process(world_size: int) -> None:
+    """Refuse, before NCCL does so cryptically ("Duplicate GPU detected"), more processes than GPUs on a node."""
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # torchrun sets it; spawn is one node
+    gpus = torch.cuda.device_count()
+    if local_world_size > gpus:
+        raise DistributedError(
+            f"dist.backend=nccl needs one GPU per process, but {local_world_size} processes share this node's "
+            f"{gpus} visible CUDA device(s); start at most {gpus} per node (torchrun --nproc_per_node={gpus}), "
+            "or set dist.backend=gloo"
+        )
 
 
 def _elastic_attempt_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | None:

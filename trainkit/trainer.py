@@ -97,6 +97,28 @@ def _step_counter(trainer: BaseTrainer) -> Any:
     return count
 
 
+_FOREACH_COPY_MAX_NUMEL = 1 << 20
+
+
+def _copy_tensors_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy ``sources`` into ``targets``: small tensors in one fused foreach copy, large ones one by one.
+
+    Foreach kernels are tuned for many small tensors; on a GPU they copy large ones at under half of the
+    bandwidth a plain ``copy_`` reaches (measured on an H200), and above ~1M elements a launch per tensor
+    costs nothing next to the copy itself.
+    """
+    small_targets: list[torch.Tensor] = []
+    small_sources: list[torch.Tensor] = []
+    for target, source in zip(targets, sources):
+        if source.numel() > _FOREACH_COPY_MAX_NUMEL:
+            target.copy_(source)
+        else:
+            small_targets.append(target)
+            small_sources.append(source)
+    if small_targets:
+        torch._foreach_copy_(small_targets, small_sources)
+
+
 class BaseTrainer(abc.ABC):
     """The epoch loop, and everything around it that depends on neither task nor model.
 
@@ -721,33 +743,37 @@ class BaseTrainer(abc.ABC):
         model = dist_utils.unwrap(self.model)
         if model is None:
             raise UsageError("save_if_best() snapshots self.model, which is not set; assign it in setup()")
-        state = model.state_dict()
+        state = model.state_dict()  # detached tensors already
         snapshot = self.best_model
-        reusable = (
-            snapshot is not None
-            and snapshot.keys() == state.keys()
-            and all(
-                isinstance(v, torch.Tensor) == isinstance(snapshot[k], torch.Tensor)
-                and (
-                    not isinstance(v, torch.Tensor)
-                    or (
-                        v.shape == snapshot[k].shape and v.dtype == snapshot[k].dtype and v.device == snapshot[k].device
-                    )
-                )
-                for k, v in state.items()
-            )
-        )
-        if not reusable:
-            self.best_model = {
-                k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in state.items()
-            }
-            return
-        keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
-        with torch.no_grad():
-            torch._foreach_copy_([snapshot[k] for k in keys], [state[k].detach() for k in keys])
-        for k, v in state.items():
-            if not isinstance(v, torch.Tensor):
-                snapshot[k] = copy.deepcopy(v)
+        if snapshot is not None and snapshot.keys() == state.keys():
+            targets: list[torch.Tensor] = []
+            sources: list[torch.Tensor] = []
+            plain: list[str] = []
+            for key, value in state.items():  # one pass: the buffers are reused only if every slot still fits
+                held = snapshot[key]
+                if isinstance(value, torch.Tensor):
+                    if not (
+                        isinstance(held, torch.Tensor)
+                        and held.shape == value.shape
+                        and held.dtype == value.dtype
+                        and held.device == value.device
+                    ):
+                        break
+                    targets.append(held)
+                    sources.append(value)
+                elif isinstance(held, torch.Tensor):
+                    break
+                else:
+                    plain.append(key)
+            else:
+                with torch.no_grad():
+                    _copy_tensors_(targets, sources)
+                for key in plain:
+                    snapshot[key] = copy.deepcopy(state[key])
+                return
+        self.best_model = {
+            k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in state.items()
+        }
 
     def step_patience(self, improved: bool) -> bool:
         """Advance the early-stopping counter with this epoch's outcome.
