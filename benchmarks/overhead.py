@@ -3,7 +3,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/overhead.py            # full run (~5-10 min on 2 cores), gates enforced
+    .venv/bin/python benchmarks/overhead.py            # full run (~10 min on 2 cores), gates enforced
     .venv/bin/python benchmarks/overhead.py --quick    # smoke run (< 1 min), gates advisory
 
 Everything runs in one process (the import gate aside, which needs fresh interpreters), single-threaded
@@ -109,13 +109,13 @@ class Settings:
 
 FULL = Settings(
     mode="full",
-    rounds=9,
+    rounds=15,
     tiny_epochs=8,
-    tiny_reps=5,
+    tiny_reps=6,
     wandb_reps=8,
     medium_samples=1024,
     medium_epochs=1,
-    medium_reps=3,
+    medium_reps=5,
     import_rounds=9,
     snapshot_params=50_000_000,
     micro_reps=3,

@@ -14,7 +14,7 @@ from torch import nn
 
 from trainkit import BaseTrainer
 from trainkit.config import DEFAULT_NO_WEIGHT_DECAY
-from trainkit.optim import make_param_groups
+from trainkit.optim import make_param_groups, named_trainable_parameters, trainable_parameters
 
 VOCAB, DIM, CTX = 11, 6, 5
 
@@ -324,3 +324,16 @@ def test_tied_embedding_is_undecayed_whichever_is_declared_first():
     groups = default_groups(HeadFirstLM())
     names = {group["name"]: group["param_names"] for group in groups}
     assert names == {"no_decay": ["lm_head.weight"]}
+
+
+def test_trainable_parameters_match_the_named_walk_without_names():
+    """The name-free walk the per-step helpers use lists the same parameters, in the same order."""
+    embed = nn.Embedding(7, 4)
+    head = nn.Linear(4, 7, bias=False)
+    head.weight = embed.weight  # tied
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    body = nn.Sequential(embed, nn.Linear(4, 4), frozen, head)
+    extra = nn.Sequential(nn.Linear(4, 2), body[1])  # shares a layer with body
+    for modules in ([body], [body, extra], [extra, body], [frozen], [nn.Sequential(frozen), extra]):
+        expected = [id(p) for _, p in named_trainable_parameters(modules)]
+        assert [id(p) for p in trainable_parameters(modules)] == expected

@@ -6,6 +6,7 @@ with ``torch.load(..., weights_only=True)``; trainkit never loads with ``weights
 
 from __future__ import annotations
 
+import array
 import errno
 import itertools
 import os
@@ -261,36 +262,45 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> 
 
 
 def capture_rng() -> dict[str, Any]:
-    """Capture the state of every random generator this process uses, as tensors and plain values.
+    """Capture the state of every random generator this process uses, as plain values.
+
+    Python's, torch's CPU and numpy's states are kept as ``bytes``: they pickle inline, where a tensor
+    would add a record (and a CRC) to the checkpoint file on every save.
 
     :returns: ``{"python": ..., "torch": ..., "numpy": ... (when numpy is loaded), "cuda": ... (when used)}``.
     """
     version, internal, gauss = random.getstate()
-    # one int64 tensor pickles far faster than a list of 625 ints
-    state: dict[str, Any] = {"python": [version, torch.tensor(internal, dtype=torch.int64), gauss],
-                             "torch": torch.get_rng_state()}
+    state: dict[str, Any] = {
+        "python": [version, array.array("q", internal).tobytes(), gauss],
+        "torch": torch.get_rng_state().numpy().tobytes(),
+    }
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         name, keys, pos, has_gauss, cached = numpy.random.get_state()
-        state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
+        state["numpy"] = [name, keys.tobytes(), int(pos), int(has_gauss), float(cached)]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    """Restore generator states captured by :func:`capture_rng`.
+    """Restore generator states captured by :func:`capture_rng` (also its earlier tensor-valued form).
 
     :param state: The captured states.
     """
     version, internal, gauss = state["python"]
-    internal = internal.tolist() if isinstance(internal, torch.Tensor) else internal
+    if isinstance(internal, bytes):
+        internal = array.array("q", internal).tolist()
+    elif isinstance(internal, torch.Tensor):
+        internal = internal.tolist()
     random.setstate((version, tuple(internal), gauss))
-    torch.set_rng_state(state["torch"])
+    cpu = state["torch"]
+    torch.set_rng_state(torch.frombuffer(bytearray(cpu), dtype=torch.uint8) if isinstance(cpu, bytes) else cpu)
     numpy = sys.modules.get("numpy")
     if numpy is not None and "numpy" in state:
         name, keys, pos, has_gauss, cached = state["numpy"]
-        numpy.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+        keys = numpy.frombuffer(keys, dtype=numpy.uint32) if isinstance(keys, bytes) else keys.numpy()
+        numpy.random.set_state((name, keys.astype("uint32"), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 

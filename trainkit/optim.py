@@ -12,7 +12,7 @@ from torch import nn
 
 from trainkit.distributed import unwrap
 
-__all__ = ["named_trainable_parameters", "make_param_groups", "total_grad_norm", "clip_grads_", "param_stats"]
+__all__ = ["named_trainable_parameters", "trainable_parameters", "make_param_groups", "total_grad_norm", "clip_grads_", "param_stats"]
 
 
 def _named_trainable(modules: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter, tuple[str, ...]]]:
@@ -41,6 +41,31 @@ def named_trainable_parameters(modules: Sequence[nn.Module]) -> list[tuple[str, 
     :returns: ``(name, parameter)`` pairs.
     """
     return [(name, param) for name, param, _ in _named_trainable(modules)]
+
+
+def trainable_parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """The parameters of :func:`named_trainable_parameters`, in the same order, without building names.
+
+    The per-step helpers (clipping, the grad norm) need no names, and skipping them halves the walk.
+
+    :param modules: The modules, in order.
+    :returns: Each trainable parameter once.
+
+    >>> shared = nn.Linear(2, 2)
+    >>> frozen = nn.Linear(2, 2).requires_grad_(False)
+    >>> [tuple(p.shape) for p in trainable_parameters([nn.Sequential(shared, frozen), shared])]
+    [(2, 2), (2,)]
+    """
+    if len(modules) == 1:  # parameters() already lists a tied parameter once
+        return [param for param in unwrap(modules[0]).parameters() if param.requires_grad]
+    seen: set[int] = set()
+    params: list[nn.Parameter] = []
+    for module in modules:
+        for param in unwrap(module).parameters():
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                params.append(param)
+    return params
 
 
 def make_param_groups(

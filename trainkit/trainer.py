@@ -888,7 +888,7 @@ class BaseTrainer(abc.ABC):
         )
 
     def _params(self, modules: tuple[nn.Module, ...], caller: str) -> list[nn.Parameter]:
-        return [p for _, p in optim_utils.named_trainable_parameters(self._modules(modules, caller))]
+        return optim_utils.trainable_parameters(self._modules(modules, caller))
 
     def clip_and_log_grad_norm(self, *modules: nn.Module) -> torch.Tensor:
         """Clip gradients in place and log the pre-clip norm as ``train/grad_norm``.
