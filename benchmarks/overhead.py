@@ -8,8 +8,9 @@ Run from the repository root::
 
 Everything runs in one process (the import gate aside, which needs fresh interpreters), single-threaded
 (``torch.set_num_threads(1)``). Contestants of a group run interleaved, in a shuffled order, for one
-discarded warm-up round and then ``--rounds`` measured rounds; every ratio is the median of the per-round
-ratios trainkit / baseline, with the min-max over rounds beside it. Every contestant of a group gets the
+discarded warm-up round and then ``--rounds`` measured rounds of ``reps`` repetitions; every ratio is
+the median over all repetitions of the paired ratio trainkit / baseline (two runs of the same repetition
+ran back to back), with the quartiles beside it. Every contestant of a group gets the
 same initial weights, the same data and the same batch order, and the script asserts they did the same
 work: the final training loss, the final validation loss and a hash of the final weights must be
 bitwise identical (a contestant that cannot match bitwise is compared to a tight tolerance, with the
@@ -92,7 +93,7 @@ class Settings:
     mode: str
     rounds: int  # measured rounds (after one discarded warm-up round)
     tiny_epochs: int
-    tiny_reps: int  # runs per contestant per round, interleaved; the round keeps the fastest
+    tiny_reps: int  # runs per contestant per round, interleaved; each repetition pairs up
     wandb_reps: int  # the same for the W&B variant, whose runs vary the most
     medium_samples: int
     medium_epochs: int
@@ -199,9 +200,13 @@ def durable_save(payload: Any, path: Path) -> None:
 
 
 def ratio_stats(num: list[float], den: list[float]) -> dict[str, Any]:
+    """Statistics of the paired ratios ``num[i] / den[i]`` (runs i of two contestants ran back to back)."""
     ratios = [a / b for a, b in zip(num, den)]
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0], None, ratios[0])
     return {
         "median": statistics.median(ratios),
+        "q1": q1,
+        "q3": q3,
         "min": min(ratios),
         "max": max(ratios),
         "ratios": ratios,
@@ -622,7 +627,7 @@ class Contestant:
 
 @dataclass
 class Timings:
-    """Per measured round, the fastest of that round's repetitions, on both clocks."""
+    """Every measured repetition, in run order, on both clocks (repetition i of two contestants is a pair)."""
 
     wall: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
@@ -658,9 +663,8 @@ def settle_heap() -> None:
 def run_group(title: str, wl: Workload, contestants: list[Contestant], rounds: int, reps: int) -> GroupResult:
     """One warm-up round (discarded; it also collects outcomes and warnings), then ``rounds`` measured rounds.
 
-    Inside a round every repetition runs each contestant once, in a fresh shuffled order, so all of
-    them see the same machine; the round keeps each contestant's fastest repetition (noise from other
-    processes only ever adds time).
+    Inside a round every repetition runs each contestant once, in a fresh shuffled order, so the runs of
+    one repetition see the same state of the machine and pair up for the ratios.
     """
     times = {c.name: Timings() for c in contestants}
     outcomes: dict[str, Outcome] = {}
@@ -694,8 +698,8 @@ def run_group(title: str, wl: Workload, contestants: list[Contestant], rounds: i
                     raise SystemExit(f"{c.name} changed torch's thread count to {torch.get_num_threads()}")
         if rnd > 0:
             for name in times:
-                times[name].wall.append(min(walls[name]))
-                times[name].cpu.append(min(cpus[name]))
+                times[name].wall.extend(walls[name])
+                times[name].cpu.extend(cpus[name])
         else:
             settle_heap()
     gc.unfreeze()
@@ -703,7 +707,7 @@ def run_group(title: str, wl: Workload, contestants: list[Contestant], rounds: i
 
 
 def interleave(fns: dict[str, Callable[[], Any]], rounds: int, reps: int, seed: int) -> dict[str, Timings]:
-    """``run_group`` for plain callables: warm-up round, then per round the fastest of ``reps`` calls."""
+    """``run_group`` for plain callables: a warm-up round, then ``rounds`` rounds of ``reps`` paired calls."""
     times = {k: Timings() for k in fns}
     shuffler = random.Random(seed)
     for rnd in range(rounds + 1):
@@ -721,8 +725,8 @@ def interleave(fns: dict[str, Callable[[], Any]], rounds: int, reps: int, seed: 
                 cpus[key].append(c1 - c0)
         if rnd > 0:
             for key in fns:
-                times[key].wall.append(min(walls[key]))
-                times[key].cpu.append(min(cpus[key]))
+                times[key].wall.extend(walls[key])
+                times[key].cpu.extend(cpus[key])
         else:
             settle_heap()
     gc.unfreeze()
@@ -767,13 +771,15 @@ class Report:
             "contestant_median_s": statistics.median(ours_t.on(clock)),
             "baseline_median_s": statistics.median(base_t.on(clock)),
             "ratio_median": main["median"],
+            "ratio_q1": main["q1"],
+            "ratio_q3": main["q3"],
             "ratio_min": main["min"],
             "ratio_max": main["max"],
             "ratios": main["ratios"],
             "other_clock": other,
             "other_ratio_median": stats[other]["median"],
             "other_ratios": stats[other]["ratios"],
-            "rounds": len(ours_t.wall),
+            "pairs": len(ours_t.wall),
             "gate": gate,
             "gate_limit": limit,
             "passed": None if limit is None else main["median"] <= limit,
@@ -782,7 +788,7 @@ class Report:
         verdict = "" if limit is None else ("PASS" if row["passed"] else "FAIL") + f" (gate <= {limit:.2f})"
         log(
             f"  {bench + '/' + variant:<16} {ours:>15} / {base:<15} {clock:<4} {main['median']:.4f} "
-            f"[{main['min']:.4f}-{main['max']:.4f}]  ({other} {stats[other]['median']:.4f})  {verdict}"
+            f"[q1-q3 {main['q1']:.4f}-{main['q3']:.4f}]  ({other} {stats[other]['median']:.4f})  {verdict}"
         )
         return row
 
@@ -837,7 +843,7 @@ def bench_training(report: Report, s: Settings, use_lightning: bool) -> None:
     tiny = tiny_workload(s)
     log(
         f"tiny: digits MLP 64-128-10, Adam, batch 64, {tiny.epochs} epochs = {tiny.steps} steps per run; "
-        f"{s.rounds} rounds x {s.tiny_reps} interleaved runs ({s.wandb_reps} for W&B), fastest per round kept"
+        f"{s.rounds} rounds x {s.tiny_reps} interleaved runs ({s.wandb_reps} for W&B), paired per repetition"
     )
     wandb_config(tiny)  # built here, not inside a timed run
     for feature, raw_name in (("off", "raw"), ("tqdm", "raw_tqdm"), ("wandb", "raw_wandb"), ("ckpt", "raw_ckpt")):
@@ -1113,8 +1119,8 @@ def bench_ckpt_save(report: Report, s: Settings, model: nn.Module) -> None:
                     fsync_dir(save_dir)
             if rnd > 0:
                 for key in savers:
-                    times[key].wall.append(min(walls[key]))
-                    times[key].cpu.append(min(cpus[key]))
+                    times[key].wall.extend(walls[key])
+                    times[key].cpu.extend(cpus[key])
     finally:
         shutil.rmtree(save_dir, ignore_errors=True)
     report.notes.append(
@@ -1153,7 +1159,7 @@ def _git(*args: str) -> str:
 
 def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| benchmark | contestant / baseline | clock | contestant s | baseline s | ratio (median) | min-max "
+        "| benchmark | contestant / baseline | clock | contestant s | baseline s | ratio (median) | q1-q3 "
         "| other clock | gate | result |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -1163,7 +1169,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {r['benchmark']}/{r['variant']} | {r['contestant']} / {r['baseline']} | {r['clock']} "
             f"| {r['contestant_median_s']:.4f} | {r['baseline_median_s']:.4f} | {r['ratio_median']:.4f} "
-            f"| {r['ratio_min']:.4f}-{r['ratio_max']:.4f} | {r['other_clock']} {r['other_ratio_median']:.4f} "
+            f"| {r['ratio_q1']:.4f}-{r['ratio_q3']:.4f} | {r['other_clock']} {r['other_ratio_median']:.4f} "
             f"| {gate} | {result} |"
         )
     return lines
@@ -1198,8 +1204,9 @@ def write_outputs(report: Report, out_dir: Path, meta: dict[str, Any]) -> tuple[
         "",
         f"Load average at start / end: {meta['loadavg_start']} / {meta['loadavg_end']}.",
         "",
-        "Ratio = contestant / baseline, computed per round (each round keeps every contestant's fastest "
-        "interleaved repetition); the table shows the median over rounds and the min-max across rounds, on the "
+        "Ratio = contestant / baseline, paired per repetition (in every repetition each contestant runs once, "
+        "back to back, in a shuffled order); the table shows the median of the paired ratios over all "
+        "repetitions of all measured rounds and their quartiles, on the "
         f"clock the gate uses (`--clock {report.clock_mode}`), with the other clock's median beside it. Rows "
         "`raw (again) / raw` run the raw loop against itself: their spread is the measurement noise floor.",
         "",
