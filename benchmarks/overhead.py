@@ -111,9 +111,9 @@ class Settings:
 FULL = Settings(
     mode="full",
     rounds=15,
-    tiny_epochs=8,
-    tiny_reps=6,
-    wandb_reps=8,
+    tiny_epochs=16,
+    tiny_reps=5,
+    wandb_reps=6,
     medium_samples=1024,
     medium_epochs=1,
     medium_reps=5,

@@ -46,7 +46,9 @@ class TinyTrainer(BaseTrainer):
         x, y = make_data(cfg.n_samples)
         n_train = int(0.6 * len(x))
         n_val = int(0.2 * len(x))
-        self.train_set = TensorDataset(x[:n_train], y[:n_train])
+        self.train_set = TensorDataset(x[:n_train], y[:n_train])  # batches move to the device one by one
+        # the model lives on self.device (a GPU when there is one): evaluation data goes there too
+        x, y = x.to(self.device), y.to(self.device)
         self.val_x, self.val_y = x[n_train : n_train + n_val], y[n_train : n_train + n_val]
         self.test_x, self.test_y = x[n_train + n_val :], y[n_train + n_val :]
         net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(cfg.dropout), nn.Linear(32, 1))
@@ -67,9 +69,10 @@ class TinyTrainer(BaseTrainer):
             raise RuntimeError(f"injected failure on rank {self.rank} at epoch {self.epoch}")
         self.epochs_trained.append(self.epoch)
         self.model.train()
-        total = torch.zeros(())
+        total = torch.zeros((), device=self.device)
         count = 0
         for x, y in self.progress(self.loader):
+            x, y = x.to(self.device), y.to(self.device)
             loss = nn.functional.mse_loss(self.model(x), y)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()

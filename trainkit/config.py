@@ -133,25 +133,73 @@ def _type_name(tp: Any) -> str:
 
 
 def _matches(value: Any, tp: Any) -> bool:
+    return _checker(tp)(value)
+
+
+def _anything(value: Any) -> bool:
+    return True
+
+
+def _checker(tp: Any) -> typing.Callable[[Any], bool]:
+    """The type test for annotation ``tp``, worked out once per annotation (a config is built per run)."""
+    try:
+        return _cached_checker(tp)
+    except TypeError:  # an unhashable annotation (say, a Literal of lists): work it out every time
+        return _make_checker(tp)
+
+
+@functools.cache
+def _cached_checker(tp: Any) -> typing.Callable[[Any], bool]:
+    return _make_checker(tp)
+
+
+def _make_checker(tp: Any) -> typing.Callable[[Any], bool]:
     if tp is Any:
-        return True
+        return _anything
     if tp is type(None):
-        return value is None
+        return lambda value: value is None
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, arg) for arg in typing.get_args(tp))
+        options = tuple(_checker(arg) for arg in typing.get_args(tp))
+        return lambda value: any(check(value) for check in options)
     if origin is tuple:
-        args = typing.get_args(tp)
-        return isinstance(value, tuple) and all(_matches(item, args[0]) for item in value)
+        item = _checker(typing.get_args(tp)[0])
+        return lambda value: isinstance(value, tuple) and all(item(v) for v in value)
     if origin is typing.Literal:
-        return value in typing.get_args(tp)
+        allowed = typing.get_args(tp)
+        return lambda value: value in allowed
     if tp is float:
-        return _is_number(value)
+        return _is_number
     if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return lambda value: isinstance(value, int) and not isinstance(value, bool)
     if isinstance(tp, type):
-        return isinstance(value, tp)
-    return True
+        return lambda value: isinstance(value, tp)
+    return _anything
+
+
+@functools.cache
+def _field_checks(cls: type) -> tuple[tuple[str, Any, typing.Callable[[Any], bool]], ...]:
+    hints = _hints(cls)
+    return tuple(
+        (field.name, hints.get(field.name, Any), _checker(hints.get(field.name, Any))) for field in attrs.fields(cls)
+    )
+
+
+@functools.cache
+def _build_plan(cls: type) -> dict[str, str | None]:
+    """Per field of ``cls``: ``"section"`` (a nested record), ``"tuple"`` (lists become tuples) or None."""
+    plan: dict[str, str | None] = {}
+    hints = _hints(cls)
+    for name in attrs.fields_dict(cls):
+        tp = hints.get(name, Any)
+        args = typing.get_args(tp)
+        if attrs.has(tp):
+            plan[name] = "section"
+        elif typing.get_origin(tp) is tuple or tuple in args or any(typing.get_origin(arg) is tuple for arg in args):
+            plan[name] = "tuple"
+        else:
+            plan[name] = None
+    return plan
 
 
 @attrs.frozen(kw_only=True)
@@ -159,12 +207,10 @@ class _Section:
     """Shared machinery of every config record: type checks, dict round trips, mapping construction."""
 
     def __attrs_post_init__(self) -> None:
-        hints = _hints(type(self))
-        for field in attrs.fields(type(self)):
-            value = getattr(self, field.name)
-            tp = hints.get(field.name, Any)
-            if not _matches(value, tp):
-                raise ConfigError(field.name, f"must be {_type_name(tp)}", value)
+        for name, tp, check in _field_checks(type(self)):
+            value = getattr(self, name)
+            if not check(value):
+                raise ConfigError(name, f"must be {_type_name(tp)}", value)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the config as a nested dict of plain values (tuples become lists).
@@ -329,18 +375,16 @@ def _build(cls: type[C], mapping: Any, *, prefix: str, root: type) -> C:
     if not isinstance(mapping, Mapping):
         raise ConfigError(prefix.rstrip(".") or "config", "must be a mapping", mapping)
     fields = attrs.fields_dict(cls)
-    hints = _hints(cls)
+    plan = _build_plan(cls)
     kwargs: dict[str, Any] = {}
     for raw_key, value in mapping.items():
         key = str(raw_key)
         if key not in fields:
             raise _unknown_key(root, prefix + key)
-        tp = hints.get(key, Any)
-        if attrs.has(tp):
-            value = _build(tp, value, prefix=f"{prefix}{key}.", root=root)
-        elif typing.get_origin(tp) is tuple or tuple in typing.get_args(tp) or any(
-            typing.get_origin(arg) is tuple for arg in typing.get_args(tp)
-        ):
+        kind = plan[key]
+        if kind == "section":
+            value = _build(_hints(cls)[key], value, prefix=f"{prefix}{key}.", root=root)
+        elif kind == "tuple":
             value = _to_tuple(value)
         kwargs[key] = value
     missing = [name for name, field in fields.items() if field.default is attrs.NOTHING and name not in kwargs]

@@ -12,7 +12,14 @@ from torch import nn
 
 from trainkit.distributed import unwrap
 
-__all__ = ["named_trainable_parameters", "trainable_parameters", "make_param_groups", "total_grad_norm", "clip_grads_", "param_stats"]
+__all__ = [
+    "named_trainable_parameters",
+    "trainable_parameters",
+    "make_param_groups",
+    "total_grad_norm",
+    "clip_grads_",
+    "param_stats",
+]
 
 
 def _named_trainable(modules: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter, tuple[str, ...]]]:
