@@ -63,6 +63,22 @@ def test_push_moves_everything_in_one_transfer_and_clears(trainer, monkeypatch):
     assert trainer.push_logs() == {}
 
 
+@pytest.mark.parametrize(
+    "value, expected",
+    [(torch.tensor(0.1), 0.10000000149011612), (torch.tensor([3], dtype=torch.int64), 3.0), (0.25, 0.25),
+     (torch.tensor(True), 1.0), (torch.tensor(2.5, dtype=torch.bfloat16), 2.5)],
+)
+def test_a_push_of_one_metric_is_one_transfer_and_exact(trainer, value, expected):
+    """The one-metric push (a push per step) returns the same float as the general path, in one transfer."""
+    trainer.log({"train/loss": value})
+    with count_host_syncs() as counts:
+        pushed = trainer.push_logs()
+    assert pushed == {"train/loss": expected} and type(pushed["train/loss"]) is float
+    assert sum(counts.values()) == (1 if isinstance(value, torch.Tensor) else 0)
+    trainer.log({"train/loss": value, "train/other": 1.0})  # the general path agrees
+    assert trainer.push_logs()["train/loss"] == expected
+
+
 def test_a_key_logged_twice_keeps_its_last_value(trainer):
     """Logging a key again before a push replaces the earlier value."""
     trainer.log({"val/loss": torch.tensor(1.0)})

@@ -82,7 +82,8 @@ def atomic_save(payload: Any, path: str | os.PathLike[str], *, keep_previous: bo
     :raises CheckpointError: On a full disk, naming the path, the bytes written so far and the bytes free.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not os.path.isdir(path.parent):  # a stat, where mkdir(exist_ok=True) raises and catches every time
+        path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     while True:  # a name no other save uses; O_EXCL refuses a leftover from a process with the same pid
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{next(_TEMP_COUNTER)}{TEMP_SUFFIX}")
@@ -96,7 +97,7 @@ def atomic_save(payload: Any, path: str | os.PathLike[str], *, keep_previous: bo
             torch.save(payload, handle)
             handle.flush()
             os.fsync(handle.fileno())
-        if keep_previous and path.exists():
+        if keep_previous:
             _link_previous(path)
         os.replace(tmp, path)
     except BaseException as exc:
@@ -137,6 +138,8 @@ def _link_previous(path: Path) -> None:
     link_tmp = path.with_name(f".{previous.name}.{os.getpid()}.{next(_TEMP_COUNTER)}{TEMP_SUFFIX}")
     try:
         os.link(path, link_tmp)
+    except FileNotFoundError:  # the first save: nothing to keep
+        return
     except OSError:  # no hard links on this filesystem: fall back to a copy
         shutil.copyfile(path, link_tmp)
     os.replace(link_tmp, previous)

@@ -69,7 +69,7 @@ class LogBuffer:
                 if value.dim():
                     value = value.reshape(())
                 # one device-side copy is the snapshot (later in-place changes stay out) and the cast for drain
-                value = value.to(torch.float64, copy=True)
+                value = value.clone() if value.dtype == torch.float64 else value.double()
             elif isinstance(value, str | bytes):
                 raise TypeError(f"logged metric {key!r} must be a number or a tensor, got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, int | float):
@@ -99,6 +99,10 @@ class LogBuffer:
 
         :returns: Name to float, in logging order.
         """
+        if len(self._scalars) == 1 and not self._vectors:  # a push per step of one metric: the short way
+            ((key, value),) = self._scalars.items()
+            self._scalars.clear()
+            return {key: value.item() if isinstance(value, torch.Tensor) else float(value)}
         scalars: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
         vectors: dict[torch.device, list[tuple[tuple[str, ...], torch.Tensor]]] = {}
         result: dict[str, float] = {}
