@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -42,7 +43,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
+if "--cpu-smoke" in sys.argv:  # the trainer picks a GPU when it sees one: the smoke run must stay on the CPU
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import torch  # noqa: E402
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

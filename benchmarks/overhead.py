@@ -69,6 +69,8 @@ for _key, _value in {
 }.items():
     os.environ[_key] = _value
 os.environ.pop("WANDB_MODE", None)  # every contestant states its mode explicitly
+# a CPU benchmark, also on a machine with a GPU (the trainer would move its model there, the raw loop not)
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -17,10 +17,15 @@ ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["wandb.mode=disabled", "progress.enable=false"]
 
 
-def run(args, **kwargs):
+def run(args, env=None, **kwargs):
     """Run a command from the repository root and return the completed process."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env, **kwargs)
+
+
+# bitwise resume is a CPU promise: on a GPU, cuDNN's convolution backward is not deterministic by default
+# (docs/checkpoints.rst), so these runs hide any GPU
+ON_CPU = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def test_digits_trains_tests_and_leaves_its_files(tmp_path):
@@ -56,11 +61,11 @@ def test_digits_typo_is_a_clear_error(tmp_path):
 def test_ctrl_c_then_rerun_resumes_to_the_same_result(tmp_path):
     """Ctrl-C mid-run exits 130 after saving; the same command resumes and ends exactly like an uninterrupted run."""
     args = [sys.executable, "examples/digits.py", "epochs=6", "val.patience=null", *QUIET]
-    reference = run([*args, f"out_dir={tmp_path / 'ref'}"])
+    reference = run([*args, f"out_dir={tmp_path / 'ref'}"], env=ON_CPU)
     assert reference.returncode == 0, reference.stderr
 
     out = tmp_path / "interrupted"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **ON_CPU}
     proc = subprocess.Popen(
         [*args, f"out_dir={out}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -73,7 +78,7 @@ def test_ctrl_c_then_rerun_resumes_to_the_same_result(tmp_path):
         pytest.skip("the run finished before the signal arrived")
     assert proc.returncode == 130, stderr
     assert "SIGINT received" in stderr
-    resumed = run([*args, f"out_dir={out}"])
+    resumed = run([*args, f"out_dir={out}"], env=ON_CPU)
     assert resumed.returncode == 0, resumed.stderr
     assert "trainkit: resuming" in resumed.stderr
     accuracy = [line for line in resumed.stdout.splitlines() if line.startswith("test accuracy")]

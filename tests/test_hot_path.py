@@ -33,6 +33,7 @@ class CountingTrainer(TinyTrainer):
         counts: Counter[str] = Counter()
         self.model.train()
         for x, y in self.progress(self.loader):
+            x, y = x.to(self.device), y.to(self.device)
             with count_host_syncs(only_from=TRAINKIT_DIR) as step_counts:
                 loss = nn.functional.mse_loss(self.model(x), y)
                 self.optimizer.zero_grad(set_to_none=True)

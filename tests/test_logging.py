@@ -49,8 +49,9 @@ def test_log_buffers_without_a_host_sync(trainer, monkeypatch):
 
 def test_push_moves_everything_in_one_transfer_and_clears(trainer, monkeypatch):
     """push_logs() turns every buffered tensor into a float with one tolist() and empties the buffer."""
-    trainer.log({"train/loss": torch.tensor(0.5), "train/acc": 0.75, "train/count": 3})
-    trainer.log(extra=torch.tensor([4.0], dtype=torch.float16), n=torch.tensor(7))
+    device = trainer.device  # every tensor on the model's device: one transfer in all
+    trainer.log({"train/loss": torch.tensor(0.5, device=device), "train/acc": 0.75, "train/count": 3})
+    trainer.log(extra=torch.tensor([4.0], dtype=torch.float16, device=device), n=torch.tensor(7, device=device))
     trainer.log_param_grad_stats()  # a vector of four weight norms, from the same device
     with count_host_syncs() as counts:
         pushed = trainer.push_logs()
