@@ -132,10 +132,6 @@ def _type_name(tp: Any) -> str:
     return {int: "an int", float: "a float", bool: "a bool", str: "a string"}.get(tp, getattr(tp, "__name__", str(tp)))
 
 
-def _matches(value: Any, tp: Any) -> bool:
-    return _checker(tp)(value)
-
-
 def _anything(value: Any) -> bool:
     return True
 
@@ -331,7 +327,7 @@ def _parse(text: str, tp: Any, key: str) -> Any:
                 value = _parse(text, arg, key)
             except ConfigError:
                 continue
-            if _matches(value, arg):
+            if _checker(arg)(value):
                 return value
         return _literal(text)
     if origin is tuple:
