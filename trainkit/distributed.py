@@ -10,7 +10,11 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import pickle
 import socket
+import time
+import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -26,6 +30,8 @@ __all__ = [
     "broadcast_object",
     "all_gather_objects",
     "any_all",
+    "barrier",
+    "teardown",
     "unwrap",
     "free_port",
 ]
@@ -128,6 +134,41 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
+# Tensors handed to trainkit's collectives, until the backend lets go of them. A gloo worker thread (an
+# nccl watchdog too) holds each collective's tensors a little past the moment the caller sees it done,
+# and frees them under the GIL; if the process is finalizing by then, that thread is killed inside a
+# noexcept destructor and the process aborts ("terminate called without an active exception").
+# teardown() waits for these to be gone before it returns.
+_held_by_backend: list[weakref.ref[torch.Tensor]] = []
+
+
+def _handed_to_backend(*tensors: torch.Tensor) -> None:
+    _held_by_backend[:] = [ref for ref in _held_by_backend if ref() is not None]
+    _held_by_backend.extend(weakref.ref(tensor) for tensor in tensors)
+
+
+def _wait_until_backend_lets_go(timeout_s: float) -> bool:
+    """Sleep (the GIL released) until every tensor of trainkit's collectives is freed; False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _held_by_backend[:] = [ref for ref in _held_by_backend if ref() is not None]
+        if not _held_by_backend:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.0005)
+
+
+def _pickled(value: Any, device: torch.device) -> torch.Tensor:
+    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    # a copy torch owns: a tensor over the bytes object would free it from the backend's thread as well
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone().to(device)
+
+
+def _unpickled(payload: torch.Tensor) -> Any:
+    return pickle.loads(payload.cpu().numpy().tobytes())  # noqa: S301 - peers of one job, as in torch's own
+
+
 def reduce_mean(total: Any, count: Any) -> float:
     """Pool a sum and a count over every rank and return their quotient.
 
@@ -145,6 +186,7 @@ def reduce_mean(total: Any, count: Any) -> float:
              torch.as_tensor(count, dtype=torch.float64).to(device).reshape(())]
         )
         dist.all_reduce(pair, op=dist.ReduceOp.SUM)
+        _handed_to_backend(pair)
         total_sum, count_sum = pair.tolist()
     else:
         total_sum, count_sum = float(total), float(count)
@@ -162,9 +204,16 @@ def broadcast_object(value: Any, src: int = 0) -> Any:
     """
     if not is_distributed():
         return value
-    box = [value]
-    dist.broadcast_object_list(box, src=src, device=_collective_device())
-    return box[0]
+    device = _collective_device()
+    is_src = dist.get_rank() == src
+    payload = _pickled(value, device) if is_src else None
+    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src)
+    if payload is None:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(payload, src=src)
+    _handed_to_backend(size, payload)
+    return value if is_src else _unpickled(payload)
 
 
 def all_gather_objects(value: Any) -> list[Any]:
@@ -175,8 +224,19 @@ def all_gather_objects(value: Any) -> list[Any]:
     """
     if not is_distributed():
         return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    device = _collective_device()
+    payload = _pickled(value, device)
+    world_size = dist.get_world_size()
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size)
+    lengths = torch.cat(sizes).tolist()
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    gathered = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(gathered, padded)
+    _handed_to_backend(size, *sizes, padded, *gathered)
+    out = [_unpickled(data[:length]) for data, length in zip(gathered, lengths)]
     return out
 
 
@@ -191,9 +251,56 @@ def any_all(flags: list[bool]) -> tuple[list[bool], list[bool]]:
     device = _collective_device()
     values = torch.tensor([int(f) for f in flags] + [int(not f) for f in flags], dtype=torch.int32, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    _handed_to_backend(values)
     got = values.tolist()
     n = len(flags)
     return [bool(v) for v in got[:n]], [not bool(v) for v in got[n:]]
+
+
+def barrier(timeout_s: float) -> None:
+    """Wait until every rank has reached this call.
+
+    Side effects: one barrier when distributed. On gloo it is ``monitored_barrier``: its messages go
+    out and come in on the calling thread, with the GIL released, and a rank that does not arrive is
+    named in the error. ``dist.barrier()`` on gloo runs on a worker thread and keeps every collective
+    still in flight alive until that thread frees the barrier, after the caller has moved on.
+
+    :param timeout_s: The bound on the wait, in seconds.
+    :raises RuntimeError: From torch.distributed, when a rank does not arrive within ``timeout_s``.
+    """
+    if not is_distributed():
+        return
+    if dist.get_backend() == "gloo":
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
+    else:
+        dist.barrier()
+
+
+def teardown(timeout_s: float, *, meet: bool = True) -> None:
+    """Leave the default process group: optionally meet the other ranks, then destroy it.
+
+    Side effects: a :func:`barrier` when ``meet`` (so that no rank tears down what a slower one still
+    uses: the store lives in rank 0); then waits, the GIL released, until the backend has freed the
+    tensors of trainkit's collectives; then ``destroy_process_group``. Without that wait, a backend
+    thread that frees them while the interpreter is finalizing aborts the process (SIGABRT,
+    "terminate called without an active exception"), typically on a loaded machine.
+
+    :param timeout_s: The bound on the barrier and on the wait, in seconds.
+    :param meet: Meet the other ranks first; pass False after a failure (the others may be gone).
+    :raises RuntimeError: From torch.distributed, when a rank does not reach the barrier in time.
+    """
+    if not is_distributed():
+        return
+    if meet:
+        barrier(timeout_s)
+        if not _wait_until_backend_lets_go(timeout_s):
+            warnings.warn(
+                f"torch.distributed still held the tensors of a finished collective after {timeout_s} s; "
+                "the process may abort at exit",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    dist.destroy_process_group()
 
 
 def unwrap(module: nn.Module | None) -> nn.Module | None:

@@ -830,9 +830,14 @@ class BaseTrainer(abc.ABC):
         )
 
     def barrier(self) -> None:
-        """Synchronize all processes in the distributed group (bounded by ``dist.timeout_s``)."""
+        """Synchronize all processes in the distributed group (bounded by ``dist.timeout_s``).
+
+        On gloo this is ``monitored_barrier``, so a rank that does not arrive in time is named in the error.
+
+        :raises RuntimeError: From torch.distributed, when a rank does not arrive within ``dist.timeout_s``.
+        """
         if self.world_size > 1:
-            torch.distributed.barrier()
+            dist_utils.barrier(self.cfg.dist.timeout_s)
 
     def reduce_mean(self, total: Any, count: Any) -> float:
         """Mean over the whole split rather than over this rank's shard of it.
@@ -1050,11 +1055,7 @@ class BaseTrainer(abc.ABC):
             self._wait_for_writes()
         self._close_sinks()
         if self._owns_process_group and dist_utils.is_distributed():
-            if not self._failed:
-                # every rank reaches teardown before rank 0, which hosts the store, tears it down;
-                # without this a rank can abort in gloo's destructor while the others still exit
-                torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
+            dist_utils.teardown(self.cfg.dist.timeout_s, meet=not self._failed)
             self._owns_process_group = False
 
     def _finish_writes_after_failure(self) -> None:
