@@ -24,6 +24,7 @@ contestants did different work. See ``benchmarks/README.md`` for what each gate 
 from __future__ import annotations
 
 import argparse
+import array
 import atexit
 import contextlib
 import datetime
@@ -72,6 +73,7 @@ os.environ.pop("WANDB_MODE", None)  # every contestant states its mode explicitl
 # a CPU benchmark, also on a machine with a GPU (the trainer would move its model there, the raw loop not)
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
@@ -190,15 +192,37 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def durable_save(payload: Any, path: Path) -> None:
-    """The hand-written durable save: temp file in the same dir, flush, fsync, replace, fsync the dir."""
+def durable_save(payload: Any, path: Path, keep_previous: bool = False) -> None:
+    """The hand-written durable save: temp file in the same dir, flush, fsync, replace, fsync the dir.
+
+    ``keep_previous`` first hard-links the file being replaced to ``<stem>.prev.pt`` (under a temp name,
+    renamed into place), the fallback trainkit keeps for a corrupted newest file.
+    """
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as handle:
         torch.save(payload, handle)
         handle.flush()
         os.fsync(handle.fileno())
+    if keep_previous:
+        link = path.with_name(f".{path.stem}.prev.tmp")
+        try:
+            os.link(path, link)
+            os.replace(link, path.with_name(f"{path.stem}.prev{path.suffix}"))
+        except FileNotFoundError:
+            pass  # the first save: nothing to keep yet
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def rng_states() -> dict[str, Any]:
+    """Every generator a training script may draw from, as plain bytes (what exact resume needs)."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": [version, array.array("q", internal).tobytes(), gauss],
+        "torch": torch.get_rng_state().numpy().tobytes(),
+        "numpy": [name, keys.tobytes(), int(pos), int(has_gauss), float(cached)],
+    }
 
 
 def ratio_stats(num: list[float], den: list[float]) -> dict[str, Any]:
@@ -347,7 +371,13 @@ class Outcome:
 
 
 def raw_run(wl: Workload, tmp: Path, feature: str) -> tuple[nn.Module, Any]:
-    """The hand-written loop; ``feature`` adds exactly what the matching trainkit variant does per step/epoch."""
+    """The hand-written loop; ``feature`` adds exactly what the matching trainkit variant does per step/epoch.
+
+    ``ckpt`` writes the checkpoints trainkit writes, by hand: the same content in ``last.pt`` (weights,
+    optimizer, counters, config, loop/best/patience records, every generator's state) and ``best.pt``,
+    each with its ``.prev`` fallback link. ``ckpt_min`` writes what a quick script would: weights,
+    optimizer, counters and torch's generator state, no fallback; it is information, not a gate.
+    """
     torch.manual_seed(SEED)
     model = wl.build_model()
     optimizer = wl.make_optimizer(model)
@@ -380,7 +410,9 @@ def raw_run(wl: Workload, tmp: Path, feature: str) -> tuple[nn.Module, Any]:
         def batches(epoch: int) -> Any:
             return loader
 
+    config = checkpoint_config(wl) if feature == "ckpt" else None
     best = float("inf")
+    best_epoch = None
     best_state: dict[str, torch.Tensor] | None = None
     improvements = 0
     step = 0
@@ -398,6 +430,38 @@ def raw_run(wl: Workload, tmp: Path, feature: str) -> tuple[nn.Module, Any]:
                 run.log({"trainer/step": step, "trainer/epoch": epoch, "train/loss": loss.item()})
         val = wl.val_loss(model)
         if feature == "ckpt":
+            if val < best:
+                best = val
+                best_epoch = epoch
+                improvements += 1
+                state = model.state_dict()
+                if best_state is None:
+                    best_state = {k: v.detach().clone() for k, v in state.items()}
+                else:
+                    with torch.no_grad():
+                        torch._foreach_copy_(list(best_state.values()), [v.detach() for v in state.values()])
+                best_record = {"minimize": True, "min_delta": 0.0, "score": best, "epoch": epoch, "metrics": {}}
+                durable_save(
+                    {"model": best_state, "best": best_record, "epoch": epoch, "config": config},
+                    tmp / "best.pt",
+                    keep_previous=True,
+                )
+            durable_save(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "epoch": epoch + 1,
+                    "step": step,
+                    "config": config,
+                    "loop": {"epoch": epoch + 1, "step": step, "stop_reason": None},
+                    "best": {"minimize": True, "min_delta": 0.0, "score": best, "epoch": best_epoch, "metrics": {}},
+                    "patience": {"patience": None, "start_patience": 0, "remaining": None},
+                    "rng": [rng_states()],
+                },
+                tmp / "last.pt",
+                keep_previous=True,
+            )
+        if feature == "ckpt_min":
             if val < best:
                 best = val
                 improvements += 1
@@ -421,7 +485,7 @@ def raw_run(wl: Workload, tmp: Path, feature: str) -> tuple[nn.Module, Any]:
             )
     if run is not None:
         run.finish()
-    return model, (loss, val, improvements if feature == "ckpt" else None)
+    return model, (loss, val, improvements if feature in ("ckpt", "ckpt_min") else None)
 
 
 # ---------------------------------------------------------------------------------------------- trainkit
@@ -475,6 +539,20 @@ def wandb_config(wl: Workload) -> dict[str, Any]:
         cfg = BenchTrainer.config_class.from_mapping(trainkit_config(wl, Path("runs/bench"), "wandb"))
         _WANDB_CONFIGS[wl.name] = cfg.to_dict()
     return _WANDB_CONFIGS[wl.name]
+
+
+_CHECKPOINT_CONFIGS: dict[str, dict[str, Any]] = {}
+
+
+def checkpoint_config(wl: Workload) -> dict[str, Any]:
+    """The config tree trainkit stores in every checkpoint, for the hand-written loop to store as well.
+
+    Built once, outside any timed run (as a script would hold its config).
+    """
+    if wl.name not in _CHECKPOINT_CONFIGS:
+        cfg = BenchTrainer.config_class.from_mapping(trainkit_config(wl, Path("runs/bench"), "ckpt"))
+        _CHECKPOINT_CONFIGS[wl.name] = cfg.to_dict()
+    return _CHECKPOINT_CONFIGS[wl.name]
 
 
 def trainkit_config(wl: Workload, tmp: Path, feature: str) -> dict[str, Any]:
@@ -848,6 +926,7 @@ def bench_training(report: Report, s: Settings, use_lightning: bool) -> None:
         f"{s.rounds} rounds x {s.tiny_reps} interleaved runs ({s.wandb_reps} for W&B), paired per repetition"
     )
     wandb_config(tiny)  # built here, not inside a timed run
+    checkpoint_config(tiny)
     for feature, raw_name in (("off", "raw"), ("tqdm", "raw_tqdm"), ("wandb", "raw_wandb"), ("ckpt", "raw_ckpt")):
         contestants = [
             Contestant(raw_name, lambda wl, tmp, f=feature: raw_run(wl, tmp, f), "raw"),
@@ -855,6 +934,8 @@ def bench_training(report: Report, s: Settings, use_lightning: bool) -> None:
         ]
         if feature == "off":  # A/A control: the raw loop against itself shows the noise floor
             contestants.append(Contestant("raw (again)", lambda wl, tmp: raw_run(wl, tmp, "off"), "raw"))
+        if feature == "ckpt":  # what the richer checkpoint costs: the minimal one a quick script writes
+            contestants.append(Contestant("raw_ckpt_min", lambda wl, tmp: raw_run(wl, tmp, "ckpt_min"), "raw"))
         if use_lightning:
             contestants.append(
                 Contestant("lightning", lambda wl, tmp, f=feature: lightning_run(wl, tmp, f), "lightning")
@@ -870,6 +951,8 @@ def bench_training(report: Report, s: Settings, use_lightning: bool) -> None:
         report.add_row("tiny", feature, "trainkit", raw_name, t["trainkit"], t[raw_name], clock, f"tiny/{feature}")
         if feature == "off":
             report.add_row("tiny", "off", "raw (again)", "raw", t["raw (again)"], t["raw"], clock, None)
+        if feature == "ckpt":
+            report.add_row("tiny", "ckpt", "trainkit", "raw_ckpt_min", t["trainkit"], t["raw_ckpt_min"], clock, None)
         if use_lightning:
             report.add_row("tiny", feature, "trainkit", "lightning", t["trainkit"], t["lightning"], clock, None)
 

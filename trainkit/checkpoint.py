@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import array
 import errno
+import functools
 import itertools
 import os
 import pickle
@@ -20,7 +21,7 @@ import warnings
 import zipfile
 from contextlib import suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -54,11 +55,35 @@ def previous_path(path: str | os.PathLike[str]) -> Path:
     :param path: The checkpoint path.
     :returns: The sibling path for its previous version.
     """
-    path = Path(path)
-    return path.with_name(f"{path.stem}.prev{path.suffix}")
+    return Path(_save_names(os.fspath(path)).previous)
 
 
-def _fsync_directory(directory: Path) -> None:
+class _SaveNames(NamedTuple):
+    directory: str
+    temp_prefix: str  # + "<pid>.<n>.tmp": the file being written
+    previous: str
+    previous_temp_prefix: str  # + "<pid>.<n>.tmp": the link being made, renamed over ``previous``
+
+
+@functools.lru_cache(maxsize=64)
+def _save_names(path: str) -> _SaveNames:
+    """The sibling names a save of ``path`` uses, worked out once per destination (string work, no pathlib)."""
+    directory, name = os.path.split(path)
+    stem, suffix = os.path.splitext(name)
+    previous_name = f"{stem}.prev{suffix}"
+    return _SaveNames(
+        directory=directory or os.curdir,
+        temp_prefix=os.path.join(directory, f".{name}."),
+        previous=os.path.join(directory, previous_name),
+        previous_temp_prefix=os.path.join(directory, f".{previous_name}."),
+    )
+
+
+def _temp_name(prefix: str) -> str:
+    return f"{prefix}{os.getpid()}.{next(_TEMP_COUNTER)}{TEMP_SUFFIX}"
+
+
+def _fsync_directory(directory: str | os.PathLike[str]) -> None:
     with suppress(OSError):  # some filesystems (and Windows) cannot open a directory for fsync
         fd = os.open(directory, os.O_RDONLY)
         try:
@@ -81,40 +106,49 @@ def atomic_save(payload: Any, path: str | os.PathLike[str], *, keep_previous: bo
     :returns: The seconds the save took.
     :raises CheckpointError: On a full disk, naming the path, the bytes written so far and the bytes free.
     """
-    path = Path(path)
-    if not os.path.isdir(path.parent):  # a stat, where mkdir(exist_ok=True) raises and catches every time
-        path.parent.mkdir(parents=True, exist_ok=True)
+    target = os.fspath(path)
+    names = _save_names(target)
     start = time.perf_counter()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     while True:  # a name no other save uses; O_EXCL refuses a leftover from a process with the same pid
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{next(_TEMP_COUNTER)}{TEMP_SUFFIX}")
+        tmp = _temp_name(names.temp_prefix)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), _FILE_MODE)
+            fd = os.open(tmp, flags, _FILE_MODE)
             break
         except FileExistsError:
             continue
+        except FileNotFoundError:  # the first save into a folder that does not exist yet
+            os.makedirs(names.directory, exist_ok=True)
     try:
         with os.fdopen(fd, "wb") as handle:
             torch.save(payload, handle)
             handle.flush()
             os.fsync(handle.fileno())
         if keep_previous:
-            _link_previous(path)
-        os.replace(tmp, path)
+            _link_previous(target, names)
+        os.replace(tmp, target)
     except BaseException as exc:
-        written = tmp.stat().st_size if tmp.exists() else 0
+        written = _size_or_zero(tmp)
         with suppress(OSError):
-            tmp.unlink()
+            os.unlink(tmp)
         full = _disk_full_error(exc)
         if full is not None:
-            free = shutil.disk_usage(path.parent).free
+            free = shutil.disk_usage(names.directory).free
             needed = max(payload_nbytes(payload), written)
             raise CheckpointError(
-                f"cannot write checkpoint {path}: no space left after {written} bytes; about {needed} bytes "
-                f"are needed and {free} bytes are free; {path} was left unchanged"
+                f"cannot write checkpoint {target}: no space left after {written} bytes; about {needed} bytes "
+                f"are needed and {free} bytes are free; {target} was left unchanged"
             ) from full
         raise
-    _fsync_directory(path.parent)
+    _fsync_directory(names.directory)
     return time.perf_counter() - start
+
+
+def _size_or_zero(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 def _disk_full_error(exc: BaseException | None) -> OSError | None:
@@ -128,21 +162,20 @@ def _disk_full_error(exc: BaseException | None) -> OSError | None:
     return None
 
 
-def _link_previous(path: Path) -> None:
+def _link_previous(path: str, names: _SaveNames) -> None:
     """Point ``previous_path(path)`` at the current ``path`` atomically; both stay loadable throughout.
 
     The link is made under a temp name and renamed over the old previous file: unlinking it first would
     leave no previous file at all if the process were killed in between.
     """
-    previous = previous_path(path)
-    link_tmp = path.with_name(f".{previous.name}.{os.getpid()}.{next(_TEMP_COUNTER)}{TEMP_SUFFIX}")
+    link_tmp = _temp_name(names.previous_temp_prefix)
     try:
         os.link(path, link_tmp)
     except FileNotFoundError:  # the first save: nothing to keep
         return
     except OSError:  # no hard links on this filesystem: fall back to a copy
         shutil.copyfile(path, link_tmp)
-    os.replace(link_tmp, previous)
+    os.replace(link_tmp, names.previous)
 
 
 def payload_nbytes(payload: Any) -> int:
