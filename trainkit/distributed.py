@@ -141,6 +141,9 @@ def _collective_device() -> torch.device:
 # teardown() waits for these to be gone before it returns.
 _held_by_backend: list[weakref.ref[torch.Tensor]] = []
 
+_RELEASE_WAIT_CAP_S = 10.0
+"""The longest teardown waits for the backend to free them: it takes milliseconds when all is well."""
+
 
 def _handed_to_backend(*tensors: torch.Tensor) -> None:
     _held_by_backend[:] = [ref for ref in _held_by_backend if ref() is not None]
@@ -285,7 +288,7 @@ def teardown(timeout_s: float, *, meet: bool = True) -> None:
     thread that frees them while the interpreter is finalizing aborts the process (SIGABRT,
     "terminate called without an active exception"), typically on a loaded machine.
 
-    :param timeout_s: The bound on the barrier and on the wait, in seconds.
+    :param timeout_s: The bound on the barrier, in seconds (and on the wait, up to 10 s).
     :param meet: Meet the other ranks first; pass False after a failure (the others may be gone).
     :raises RuntimeError: From torch.distributed, when a rank does not reach the barrier in time.
     """
@@ -293,9 +296,10 @@ def teardown(timeout_s: float, *, meet: bool = True) -> None:
         return
     if meet:
         barrier(timeout_s)
-        if not _wait_until_backend_lets_go(timeout_s):
+        wait_s = min(timeout_s, _RELEASE_WAIT_CAP_S)
+        if not _wait_until_backend_lets_go(wait_s):
             warnings.warn(
-                f"torch.distributed still held the tensors of a finished collective after {timeout_s} s; "
+                f"torch.distributed still held the tensors of a finished collective after {wait_s} s; "
                 "the process may abort at exit",
                 RuntimeWarning,
                 stacklevel=2,
