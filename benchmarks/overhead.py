@@ -214,6 +214,11 @@ def durable_save(payload: Any, path: Path, keep_previous: bool = False) -> None:
     fsync_dir(path.parent)
 
 
+def best_record(score: float, epoch: int | None) -> dict[str, Any]:
+    """The best-score record trainkit stores (minimizing, no min_delta), as a hand-written loop keeps it."""
+    return {"minimize": True, "min_delta": 0.0, "score": score, "epoch": epoch, "metrics": {}}
+
+
 def rng_states() -> dict[str, Any]:
     """Every generator a training script may draw from, as plain bytes (what exact resume needs)."""
     version, internal, gauss = random.getstate()
@@ -429,7 +434,8 @@ def raw_run(wl: Workload, tmp: Path, feature: str) -> tuple[nn.Module, Any]:
             if run is not None:
                 run.log({"trainer/step": step, "trainer/epoch": epoch, "train/loss": loss.item()})
         val = wl.val_loss(model)
-        if feature == "ckpt":
+        if feature in ("ckpt", "ckpt_min"):
+            same_as_trainkit = feature == "ckpt"
             if val < best:
                 best = val
                 best_epoch = epoch
@@ -440,49 +446,29 @@ def raw_run(wl: Workload, tmp: Path, feature: str) -> tuple[nn.Module, Any]:
                 else:
                     with torch.no_grad():
                         torch._foreach_copy_(list(best_state.values()), [v.detach() for v in state.values()])
-                best_record = {"minimize": True, "min_delta": 0.0, "score": best, "epoch": epoch, "metrics": {}}
-                durable_save(
-                    {"model": best_state, "best": best_record, "epoch": epoch, "config": config},
-                    tmp / "best.pt",
-                    keep_previous=True,
-                )
-            durable_save(
-                {
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "epoch": epoch + 1,
-                    "step": step,
-                    "config": config,
-                    "loop": {"epoch": epoch + 1, "step": step, "stop_reason": None},
-                    "best": {"minimize": True, "min_delta": 0.0, "score": best, "epoch": best_epoch, "metrics": {}},
-                    "patience": {"patience": None, "start_patience": 0, "remaining": None},
-                    "rng": [rng_states()],
-                },
-                tmp / "last.pt",
-                keep_previous=True,
-            )
-        if feature == "ckpt_min":
-            if val < best:
-                best = val
-                improvements += 1
-                state = model.state_dict()
-                if best_state is None:
-                    best_state = {k: v.detach().clone() for k, v in state.items()}
+                best_payload: dict[str, Any] = {"model": best_state, "epoch": epoch}
+                if same_as_trainkit:
+                    best_payload.update(best=best_record(best, epoch), config=config)
                 else:
-                    with torch.no_grad():
-                        torch._foreach_copy_(list(best_state.values()), [v.detach() for v in state.values()])
-                durable_save({"model": best_state, "best": best, "epoch": epoch}, tmp / "best.pt")
-            durable_save(
-                {
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "epoch": epoch + 1,
-                    "step": step,
-                    "best": best,
-                    "rng": torch.get_rng_state(),
-                },
-                tmp / "last.pt",
-            )
+                    best_payload["best"] = best
+                durable_save(best_payload, tmp / "best.pt", keep_previous=same_as_trainkit)
+            last: dict[str, Any] = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "epoch": epoch + 1,
+                "step": step,
+            }
+            if same_as_trainkit:
+                last.update(
+                    config=config,
+                    loop={"epoch": epoch + 1, "step": step, "stop_reason": None},
+                    best=best_record(best, best_epoch),
+                    patience={"patience": None, "start_patience": 0, "remaining": None},
+                    rng=[rng_states()],
+                )
+            else:
+                last.update(best=best, rng=torch.get_rng_state())
+            durable_save(last, tmp / "last.pt", keep_previous=same_as_trainkit)
     if run is not None:
         run.finish()
     return model, (loss, val, improvements if feature in ("ckpt", "ckpt_min") else None)
