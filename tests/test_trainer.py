@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import warnings
+import weakref
 
 import pytest
 import torch
+from torch import nn
 
 from tests.trainers import TinyTrainer, param_digest
 from trainkit import (
@@ -143,6 +146,65 @@ def test_best_model_snapshot_slot_that_no_longer_fits_gets_a_fresh_buffer(tmp_pa
     trainer.epoch = 2
     assert trainer.save_if_best(1.0)
     assert trainer.best_model["big"].dtype == torch.float64 and torch.equal(trainer.best_model["big"], torch.zeros(5))
+
+
+def _replace_weight_data(trainer):
+    with torch.no_grad():
+        trainer.model[0].weight.data = torch.full((32, 8), 7.0)
+
+
+def _swap_submodule(trainer):
+    trainer.model[3] = nn.Linear(32, 1)
+
+
+def _add_buffer(trainer):
+    trainer.model.register_buffer("extra", torch.arange(4.0))
+
+
+def _replace_snapshot_entry(trainer):
+    trainer.best_model["0.bias"] = torch.zeros(32)
+
+
+def _transpose_in_place(trainer):
+    weight = trainer.model[0].weight
+    weight.data = weight.data.t()  # the same memory, read with another shape
+
+
+@pytest.mark.parametrize(
+    "change", [_replace_weight_data, _swap_submodule, _add_buffer, _replace_snapshot_entry, _transpose_in_place]
+)
+def test_best_model_snapshot_follows_weights_replaced_between_improvements(tmp_path, change):
+    """The snapshot copies before it re-reads the model; weights swapped out since the last improvement
+    (new tensors, a new submodule, a new buffer, a snapshot entry the user replaced, the same memory
+    under another shape) still end up in the snapshot, exactly and not aliased to the live weights."""
+    trainer = TinyTrainer(make_cfg(tmp_path, ckpt={"enable": False}))
+    trainer.epoch = 0
+    assert trainer.save_if_best(3.0)
+    change(trainer)
+    trainer.epoch = 1
+    assert trainer.save_if_best(2.0)
+    state = trainer.model.state_dict()
+    assert list(trainer.best_model) == list(state)
+    for key, value in state.items():
+        assert torch.equal(trainer.best_model[key], value), key
+        assert trainer.best_model[key].data_ptr() != value.data_ptr() or value.numel() == 0, key
+    with torch.no_grad():
+        for value in trainer.model.parameters():
+            value.add_(1.0)
+    trainer.epoch = 2
+    assert trainer.save_if_best(1.0)  # the plan rebuilt after the change is followed too
+    assert all(torch.equal(trainer.best_model[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def test_reset_best_tracking_lets_go_of_the_snapshot(tmp_path):
+    """After reset_best_tracking() nothing in the trainer keeps the old snapshot's buffers alive."""
+    trainer = TinyTrainer(make_cfg(tmp_path, ckpt={"enable": False}))
+    trainer.epoch = 0
+    assert trainer.save_if_best(3.0)
+    buffer = weakref.ref(trainer.best_model["0.weight"])
+    trainer.reset_best_tracking()
+    gc.collect()
+    assert buffer() is None
 
 
 def test_test_uses_best_weights_not_last(tmp_path):

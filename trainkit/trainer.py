@@ -119,6 +119,57 @@ def _copy_tensors_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> 
         torch._foreach_copy_(small_targets, small_sources)
 
 
+class _SnapshotPlan:
+    """What the last best-model snapshot copied, so the next one can start copying before it checks.
+
+    Holds the model weakly, the snapshot dict and its buffers, and, per state-dict entry in order, the
+    source tensor (a detached view of a weight or buffer) and its target buffer (None for a non-tensor
+    entry). The views keep the weights they point at alive: weights the user replaces stay allocated
+    until the next snapshot rebuilds the plan or :meth:`BaseTrainer.reset_best_tracking` drops it.
+    """
+
+    __slots__ = ("model", "snapshot", "entries", "sources", "targets", "plain")
+
+    def __init__(self, model: nn.Module, snapshot: dict[str, Any], state: Mapping[str, Any]) -> None:
+        self.model = weakref.ref(model)
+        self.snapshot = snapshot
+        self.entries = [
+            (key, value, snapshot[key]) if isinstance(value, torch.Tensor) else (key, None, None)
+            for key, value in state.items()
+        ]
+        self.sources = [source for _, source, _ in self.entries if source is not None]
+        self.targets = [target for _, _, target in self.entries if target is not None]
+        self.plain = [key for key, source, _ in self.entries if source is None]
+
+    def fits(self, model: nn.Module, snapshot: dict[str, Any] | None) -> bool:
+        """Whether the plan was made for this model and this snapshot dict (cheap: no state walk)."""
+        return self.snapshot is snapshot and self.model() is model
+
+    def still_matches(self, state: Mapping[str, Any]) -> bool:
+        """Whether ``state`` has the planned entries, each tensor a view of the same memory, and the
+        snapshot still holds the planned buffers: then the copies made from the plan are the snapshot."""
+        snapshot = self.snapshot
+        if len(state) != len(self.entries) or len(snapshot) != len(self.entries):
+            return False
+        for (key, value), (planned_key, source, target) in zip(state.items(), self.entries):
+            if key != planned_key:
+                return False
+            if source is None:
+                if isinstance(value, torch.Tensor):
+                    return False
+            elif not (
+                isinstance(value, torch.Tensor)
+                and value.data_ptr() == source.data_ptr()
+                and value.shape == source.shape
+                and value.stride() == source.stride()
+                and value.dtype == source.dtype
+                and value.device == source.device
+                and snapshot.get(key) is target
+            ):
+                return False
+        return True
+
+
 class BaseTrainer(abc.ABC):
     """The epoch loop, and everything around it that depends on neither task nor model.
 
@@ -168,6 +219,7 @@ class BaseTrainer(abc.ABC):
         self._cfg_dict = strip_secrets(self.cfg.to_dict())
         self.model: nn.Module | None = None
         self.best_model: dict[str, Any] | None = None
+        self._snapshot_plan: _SnapshotPlan | None = None
         self.best_metrics: dict[str, float] = {}
         self.epoch = 0
         self.step = 0
@@ -703,6 +755,7 @@ class BaseTrainer(abc.ABC):
         self.best_state = core.BestState(minimize=direction, min_delta=self.cfg.val.min_delta)
         self.patience_state = self._fresh_patience()
         self.best_model = None
+        self._snapshot_plan = None
         self.best_metrics = {}
 
     def _fresh_patience(self) -> core.PatienceState:
@@ -743,7 +796,22 @@ class BaseTrainer(abc.ABC):
         model = dist_utils.unwrap(self.model)
         if model is None:
             raise UsageError("save_if_best() snapshots self.model, which is not set; assign it in setup()")
-        state = model.state_dict()  # detached tensors already
+        plan = self._snapshot_plan
+        self._snapshot_plan = None
+        if plan is not None and plan.fits(model, self.best_model):
+            # Copy first, check after: on a GPU the copies run while the host walks the state dict, a walk
+            # that takes longer than copying a large model on a fast GPU. A plan the check rejects only
+            # wrote into the snapshot's own buffers, which the full path below fills again.
+            with torch.no_grad():
+                _copy_tensors_(plan.targets, plan.sources)
+            state = model.state_dict()
+            if plan.still_matches(state):
+                for key in plan.plain:
+                    plan.snapshot[key] = copy.deepcopy(state[key])
+                self._snapshot_plan = plan
+                return
+        else:
+            state = model.state_dict()  # detached tensors already
         snapshot = self.best_model
         if snapshot is not None and snapshot.keys() == state.keys():
             targets: list[torch.Tensor] = []
@@ -770,10 +838,12 @@ class BaseTrainer(abc.ABC):
                     _copy_tensors_(targets, sources)
                 for key in plain:
                     snapshot[key] = copy.deepcopy(state[key])
+                self._snapshot_plan = _SnapshotPlan(model, snapshot, state)
                 return
         self.best_model = {
             k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in state.items()
         }
+        self._snapshot_plan = _SnapshotPlan(model, self.best_model, state)
 
     def step_patience(self, improved: bool) -> bool:
         """Advance the early-stopping counter with this epoch's outcome.
