@@ -51,6 +51,9 @@ class LogBuffer:
     def __init__(self) -> None:
         self._scalars: dict[str, Any] = {}
         self._vectors: dict[tuple[str, ...], torch.Tensor] = {}
+        # one float64 scalar per tensor-valued key, reused from push to push: logging once per step
+        # copies into it instead of allocating a tensor per step (drain reads slots, they never escape)
+        self._slots: dict[str, torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self._scalars) + sum(len(keys) for keys in self._vectors)
@@ -61,15 +64,20 @@ class LogBuffer:
         :param metrics: Name to value.
         :raises TypeError: When a value is not a number or a 1-element tensor.
         """
+        slots = self._slots
         for key, value in metrics.items():
+            key = str(key)
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
                     raise TypeError(f"logged metric {key!r} must be a 1-element tensor, got shape {tuple(value.shape)}")
                 value = value.detach()
                 if value.dim():
                     value = value.reshape(())
+                slot = slots.get(key)
+                if slot is None or slot.device != value.device:
+                    slot = slots[key] = torch.empty((), dtype=torch.float64, device=value.device)
                 # one device-side copy is the snapshot (later in-place changes stay out) and the cast for drain
-                value = value.clone() if value.dtype == torch.float64 else value.double()
+                value = slot.copy_(value)
             elif isinstance(value, str | bytes):
                 raise TypeError(f"logged metric {key!r} must be a number or a tensor, got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, int | float):
@@ -77,7 +85,7 @@ class LogBuffer:
                     value = float(value)
                 except (TypeError, ValueError):
                     raise TypeError(f"logged metric {key!r} must be a number or a tensor, got {value!r}") from None
-            self._scalars[str(key)] = value
+            self._scalars[key] = value
 
     def add_vector(self, keys: list[str], values: torch.Tensor) -> None:
         """Buffer many metrics held in one 1-D tensor, e.g. per-parameter statistics.
