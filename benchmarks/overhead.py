@@ -382,6 +382,8 @@ def raw_run(wl: Workload, tmp: Path, feature: str) -> tuple[nn.Module, Any]:
     optimizer, counters, config, loop/best/patience records, every generator's state) and ``best.pt``,
     each with its ``.prev`` fallback link. ``ckpt_min`` writes what a quick script would: weights,
     optimizer, counters and torch's generator state, no fallback; it is information, not a gate.
+    Every variant ends with the report trainkit gives at the end of training: one printed summary line
+    and, with W&B, the same entries in the run summary.
     """
     torch.manual_seed(SEED)
     model = wl.build_model()
@@ -469,6 +471,13 @@ def raw_run(wl: Workload, tmp: Path, feature: str) -> tuple[nn.Module, Any]:
             else:
                 last.update(best=best, rng=torch.get_rng_state())
             durable_save(last, tmp / "last.pt", keep_previous=same_as_trainkit)
+    # the end-of-run report trainkit gives (log_training_results): the W&B summary and one printed line
+    summary: dict[str, Any] = {"epochs_run": wl.epochs, "stop_reason": "max_epochs"}
+    if best_epoch is not None:
+        summary.update({"best/epoch": best_epoch, "best/score": best})
+    if run is not None:
+        run.summary.update(summary)
+    print("raw: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
     if run is not None:
         run.finish()
     return model, (loss, val, improvements if feature in ("ckpt", "ckpt_min") else None)
