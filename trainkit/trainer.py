@@ -100,23 +100,33 @@ def _step_counter(trainer: BaseTrainer) -> Any:
 _FOREACH_COPY_MAX_NUMEL = 1 << 20
 
 
-def _copy_tensors_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """Copy ``sources`` into ``targets``: small tensors in one fused foreach copy, large ones one by one.
+class _TensorCopies:
+    """Copies from ``sources`` into ``targets``, sorted once: large tensors one by one, the rest fused.
 
     Foreach kernels are tuned for many small tensors; on a GPU they copy large ones at under half of the
     bandwidth a plain ``copy_`` reaches (measured on an H200), and above ~1M elements a launch per tensor
     costs nothing next to the copy itself.
     """
-    small_targets: list[torch.Tensor] = []
-    small_sources: list[torch.Tensor] = []
-    for target, source in zip(targets, sources):
-        if source.numel() > _FOREACH_COPY_MAX_NUMEL:
+
+    __slots__ = ("large", "small_targets", "small_sources")
+
+    def __init__(self, targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+        self.large: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.small_targets: list[torch.Tensor] = []
+        self.small_sources: list[torch.Tensor] = []
+        for target, source in zip(targets, sources):
+            if source.numel() > _FOREACH_COPY_MAX_NUMEL:
+                self.large.append((target, source))
+            else:
+                self.small_targets.append(target)
+                self.small_sources.append(source)
+
+    def run(self) -> None:
+        """Launch the copies (asynchronous on a GPU). Sources must not require grad."""
+        for target, source in self.large:
             target.copy_(source)
-        else:
-            small_targets.append(target)
-            small_sources.append(source)
-    if small_targets:
-        torch._foreach_copy_(small_targets, small_sources)
+        if self.small_targets:
+            torch._foreach_copy_(self.small_targets, self.small_sources)
 
 
 class _SnapshotPlan:
@@ -128,17 +138,19 @@ class _SnapshotPlan:
     until the next snapshot rebuilds the plan or :meth:`BaseTrainer.reset_best_tracking` drops it.
     """
 
-    __slots__ = ("model", "snapshot", "entries", "sources", "targets", "plain")
+    __slots__ = ("model", "snapshot", "entries", "copies", "plain")
 
     def __init__(self, model: nn.Module, snapshot: dict[str, Any], state: Mapping[str, Any]) -> None:
         self.model = weakref.ref(model)
         self.snapshot = snapshot
         self.entries = [
-            (key, value, snapshot[key]) if isinstance(value, torch.Tensor) else (key, None, None)
+            (key, value.detach(), snapshot[key]) if isinstance(value, torch.Tensor) else (key, None, None)
             for key, value in state.items()
         ]
-        self.sources = [source for _, source, _ in self.entries if source is not None]
-        self.targets = [target for _, _, target in self.entries if target is not None]
+        self.copies = _TensorCopies(
+            [target for _, source, target in self.entries if source is not None],
+            [source for _, source, _ in self.entries if source is not None],
+        )
         self.plain = [key for key, source, _ in self.entries if source is None]
 
     def fits(self, model: nn.Module, snapshot: dict[str, Any] | None) -> bool:
@@ -801,9 +813,9 @@ class BaseTrainer(abc.ABC):
         if plan is not None and plan.fits(model, self.best_model):
             # Copy first, check after: on a GPU the copies run while the host walks the state dict, a walk
             # that takes longer than copying a large model on a fast GPU. A plan the check rejects only
-            # wrote into the snapshot's own buffers, which the full path below fills again.
-            with torch.no_grad():
-                _copy_tensors_(plan.targets, plan.sources)
+            # wrote into the snapshot's own buffers, which the full path below fills again. (No no_grad
+            # needed: the plan's sources are detached, its targets never require grad.)
+            plan.copies.run()
             state = model.state_dict()
             if plan.still_matches(state):
                 for key in plan.plain:
@@ -835,7 +847,7 @@ class BaseTrainer(abc.ABC):
                     plain.append(key)
             else:
                 with torch.no_grad():
-                    _copy_tensors_(targets, sources)
+                    _TensorCopies(targets, sources).run()
                 for key in plain:
                     snapshot[key] = copy.deepcopy(state[key])
                 self._snapshot_plan = _SnapshotPlan(model, snapshot, state)
