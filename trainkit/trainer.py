@@ -122,11 +122,25 @@ class _TensorCopies:
                 self.small_sources.append(source)
 
     def run(self) -> None:
-        """Launch the copies (asynchronous on a GPU). Sources must not require grad."""
+        """Launch the copies (asynchronous on a GPU). Sources must not require grad (the plan detaches
+        them), so no autograd context is needed."""
         for target, source in self.large:
             target.copy_(source)
         if self.small_targets:
             torch._foreach_copy_(self.small_targets, self.small_sources)
+
+
+def _fits_buffer(held: Any, value: Any) -> bool:
+    """Whether a snapshot entry can take ``value`` in place: a tensor of the same shape, dtype and device,
+    or, for a non-tensor value, no tensor."""
+    if isinstance(value, torch.Tensor):
+        return (
+            isinstance(held, torch.Tensor)
+            and held.shape == value.shape
+            and held.dtype == value.dtype
+            and held.device == value.device
+        )
+    return not isinstance(held, torch.Tensor)
 
 
 class _SnapshotPlan:
@@ -152,6 +166,11 @@ class _SnapshotPlan:
             [source for _, source, _ in self.entries if source is not None],
         )
         self.plain = [key for key, source, _ in self.entries if source is None]
+
+    def copy_plain(self, state: Mapping[str, Any]) -> None:
+        """Copy the non-tensor entries of ``state`` into the snapshot (the tensors go through ``copies``)."""
+        for key in self.plain:
+            self.snapshot[key] = copy.deepcopy(state[key])
 
     def fits(self, model: nn.Module, snapshot: dict[str, Any] | None) -> bool:
         """Whether the plan was made for this model and this snapshot dict (cheap: no state walk)."""
@@ -813,45 +832,26 @@ class BaseTrainer(abc.ABC):
         if plan is not None and plan.fits(model, self.best_model):
             # Copy first, check after: on a GPU the copies run while the host walks the state dict, a walk
             # that takes longer than copying a large model on a fast GPU. A plan the check rejects only
-            # wrote into the snapshot's own buffers, which the full path below fills again. (No no_grad
-            # needed: the plan's sources are detached, its targets never require grad.)
+            # wrote into the snapshot's own buffers, which the full path below fills again.
             plan.copies.run()
             state = model.state_dict()
             if plan.still_matches(state):
-                for key in plan.plain:
-                    plan.snapshot[key] = copy.deepcopy(state[key])
+                plan.copy_plain(state)
                 self._snapshot_plan = plan
                 return
         else:
             state = model.state_dict()  # detached tensors already
         snapshot = self.best_model
-        if snapshot is not None and snapshot.keys() == state.keys():
-            targets: list[torch.Tensor] = []
-            sources: list[torch.Tensor] = []
-            plain: list[str] = []
-            for key, value in state.items():  # one pass: the buffers are reused only if every slot still fits
-                held = snapshot[key]
-                if isinstance(value, torch.Tensor):
-                    if not (
-                        isinstance(held, torch.Tensor)
-                        and held.shape == value.shape
-                        and held.dtype == value.dtype
-                        and held.device == value.device
-                    ):
-                        break
-                    targets.append(held)
-                    sources.append(value)
-                elif isinstance(held, torch.Tensor):
-                    break
-                else:
-                    plain.append(key)
-            else:
-                with torch.no_grad():
-                    _TensorCopies(targets, sources).run()
-                for key in plain:
-                    snapshot[key] = copy.deepcopy(state[key])
-                self._snapshot_plan = _SnapshotPlan(model, snapshot, state)
-                return
+        if (
+            snapshot is not None
+            and snapshot.keys() == state.keys()
+            and all(_fits_buffer(snapshot[key], value) for key, value in state.items())
+        ):  # the buffers are reused only if every slot still fits
+            plan = _SnapshotPlan(model, snapshot, state)
+            plan.copies.run()
+            plan.copy_plain(state)
+            self._snapshot_plan = plan
+            return
         self.best_model = {
             k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in state.items()
         }
