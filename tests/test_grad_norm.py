@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from collections import Counter
 
 import pytest
@@ -235,6 +236,23 @@ def test_grad_stats_gate_logs_grad_norms_and_ratios(make_trainer):
         weight_norm = torch.linalg.vector_norm(param).item()
         assert pushed[f"params/{name}/grad_norm"] == pytest.approx(grad_norm, rel=1e-6)
         assert pushed[f"params/{name}/grad_to_weight"] == pytest.approx(grad_norm / weight_norm, rel=1e-5)
+
+
+def test_grad_to_weight_of_an_all_zero_weight_is_finite(make_trainer):
+    """A zero-initialised bias has an undefined grad-to-weight ratio: it is logged as 0, never inf or NaN."""
+    trainer = make_trainer(log_grad_stats=True, log_weight_stats=True)
+    with torch.no_grad():
+        trainer.model.out.bias.zero_()
+    backward(trainer.model)
+    assert trainer.model.out.bias.grad.abs().sum() > 0  # a real gradient on a zero weight
+    trainer.log_param_grad_stats()
+    pushed = trainer.push_logs()
+    assert pushed["params/out.bias/weight_norm"] == 0.0
+    assert pushed["params/out.bias/grad_to_weight"] == 0.0
+    assert all(math.isfinite(value) for value in pushed.values())
+    grad_norm = torch.linalg.vector_norm(trainer.model.inp.bias.grad).item()
+    weight_norm = torch.linalg.vector_norm(trainer.model.inp.bias).item()
+    assert pushed["params/inp.bias/grad_to_weight"] == pytest.approx(grad_norm / weight_norm, rel=1e-5)
 
 
 def test_both_gates_log_all_three_stats(make_trainer):

@@ -86,8 +86,10 @@ def make_param_groups(
     :param modules: The modules to take trainable parameters from.
     :param weight_decay: The decay of the first group.
     :param no_weight_decay: Name fragments that exempt a parameter.
-    :returns: ``[{"name": "decay", ...}, {"name": "no_decay", ...}]``, each with ``params``,
-        ``param_names`` and ``weight_decay``; an empty group is left out.
+    :returns: ``[{"name": "decay", ...}, {"name": "no_decay", ...}]``, each with ``params`` and
+        ``weight_decay``; an empty group is left out. No ``param_names`` entry: torch requires every group
+        of an optimizer to have one or none, so a group added later with ``add_param_group({"params": ...})``
+        would be refused.
     """
     fragments = tuple(no_weight_decay)
     decay: list[tuple[str, nn.Parameter]] = []
@@ -102,7 +104,6 @@ def make_param_groups(
                 {
                     "name": group_name,
                     "params": [p for _, p in members],
-                    "param_names": [n for n, _ in members],
                     "weight_decay": wd,
                 }
             )
@@ -151,6 +152,10 @@ def param_stats(
 ) -> tuple[list[str], torch.Tensor]:
     """Compute per-parameter weight norms, grad norms and grad-to-weight ratios in a few fused ops.
 
+    The ratio of a parameter whose weights are all zero (a zero-initialised bias or LoRA factor) is
+    undefined; it is reported as 0, so that every series stays finite and a chart can draw it, instead
+    of ``inf`` (or NaN for a zero gradient too).
+
     :param named_params: ``(name, parameter)`` pairs.
     :param weights: Include ``params/<name>/weight_norm``.
     :param grads: Include ``params/<name>/grad_norm`` and ``params/<name>/grad_to_weight``.
@@ -175,7 +180,8 @@ def param_stats(
                 own_weight_norms = torch.stack(
                     [n.float() for n in torch._foreach_norm([p.detach() for _, p in with_grad], 2.0)]
                 )
-            ratios = grad_norms / own_weight_norms
+            # torch.where keeps it on the device: no host sync to test for zero weights
+            ratios = torch.where(own_weight_norms > 0, grad_norms / own_weight_norms, torch.zeros_like(grad_norms))
             keys += [f"params/{name}/grad_norm" for name, _ in with_grad]
             keys += [f"params/{name}/grad_to_weight" for name, _ in with_grad]
             pieces += [grad_norms, ratios]

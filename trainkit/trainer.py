@@ -961,7 +961,8 @@ class BaseTrainer(abc.ABC):
         contains one of ``cfg.no_weight_decay``. The default list covers biases, norms and every ``*_emb``
         lookup table; a model overrides it only when a name lies about what it is. Every trainable
         parameter lands in exactly one group, once, even when tied or shared; frozen parameters are left
-        out. Each group dict carries ``name`` (``"decay"``/``"no_decay"``) and ``param_names``.
+        out. Each group dict carries ``name`` (``"decay"``/``"no_decay"``), ``params`` and ``weight_decay``, and
+        nothing else, so ``optimizer.add_param_group()`` accepts any later group.
 
         :param modules: Modules to take parameters from, ``self.model`` when none are given. Pass more
             when parameters outside the model are trained by the same optimizer, such as an objective with
