@@ -4,8 +4,9 @@ Imports only the standard library and attrs, so it can be embedded in any loop a
 without torch.
 """
 
-from trainkit.bookkeeping.best import BestState, best_metric_key, save_if_best
-from trainkit.bookkeeping.patience import PatienceState, step_patience
+from trainkit.bookkeeping._records import as_verdict, is_bool_like
+from trainkit.bookkeeping.best import BestState, best_metric_key, retune_min_delta, save_if_best
+from trainkit.bookkeeping.patience import PatienceState, retune_patience, step_patience
 from trainkit.bookkeeping.registry import (
     RESERVED_NAMES,
     CkptRegistry,
@@ -26,8 +27,12 @@ __all__ = [
     "BestState",
     "save_if_best",
     "best_metric_key",
+    "retune_min_delta",
     "PatienceState",
     "step_patience",
+    "retune_patience",
+    "as_verdict",
+    "is_bool_like",
     "CkptRegistry",
     "RESERVED_NAMES",
     "register_items",

@@ -116,6 +116,29 @@ def is_bool_like(value: Any) -> bool:
     return str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
 
 
+def as_verdict(value: Any) -> bool:
+    """Return the truth of an early-stopping verdict, refusing a value whose truth is ambiguous.
+
+    Pure: calls ``bool(value)`` only. Every value whose truth is unambiguous counts: bools of any
+    library, None, numbers, 0-d (or 1-element) numpy arrays and tensors, containers (empty ones are
+    falsey). Multi-element and empty arrays or tensors have no single truth and are refused.
+
+    :param value: What a ``val_epoch()`` returned.
+    :returns: ``bool(value)``.
+    :raises BookkeepingError: When ``bool(value)`` is ambiguous (it raises).
+
+    >>> as_verdict(None), as_verdict(0), as_verdict(0.0), as_verdict(""), as_verdict([]), as_verdict(True)
+    (False, False, False, False, False, True)
+    """
+    try:
+        return bool(value)
+    except Exception as exc:  # noqa: BLE001 - numpy raises ValueError, torch RuntimeError, others anything
+        raise BookkeepingError(
+            f"an early-stopping verdict must have an unambiguous truth value, got {type(value).__name__} "
+            f"{value!r} ({exc})"
+        ) from exc
+
+
 def same_float(a: float | None, b: float | None) -> bool:
     """Tell whether two optional floats are equal, counting NaN as equal to NaN.
 

@@ -15,7 +15,7 @@ import attrs
 from trainkit.bookkeeping._records import as_float, read_only_floats, record_from_dict, record_to_dict
 from trainkit.errors import BookkeepingError
 
-__all__ = ["BestState", "save_if_best", "best_metric_key"]
+__all__ = ["BestState", "save_if_best", "best_metric_key", "retune_min_delta"]
 
 BEST_PREFIX = "best/val/"
 
@@ -143,3 +143,25 @@ def save_if_best(
             return state, False
     recorded = {best_metric_key(str(name)): val for name, val in (metrics or {}).items()}
     return attrs.evolve(state, score=value, epoch=epoch, metrics=recorded), True
+
+
+def retune_min_delta(state: BestState, min_delta: float) -> tuple[BestState, bool]:
+    """Apply a changed ``min_delta`` to a record, keeping its best score, epoch and metrics.
+
+    Pure. Used when a run resumes with a new ``val.min_delta``: later comparisons use it; the best
+    recorded so far stays the best.
+
+    :param state: The record read from the checkpoint; left unchanged.
+    :param min_delta: The new margin (a finite float >= 0).
+    :returns: The next record, and whether the margin changed.
+    :raises BookkeepingError: When ``min_delta`` is negative, infinite or not a number.
+
+    >>> state = BestState(minimize=True, score=1.0)
+    >>> state, changed = retune_min_delta(state, 0.1)
+    >>> state.min_delta, state.score, changed
+    (0.1, 1.0, True)
+    >>> save_if_best(state, 0.95)[1], save_if_best(state, 0.85)[1]
+    (False, True)
+    """
+    new = attrs.evolve(state, min_delta=min_delta)
+    return new, new.min_delta != state.min_delta

@@ -13,7 +13,7 @@ import attrs
 from trainkit.bookkeeping._records import is_bool_like, record_from_dict, record_to_dict
 from trainkit.errors import BookkeepingError
 
-__all__ = ["PatienceState", "step_patience"]
+__all__ = ["PatienceState", "step_patience", "retune_patience"]
 
 
 def _is_int(value: Any) -> bool:
@@ -122,3 +122,35 @@ def step_patience(state: PatienceState, improved: Any, *, epoch: int | None = No
     elif epoch is None or epoch >= state.start_patience:
         state = attrs.evolve(state, remaining=max(0, state.remaining - 1))
     return state, state.exhausted
+
+
+def retune_patience(state: PatienceState, *, patience: int | None, start_patience: int) -> tuple[PatienceState, int]:
+    """Apply a changed ``patience``/``start_patience`` to a record, keeping the misses already counted.
+
+    Pure. Used when a run resumes with a new ``val.patience`` or ``val.start_patience``: the new values
+    apply from the resumed epoch on. The misses counted so far (``patience - remaining``) carry over,
+    so ``remaining`` becomes ``max(0, patience - misses)``: a larger patience gives more room, a smaller
+    one may leave none, and then the next counted miss stops the run (an improvement still refills it).
+    A run that counted nothing (patience was None) starts with the full new patience. Misses before a
+    changed ``start_patience`` are not recounted.
+
+    :param state: The record read from the checkpoint; left unchanged.
+    :param patience: The new patience (>= 1), or None to stop counting.
+    :param start_patience: The new first 0-based epoch whose misses count.
+    :returns: The next record, and the number of misses carried over.
+    :raises BookkeepingError: When a new value breaks the record's rules.
+
+    >>> state = PatienceState(patience=3, remaining=1)  # two misses counted
+    >>> retune_patience(state, patience=5, start_patience=0)
+    (PatienceState(patience=5, start_patience=0, remaining=3), 2)
+    >>> retune_patience(state, patience=2, start_patience=0)[0].exhausted
+    True
+    >>> retune_patience(PatienceState(), patience=4, start_patience=1)
+    (PatienceState(patience=4, start_patience=1, remaining=4), 0)
+    """
+    misses = 0 if state.patience is None else state.patience - state.remaining
+    if patience is None:
+        return PatienceState(patience=None, start_patience=start_patience), misses
+    _check_patience(state, attrs.fields(PatienceState).patience, patience)
+    remaining = max(0, patience - misses)
+    return PatienceState(patience=patience, start_patience=start_patience, remaining=remaining), misses

@@ -6,7 +6,7 @@ Pure with respect to files: collecting calls each object's ``state_dict()`` and 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -33,6 +33,7 @@ RESERVED_NAMES = frozenset(
         "results",
         "latest_metrics",
         "metrics_offset",
+        "training_modes",
     }
 )
 """Top-level checkpoint keys that hold the engine's own state; no registered item may take them."""
@@ -96,12 +97,14 @@ def register_items(registry: CkptRegistry, items: Mapping[str, Any]) -> tuple[Ck
     return CkptRegistry(merged), tuple(items)
 
 
-def collect_payload(registry: CkptRegistry) -> dict[str, Any]:
+def collect_payload(registry: CkptRegistry, *, state_of: Callable[[Any], Any] | None = None) -> dict[str, Any]:
     """Collect every registered item's state into a dict keyed by name.
 
     Side effects: none beyond calling each object's ``state_dict()``.
 
     :param registry: The registry.
+    :param state_of: Reads the state of an object with ``state_dict()``; ``obj.state_dict()`` when None.
+        The trainer passes one that saves modules under names free of ``torch.compile`` prefixes.
     :returns: Name to ``obj.state_dict()``, or to the object itself for plain values.
 
     >>> class Counter:
@@ -112,11 +115,16 @@ def collect_payload(registry: CkptRegistry) -> dict[str, Any]:
     >>> collect_payload(registry)
     {'counter': {'n': 2}, 'note': 'hi'}
     """
-    return {name: obj.state_dict() if _has(obj, "state_dict") else obj for name, obj in registry.items.items()}
+    read = state_of or (lambda obj: obj.state_dict())
+    return {name: read(obj) if _has(obj, "state_dict") else obj for name, obj in registry.items.items()}
 
 
 def apply_payload(
-    registry: CkptRegistry, payload: Mapping[str, Any], *, strict: bool = True
+    registry: CkptRegistry,
+    payload: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    load_into: Callable[[Any, Any], None] | None = None,
 ) -> tuple[CkptRegistry, tuple[str, ...]]:
     """Load a payload collected by :func:`collect_payload` back into the registered objects.
 
@@ -128,6 +136,8 @@ def apply_payload(
         reserved engine keys are ignored.
     :param strict: When True, a registered name missing from the payload, or a payload item that is not
         registered, is an error.
+    :param load_into: Loads a state into an object with ``load_state_dict()``;
+        ``obj.load_state_dict(state)`` when None.
     :returns: The registry with plain values replaced by the restored ones, and the names restored.
     :raises RegistryError: Naming every missing and unexpected entry, when ``strict``; or naming the item
         whose ``load_state_dict()`` refused its state (e.g. parameter names or shapes that differ).
@@ -150,6 +160,7 @@ def apply_payload(
             "checkpoint items do not match the registered items (" + "; ".join(parts) + "); register the same "
             "items with add_checkpoint_items() as the run that wrote the checkpoint"
         )
+    load = load_into or (lambda obj, state: obj.load_state_dict(state))
     restored = dict(registry.items)
     names = []
     for name, obj in registry.items.items():
@@ -157,11 +168,10 @@ def apply_payload(
             continue
         if _has(obj, "load_state_dict"):
             try:
-                obj.load_state_dict(payload[name])
+                load(obj, payload[name])
             except (RuntimeError, ValueError, KeyError, TypeError) as exc:
                 raise RegistryError(
-                    f"checkpoint item {name!r} could not be restored into the registered "
-                    f"{type(obj).__name__}: {exc}"
+                    f"checkpoint item {name!r} could not be restored into the registered {type(obj).__name__}: {exc}"
                 ) from exc
         else:
             restored[name] = payload[name]

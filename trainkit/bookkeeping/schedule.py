@@ -66,6 +66,8 @@ class LoopState:
     :ivar epoch: The 0-based index of the next epoch to run (the number of epochs completed).
     :ivar step: Optimizer steps taken so far.
     :ivar stop_reason: Why the run finished (``"early_stop"`` or ``"max_epochs"``), None while it runs.
+    :ivar last_validated: Whether the last completed epoch ended with a validation (True before the
+        first epoch, and in checkpoints written before this field existed).
 
     >>> LoopState().finished
     False
@@ -74,6 +76,7 @@ class LoopState:
     epoch: int = attrs.field(default=0, validator=_check_counter)
     step: int = attrs.field(default=0, validator=_check_counter)
     stop_reason: str | None = attrs.field(default=None, validator=_check_reason)
+    last_validated: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
 
     @property
     def finished(self) -> bool:
@@ -84,7 +87,7 @@ class LoopState:
         """Return the record as plain JSON-able values with a schema version.
 
         >>> LoopState.from_dict(LoopState(epoch=2).to_dict())
-        LoopState(epoch=2, step=0, stop_reason=None)
+        LoopState(epoch=2, step=0, stop_reason=None, last_validated=True)
         """
         return record_to_dict(self)
 
@@ -99,7 +102,9 @@ class LoopState:
         return record_from_dict(cls, data)
 
 
-def end_epoch(state: LoopState, *, epochs: int, early_stop: bool, step: int) -> tuple[LoopState, bool]:
+def end_epoch(
+    state: LoopState, *, epochs: int, early_stop: bool, step: int, validated: bool = True
+) -> tuple[LoopState, bool]:
     """Close the epoch ``state.epoch`` and decide whether another one runs.
 
     Pure.
@@ -108,14 +113,15 @@ def end_epoch(state: LoopState, *, epochs: int, early_stop: bool, step: int) -> 
     :param epochs: The configured number of epochs.
     :param early_stop: The epoch's early-stop verdict.
     :param step: Optimizer steps taken so far (never less than ``state.step``).
+    :param validated: Whether the epoch ended with a validation.
     :returns: The next record, and whether another epoch runs.
     :raises BookkeepingError: When the run had already finished, or ``step`` went backwards.
 
-    >>> state, more = end_epoch(LoopState(), epochs=2, early_stop=False, step=5)
+    >>> state, more = end_epoch(LoopState(), epochs=2, early_stop=False, step=5, validated=False)
     >>> state, more
-    (LoopState(epoch=1, step=5, stop_reason=None), True)
+    (LoopState(epoch=1, step=5, stop_reason=None, last_validated=False), True)
     >>> end_epoch(state, epochs=2, early_stop=False, step=10)
-    (LoopState(epoch=2, step=10, stop_reason='max_epochs'), False)
+    (LoopState(epoch=2, step=10, stop_reason='max_epochs', last_validated=True), False)
     """
     if state.finished:
         raise BookkeepingError(f"end_epoch: the run already finished ({state.stop_reason})")
@@ -124,28 +130,46 @@ def end_epoch(state: LoopState, *, epochs: int, early_stop: bool, step: int) -> 
         raise BookkeepingError(f"end_epoch: step went backwards from {state.step} to {step!r}")
     epoch = state.epoch + 1
     reason = STOP_EARLY if early_stop else STOP_MAX_EPOCHS if epoch >= epochs else None
-    new = LoopState(epoch=epoch, step=step, stop_reason=reason)
+    new = LoopState(epoch=epoch, step=step, stop_reason=reason, last_validated=bool(validated))
     return new, not new.finished
 
 
-def resume_loop(state: LoopState, *, epochs: int) -> tuple[LoopState, bool]:
+def resume_loop(state: LoopState, *, epochs: int, early_stop_lifted: bool = False) -> tuple[LoopState, bool]:
     """Reconcile a loop record read from a checkpoint with the configured number of epochs.
 
-    Pure. A finished run stays finished (a larger ``epochs`` does not reopen it); an unfinished run
-    that has already done ``epochs`` epochs (the config was lowered) finishes now.
+    Pure. The rules, in order:
+
+    - an unfinished run below ``epochs`` continues;
+    - an unfinished run that has already done ``epochs`` epochs (``epochs`` was lowered) finishes now,
+      as ``"max_epochs"``; when its last epoch ended without a validation (``state.last_validated`` is
+      False), the caller validates that epoch before finishing, since the last epoch of a run is
+      always validated;
+    - a run that finished at its last epoch (``"max_epochs"``) is extended when ``epochs`` was raised
+      above the epochs it ran, and stays finished otherwise;
+    - a run that stopped early stays stopped, unless ``early_stop_lifted`` (its stopping rule, e.g. a
+      larger ``val.patience``, now allows more epochs) and ``epochs`` leaves room; then it continues.
 
     :param state: The record from the checkpoint; left unchanged.
     :param epochs: The configured number of epochs.
+    :param early_stop_lifted: Whether the rule that stopped the run early no longer stops it.
     :returns: The record to continue from, and whether another epoch runs.
 
     >>> resume_loop(LoopState(epoch=3), epochs=5)
-    (LoopState(epoch=3, step=0, stop_reason=None), True)
+    (LoopState(epoch=3, step=0, stop_reason=None, last_validated=True), True)
     >>> resume_loop(LoopState(epoch=3), epochs=2)
-    (LoopState(epoch=3, step=0, stop_reason='max_epochs'), False)
+    (LoopState(epoch=3, step=0, stop_reason='max_epochs', last_validated=True), False)
+    >>> resume_loop(LoopState(epoch=3, stop_reason="max_epochs"), epochs=5)[1]
+    True
+    >>> resume_loop(LoopState(epoch=3, stop_reason="early_stop"), epochs=5)[1]
+    False
+    >>> resume_loop(LoopState(epoch=3, stop_reason="early_stop"), epochs=5, early_stop_lifted=True)[1]
+    True
     """
     _check_int("epochs", epochs, 1)
-    if state.finished:
-        return state, False
     if state.epoch >= epochs:
+        if state.finished:
+            return state, False
         return attrs.evolve(state, stop_reason=STOP_MAX_EPOCHS), False
-    return state, True
+    if state.stop_reason == STOP_EARLY and not early_stop_lifted:
+        return state, False
+    return attrs.evolve(state, stop_reason=None), True
