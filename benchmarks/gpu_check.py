@@ -53,6 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import trainkit  # noqa: E402
 from trainkit.async_save import StagingBuffers  # noqa: E402
+from trainkit.modules import module_state  # noqa: E402
+from trainkit.snapshot import WeightSnapshot  # noqa: E402
 
 GATE_SNAPSHOT = 1.3
 GATE_PEAK = 1.001
@@ -380,47 +382,40 @@ def check_snapshot(device: torch.device, smoke: bool, rounds: int) -> dict:
     depth = 2 if smoke else 3  # 3 x (4096^2 + 4096) ~ 50M parameters
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]).to(device)
 
-    class Snap(trainkit.BaseTrainer):
-        def setup(self, ckpt):
-            self.model = model
-
-        def train_epoch(self):
-            pass
-
-        def val_epoch(self):
-            return False
-
     timer = device_timer(device)
-    with tempfile.TemporaryDirectory() as out:
-        trainer = Snap({"epochs": 1, "out_dir": out, "wandb": {"mode": "disabled"}, "progress": {"enable": False},
-                        "ckpt": {"enable": False, "resume": "never"}})
-        trainer._snapshot_best()  # allocates the buffers once
-        nbytes = sum(t.numel() * t.element_size() for t in trainer.best_model.values())
-        flat_src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-        flat_dst = torch.empty_like(flat_src)
-        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        staging = StagingBuffers()
-        state = model.state_dict()
-        staging.stage(state)  # allocates the pinned buffers once
-        targets = list(trainer.best_model.values())
-        sources = [v.detach() for v in state.values()]
-        fns = {
-            "snapshot_on_device": trainer._snapshot_best,
-            "flat_device_copy": lambda: flat_dst.copy_(flat_src),
-            # what the snapshot is made of, for when it misses its gate
-            "one_foreach_copy": lambda: torch._foreach_copy_(targets, sources),
-            "copy_each": lambda: [t.copy_(v) for t, v in zip(targets, sources)],
-            "state_dict_only": model.state_dict,
-            "staging_to_pinned": lambda: staging.stage(state),
-            "flat_copy_to_pinned": lambda: pinned.copy_(flat_src, non_blocking=True),
-        }
-        samples: dict[str, list[float]] = {k: [] for k in fns}
-        for round_index in range(3 * rounds + 1):
-            for key, fn in fns.items():
-                seconds = timer(fn)
-                if round_index:
-                    samples[key].append(seconds)
-        exact = all(torch.equal(trainer.best_model[k], v) for k, v in state.items())
+    # what save_if_best does on an improvement: read the state dict, copy it into the snapshot's tensors
+    snapshot = WeightSnapshot()
+
+    def take() -> None:
+        snapshot.take(module_state(model))
+
+    take()  # allocates the snapshot once; the timed takes refill it in place (nobody else holds it)
+    nbytes = sum(t.numel() * t.element_size() for t in snapshot.state.values())
+    flat_src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    flat_dst = torch.empty_like(flat_src)
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    staging = StagingBuffers()
+    state = model.state_dict()
+    staging.stage(state)  # allocates the pinned buffers once
+    targets = list(snapshot.state.values())
+    sources = [v.detach() for v in state.values()]
+    fns = {
+        "snapshot_on_device": take,
+        "flat_device_copy": lambda: flat_dst.copy_(flat_src),
+        # what the snapshot is made of, for when it misses its gate
+        "one_foreach_copy": lambda: torch._foreach_copy_(targets, sources),
+        "copy_each": lambda: [t.copy_(v) for t, v in zip(targets, sources)],
+        "state_dict_only": model.state_dict,
+        "staging_to_pinned": lambda: staging.stage(state),
+        "flat_copy_to_pinned": lambda: pinned.copy_(flat_src, non_blocking=True),
+    }
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for round_index in range(3 * rounds + 1):
+        for key, fn in fns.items():
+            seconds = timer(fn)
+            if round_index:
+                samples[key].append(seconds)
+    exact = all(torch.equal(snapshot.state[k], v) for k, v in state.items())
     med = {k: statistics.median(v) for k, v in samples.items()}
     result = {
         "params": sum(p.numel() for p in model.parameters()),

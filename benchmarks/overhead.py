@@ -83,6 +83,8 @@ import trainkit  # noqa: E402
 from trainkit import BaseTrainer  # noqa: E402
 from trainkit import checkpoint as tk_checkpoint  # noqa: E402
 from trainkit import optim as tk_optim  # noqa: E402
+from trainkit.modules import module_state  # noqa: E402
+from trainkit.snapshot import WeightSnapshot  # noqa: E402
 
 SEED = 0
 LR = 1e-3
@@ -1053,51 +1055,28 @@ def big_model(n_params: int) -> nn.Module:
     return model
 
 
-class SnapshotTrainer(BaseTrainer):
-    """The smallest BaseTrainer: it only holds ``big`` as its model, so ``_snapshot_best`` can be timed."""
-
-    big: nn.Module | None = None
-
-    def setup(self, ckpt: dict[str, Any] | None) -> None:
-        self.model = self.big
-
-    def train_epoch(self) -> None:
-        pass
-
-    def val_epoch(self) -> bool:
-        return False
-
-
 def bench_snapshot(report: Report, s: Settings, model: nn.Module) -> None:
-    if not callable(getattr(BaseTrainer, "_snapshot_best", None)):
-        report.notes.append("micro/snapshot skipped: BaseTrainer._snapshot_best no longer exists; update the benchmark")
-        log("micro/snapshot: skipped (BaseTrainer._snapshot_best is gone)")
-        return
     rounds = max(s.rounds, 9) if s.mode == "full" else s.rounds
     n_params = sum(p.numel() for p in model.parameters())
     log(
         f"micro/snapshot: {n_params / 1e6:.1f}M parameters in {len(list(model.parameters()))} tensors "
         f"({n_params * 4 / 2**20:.0f} MiB); {rounds} rounds x {s.micro_reps}"
     )
-    SnapshotTrainer.big = model
-    tmp = new_tmp("snapshot-")
-    trainer = SnapshotTrainer(
-        {
-            "epochs": 1,
-            "out_dir": str(tmp),
-            "ckpt": {"enable": False},
-            "wandb": {"mode": "disabled"},
-            "progress": {"enable": False},
-        }
-    )
-    trainer._snapshot_best()  # the first call allocates the buffers; the timed ones reuse them
+    # what save_if_best does on an improvement (trainkit.snapshot): read the state dict, copy it into the
+    # snapshot's tensors, which nobody else holds here, so they are refilled in place
+    snapshot = WeightSnapshot()
+
+    def take() -> None:
+        snapshot.take(module_state(model))
+
+    take()  # the first call allocates the snapshot; the timed ones reuse it
     flat_src = torch.empty(n_params).uniform_()
     flat_dst = torch.empty(n_params)
     state = model.state_dict()
     buffers = [torch.empty_like(v) for v in state.values()]
     times = interleave(
         {
-            "snapshot": trainer._snapshot_best,
+            "snapshot": take,
             "memcpy": lambda: flat_dst.copy_(flat_src),
             "foreach": lambda: torch._foreach_copy_(buffers, [v.detach() for v in model.state_dict().values()]),
         },
@@ -1105,16 +1084,20 @@ def bench_snapshot(report: Report, s: Settings, model: nn.Module) -> None:
         s.micro_reps,
         3000,
     )
-    assert trainer.best_model is not None
-    assert all(torch.equal(trainer.best_model[k], v) for k, v in state.items()), "the snapshot differs from the weights"
+    assert snapshot.state is not None
+    assert all(torch.equal(snapshot.state[k], v) for k, v in state.items()), "the snapshot differs from the weights"
     clock = report.pick("cpu")
     report.add_row(
-        "micro", "snapshot", "_snapshot_best", "flat copy_", times["snapshot"], times["memcpy"], clock, "micro/snapshot"
+        "micro",
+        "snapshot",
+        "WeightSnapshot.take",
+        "flat copy_",
+        times["snapshot"],
+        times["memcpy"],
+        clock,
+        "micro/snapshot",
     )
     report.add_row("micro", "snapshot", "_foreach_copy_", "flat copy_", times["foreach"], times["memcpy"], clock, None)
-    trainer.close()
-    SnapshotTrainer.big = None
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def bench_grad_norm(report: Report, s: Settings) -> None:

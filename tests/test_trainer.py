@@ -114,40 +114,6 @@ def test_best_pt_loads_weights_only_and_holds_the_best_weights(tmp_path):
     assert not all(torch.equal(best["model"][k], v) for k, v in last["model"].items())
 
 
-@pytest.mark.parametrize("big_buffer", [False, True])
-def test_best_model_snapshot_reuses_its_buffers(tmp_path, big_buffer):
-    """A second improvement copies into the existing best_model tensors instead of allocating new ones.
-
-    With a buffer above the foreach size limit (> 1M elements) that one is copied on its own and the
-    rest fused; both land exactly.
-    """
-    trainer = TinyTrainer(make_cfg(tmp_path, scripted_scores=(3.0, 2.0, 1.0, 0.5), ckpt={"enable": False}))
-    if big_buffer:
-        trainer.model.register_buffer("big", torch.arange(3 * 2**20, dtype=torch.float32))
-    trainer.epoch = 0
-    assert trainer.save_if_best(3.0)
-    pointers = {k: v.data_ptr() for k, v in trainer.best_model.items()}
-    with torch.no_grad():
-        for v in trainer.model.state_dict().values():
-            v.add_(1.0)
-    trainer.epoch = 1
-    assert trainer.save_if_best(2.0)
-    assert {k: v.data_ptr() for k, v in trainer.best_model.items()} == pointers
-    assert all(torch.equal(trainer.best_model[k], v) for k, v in trainer.model.state_dict().items())
-
-
-def test_best_model_snapshot_slot_that_no_longer_fits_gets_a_fresh_buffer(tmp_path):
-    """A tensor whose dtype or shape changed between improvements is snapshotted into a new buffer."""
-    trainer = TinyTrainer(make_cfg(tmp_path, ckpt={"enable": False}))
-    trainer.model.register_buffer("big", torch.arange(3 * 2**20, dtype=torch.float32))
-    trainer.epoch = 1
-    assert trainer.save_if_best(2.0)
-    trainer.model.big = torch.zeros(5, dtype=torch.float64)  # a slot that no longer fits: fresh buffers
-    trainer.epoch = 2
-    assert trainer.save_if_best(1.0)
-    assert trainer.best_model["big"].dtype == torch.float64 and torch.equal(trainer.best_model["big"], torch.zeros(5))
-
-
 def _replace_weight_data(trainer):
     with torch.no_grad():
         trainer.model[0].weight.data = torch.full((32, 8), 7.0)
@@ -273,10 +239,12 @@ def test_resume_after_any_epoch_is_bit_identical(tmp_path, crash_epoch):
     assert (out / "metrics.jsonl").read_text() == ref_rows
 
 
-def test_resuming_a_finished_run_does_no_more_epochs(tmp_path):
-    """A run resumed from a finished run's checkpoint returns its final metrics without training."""
+@pytest.mark.parametrize("epochs", [4, 3])
+def test_resuming_a_finished_run_does_no_more_epochs(tmp_path, epochs):
+    """A run resumed from a finished run's checkpoint with the same (or fewer) epochs returns its final
+    metrics without training (raising epochs extends it: test_raising_epochs_extends_a_finished_run)."""
     first = TinyTrainer(make_cfg(tmp_path, test={"enable": True})).train()
-    again = TinyTrainer(make_cfg(tmp_path, epochs=8, test={"enable": True}))
+    again = TinyTrainer(make_cfg(tmp_path, epochs=epochs, test={"enable": True}))
     assert again.train() == first
     assert again.epochs_trained == []
 
@@ -458,16 +426,31 @@ def test_step_patience_outside_validation_or_twice_is_refused(tmp_path):
         Twice(make_cfg(tmp_path / "twice")).train()
 
 
-def test_val_epoch_must_return_a_verdict(tmp_path):
-    """val_epoch() returning a float instead of a bool is a clear UsageError."""
+@pytest.mark.parametrize("verdict", [torch.ones(3, dtype=torch.bool), torch.zeros(2), torch.zeros(0)])
+def test_val_epoch_must_return_a_verdict(tmp_path, verdict):
+    """val_epoch() returning a value whose truth is ambiguous (a multi-element or empty tensor) is a UsageError."""
+
+    class ReturnsTensor(TinyTrainer):
+        def val_epoch(self):
+            super().val_epoch()
+            return verdict
+
+    with pytest.raises(UsageError, match="ambiguous"):
+        ReturnsTensor(make_cfg(tmp_path)).train()
+
+
+def test_val_epoch_returning_a_truthy_score_stops_with_a_warning(tmp_path):
+    """A truthy non-bool (a score returned by mistake) stops training, as its truth says, and warns why."""
 
     class ReturnsScore(TinyTrainer):
         def val_epoch(self):
             super().val_epoch()
             return 0.5
 
-    with pytest.raises(UsageError, match="must return a bool"):
-        ReturnsScore(make_cfg(tmp_path)).train()
+    trainer = ReturnsScore(make_cfg(tmp_path))
+    with pytest.warns(RuntimeWarning, match="truthy"):
+        trainer.train()
+    assert trainer.epochs_trained == [0]
 
 
 def test_missing_test_epoch_names_the_hook(tmp_path):

@@ -422,6 +422,7 @@ class CkptConfig(_Section):
 
     ``resume`` is ``"auto"`` (resume from ``out_dir/last.pt`` when it exists), ``"never"`` (start fresh;
     an existing ``last.pt`` is overwritten by the first epoch), or the path of a checkpoint to resume from.
+    With ``enable`` off nothing is written and nothing is read unless ``resume`` names a path.
     ``requeue_signal`` is a signal name (besides SIGTERM and SIGINT) that makes the run save at the end of
     the current epoch and exit, as a cluster scheduler sends before requeueing a job; None disables it.
     ``async_save`` copies the state into reused host buffers and writes it from a background thread, so

@@ -7,7 +7,6 @@ validate now? which epoch next?) comes from :mod:`trainkit.bookkeeping`.
 from __future__ import annotations
 
 import abc
-import copy
 import logging
 import os
 import signal
@@ -17,8 +16,9 @@ import warnings
 import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
+import attrs
 import torch
 from torch import nn
 
@@ -27,8 +27,9 @@ from trainkit import checkpoint as ckpt_io
 from trainkit import distributed as dist_utils
 from trainkit import optim as optim_utils
 from trainkit.async_save import AsyncCheckpointWriter, StagingBuffers
-from trainkit.config import Config
+from trainkit.config import Config, _all_keys
 from trainkit.errors import (
+    BookkeepingError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
@@ -38,7 +39,9 @@ from trainkit.errors import (
     UsageError,
 )
 from trainkit.logging import JsonlSink, LogBuffer, NullSink, WandbSink, new_run_id, strip_secrets
+from trainkit.modules import load_module_state, module_state, restore_training_modes, training_modes
 from trainkit.progress import EpochBar, step_bar
+from trainkit.snapshot import WeightSnapshot
 
 __all__ = ["BaseTrainer", "CHECKPOINT_SCHEMA_VERSION"]
 
@@ -53,8 +56,22 @@ LAST_CKPT = "last.pt"
 BEST_CKPT = "best.pt"
 METRICS_FILE = "metrics.jsonl"
 
-_RUN_CONTROL_KEYS = ("epochs", "out_dir", "ckpt.", "wandb.", "progress.", "dist.", "test.", "log_")
-"""Config keys that may change between a run and its resume without affecting what it computes."""
+_RUN_CONTROL_KEYS = frozenset(
+    key
+    for key in _all_keys(Config)
+    if key.split(".")[0] in ("epochs", "out_dir", "ckpt", "wandb", "progress", "dist", "test")
+    or key in ("log_stats_every_n_steps", "log_weight_stats", "log_grad_stats")
+)
+"""The engine's config keys that may change between a run and its resume without changing what it computes.
+
+Exact keys, not prefixes: a user's ``epochs_warmup`` or ``log_temperature`` is compared like any other key.
+"""
+
+_RETUNED_KEYS = ("val.patience", "val.start_patience", "val.min_delta")
+"""Keys a resume applies to the records it restores (see :func:`~trainkit.bookkeeping.retune_patience`)."""
+
+_RECORD_ATTRIBUTES = {"best_state": "_best_state", "patience_state": "_patience_state"}
+"""The public names of the engine's records, and where the engine keeps them."""
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -65,20 +82,6 @@ def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
-
-
-def _as_verdict(value: Any) -> bool:
-    """Turn ``val_epoch``'s return value into a bool, refusing values that are not a verdict."""
-    if value is None or isinstance(value, bool):
-        return bool(value)
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype == torch.bool:
-        return bool(value.item())
-    if type(value).__name__ == "bool_":  # numpy.bool_ without importing numpy
-        return bool(value)
-    raise UsageError(
-        f"val_epoch() must return a bool (True to stop early) or None, got {type(value).__name__} {value!r}; "
-        "return what step_patience() returned"
-    )
 
 
 def _step_counter(trainer: BaseTrainer) -> Any:
@@ -97,108 +100,34 @@ def _step_counter(trainer: BaseTrainer) -> Any:
     return count
 
 
-_FOREACH_COPY_MAX_NUMEL = 1 << 20
+def _item_state(obj: Any) -> Any:
+    """A registered object's state: modules under names free of ``torch.compile``'s ``_orig_mod.``."""
+    return module_state(obj) if isinstance(obj, nn.Module) else obj.state_dict()
 
 
-class _TensorCopies:
-    """Copies from ``sources`` into ``targets``, sorted once: large tensors one by one, the rest fused.
-
-    Foreach kernels are tuned for many small tensors; on a GPU they copy large ones at under half of the
-    bandwidth a plain ``copy_`` reaches (measured on an H200), and above ~1M elements a launch per tensor
-    costs nothing next to the copy itself.
-    """
-
-    __slots__ = ("large", "small_targets", "small_sources")
-
-    def __init__(self, targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-        self.large: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.small_targets: list[torch.Tensor] = []
-        self.small_sources: list[torch.Tensor] = []
-        for target, source in zip(targets, sources):
-            if source.numel() > _FOREACH_COPY_MAX_NUMEL:
-                self.large.append((target, source))
-            else:
-                self.small_targets.append(target)
-                self.small_sources.append(source)
-
-    def run(self) -> None:
-        """Launch the copies (asynchronous on a GPU). Sources must not require grad (the plan detaches
-        them), so no autograd context is needed."""
-        for target, source in self.large:
-            target.copy_(source)
-        if self.small_targets:
-            torch._foreach_copy_(self.small_targets, self.small_sources)
+def _load_item(obj: Any, state: Any) -> None:
+    """Load a registered object's state; a module takes names saved with compile on or off."""
+    if isinstance(obj, nn.Module):
+        load_module_state(obj, state)
+    else:
+        obj.load_state_dict(state)
 
 
-def _fits_buffer(held: Any, value: Any) -> bool:
-    """Whether a snapshot entry can take ``value`` in place: a tensor of the same shape, dtype and device,
-    or, for a non-tensor value, no tensor."""
-    if isinstance(value, torch.Tensor):
-        return (
-            isinstance(held, torch.Tensor)
-            and held.shape == value.shape
-            and held.dtype == value.dtype
-            and held.device == value.device
-        )
-    return not isinstance(held, torch.Tensor)
+def _same_directory(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
 
 
-class _SnapshotPlan:
-    """What the last best-model snapshot copied, so the next one can start copying before it checks.
+class _Resume(NamedTuple):
+    """The engine's records of a loaded checkpoint, reconciled with the current config."""
 
-    Holds the model weakly, the snapshot dict and its buffers, and, per state-dict entry in order, the
-    source tensor (a detached view of a weight or buffer) and its target buffer (None for a non-tensor
-    entry). The views keep the weights they point at alive: weights the user replaces stay allocated
-    until the next snapshot rebuilds the plan or :meth:`BaseTrainer.reset_best_tracking` drops it.
-    """
-
-    __slots__ = ("model", "snapshot", "entries", "copies", "plain")
-
-    def __init__(self, model: nn.Module, snapshot: dict[str, Any], state: Mapping[str, Any]) -> None:
-        self.model = weakref.ref(model)
-        self.snapshot = snapshot
-        self.entries = [
-            (key, value.detach(), snapshot[key]) if isinstance(value, torch.Tensor) else (key, None, None)
-            for key, value in state.items()
-        ]
-        self.copies = _TensorCopies(
-            [target for _, source, target in self.entries if source is not None],
-            [source for _, source, _ in self.entries if source is not None],
-        )
-        self.plain = [key for key, source, _ in self.entries if source is None]
-
-    def copy_plain(self, state: Mapping[str, Any]) -> None:
-        """Copy the non-tensor entries of ``state`` into the snapshot (the tensors go through ``copies``)."""
-        for key in self.plain:
-            self.snapshot[key] = copy.deepcopy(state[key])
-
-    def fits(self, model: nn.Module, snapshot: dict[str, Any] | None) -> bool:
-        """Whether the plan was made for this model and this snapshot dict (cheap: no state walk)."""
-        return self.snapshot is snapshot and self.model() is model
-
-    def still_matches(self, state: Mapping[str, Any]) -> bool:
-        """Whether ``state`` has the planned entries, each tensor a view of the same memory, and the
-        snapshot still holds the planned buffers: then the copies made from the plan are the snapshot."""
-        snapshot = self.snapshot
-        if len(state) != len(self.entries) or len(snapshot) != len(self.entries):
-            return False
-        for (key, value), (planned_key, source, target) in zip(state.items(), self.entries):
-            if key != planned_key:
-                return False
-            if source is None:
-                if isinstance(value, torch.Tensor):
-                    return False
-            elif not (
-                isinstance(value, torch.Tensor)
-                and value.data_ptr() == source.data_ptr()
-                and value.shape == source.shape
-                and value.stride() == source.stride()
-                and value.dtype == source.dtype
-                and value.device == source.device
-                and snapshot.get(key) is target
-            ):
-                return False
-        return True
+    path: Path
+    loop: core.LoopState
+    best: core.BestState | None
+    patience: core.PatienceState | None
+    results: dict[str, float] | None
 
 
 class BaseTrainer(abc.ABC):
@@ -249,8 +178,10 @@ class BaseTrainer(abc.ABC):
         # the config is frozen: one plain copy serves every save; secret-looking keys never reach a file
         self._cfg_dict = strip_secrets(self.cfg.to_dict())
         self.model: nn.Module | None = None
-        self.best_model: dict[str, Any] | None = None
-        self._snapshot_plan: _SnapshotPlan | None = None
+        self._best = WeightSnapshot()
+        # the engine's records; public as best_state/patience_state once tracked (see __getattr__)
+        self._best_state: core.BestState | None = None
+        self._patience_state: core.PatienceState | None = None
         self.best_metrics: dict[str, float] = {}
         self.epoch = 0
         self.step = 0
@@ -281,11 +212,41 @@ class BaseTrainer(abc.ABC):
                 rank, world_size, backend=self.cfg.dist.backend, timeout_s=self.cfg.dist.timeout_s, device=self.device
             )
         ckpt_io.seed_everything(self.cfg.seed + rank)
-        ckpt = self._load_resume_checkpoint()
-        self._setup_logging(ckpt)
+        ckpt, path = self._load_resume_checkpoint()
+        resume = self._reconcile(ckpt, path) if ckpt is not None and path is not None else None
+        self._setup_logging(ckpt, resume)
         self.setup(ckpt)
-        if ckpt is not None:
-            self._restore(ckpt)
+        if ckpt is not None and resume is not None:
+            self._restore(ckpt, resume)
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only when normal lookup fails: an attribute a subclass set under these names wins, and a
+        # trainer that never tracks a best has neither (see reset_best_tracking).
+        private = _RECORD_ATTRIBUTES.get(name)
+        if private is not None:
+            value = self.__dict__.get(private)
+            if value is not None:
+                return value
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def best_model(self) -> dict[str, Any] | None:
+        """A snapshot of the best weights (a state dict on :attr:`device`), or None before the first improvement.
+
+        :meth:`test` loads it into :attr:`model`. It is a copy: it shares no tensor with the model, and
+        :meth:`save_if_best` never writes into a tensor you were given. Once you have read this attribute
+        (to roll back with ``model.load_state_dict(trainer.best_model, assign=True)``, to hand it to
+        another module, or only to look), the next improvement snapshots into new tensors and leaves the
+        ones you hold alone; while nobody reads it, improvements refill the same tensors in place. With
+        ``assign=True`` the model trains on the snapshot's own tensors, so this dict follows the model
+        until the next improvement replaces it; roll back without ``assign`` to keep it apart. Setting
+        the attribute replaces the snapshot (None forgets it).
+        """
+        return self._best.hand_out()
+
+    @best_model.setter
+    def best_model(self, state: dict[str, Any] | None) -> None:
+        self._best.replace(state)
 
     # ------------------------------------------------------------------ hooks a subclass implements
 
@@ -345,7 +306,7 @@ class BaseTrainer(abc.ABC):
         """
         if self._results is not None:
             return dict(self._results) or None
-        self._loop, more = core.resume_loop(self._loop, epochs=self.cfg.epochs)
+        more = not self._loop.finished  # a resume already reconciled the loop with the config
         previous_handlers = self._install_signal_handlers()
         try:
             bar = EpochBar(total=self.cfg.epochs, initial=self._loop.epoch, enabled=self._bars_enabled)
@@ -370,16 +331,26 @@ class BaseTrainer(abc.ABC):
             self._restore_signal_handlers(previous_handlers)
 
     def _run_epochs(self, more: bool, bar: EpochBar) -> None:
+        if not more and not self._loop.last_validated:
+            # epochs was lowered below where a resumed run stood: its last epoch is still validated
+            self.epoch = self._loop.epoch - 1
+            self._validate()
+            self._loop = attrs.evolve(self._loop, last_validated=True)
+            if len(self._logs):
+                self.push_logs()
         while more:
             self.epoch = self._loop.epoch
             for sampler in self._samplers:
                 sampler.set_epoch(self.epoch)
             self.train_epoch()
             stop = False
-            if core.should_validate(self.epoch, self.cfg.epochs, self.cfg.val.every_n_epochs):
+            validated = core.should_validate(self.epoch, self.cfg.epochs, self.cfg.val.every_n_epochs)
+            if validated:
                 stop = self._validate()
             stop, signalled = self._agree_on_stop(stop)
-            self._loop, more = core.end_epoch(self._loop, epochs=self.cfg.epochs, early_stop=stop, step=self.step)
+            self._loop, more = core.end_epoch(
+                self._loop, epochs=self.cfg.epochs, early_stop=stop, step=self.step, validated=validated
+            )
             if len(self._logs):
                 self.push_logs()
             # after the last epoch without a test, _finish() writes the same state (plus results) at once
@@ -426,7 +397,22 @@ class BaseTrainer(abc.ABC):
             verdict = self.val_epoch()
         finally:
             self._in_validation = False
-        return _as_verdict(verdict)
+        try:
+            stop = core.as_verdict(verdict)
+        except BookkeepingError:
+            raise UsageError(
+                f"val_epoch() must return True to stop early or a falsey value to go on, got "
+                f"{type(verdict).__name__} {verdict!r}, whose truth is ambiguous; return what step_patience() "
+                "returned"
+            ) from None
+        if stop and not core.is_bool_like(verdict):  # a score or a metrics dict returned by mistake, say
+            warnings.warn(
+                f"val_epoch() returned {type(verdict).__name__} {verdict!r}, which is truthy: training stops "
+                "early now; return what step_patience() returned (a bool)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return stop
 
     def _agree_on_stop(self, stop: bool) -> tuple[bool, bool]:
         """Check every rank's stop verdict agrees and learn whether any rank got a signal, in one all-reduce."""
@@ -456,24 +442,33 @@ class BaseTrainer(abc.ABC):
     def test(self) -> dict[str, float]:
         """Perform a test epoch.
 
-        Called at the end of training if ``test.enable`` is True. Reloads :attr:`best_model` into
-        ``self.model`` (the best weights, not the last), calls :meth:`test_epoch`, and pushes the
-        ``test/*`` metrics.
+        Called at the end of training if ``test.enable`` is True. Loads :attr:`best_model` into
+        ``self.model`` (the best weights, not the last), calls :meth:`test_epoch`, pushes the ``test/*``
+        metrics, and then puts the model's own weights and train/eval modes back, so the final
+        ``last.pt`` (and any training after this call) holds the last epoch's weights.
 
         :returns: The ``test/*`` metrics.
         :raises HookNotImplementedError: When the subclass has no :meth:`test_epoch`.
         """
         self._wait_for_writes()
         model = dist_utils.unwrap(self.model)
-        if self.best_model is not None and model is not None:
-            model.load_state_dict(self.best_model)
+        best = self._best.state
+        own: tuple[dict[str, Any], dict[str, bool]] | None = None
+        if best is not None and model is not None:
+            own = (WeightSnapshot().take(model.state_dict()), training_modes(model))
+            load_module_state(model, best)
         elif model is not None:
             warnings.warn(
                 "test(): no best model was recorded (save_if_best never improved); testing the current weights",
                 RuntimeWarning,
                 stacklevel=2,
             )
-        result = self.test_epoch()
+        try:
+            result = self.test_epoch()
+        finally:
+            if own is not None and model is not None:
+                load_module_state(model, own[0])
+                restore_training_modes(model, own[1])
         if result is not None:
             if not isinstance(result, Mapping):
                 raise UsageError(f"test_epoch() must return a dict of metrics or None, got {type(result).__name__}")
@@ -493,7 +488,7 @@ class BaseTrainer(abc.ABC):
             **self.best_metrics,
             **{k: v for k, v in self._latest_metrics.items() if k.startswith("test/")},
         }
-        best = getattr(self, "best_state", None)
+        best = self._best_state
         if best is not None and best.score is not None:
             summary["best/epoch"] = best.epoch
             summary["best/score"] = best.score
@@ -553,14 +548,16 @@ class BaseTrainer(abc.ABC):
         """``out_dir/best.pt``."""
         return self.out_dir / BEST_CKPT
 
-    def _load_resume_checkpoint(self) -> dict[str, Any] | None:
+    def _load_resume_checkpoint(self) -> tuple[dict[str, Any] | None, Path | None]:
+        """Load the checkpoint ``ckpt.resume`` names; return it and the path it came from (or None, None)."""
         mode = self.cfg.ckpt.resume
-        if mode == "never":
-            return None
+        if mode == "never" or (mode == "auto" and not self.cfg.ckpt.enable):
+            # a run that writes no checkpoints reads none either, unless ckpt.resume names one
+            return None, None
         path = self.last_ckpt_path if mode == "auto" else Path(mode)
         previous = ckpt_io.previous_path(path)
         if mode == "auto" and not path.exists() and not previous.exists():
-            return None
+            return None, None
         if mode != "auto" and not path.exists():
             raise CheckpointError(f"ckpt.resume={mode!r}: no checkpoint at {path}")
         try:
@@ -580,13 +577,7 @@ class BaseTrainer(abc.ABC):
             )
             path = previous
         self._check_compatible(ckpt, path)
-        if self.is_main:
-            loop = ckpt["loop"]
-            state = (
-                f"finished ({loop.get('stop_reason')})" if loop.get("stop_reason") else f"at epoch {loop.get('epoch')}"
-            )
-            print(f"trainkit: resuming {path} {state}", file=sys.stderr, flush=True)
-        return ckpt
+        return ckpt, path
 
     def _check_compatible(self, ckpt: Mapping[str, Any], path: Path) -> None:
         version = ckpt.get("schema_version")
@@ -608,7 +599,9 @@ class BaseTrainer(abc.ABC):
         changed = sorted(
             key
             for key in set(saved) | set(current)
-            if saved.get(key, "<absent>") != current.get(key, "<absent>") and not key.startswith(_RUN_CONTROL_KEYS)
+            if saved.get(key, "<absent>") != current.get(key, "<absent>")
+            and key not in _RUN_CONTROL_KEYS
+            and key not in _RETUNED_KEYS
         )
         if "val.minimize" in changed and ckpt.get("best") is not None:
             raise CheckpointMismatchError(
@@ -625,41 +618,137 @@ class BaseTrainer(abc.ABC):
                 stacklevel=4,
             )
 
-    def _restore(self, ckpt: dict[str, Any]) -> None:
-        self._registry, _ = core.apply_payload(self._registry, ckpt)
-        self._loop = core.LoopState.from_dict(ckpt["loop"])
+    def _reconcile(self, ckpt: Mapping[str, Any], path: Path) -> _Resume:
+        """Read the engine's records from ``ckpt`` and apply the current config to them.
+
+        A changed ``val.patience``/``val.start_patience``/``val.min_delta`` applies from the resumed epoch
+        on (warned, saying exactly what happens); a changed ``epochs`` extends a finished run, reopens one
+        that stopped early only when a larger patience allows more, or ends one that is already past it.
+        Rank 0 prints one line saying which.
+        """
+        val = self.cfg.val
+        loop = core.LoopState.from_dict(ckpt["loop"])
+        best = core.BestState.from_dict(ckpt["best"]) if ckpt.get("best") is not None else None
+        saved_patience = core.PatienceState.from_dict(ckpt["patience"]) if ckpt.get("patience") is not None else None
+        notes = []
+        if best is not None:
+            old_delta = best.min_delta
+            best, changed = core.retune_min_delta(best, val.min_delta)
+            if changed:
+                notes.append(
+                    f"val.min_delta {old_delta!r} -> {best.min_delta!r}: later scores must beat the best "
+                    f"({best.score!r} at epoch {best.epoch}) by more than {best.min_delta!r}"
+                )
+        patience = saved_patience
+        if saved_patience is not None and (
+            saved_patience.patience != val.patience or saved_patience.start_patience != val.start_patience
+        ):
+            patience, misses = core.retune_patience(
+                saved_patience, patience=val.patience, start_patience=val.start_patience
+            )
+            left = "no limit" if patience.remaining is None else f"{patience.remaining} left"
+            notes.append(
+                f"val.patience {saved_patience.patience!r} -> {patience.patience!r} and val.start_patience "
+                f"{saved_patience.start_patience} -> {patience.start_patience}: applied from epoch {loop.epoch} on, "
+                f"keeping the {misses} miss(es) already counted ({left})"
+            )
+        if notes:
+            warnings.warn(f"resuming {path}: " + "; ".join(notes), RuntimeWarning, stacklevel=3)
+        lifted = (
+            loop.stop_reason == core.STOP_EARLY
+            and saved_patience is not None
+            and saved_patience.exhausted
+            and patience is not None
+            and not patience.exhausted
+        )
+        resumed, more = core.resume_loop(loop, epochs=self.cfg.epochs, early_stop_lifted=lifted)
+        results = ckpt.get("results")
+        if more:
+            results = None  # a finished run that continues has no final results yet
+        if self.is_main:
+            print(f"trainkit: resuming {path}: {self._resume_line(loop, resumed, more)}", file=sys.stderr, flush=True)
+        return _Resume(
+            path=path,
+            loop=resumed,
+            best=best,
+            patience=patience,
+            results=dict(results) if results is not None else None,
+        )
+
+    def _resume_line(self, saved: core.LoopState, resumed: core.LoopState, more: bool) -> str:
+        """Say in one line where a resumed run stands and what this run does with it."""
+        epochs = self.cfg.epochs
+        if not saved.finished:
+            if more:
+                return f"at epoch {saved.epoch} of {epochs}"
+            final = f"validating epoch {saved.epoch - 1} and finishing" if not saved.last_validated else "finishing"
+            return f"{saved.epoch} epochs done, epochs={epochs} is already reached: {final}"
+        if saved.stop_reason == core.STOP_MAX_EPOCHS:
+            if more:
+                return f"finished after {saved.epoch} epochs; epochs={epochs} extends it by {epochs - saved.epoch}"
+            return f"finished after {saved.epoch} epochs (max_epochs); nothing to train (raise epochs to extend it)"
+        if more:
+            return (
+                f"stopped early after {saved.epoch} epochs; val.patience={self.cfg.val.patience} allows more, "
+                f"so it continues (up to epochs={epochs})"
+            )
+        if saved.epoch >= epochs:
+            return f"stopped early after {saved.epoch} epochs; epochs={epochs} allows no more"
+        return (
+            f"stopped early after {saved.epoch} epochs and stays stopped: its stopping rule allows no more "
+            "(raise val.patience to continue a run that patience stopped)"
+        )
+
+    def _restore(self, ckpt: dict[str, Any], resume: _Resume) -> None:
+        self._registry, _ = core.apply_payload(self._registry, ckpt, load_into=_load_item)
+        modes = ckpt.get("training_modes") or {}
+        for name, obj in self._registry.items.items():
+            if isinstance(obj, nn.Module) and isinstance(modes.get(name), Mapping):
+                restore_training_modes(obj, modes[name])
+        self._loop = resume.loop
         # inside the loop self.epoch is the epoch being run; after it, the last one that ran
         self.epoch = self._loop.epoch - 1 if self._loop.finished else self._loop.epoch
         self.step = self._loop.step
-        if ckpt.get("best") is not None:
-            self.best_state = core.BestState.from_dict(ckpt["best"])
-            self.best_metrics = dict(self.best_state.metrics)
-            self._load_best_model()
-        if ckpt.get("patience") is not None:
-            self.patience_state = core.PatienceState.from_dict(ckpt["patience"])
+        if resume.best is not None:
+            self._best_state = resume.best
+            self.best_metrics = dict(resume.best.metrics)
+            self._load_best_model(resume.path.parent)
+        if resume.patience is not None:
+            self._patience_state = resume.patience
         self._latest_metrics = dict(ckpt.get("latest_metrics") or {})
-        results = ckpt.get("results")
-        self._results = dict(results) if results is not None else None
+        self._results = resume.results
         rng = ckpt.get("rng")
         if rng is not None:
             ckpt_io.restore_rng(rng[self.rank])
 
-    def _load_best_model(self) -> None:
-        """Reload the best weights from ``best.pt`` so that test() after a resume uses them."""
-        best: core.BestState = self.best_state
-        if best.score is None:
+    def _load_best_model(self, directory: Path) -> None:
+        """Reload the best weights from ``best.pt`` beside the resumed checkpoint, so test() uses them.
+
+        When the run resumed from another folder (``ckpt.resume=<path>``), ``best.pt`` is read there
+        and written into ``out_dir`` at the next save, so that this run's folder is complete on its own.
+        """
+        best = self._best_state
+        if best is None or best.score is None:
             return
-        path = self.best_ckpt_path
-        payload = self._read_best_checkpoint(path, best)
+        own_folder = _same_directory(directory, self.out_dir)
+        payload = self._read_best_checkpoint(directory / BEST_CKPT, best, repair=own_folder)
         if payload is None:
             return
-        self.best_model = {
-            key: value.to(self.device) if isinstance(value, torch.Tensor) else value
-            for key, value in payload["model"].items()
-        }
+        # loaded tensors may share memory (tied weights): not private, so the next improvement allocates anew
+        self._best.replace(
+            {
+                key: value.to(self.device) if isinstance(value, torch.Tensor) else value
+                for key, value in payload["model"].items()
+            }
+        )
+        if not own_folder:
+            self._best_dirty = True
 
-    def _read_best_checkpoint(self, path: Path, best: core.BestState) -> dict[str, Any] | None:
-        """Read best.pt, or repair it from best.prev.pt when a crash left it out of step with last.pt."""
+    def _read_best_checkpoint(self, path: Path, best: core.BestState, *, repair: bool) -> dict[str, Any] | None:
+        """Read best.pt, or fall back to best.prev.pt when a crash left it out of step with last.pt.
+
+        :param repair: Put the matching file back in place as ``path`` (only in this run's own folder).
+        """
         candidates = [path, ckpt_io.previous_path(path)]
         found = []
         for candidate in candidates:
@@ -670,8 +759,9 @@ class BaseTrainer(abc.ABC):
             except CheckpointCorruptError as exc:
                 warnings.warn(str(exc), RuntimeWarning, stacklevel=4)
                 continue
-            if core.BestState.from_dict(payload["best"]) == best:
-                if candidate != path and self.is_main:
+            recorded = core.BestState.from_dict(payload["best"])
+            if attrs.evolve(recorded, min_delta=best.min_delta) == best:  # a resume may have changed min_delta
+                if candidate != path and repair and self.is_main:
                     # best.pt was written, last.pt was not: put the matching best back in place
                     ckpt_io.atomic_save(payload, path)
                     warnings.warn(
@@ -692,9 +782,9 @@ class BaseTrainer(abc.ABC):
         return None
 
     def _checkpoint_payload(self) -> dict[str, Any]:
-        payload = core.collect_payload(self._registry)
-        best = getattr(self, "best_state", None)
-        patience = getattr(self, "patience_state", None)
+        payload = core.collect_payload(self._registry, state_of=_item_state)
+        best = self._best_state
+        patience = self._patience_state
         payload.update(
             schema_version=CHECKPOINT_SCHEMA_VERSION,
             epoch=self._loop.epoch,
@@ -709,6 +799,9 @@ class BaseTrainer(abc.ABC):
             latest_metrics=dict(self._latest_metrics),
             results=self._results,
             metrics_offset=self._jsonl.tell() if self._jsonl is not None else None,
+            training_modes={
+                name: training_modes(obj) for name, obj in self._registry.items.items() if isinstance(obj, nn.Module)
+            },
         )
         return payload
 
@@ -731,10 +824,10 @@ class BaseTrainer(abc.ABC):
                 self._wait_for_writes()  # a failed background write surfaces here, and every rank hears of it
                 writes: dict[str, tuple[dict[str, Any], Path]] = {}
                 if self._best_dirty:  # best.pt before last.pt: a crash between them is repaired on resume
-                    best = self.best_state
+                    best = self._best_state
                     best_payload = {
                         "schema_version": CHECKPOINT_SCHEMA_VERSION,
-                        "model": self.best_model,
+                        "model": self._best.state,
                         "best": best.to_dict(),
                         "epoch": best.epoch,
                         "config": self._cfg_dict,
@@ -783,10 +876,9 @@ class BaseTrainer(abc.ABC):
         :param minimize: The direction; None takes ``val.minimize``.
         """
         direction = self.cfg.val.minimize if minimize is None else bool(minimize)
-        self.best_state = core.BestState(minimize=direction, min_delta=self.cfg.val.min_delta)
-        self.patience_state = self._fresh_patience()
-        self.best_model = None
-        self._snapshot_plan = None
+        self._best_state = core.BestState(minimize=direction, min_delta=self.cfg.val.min_delta)
+        self._patience_state = self._fresh_patience()
+        self._best.replace(None)
         self.best_metrics = {}
 
     def _fresh_patience(self) -> core.PatienceState:
@@ -796,7 +888,8 @@ class BaseTrainer(abc.ABC):
         """Keep this epoch's weights if its score is the best seen so far.
 
         On an improvement: records the score and epoch, snapshots the weights of ``self.model``
-        (unwrapped from DDP) into :attr:`best_model` (reusing its buffers), and writes ``best.pt`` at the
+        (unwrapped from DDP and ``torch.compile``) into :attr:`best_model` (a copy that shares no tensor
+        with the model; it never writes into a tensor handed out before), and writes ``best.pt`` at the
         end of the epoch, before ``last.pt``. The two have different readers: :attr:`best_model` is what
         :meth:`test` reloads in this same process, and it survives ``ckpt.enable=false``; ``best.pt`` is
         what a later run loads. Pass ``metrics`` to also record the ``best/val/*`` dict for logging. Feed
@@ -814,48 +907,18 @@ class BaseTrainer(abc.ABC):
         :returns: True if the score improved, i.e. the weights were kept.
         :raises UsageError: When ``self.model`` is not set.
         """
-        if not hasattr(self, "best_state"):
+        if self._best_state is None:
             self.reset_best_tracking()
-        self.best_state, improved = core.save_if_best(self.best_state, score, epoch=self.epoch, metrics=metrics)
+        state, improved = core.save_if_best(self._best_state, score, epoch=self.epoch, metrics=metrics)
         if improved:
-            self._snapshot_best()
-            self.best_metrics = dict(self.best_state.metrics)
+            model = dist_utils.unwrap(self.model)
+            if model is None:
+                raise UsageError("save_if_best() snapshots self.model, which is not set; assign it in setup()")
+            self._best.take(module_state(model))
+            self.best_metrics = dict(state.metrics)
             self._best_dirty = True
+        self._best_state = state  # after the snapshot: a failed one leaves the record as it was
         return improved
-
-    def _snapshot_best(self) -> None:
-        model = dist_utils.unwrap(self.model)
-        if model is None:
-            raise UsageError("save_if_best() snapshots self.model, which is not set; assign it in setup()")
-        plan = self._snapshot_plan
-        self._snapshot_plan = None
-        if plan is not None and plan.fits(model, self.best_model):
-            # Copy first, check after: on a GPU the copies run while the host walks the state dict, a walk
-            # that takes longer than copying a large model on a fast GPU. A plan the check rejects only
-            # wrote into the snapshot's own buffers, which the full path below fills again.
-            plan.copies.run()
-            state = model.state_dict()
-            if plan.still_matches(state):
-                plan.copy_plain(state)
-                self._snapshot_plan = plan
-                return
-        else:
-            state = model.state_dict()  # detached tensors already
-        snapshot = self.best_model
-        if (
-            snapshot is not None
-            and snapshot.keys() == state.keys()
-            and all(_fits_buffer(snapshot[key], value) for key, value in state.items())
-        ):  # the buffers are reused only if every slot still fits
-            plan = _SnapshotPlan(model, snapshot, state)
-            plan.copies.run()
-            plan.copy_plain(state)
-            self._snapshot_plan = plan
-            return
-        self.best_model = {
-            k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in state.items()
-        }
-        self._snapshot_plan = _SnapshotPlan(model, self.best_model, state)
 
     def step_patience(self, improved: bool) -> bool:
         """Advance the early-stopping counter with this epoch's outcome.
@@ -876,9 +939,9 @@ class BaseTrainer(abc.ABC):
             raise UsageError("step_patience() counts validation outcomes; call it inside val_epoch()")
         if self._patience_stepped:
             raise UsageError(f"step_patience() was already called in epoch {self.epoch}'s validation; call it once")
-        if not hasattr(self, "patience_state"):
-            self.patience_state = self._fresh_patience()
-        self.patience_state, stop = core.step_patience(self.patience_state, improved, epoch=self.epoch)
+        if self._patience_state is None:
+            self._patience_state = self._fresh_patience()
+        self._patience_state, stop = core.step_patience(self._patience_state, improved, epoch=self.epoch)
         self._patience_stepped = True
         return stop
 
@@ -1056,17 +1119,19 @@ class BaseTrainer(abc.ABC):
     def _bars_enabled(self) -> bool:
         return self.cfg.progress.enable and self.is_main
 
-    def _setup_logging(self, ckpt: Mapping[str, Any] | None) -> None:
+    def _setup_logging(self, ckpt: Mapping[str, Any] | None, resume: _Resume | None) -> None:
         self._run_id = (ckpt or {}).get("wandb_run_id") or new_run_id()
         if not self.is_main:
             return
         if self.cfg.ckpt.enable:
             ckpt_io.remove_stale_temp_files(self.out_dir)
             offset = (ckpt or {}).get("metrics_offset")
+            if resume is not None and isinstance(offset, int) and not _same_directory(resume.path.parent, self.out_dir):
+                self._copy_metrics_history(resume.path.parent / METRICS_FILE, offset)
             # a fresh run starts a fresh file; a resumed one drops the rows of the epoch it lost
             self._jsonl = JsonlSink(self.out_dir / METRICS_FILE, truncate_to=offset if ckpt is not None else 0)
         wb = self.cfg.wandb
-        finished = ckpt is not None and ckpt.get("results") is not None
+        finished = resume is not None and resume.results is not None
         if wb.mode != "disabled" and not finished:  # a finished run only returns its results: no new W&B run
             self._sink = WandbSink(
                 mode=wb.mode,
@@ -1078,6 +1143,16 @@ class BaseTrainer(abc.ABC):
                 name=wb.name,
                 tags=wb.tags,
             )
+
+    def _copy_metrics_history(self, source: Path, offset: int) -> None:
+        """Start this run's ``metrics.jsonl`` with the resumed run's rows, when it resumed from another folder."""
+        try:
+            with open(source, "rb") as handle:
+                history = handle.read(offset)
+        except OSError:
+            return  # the other folder kept no metrics file: this one starts empty
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / METRICS_FILE).write_bytes(history)
 
     def log(self, metrics: Mapping[str, Any] | None = None, **named: Any) -> None:
         """Buffer metrics for the next :meth:`push_logs`; nothing leaves the device here.
