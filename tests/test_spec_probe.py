@@ -420,3 +420,92 @@ def test_changed_config_check_matches_exact_keys(tmp_path):
     assert "log_temperature: 1.0 -> 0.5" in message
     assert "testing_mode: False -> True" in message
     assert "epochs:" not in message  # the engine's own run-control keys stay quiet
+
+
+# ---------------------------------------------------------------------------------- 2. plain values of libraries
+
+
+class LibraryState:
+    """A registered item whose state holds what common libraries' state dicts hold."""
+
+    def __init__(self) -> None:
+        self.state = {
+            "count": np.int64(3),
+            "scale": np.float64(0.5),
+            "flag": np.bool_(True),
+            "history": np.arange(6, dtype=np.float32).reshape(2, 3),
+            "window": slice(2, 10, 2),
+            "shape": torch.Size([4, 5]),
+            "dtype": torch.float16,
+            "nested": {"ids": [np.int32(7), (1, 2)], "mask": np.array([True, False])},
+        }
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
+def test_numpy_values_and_slices_in_a_registered_item_save_and_resume(tmp_path):
+    """numpy scalars and arrays, slices, torch.Size and dtypes resume as they were; nothing is called corrupt."""
+
+    class WithLibraryState(TinyTrainer):
+        def setup(self, ckpt):
+            super().setup(ckpt)
+            self.library = LibraryState()
+            self.add_checkpoint_items(library=self.library)
+
+    class Dying(WithLibraryState):
+        def train_epoch(self):
+            if self.epoch == 2:
+                raise Crash
+            super().train_epoch()
+
+    with pytest.raises(Crash):
+        Dying(make_cfg(tmp_path)).train()
+    saved = copy.deepcopy(LibraryState().state)
+    resumed = WithLibraryState(make_cfg(tmp_path))
+    assert resumed.epoch == 2  # from last.pt itself, not one epoch back
+    assert not (tmp_path / "last.corrupt.pt").exists()
+    state = resumed.library.state
+    assert type(state["count"]) is np.int64 and state["count"] == 3
+    assert type(state["flag"]) is np.bool_ and type(state["scale"]) is np.float64
+    assert np.array_equal(state["history"], saved["history"]) and state["history"].dtype == np.float32
+    assert state["window"] == slice(2, 10, 2) and state["shape"] == torch.Size([4, 5])
+    assert state["dtype"] is torch.float16 and np.array_equal(state["nested"]["mask"], [True, False])
+    resumed.train()
+
+
+def test_a_value_that_would_not_load_is_refused_at_save_time(tmp_path):
+    """A state holding a numpy Generator is refused at the save, naming the item and key path; last.pt stays."""
+    from trainkit import CheckpointUnsafeError
+
+    class Sampler:
+        def __init__(self):
+            self.rng = None
+
+        def state_dict(self):
+            return {"rng": {"gen": self.rng}}
+
+        def load_state_dict(self, state):
+            pass
+
+    sampler = Sampler()
+
+    class WithSampler(TinyTrainer):
+        def setup(self, ckpt):
+            super().setup(ckpt)
+            self.add_checkpoint_items(sampler=sampler)
+
+        def train_epoch(self):
+            super().train_epoch()
+            if self.epoch == 1:
+                sampler.rng = np.random.default_rng(0)
+
+    trainer = WithSampler(make_cfg(tmp_path, epochs=3))
+    with pytest.raises(
+        CheckpointUnsafeError, match=r"'sampler' holds a numpy.random.*Generator at sampler\['rng'\]\['gen'\]"
+    ):
+        trainer.train()
+    assert load(tmp_path / "last.pt")["epoch"] == 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,9 @@ class StagingBuffers:
     def stage(self, payload: Any) -> Any:
         """Copy ``payload`` into the buffers: tensors into their slots, everything else deep-copied.
 
+        Types survive: ``nn.Parameter``, ``OrderedDict`` (with its ``_metadata``), ``Counter`` and ``torch.Size``
+        stay what they were; numpy arrays are copied, so changing them after the call does not change the save.
+
         Side effects: one copy per tensor (waits for device copies to finish before returning).
 
         :param payload: Nested dicts, lists and tuples of tensors and plain values.
@@ -56,6 +59,8 @@ class StagingBuffers:
                 buffer = torch.empty(item.shape, dtype=item.dtype, device="cpu", pin_memory=item.device.type == "cuda")
                 self._buffers[path] = buffer
             buffer.copy_(item.detach(), non_blocking=item.device.type == "cuda")
+            if type(item) is torch.nn.Parameter:  # saved as a Parameter by a synchronous save: keep the type
+                return torch.nn.Parameter(buffer, requires_grad=item.requires_grad)
             return buffer
         if isinstance(item, dict):
             staged = {key: self._stage(value, (*path, key)) for key, value in item.items()}
@@ -63,7 +68,11 @@ class StagingBuffers:
                 staged = OrderedDict(staged)
                 if hasattr(item, "_metadata"):
                     staged._metadata = copy.deepcopy(item._metadata)  # type: ignore[attr-defined]
+            elif isinstance(item, Counter):
+                staged = Counter(staged)
             return staged
+        if type(item) is torch.Size:  # a tuple of ints, immutable: the tuple branch would make it a plain tuple
+            return item
         if isinstance(item, list | tuple):
             staged = [self._stage(value, (*path, index)) for index, value in enumerate(item)]
             return staged if isinstance(item, list) else tuple(staged)

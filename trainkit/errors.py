@@ -13,6 +13,7 @@ __all__ = [
     "RegistryError",
     "CheckpointError",
     "CheckpointCorruptError",
+    "CheckpointUnsafeError",
     "CheckpointMismatchError",
     "DistributedError",
     "UsageError",
@@ -75,7 +76,31 @@ class CheckpointError(TrainkitError, RuntimeError):
 
 
 class CheckpointCorruptError(CheckpointError):
-    """A checkpoint file is truncated, fails its integrity check, or holds something that is not allowed."""
+    """A checkpoint file is truncated, fails its integrity check, or is not a pickle ``torch.save`` writes."""
+
+
+class CheckpointUnsafeError(CheckpointError):
+    """A value has a type that trainkit does not load: refused before a save, or found in an intact file on load.
+
+    trainkit loads checkpoints only with ``torch.load(..., weights_only=True)``, which builds tensors and plain
+    values and never runs code from the file. Unlike :class:`CheckpointCorruptError` the file is not damaged,
+    so the trainer does not fall back to ``last.prev.pt``: it stops and says which type to replace.
+
+    :param message: The whole message: the item and key path (before a save) or the file (on load), the type,
+        and the fix.
+    :param type_name: The refused type's dotted name, e.g. ``"numpy.random._generator.Generator"``.
+    :param location: Where the value sits in the payload, e.g. ``"sampler['rng']"``; empty on load, where only
+        the type is known.
+    """
+
+    def __init__(self, message: str, type_name: str = "", location: str = ""):
+        self.type_name = type_name
+        self.location = location
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
+        # errors cross process boundaries (spawn, the DDP tests): keep the fields, not just the message
+        return type(self), (str(self), self.type_name, self.location)
 
 
 class CheckpointMismatchError(CheckpointError):

@@ -836,6 +836,8 @@ class BaseTrainer(abc.ABC):
                 payload = self._checkpoint_payload()
                 payload["rng"] = rng
                 writes["last"] = (payload, self.last_ckpt_path)
+                for data, _ in writes.values():  # a value that would not load back is refused before writing
+                    ckpt_io.check_loadable(data)
                 if not self._space_checked:
                     ckpt_io.warn_if_low_on_space(payload, self.last_ckpt_path)
                     self._space_checked = True

@@ -74,7 +74,7 @@ def build_corpus(folder: Path, sentinel: Path, valid_payload: dict | None = None
         "subprocess": Reduces(subprocess.call, ["touch", str(sentinel)]),
         "unlisted_class": {"model": {}, "extra": Unlisted()},
         "whole_module": torch.nn.Linear(2, 2),
-        "numpy_array": {"weights": np.arange(4.0)},
+        "numpy_datetime_array": {"weights": np.array(["2020-01-01"], dtype="datetime64[D]")},
         "numpy_object_array": {"weights": np.array([Reduces(os.system, touch)], dtype=object)},
     }
     if valid_payload is not None:
@@ -99,8 +99,17 @@ def build_corpus(folder: Path, sentinel: Path, valid_payload: dict | None = None
     return paths
 
 
-CODE_RUNNING = ("os_system", "eval", "exec", "subprocess", "numpy_object_array", "hidden_in_real_checkpoint",
-                "legacy_format", "raw_global_posix_system", "raw_builtins_import")
+CODE_RUNNING = (
+    "os_system",
+    "eval",
+    "exec",
+    "subprocess",
+    "numpy_object_array",
+    "hidden_in_real_checkpoint",
+    "legacy_format",
+    "raw_global_posix_system",
+    "raw_builtins_import",
+)
 """The files whose unpickling runs code (the others only build objects that are not allowed)."""
 
 
