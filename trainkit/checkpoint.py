@@ -180,14 +180,50 @@ def _link_previous(path: str, names: _SaveNames) -> None:
     The link is made under a temp name and renamed over the old previous file: unlinking it first would
     leave no previous file at all if the process were killed in between.
     """
-    link_tmp = _temp_name(names.previous_temp_prefix)
-    try:
-        os.link(path, link_tmp)
-    except FileNotFoundError:  # the first save: nothing to keep
-        return
-    except OSError:  # no hard links on this filesystem: fall back to a copy
-        shutil.copyfile(path, link_tmp)
+    while True:
+        link_tmp = _temp_name(names.previous_temp_prefix)
+        try:
+            os.link(path, link_tmp)
+            break
+        except FileExistsError:  # a leftover (or a planted link) under this name: never touch it, take another
+            continue
+        except FileNotFoundError:  # the first save: nothing to keep
+            return
+        except OSError as exc:
+            if exc.errno not in _NO_HARD_LINKS:
+                raise
+            try:
+                _copy_new_file(path, link_tmp)  # no hard links on this filesystem: a copy into a file of our own
+                break
+            except FileExistsError:
+                continue
     os.replace(link_tmp, names.previous)
+
+
+_NO_HARD_LINKS = frozenset(
+    code for code in (errno.EPERM, errno.EXDEV, errno.EMLINK, getattr(errno, "ENOTSUP", None)) if code is not None
+)
+"""``link()`` errors that mean the filesystem has no hard links here (FAT, some network mounts)."""
+
+_NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+"""A file trainkit creates: never one that exists already, never through a symbolic link."""
+
+
+def _copy_new_file(source: str, target: str) -> None:
+    """Copy ``source`` into a file created for it at ``target`` (``FileExistsError`` if anything is there)."""
+    fd = os.open(target, _NEW_FILE_FLAGS, _FILE_MODE)
+    try:
+        with open(source, "rb") as src, os.fdopen(fd, "wb") as dst:
+            fd = -1
+            shutil.copyfileobj(src, dst)
+            dst.flush()
+            os.fsync(dst.fileno())
+    except BaseException:
+        if fd != -1:
+            os.close(fd)
+        with suppress(OSError):
+            os.unlink(target)
+        raise
 
 
 def payload_nbytes(payload: Any) -> int:
@@ -233,22 +269,45 @@ def warn_if_low_on_space(payload: Any, path: str | os.PathLike[str]) -> None:
         )
 
 
-def remove_stale_temp_files(directory: str | os.PathLike[str]) -> list[Path]:
-    """Delete temp files left behind by saves that were killed mid-write.
+_TEMP_NAME = re.compile(r"^\.(?:last|best)(?:\.prev)?\.pt\.(?P<pid>\d+)\.\d+\.tmp$")
+"""The temp files trainkit's own saves make: ``.last.pt.<pid>.<n>.tmp``, ``.best.prev.pt.<pid>.<n>.tmp``, ..."""
 
-    Side effects: removes ``.<name>.*.tmp`` files in ``directory``. Call it only where no other process
-    is saving into the same directory (rank 0, before its first save).
+
+def _process_gone(pid: int) -> bool:
+    """Whether no process with this id runs on this machine (a pid reused since errs on the side of keeping)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):  # alive under another user; or not a pid at all
+        return isinstance(sys.exc_info()[1], OverflowError)
+    return False
+
+
+def remove_stale_temp_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """Delete the temp files of trainkit's own saves whose writer is gone (a save killed mid-write).
+
+    Side effects: removes regular files named like trainkit's temp files (``.last.pt.<pid>.<n>.tmp`` and
+    the ``best``/``.prev`` variants) whose process no longer runs on this machine. Anything else is left
+    alone: other files, symbolic links, and the temp file of a save still running (another run's, say).
 
     :param directory: The checkpoint directory.
     :returns: The files removed.
     """
-    removed = []
-    directory = Path(directory)
-    if directory.is_dir():
-        for candidate in directory.glob(f".*{TEMP_SUFFIX}"):
-            with suppress(OSError):
-                candidate.unlink()
-                removed.append(candidate)
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        found = _TEMP_NAME.match(entry.name)
+        if found is None or not entry.is_file(follow_symlinks=False) or not _process_gone(int(found["pid"])):
+            continue
+        with suppress(OSError):
+            os.unlink(entry.path)
+            removed.append(Path(entry.path))
     return removed
 
 

@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointUnsafeError",
     "CheckpointMismatchError",
     "DistributedError",
+    "OutDirError",
     "UsageError",
     "HookNotImplementedError",
     "TrainingInterrupted",
@@ -109,6 +110,15 @@ class CheckpointMismatchError(CheckpointError):
 
 class DistributedError(TrainkitError, RuntimeError):
     """The ranks of a distributed run disagree, or one of them failed."""
+
+
+class OutDirError(TrainkitError, RuntimeError):
+    """The run folder (``out_dir``) is in use by another run, or cannot be used (read-only, a file in the
+    way of a checkpoint, a symbolic link trainkit would have to write through).
+
+    One run holds an exclusive lock on its ``out_dir`` for its whole life; a second run on the same folder
+    is refused at once, naming the holder (pid, host, since when). A lock left by a crashed run never blocks.
+    """
 
 
 class UsageError(TrainkitError, RuntimeError):

@@ -35,12 +35,14 @@ from trainkit.errors import (
     CheckpointMismatchError,
     DistributedError,
     HookNotImplementedError,
+    OutDirError,
     TrainingInterrupted,
     UsageError,
 )
 from trainkit.logging import JsonlSink, LogBuffer, NullSink, WandbSink, new_run_id, strip_secrets
 from trainkit.modules import load_module_state, module_state, restore_training_modes, training_modes
 from trainkit.progress import EpochBar, step_bar
+from trainkit.run_lock import RunLock
 from trainkit.snapshot import WeightSnapshot
 
 __all__ = ["BaseTrainer", "CHECKPOINT_SCHEMA_VERSION"]
@@ -206,18 +208,24 @@ class BaseTrainer(abc.ABC):
         self._sink: Any = NullSink()
         self._jsonl: JsonlSink | None = None
         self._run_id: str | None = None
+        self._lock = RunLock(self.out_dir)  # held by rank 0 of a run that writes out_dir, until train() ends
 
         if world_size > 1:
             self._owns_process_group = dist_utils.init_process_group(
                 rank, world_size, backend=self.cfg.dist.backend, timeout_s=self.cfg.dist.timeout_s, device=self.device
             )
-        ckpt_io.seed_everything(self.cfg.seed + rank)
-        ckpt, path = self._load_resume_checkpoint()
-        resume = self._reconcile(ckpt, path) if ckpt is not None and path is not None else None
-        self._setup_logging(ckpt, resume)
-        self.setup(ckpt)
-        if ckpt is not None and resume is not None:
-            self._restore(ckpt, resume)
+        try:
+            self._claim_out_dir()
+            ckpt_io.seed_everything(self.cfg.seed + rank)
+            ckpt, path = self._load_resume_checkpoint()
+            resume = self._reconcile(ckpt, path) if ckpt is not None and path is not None else None
+            self._setup_logging(ckpt, resume)
+            self.setup(ckpt)
+            if ckpt is not None and resume is not None:
+                self._restore(ckpt, resume)
+        except BaseException:
+            self._lock.release()  # a failed construction leaves the folder free (the error may keep self alive)
+            raise
 
     def __getattr__(self, name: str) -> Any:
         # Called only when normal lookup fails: an attribute a subclass set under these names wins, and a
@@ -305,6 +313,7 @@ class BaseTrainer(abc.ABC):
         :raises DistributedError: When the ranks disagree on stopping.
         """
         if self._results is not None:
+            self._lock.release()
             return dict(self._results) or None
         more = not self._loop.finished  # a resume already reconciled the loop with the config
         previous_handlers = self._install_signal_handlers()
@@ -329,6 +338,7 @@ class BaseTrainer(abc.ABC):
             raise
         finally:
             self._restore_signal_handlers(previous_handlers)
+            self._lock.release()  # after the last write: the next run on this folder may start
 
     def _run_epochs(self, more: bool, bar: EpochBar) -> None:
         if not more and not self._loop.last_validated:
@@ -547,6 +557,33 @@ class BaseTrainer(abc.ABC):
     def best_ckpt_path(self) -> Path:
         """``out_dir/best.pt``."""
         return self.out_dir / BEST_CKPT
+
+    def _claim_out_dir(self) -> None:
+        """Lock ``out_dir`` for this run (rank 0, when it writes checkpoints) and check it can be written.
+
+        Done before anything is read, so a second run launched on the same folder is refused at once,
+        and a folder that cannot take a checkpoint is found before the first epoch, not after it. Every
+        rank learns whether it worked.
+        """
+        error: BaseException | None = None
+        if self.is_main and self.cfg.ckpt.enable:
+            try:
+                self._lock.acquire()
+                for name in (LAST_CKPT, BEST_CKPT):
+                    for path in (self.out_dir / name, ckpt_io.previous_path(self.out_dir / name)):
+                        if path.is_dir() and not path.is_symlink():
+                            raise OutDirError(
+                                f"{path} is a directory, so no checkpoint can be written there; move it away"
+                            )
+            except OutDirError as exc:
+                error = exc
+        failed = error is not None
+        if self.world_size > 1:
+            (failed,), _ = dist_utils.any_all([failed])
+        if error is not None:
+            raise error
+        if failed:
+            raise OutDirError(f"rank 0 could not use out_dir {self.out_dir}; see rank 0's error")
 
     def _load_resume_checkpoint(self) -> tuple[dict[str, Any] | None, Path | None]:
         """Load the checkpoint ``ckpt.resume`` names; return it and the path it came from (or None, None)."""
@@ -1214,6 +1251,7 @@ class BaseTrainer(abc.ABC):
         if self.is_main and not self._failed:
             self._wait_for_writes()
         self._close_sinks()
+        self._lock.release()
         if self._owns_process_group and dist_utils.is_distributed():
             dist_utils.teardown(self.cfg.dist.timeout_s, meet=not self._failed)
             self._owns_process_group = False

@@ -1,0 +1,210 @@
+"""The run folder in careless and hostile environments: one run per out_dir, no writes through symlinks.
+
+Real processes on a real folder for the lock; real files and links for the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.faults.harness import train, write_run
+from tests.test_trainer import make_cfg
+from tests.trainers import TinyTrainer
+from trainkit import OutDirError
+from trainkit import checkpoint as ckpt_io
+from trainkit.run_lock import LOCK_FILE, RunLock
+
+
+def slow_cfg(out_dir, **overrides):
+    return make_cfg(out_dir, epochs=3, **overrides)
+
+
+def rows(out_dir):
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def wait_until(predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# ---------------------------------------------------------------------------------- one run per out_dir
+
+
+def test_a_second_run_on_the_same_out_dir_is_refused_at_once(tmp_path):
+    """The same command launched twice: the second is refused at once naming the holder; the first is unharmed."""
+    out = tmp_path / "run"
+    first = train(write_run(tmp_path / "a.json", slow_cfg(out), {"batch_sleep": 0.4}), tmp_path / "a.log")
+    try:
+        assert first.wait_for("epoch 1 ")
+        started = time.monotonic()
+        second = train(write_run(tmp_path / "b.json", slow_cfg(out)), tmp_path / "b.log")
+        assert second.wait(timeout=60) != 0
+        assert time.monotonic() - started < 30  # refused, not queued behind the first
+        message = second.stderr
+        assert "OutDirError" in message and f"pid {first.proc.pid} on host {socket.gethostname()}" in message
+        assert "since 20" in message
+        assert "epoch 0 " not in second.stdout  # it never trained
+        assert first.wait() == 0, first.stderr[-3000:]
+    finally:
+        first.kill_session()
+    steps = [row["trainer/step"] for row in rows(out)]
+    assert steps == sorted(steps) and len({row["trainer/epoch"] for row in rows(out) if "val/loss" in row}) == 3
+    assert torch.load(out / "last.pt", weights_only=True)["loop"]["stop_reason"] == "max_epochs"
+
+
+def test_a_lock_left_by_a_killed_run_never_blocks(tmp_path):
+    """A run killed with SIGKILL leaves its lock file behind; the next run takes the folder and resumes."""
+    out = tmp_path / "run"
+    first = train(write_run(tmp_path / "a.json", slow_cfg(out), {"batch_sleep": 0.4}), tmp_path / "a.log")
+    try:
+        assert first.wait_for("epoch 2 ")
+        os.killpg(first.proc.pid, signal.SIGKILL)
+        first.wait()
+    finally:
+        first.kill_session()
+    assert (out / LOCK_FILE).exists()
+    second = train(write_run(tmp_path / "b.json", slow_cfg(out)), tmp_path / "b.log")
+    assert second.wait() == 0, second.stderr[-3000:]
+    assert "resuming" in second.stderr
+
+
+def test_another_trainer_in_this_process_is_refused_until_the_first_is_done(tmp_path):
+    """Two trainers on one folder in one process: the second is refused until the first finishes or closes."""
+    first = TinyTrainer(make_cfg(tmp_path, epochs=1))
+    with pytest.raises(OutDirError, match="in use by another trainer in this process"):
+        TinyTrainer(make_cfg(tmp_path, epochs=1))
+    first.train()  # the end of train() lets go of the folder
+    second = TinyTrainer(make_cfg(tmp_path, epochs=2))
+    second.close()
+    TinyTrainer(make_cfg(tmp_path, epochs=2)).train()
+
+
+def test_a_run_without_checkpoints_takes_no_lock(tmp_path):
+    """ckpt.enable=false writes nothing into out_dir, not even a lock file, and two such runs may share it."""
+    first = TinyTrainer(make_cfg(tmp_path / "run", epochs=1, ckpt={"enable": False}))
+    TinyTrainer(make_cfg(tmp_path / "run", epochs=1, ckpt={"enable": False})).train()
+    first.train()
+    assert not (tmp_path / "run").exists()
+
+
+def test_startup_cleanup_removes_only_trainkits_temp_files_of_dead_writers(tmp_path):
+    """A dead writer's temp file goes; a live writer's, a link, and files trainkit does not name stay."""
+    dead = subprocess.run([sys.executable, "-c", "print(__import__('os').getpid())"], capture_output=True, text=True)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        tmp_path.mkdir(exist_ok=True)
+        gone = tmp_path / f".last.pt.{int(dead.stdout)}.3.tmp"
+        gone_prev = tmp_path / f".best.prev.pt.{int(dead.stdout)}.4.tmp"
+        live = tmp_path / f".last.pt.{alive.pid}.0.tmp"
+        mine = tmp_path / ".notes.tmp"
+        victim = tmp_path / "victim.txt"
+        victim.write_text("keep")
+        link = tmp_path / f".last.prev.pt.{int(dead.stdout)}.9.tmp"
+        link.symlink_to(victim)
+        for path in (gone, gone_prev, live, mine):
+            path.write_bytes(b"partial")
+        TinyTrainer(make_cfg(tmp_path, epochs=1)).train()
+        assert not gone.exists() and not gone_prev.exists()
+        assert live.exists() and mine.exists() and link.is_symlink() and victim.read_text() == "keep"
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+# ---------------------------------------------------------------------------------- no writes through symlinks
+
+
+def test_planted_prev_links_never_redirect_the_rotation(tmp_path):
+    """Planted .last.prev.pt.<pid>.<n>.tmp links are skipped: the .prev rotation never writes through them."""
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"precious")
+    path = tmp_path / "last.pt"
+    ckpt_io.atomic_save({"n": 0}, path, keep_previous=True)
+    for n in range(2000):  # every name this process's next saves could pick
+        (tmp_path / f".last.prev.pt.{os.getpid()}.{n}.tmp").symlink_to(victim)
+    for n in (1, 2, 3):
+        ckpt_io.atomic_save({"n": n}, path, keep_previous=True)
+    assert victim.read_bytes() == b"precious"
+    previous = ckpt_io.previous_path(path)
+    assert not previous.is_symlink() and ckpt_io.load_checkpoint(previous)["n"] == 2
+    assert ckpt_io.load_checkpoint(path)["n"] == 3
+
+
+def test_a_symlinked_out_dir_still_works(tmp_path):
+    """out_dir itself may be a symbolic link to a real folder: a run writes into that folder."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    TinyTrainer(make_cfg(tmp_path / "link", epochs=2)).train()
+    assert (real / "last.pt").is_file() and (real / "metrics.jsonl").is_file()
+    TinyTrainer(make_cfg(tmp_path / "link", epochs=3)).train()  # and resumes through it
+
+
+def test_a_planted_lock_link_is_refused(tmp_path):
+    """A symbolic link planted as the lock file is not written through: the run is refused, the target intact."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / LOCK_FILE).symlink_to(victim)
+    with pytest.raises(OutDirError, match="symbolic link"):
+        TinyTrainer(make_cfg(tmp_path / "run", epochs=1))
+    assert victim.read_text() == "keep"
+
+
+# ---------------------------------------------------------------------------------- found before the first epoch
+
+
+def test_an_out_dir_that_cannot_be_created_is_found_before_the_first_epoch(tmp_path):
+    """An out_dir below a plain file cannot be written: the constructor says so, before any training."""
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutDirError, match="cannot be written"):
+        TinyTrainer(make_cfg(tmp_path / "file" / "run", epochs=1))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_out_dir_is_found_before_the_first_epoch(tmp_path):
+    """A read-only out_dir is refused by the constructor, not after the first epoch."""
+    out = tmp_path / "ro"
+    out.mkdir()
+    out.chmod(0o555)
+    try:
+        with pytest.raises(OutDirError, match="cannot be written"):
+            TinyTrainer(make_cfg(out, epochs=1))
+    finally:
+        out.chmod(0o755)
+
+
+@pytest.mark.parametrize("name", ["last.pt", "best.pt", "last.prev.pt"])
+def test_a_directory_in_place_of_a_checkpoint_is_found_before_the_first_epoch(tmp_path, name):
+    """A directory where a checkpoint goes is named by the constructor, and left as it is."""
+    (tmp_path / name).mkdir(parents=True)
+    (tmp_path / name / "keep.txt").write_text("keep")
+    with pytest.raises(OutDirError, match=f"{name} is a directory"):
+        TinyTrainer(make_cfg(tmp_path, epochs=1, ckpt={"resume": "never"}))
+    assert (tmp_path / name / "keep.txt").read_text() == "keep"
+
+
+def test_run_lock_is_released_by_garbage_collection(tmp_path):
+    """A RunLock dropped without release() lets go of the folder (a trainer that is never closed)."""
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    with pytest.raises(OutDirError):
+        RunLock(tmp_path).acquire()
+    del lock
+    again = RunLock(tmp_path)
+    again.acquire()
+    again.release()
