@@ -208,3 +208,20 @@ def test_run_lock_is_released_by_garbage_collection(tmp_path):
     again = RunLock(tmp_path)
     again.acquire()
     again.release()
+
+
+def test_a_best_pt_lost_mid_run_is_reported_and_written_again_at_the_end(tmp_path):
+    """best.pt deleted from disk during the run: the end of the run says so and writes it again from memory."""
+
+    class LosesBest(TinyTrainer):
+        def train_epoch(self):
+            super().train_epoch()
+            if self.epoch == 2:
+                (self.out_dir / "best.pt").unlink()
+
+    trainer = LosesBest(make_cfg(tmp_path, epochs=4, scripted_scores=(3.0, 1.0, 2.0, 2.5)))
+    with pytest.warns(RuntimeWarning, match=r"best.pt was removed during the run; the best weights \(epoch 1\)"):
+        trainer.train()
+    best = torch.load(tmp_path / "best.pt", weights_only=True)
+    assert best["best"]["epoch"] == 1
+    assert all(torch.equal(best["model"][k], v) for k, v in trainer.best_model.items())

@@ -443,11 +443,27 @@ class BaseTrainer(abc.ABC):
             self.test()
         self.log_training_results()
         self._results = {**self._latest_metrics, **self.best_metrics}
+        self._restore_lost_best_file()
         self._save_checkpoint()
         if self.is_main:
             self._wait_for_writes()
         self._close_sinks()
         return dict(self._results) or None
+
+    def _restore_lost_best_file(self) -> None:
+        """Say so at the end when ``best.pt`` went missing from disk during the run, and write it again."""
+        if not (self.is_main and self.cfg.ckpt.enable) or self._best.state is None or self._best_state is None:
+            return
+        self._wait_for_writes()  # a background write may be about to put it there
+        if self._best_dirty or self.best_ckpt_path.exists():
+            return
+        warnings.warn(
+            f"{self.best_ckpt_path} was removed during the run; the best weights (epoch {self._best_state.epoch}) "
+            "were still in memory and are written to it again",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self._best_dirty = True
 
     def test(self) -> dict[str, float]:
         """Perform a test epoch.
