@@ -23,7 +23,7 @@ from trainkit.bookkeeping import (
     should_validate,
     step_patience,
 )
-from trainkit.config import Config
+from trainkit.config import Config, public_config, secret_field
 from trainkit.errors import (
     BookkeepingError,
     CheckpointCorruptError,
@@ -53,6 +53,8 @@ __all__ = [
     "launch",
     "spawn",
     "Config",
+    "secret_field",
+    "public_config",
     "BestState",
     "save_if_best",
     "PatienceState",

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from trainkit.config import Config
+from trainkit.config import Config, redact_argv
 from trainkit.errors import ConfigError
 
 __all__ = ["config_from_argv", "load_yaml", "read_metrics", "summarize_run", "main"]
@@ -59,13 +59,15 @@ def config_from_argv(config_class: type[C], argv: Sequence[str], defaults: dict[
     data: dict[str, Any] = {}
     _merge(data, defaults or {})
     overrides = []
-    for word in argv:
+    for index, word in enumerate(argv):
         if "=" in word:
             overrides.append(word)
         elif word.endswith((".yaml", ".yml")):
             _merge(data, load_yaml(word))
         else:
-            raise ConfigError("argument", "must be a YAML file (*.yaml) or a dotted.key=value override", word)
+            secret = redact_argv(argv, config_class)[index] != word  # say, the value of ``api_key= VALUE``
+            rule = "must be a YAML file (*.yaml) or a dotted.key=value override"
+            raise ConfigError("argument", rule, None if secret else word, show_value=not secret)
     return config_class.from_mapping(data, overrides)
 
 

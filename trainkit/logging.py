@@ -6,21 +6,22 @@ does so lazily, when a run is started in a mode other than ``disabled``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-import re
+import sys
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["LogBuffer", "WandbSink", "NullSink", "JsonlSink", "new_run_id", "strip_secrets"]
+from trainkit.config import redact_argv, redact_text, strip_secrets
 
-_SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD)", re.IGNORECASE)
+__all__ = ["LogBuffer", "WandbSink", "NullSink", "JsonlSink", "new_run_id"]
 
 
 def new_run_id() -> str:
@@ -28,17 +29,20 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:8]
 
 
-def strip_secrets(data: Any) -> Any:
-    """Drop every mapping entry whose key names a secret (``*KEY*``, ``*TOKEN*``, ...), recursively.
+@contextlib.contextmanager
+def _masked_argv(config_class: Any) -> Iterator[None]:
+    """Show W&B a copy of ``sys.argv`` with its secrets masked while it starts a run, then put the original back.
 
-    :param data: Nested mappings, lists and plain values.
-    :returns: A copy without those entries.
+    W&B reads ``sys.argv[1:]`` once, when ``wandb.init`` sends its settings to the service, and records it
+    in the run's metadata (the ``.wandb`` file, ``wandb-metadata.json``); no setting replaces it short of
+    dropping all metadata (``x_disable_meta``). The list object the program holds is never changed.
     """
-    if isinstance(data, Mapping):
-        return {k: strip_secrets(v) for k, v in data.items() if not _SECRET_NAME.search(str(k))}
-    if isinstance(data, list | tuple):
-        return [strip_secrets(v) for v in data]
-    return data
+    original = sys.argv
+    sys.argv = [*original[:1], *redact_argv(original[1:], config_class)]
+    try:
+        yield
+    finally:
+        sys.argv = original
 
 
 class LogBuffer:
@@ -161,14 +165,22 @@ class WandbSink:
     W&B never go backwards, also after a resume from an older checkpoint. Charts use the logged
     ``trainer/step`` as their x-axis (``define_metric``).
 
+    No secret reaches W&B's files: the config goes through ``strip_secrets`` (secret keys dropped, URL
+    credentials masked), and the command line W&B records in the run's metadata is a copy with
+    ``key=value`` overrides of secret keys and URL passwords masked (``api_key=***``). The rest of W&B's
+    metadata is kept: the git remote (W&B drops its password itself), program, host, Python and hardware.
+    Console capture stays on; trainkit's own messages render config values with ``render_value``.
+
     :param mode: ``"offline"``, ``"online"`` or ``"disabled"``.
     :param run_id: The run id; a resumed trainer passes the one stored in its checkpoint.
     :param directory: Where W&B writes its files (``out_dir``).
-    :param config: The config dict for W&B's config panel (secret-looking keys are dropped).
+    :param config: The config dict for W&B's config panel, best the output of ``public_config``.
     :param project: ``wandb.project``.
     :param entity: ``wandb.entity``.
     :param name: ``wandb.name``.
     :param tags: ``wandb.tags``.
+    :param config_class: The config record (or its class) whose declared secrets (``secret_field``) are
+        masked on the recorded command line and kept out of the config; None judges keys by name alone.
     """
 
     def __init__(
@@ -182,6 +194,7 @@ class WandbSink:
         entity: str | None,
         name: str | None,
         tags: tuple[str, ...],
+        config_class: Any = None,
     ) -> None:
         try:
             import wandb
@@ -194,7 +207,7 @@ class WandbSink:
             id=run_id,
             resume="allow",
             dir=str(directory),
-            config=strip_secrets(dict(config)),
+            config=strip_secrets(dict(config), config_class),
             project=project,
             entity=entity,
             name=name,
@@ -202,17 +215,20 @@ class WandbSink:
             reinit="create_new",
         )
         try:
-            self._run = wandb.init(mode=mode, settings=wandb.Settings(init_timeout=60, silent=True), **kwargs)
+            with _masked_argv(config_class):
+                self._run = wandb.init(mode=mode, settings=wandb.Settings(init_timeout=60, silent=True), **kwargs)
         except Exception as exc:  # noqa: BLE001 - any failure to reach W&B must not stop training
             if mode == "offline":
                 raise
+            reason = redact_text(f"{type(exc).__name__}: {exc}")  # an error may quote a URL with its password
             warnings.warn(
-                f"W&B could not start in {mode!r} mode ({type(exc).__name__}: {exc}); logging offline to "
+                f"W&B could not start in {mode!r} mode ({reason}); logging offline to "
                 f"{directory} instead, sync it later with `wandb sync`",
                 RuntimeWarning,
                 stacklevel=3,
             )
-            self._run = wandb.init(mode="offline", settings=wandb.Settings(silent=True), **kwargs)
+            with _masked_argv(config_class):
+                self._run = wandb.init(mode="offline", settings=wandb.Settings(silent=True), **kwargs)
         self._run.define_metric("trainer/step")
         self._run.define_metric("*", step_metric="trainer/step")
 

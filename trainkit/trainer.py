@@ -27,7 +27,7 @@ from trainkit import checkpoint as ckpt_io
 from trainkit import distributed as dist_utils
 from trainkit import optim as optim_utils
 from trainkit.async_save import AsyncCheckpointWriter, StagingBuffers
-from trainkit.config import Config, _all_keys
+from trainkit.config import Config, _all_keys, public_config, render_value, strip_secrets
 from trainkit.errors import (
     BookkeepingError,
     CheckpointCorruptError,
@@ -39,7 +39,7 @@ from trainkit.errors import (
     TrainingInterrupted,
     UsageError,
 )
-from trainkit.logging import JsonlSink, LogBuffer, NullSink, WandbSink, new_run_id, strip_secrets
+from trainkit.logging import JsonlSink, LogBuffer, NullSink, WandbSink, new_run_id
 from trainkit.modules import load_module_state, module_state, restore_training_modes, training_modes
 from trainkit.progress import EpochBar, step_bar
 from trainkit.run_lock import RunLock
@@ -177,8 +177,8 @@ class BaseTrainer(abc.ABC):
         else:
             self.device = torch.device("cpu")
         self.out_dir = Path(self.cfg.out_dir)
-        # the config is frozen: one plain copy serves every save; secret-looking keys never reach a file
-        self._cfg_dict = strip_secrets(self.cfg.to_dict())
+        # the config is frozen: one plain copy serves every save; secrets never reach a file
+        self._cfg_dict = public_config(self.cfg)
         self.model: nn.Module | None = None
         self._best = WeightSnapshot()
         # the engine's records; public as best_state/patience_state once tracked (see __getattr__)
@@ -647,7 +647,7 @@ class BaseTrainer(abc.ABC):
                 f"world_size={self.world_size}; exact resume needs the same number of processes "
                 "(or start fresh with ckpt.resume=never)"
             )
-        saved = _flatten(ckpt.get("config") or {})
+        saved = _flatten(strip_secrets(ckpt.get("config") or {}, self.cfg))
         current = _flatten(self._cfg_dict)
         changed = sorted(
             key
@@ -663,7 +663,9 @@ class BaseTrainer(abc.ABC):
             )
         if changed:
             details = ", ".join(
-                f"{key}: {saved.get(key, '<absent>')!r} -> {current.get(key, '<absent>')!r}" for key in changed
+                f"{key}: {render_value(key, saved.get(key, '<absent>'), self.cfg)} -> "
+                f"{render_value(key, current.get(key, '<absent>'), self.cfg)}"
+                for key in changed
             )
             warnings.warn(
                 f"resuming {path} with a changed config ({details}); the result may differ from an uninterrupted run",
@@ -1197,6 +1199,7 @@ class BaseTrainer(abc.ABC):
                 entity=wb.entity,
                 name=wb.name,
                 tags=wb.tags,
+                config_class=self.cfg,
             )
 
     def _copy_metrics_history(self, source: Path, offset: int) -> None:
