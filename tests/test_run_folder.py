@@ -225,3 +225,110 @@ def test_a_best_pt_lost_mid_run_is_reported_and_written_again_at_the_end(tmp_pat
     best = torch.load(tmp_path / "best.pt", weights_only=True)
     assert best["best"]["epoch"] == 1
     assert all(torch.equal(best["model"][k], v) for k, v in trainer.best_model.items())
+
+
+# ---------------------------------------------------------------------------------- metrics.jsonl
+
+
+def test_a_metrics_jsonl_symlink_is_never_written_through(tmp_path):
+    """A metrics.jsonl planted as a link is refused by the constructor; the link's target is untouched."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").symlink_to(victim)
+    with pytest.raises(OutDirError, match="metrics.jsonl is a symbolic link"):
+        TinyTrainer(make_cfg(tmp_path / "run", epochs=1))
+    assert victim.read_text() == "precious"
+
+
+def test_a_fifo_as_metrics_jsonl_does_not_hang(tmp_path):
+    """A FIFO at metrics.jsonl is refused at once instead of blocking the run forever."""
+    (tmp_path / "run").mkdir()
+    os.mkfifo(tmp_path / "run" / "metrics.jsonl")
+    started = time.monotonic()
+    with pytest.raises(OutDirError, match="not a regular file"):
+        TinyTrainer(make_cfg(tmp_path / "run", epochs=1))
+    assert time.monotonic() - started < 30
+
+
+def test_the_journal_is_synced_before_the_checkpoint_that_records_its_size(tmp_path, monkeypatch):
+    """Every save fsyncs metrics.jsonl first, and last.pt's metrics_offset is within what was synced."""
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = ""
+        if target.endswith("metrics.jsonl"):
+            synced.append(os.fstat(fd).st_size)
+        elif target.endswith(".tmp") and ".last.pt." in target:
+            synced.append(("last.pt", len(synced)))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    TinyTrainer(make_cfg(tmp_path, epochs=2)).train()
+    offset = torch.load(tmp_path / "last.pt", weights_only=True)["metrics_offset"]
+    saves = [i for i, item in enumerate(synced) if isinstance(item, tuple)]
+    assert saves and all(i > 0 and isinstance(synced[i - 1], int) for i in saves)
+    assert synced[saves[-1] - 1] >= offset
+
+
+@pytest.mark.parametrize(("cut", "damaged", "blank"), [(1, 0, 0), (7, 1, 0), ("row", 0, 1)])
+def test_a_journal_cut_below_the_recorded_offset_is_padded_with_a_warning(tmp_path, cut, damaged, blank):
+    """A tail lost in a crash (metrics.jsonl shorter than last.pt records): the resume pads it to the recorded
+    size and warns; new rows start on a line of their own, and report skips what the crash tore.
+
+    Cut by its newline only, the last row is whole again; cut inside, it stays a damaged line; a whole row
+    lost leaves a blank line."""
+    import warnings as stdlib_warnings
+
+    from trainkit.cli import read_metrics
+
+    TinyTrainer(make_cfg(tmp_path, epochs=2)).train()
+    path = tmp_path / "metrics.jsonl"
+    data = path.read_bytes()
+    keep = len(data) - (len(data.splitlines(keepends=True)[-1]) if cut == "row" else cut)
+    path.write_bytes(data[:keep])
+    with pytest.warns(RuntimeWarning, match="metrics.jsonl is .* bytes shorter than the checkpoint recorded"):
+        trainer = TinyTrainer(make_cfg(tmp_path, epochs=3))
+    trainer.train()
+    after = path.read_bytes()
+    assert after.startswith(data[:keep]) and after[len(data) - 1 : len(data)] == b"\n"
+    with stdlib_warnings.catch_warnings(record=True) as caught:
+        stdlib_warnings.simplefilter("always")
+        rows = read_metrics(tmp_path)
+    assert [str(w.message) for w in caught if "damaged" in str(w.message)] == (
+        [f"{path}: skipped 1 damaged line(s) ({len(data.splitlines())}), e.g. a row cut short by a crash"]
+        if damaged
+        else []
+    )
+    assert len(rows) == len(after.splitlines()) - damaged - blank
+    assert rows[-1]["trainer/epoch"] == 2 and all(isinstance(row, dict) for row in rows)
+
+
+def test_report_skips_a_damaged_last_line_with_a_warning(tmp_path):
+    """report reads a metrics.jsonl whose last line a crash cut short: the line is skipped with a warning."""
+    from trainkit.cli import read_metrics
+
+    TinyTrainer(make_cfg(tmp_path, epochs=2)).train()
+    path = tmp_path / "metrics.jsonl"
+    whole = read_metrics(tmp_path)
+    path.write_bytes(path.read_bytes() + b'{"trainer/step": 9, "tra')
+    with pytest.warns(RuntimeWarning, match=r"skipped 1 damaged line"):
+        assert read_metrics(tmp_path) == whole
+
+
+def test_report_replaces_a_curves_png_link_instead_of_writing_through_it(tmp_path):
+    """report draws into a file of its own and renames it over curves.png: a planted link's target is untouched."""
+    pytest.importorskip("matplotlib")
+    from trainkit.cli import plot_curves, summarize_run
+
+    TinyTrainer(make_cfg(tmp_path / "run", epochs=2)).train()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "run" / "curves.png").symlink_to(victim)
+    path = plot_curves(tmp_path / "run", summarize_run(tmp_path / "run"))
+    assert victim.read_text() == "precious"
+    assert not path.is_symlink() and path.read_bytes().startswith(b"\x89PNG")

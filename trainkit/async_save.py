@@ -87,11 +87,18 @@ class AsyncCheckpointWriter:
         self._error: BaseException | None = None
         self.last_seconds: float | None = None
 
-    def submit(self, writes: list[tuple[Any, Path]], on_done: Callable[[float], None] | None = None) -> None:
+    def submit(
+        self,
+        writes: list[tuple[Any, Path]],
+        on_done: Callable[[float], None] | None = None,
+        before: Callable[[], None] | None = None,
+    ) -> None:
         """Wait for the previous job, then start writing ``writes`` in order in the background.
 
         :param writes: ``(staged payload, path)`` pairs; each is written with ``atomic_save(keep_previous=True)``.
         :param on_done: Called with the job's seconds when it succeeds (from the writer thread).
+        :param before: Called in the writer thread before the first write (e.g. to make the metrics journal
+            durable before the checkpoint that records its size); its failure fails the job.
         :raises BaseException: The previous job's failure, unchanged.
         """
         self.wait()
@@ -99,6 +106,8 @@ class AsyncCheckpointWriter:
         def run() -> None:
             total = 0.0
             try:
+                if before is not None:
+                    before()
                 for payload, path in writes:
                     total += atomic_save(payload, path, keep_previous=True)
             except BaseException as exc:  # noqa: BLE001 - surfaced by the next wait()

@@ -7,9 +7,13 @@ optional and imported only when used.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import sys
+import tempfile
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -90,9 +94,26 @@ def read_metrics(out_dir: str | Path) -> list[dict[str, float]]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {out_dir} a trainkit run folder (with ckpt.enable=true)?")
     rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            rows.append(json.loads(line))
+    damaged = []
+    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:  # a row torn by a crash, or padding written after one (JSONDecodeError, UnicodeError)
+            damaged.append(number)
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            damaged.append(number)
+    if damaged:
+        warnings.warn(
+            f"{path}: skipped {len(damaged)} damaged line(s) ({', '.join(map(str, damaged[:5]))}"
+            f"{', ...' if len(damaged) > 5 else ''}), e.g. a row cut short by a crash",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return rows
 
 
@@ -173,9 +194,26 @@ def plot_curves(out_dir: str | Path, summary: dict[str, Any]) -> Path:
     fig.suptitle(f"{Path(out_dir).name}: stopped by {summary.get('stop_reason')}")
     fig.tight_layout()
     path = Path(out_dir) / "curves.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    # drawn into a file of its own, then renamed over curves.png: a planted link is replaced, never written through
+    fd, tmp = tempfile.mkstemp(prefix=".curves.", suffix=".png.tmp", dir=out_dir)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            fig.savefig(handle, dpi=110, format="png")
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    finally:
+        plt.close(fig)
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _format(value: Any) -> str:

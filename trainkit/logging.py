@@ -7,9 +7,11 @@ does so lazily, when a run is started in a mode other than ``disabled``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
+import stat
 import sys
 import uuid
 import warnings
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from trainkit.config import redact_argv, redact_text, strip_secrets
+from trainkit.errors import OutDirError
 
 __all__ = ["LogBuffer", "WandbSink", "NullSink", "JsonlSink", "new_run_id"]
 
@@ -259,45 +262,103 @@ class WandbSink:
         self._run.finish(exit_code=exit_code)
 
 
-class JsonlSink:
-    """``out_dir/metrics.jsonl``: one JSON object per push, flushed, append-only.
+_JOURNAL_FLAGS = (
+    os.O_RDWR
+    | os.O_CREAT
+    | os.O_APPEND
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_NONBLOCK", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_BINARY", 0)
+)
+"""Append-only, created if missing, never through a symbolic link, and never blocking on a FIFO."""
 
-    A resumed run truncates the file to the size recorded in its checkpoint, dropping the rows of the
-    epoch that was lost, so no step appears twice or goes backwards.
+
+class JsonlSink:
+    """``out_dir/metrics.jsonl``: one JSON object per push, appended and flushed; synced before a checkpoint.
+
+    The journal and ``last.pt`` agree after any crash: :meth:`sync` makes the rows durable before a
+    checkpoint records the journal's size, and a resumed run cuts the file back to that size (dropping
+    the rows of the epoch that was lost, so no step appears twice or goes backwards) or, when a crash cut
+    the file below it, pads it to that size with a warning (ending a torn last row, which readers skip).
+    The file is never opened through a symbolic link, and anything but a regular file is refused.
 
     :param path: The file.
-    :param truncate_to: The byte size to cut the file back to, from the checkpoint; None keeps it whole.
+    :param truncate_to: The byte size recorded in the checkpoint; None keeps the file as it is.
+    :param history: Bytes to start the file with, replacing what is there (a run resumed from another
+        folder carries that folder's rows over).
+    :raises OutDirError: When ``path`` is a symbolic link or not a regular file.
     """
 
-    def __init__(self, path: Path, truncate_to: int | None = None) -> None:
+    def __init__(self, path: Path, truncate_to: int | None = None, history: bytes | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        with open(path, "a+b") as handle:
-            size = handle.seek(0, os.SEEK_END)
+        try:
+            fd = os.open(path, _JOURNAL_FLAGS, 0o666)
+        except OSError as exc:
+            raise OutDirError(_unusable_journal(path, exc)) from exc
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OutDirError(f"{path} is not a regular file; move it away so the run can keep its metrics")
+            os.set_blocking(fd, True)
+            if history is not None:
+                os.ftruncate(fd, 0)
+                _write_all(fd, history)
+            size = os.fstat(fd).st_size
             if truncate_to is not None and size > truncate_to:
-                handle.truncate(truncate_to)
+                os.ftruncate(fd, truncate_to)
                 size = truncate_to
+            elif truncate_to is not None and size < truncate_to:
+                missing = truncate_to - size
+                _write_all(fd, b" " * (missing - 1) + b"\n")
+                warnings.warn(
+                    f"{path} is {missing} bytes shorter than the checkpoint recorded (a crash cut its tail before "
+                    "it reached the disk); the rows in those bytes are lost, and the file was padded to the "
+                    "recorded size so the next rows start on a line of their own",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                size = truncate_to
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd: int | None = fd
         self._size = size
-        self._handle: Any = None
 
     def tell(self) -> int:
         """The file's current size in bytes, for the checkpoint."""
         return self._size
 
     def log(self, metrics: Mapping[str, float]) -> None:
-        """Append one row and flush it.
+        """Append one row (one ``write``, so it is never interleaved).
 
         :param metrics: Name to float.
         """
-        if self._handle is None:
-            self._handle = open(self.path, "ab")  # noqa: SIM115 - held open until finish()
+        if self._fd is None:
+            raise ValueError(f"{self.path} is closed")
         line = json.dumps(dict(metrics), allow_nan=True).encode() + b"\n"
-        self._handle.write(line)
-        self._handle.flush()
+        _write_all(self._fd, line)
         self._size += len(line)
+
+    def sync(self) -> None:
+        """Make the rows written so far durable (``fsync``); called before a checkpoint records :meth:`tell`."""
+        if self._fd is not None:
+            os.fsync(self._fd)
 
     def finish(self) -> None:
         """Close the file (idempotent)."""
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _unusable_journal(path: Path, exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return f"{path} is a symbolic link; trainkit does not write through links it did not create; remove it"
+    return f"{path} cannot be opened for appending ({exc.strerror or exc})"

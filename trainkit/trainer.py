@@ -115,6 +115,15 @@ def _load_item(obj: Any, state: Any) -> None:
         obj.load_state_dict(state)
 
 
+def _read_prefix(path: Path, size: int) -> bytes:
+    """The first ``size`` bytes of the metrics file of the folder a run resumed from (empty when it has none)."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(size)
+    except OSError:
+        return b""
+
+
 def _same_directory(a: Path, b: Path) -> bool:
     try:
         return os.path.samefile(a, b)
@@ -896,10 +905,13 @@ class BaseTrainer(abc.ABC):
                 if not self._space_checked:
                     ckpt_io.warn_if_low_on_space(payload, self.last_ckpt_path)
                     self._space_checked = True
+                journal = self._jsonl.sync if self._jsonl is not None else None  # rows on disk before the offset
                 if self._writer is not None:
                     staged = self._staging.stage({name: data for name, (data, _) in writes.items()})
-                    self._writer.submit([(staged[name], path) for name, (_, path) in writes.items()])
+                    self._writer.submit([(staged[name], path) for name, (_, path) in writes.items()], before=journal)
                 else:
+                    if journal is not None:
+                        journal()
                     for data, path in writes.values():
                         seconds = ckpt_io.atomic_save(data, path, keep_previous=True)
                     logger.debug("saved %s in %.3f s", self.last_ckpt_path, seconds)
@@ -1183,10 +1195,13 @@ class BaseTrainer(abc.ABC):
         if self.cfg.ckpt.enable:
             ckpt_io.remove_stale_temp_files(self.out_dir)
             offset = (ckpt or {}).get("metrics_offset")
+            history = None
             if resume is not None and isinstance(offset, int) and not _same_directory(resume.path.parent, self.out_dir):
-                self._copy_metrics_history(resume.path.parent / METRICS_FILE, offset)
+                history = _read_prefix(resume.path.parent / METRICS_FILE, offset)
             # a fresh run starts a fresh file; a resumed one drops the rows of the epoch it lost
-            self._jsonl = JsonlSink(self.out_dir / METRICS_FILE, truncate_to=offset if ckpt is not None else 0)
+            self._jsonl = JsonlSink(
+                self.out_dir / METRICS_FILE, truncate_to=offset if ckpt is not None else 0, history=history
+            )
         wb = self.cfg.wandb
         finished = resume is not None and resume.results is not None
         if wb.mode != "disabled" and not finished:  # a finished run only returns its results: no new W&B run
@@ -1201,16 +1216,6 @@ class BaseTrainer(abc.ABC):
                 tags=wb.tags,
                 config_class=self.cfg,
             )
-
-    def _copy_metrics_history(self, source: Path, offset: int) -> None:
-        """Start this run's ``metrics.jsonl`` with the resumed run's rows, when it resumed from another folder."""
-        try:
-            with open(source, "rb") as handle:
-                history = handle.read(offset)
-        except OSError:
-            return  # the other folder kept no metrics file: this one starts empty
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / METRICS_FILE).write_bytes(history)
 
     def log(self, metrics: Mapping[str, Any] | None = None, **named: Any) -> None:
         """Buffer metrics for the next :meth:`push_logs`; nothing leaves the device here.
