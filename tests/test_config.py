@@ -360,3 +360,32 @@ def test_misspelled_section_gets_a_suggestion():
     """A typo in a section name suggests the section."""
     with pytest.raises(ConfigError, match="did you mean 'val'"):
         Config.from_mapping({"epochs": 1, "vall": {"patience": 2}})
+
+
+@pytest.mark.parametrize(
+    ("section", "rule"),
+    [
+        ({"project": "team/project"}, "must not contain any of"),
+        ({"project": "a:b"}, "must not contain any of"),
+        ({"project": "x" * 129}, "must be 1 to 128 characters"),
+        ({"project": ""}, "must be 1 to 128 characters"),
+        ({"tags": ["ok", ""]}, "must hold tags of 1 to 64 characters"),
+        ({"tags": ["x" * 65]}, "must hold tags of 1 to 64 characters"),
+    ],
+)
+def test_wandb_names_that_wandb_refuses_are_config_errors(section, rule):
+    """A wandb.project or tag that W&B would refuse at start-up is a ConfigError when the config is built."""
+    key = "wandb." + next(iter(section))
+    with pytest.raises(ConfigError, match=f"{key} {rule}"):
+        Config.from_mapping({"epochs": 1, "wandb": section})
+
+
+def test_a_required_key_may_come_from_an_override_alone():
+    """config_from_argv(Cls, ["epochs=2"]) and from_mapping({}, ["epochs=2"]) build: overrides fill required keys."""
+    from trainkit.cli import config_from_argv
+
+    assert config_from_argv(Config, ["epochs=2"]).epochs == 2
+    cfg = Config.from_mapping({"val": {"patience": 2}}, ["epochs=3", "val.minimize=true"])
+    assert (cfg.epochs, cfg.val.patience, cfg.val.minimize) == (3, 2, True)
+    with pytest.raises(ConfigError, match="epochs is required"):
+        config_from_argv(Config, ["val.patience=2"])

@@ -95,6 +95,34 @@ def _non_empty(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ConfigError(attribute.name, "must be a non-empty string", value)
 
 
+_WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
+
+
+def _wandb_project(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """W&B's own rule for a project name, checked here so a bad name fails at construction, not at W&B start."""
+    if not isinstance(value, str):
+        return  # the type check names it
+    if not value.strip() or len(value) > 128:
+        raise ConfigError(attribute.name, "must be 1 to 128 characters (W&B's limit)", value)
+    found = sorted({char for char in value if char in _WANDB_PROJECT_FORBIDDEN})
+    if found:
+        raise ConfigError(
+            attribute.name,
+            f"must not contain any of {' '.join(_WANDB_PROJECT_FORBIDDEN)} (W&B refuses them)",
+            value,
+            hint=f"found {' '.join(found)}",
+        )
+
+
+def _wandb_tags(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """W&B's own rule for tags: every tag 1 to 64 characters."""
+    if not isinstance(value, tuple):
+        return
+    for tag in value:
+        if isinstance(tag, str) and not (tag.strip() and len(tag) <= 64):
+            raise ConfigError(attribute.name, "must hold tags of 1 to 64 characters each (W&B's limit)", tag)
+
+
 def _optional(validator: typing.Callable[[Any, attrs.Attribute, Any], None]) -> typing.Callable[..., None]:
     def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         if value is not None:
@@ -252,8 +280,13 @@ class _Section:
         ...
         trainkit.errors.ConfigError: unknown config key 'val.paitence'; did you mean 'val.patience'?
         """
-        cfg = _build(cls, mapping, prefix="", root=cls)
-        return cfg.with_overrides(overrides) if overrides else cfg
+        if not overrides:
+            return _build(cls, mapping, prefix="", root=cls)
+        # overrides go into the mapping before it is validated: a required key may come from an override alone
+        data = _plain_tree(mapping) if isinstance(mapping, Mapping) else mapping
+        if isinstance(data, dict):
+            _apply_overrides(cls, data, overrides)
+        return _build(cls, data, prefix="", root=cls)
 
     def with_overrides(self: C, overrides: Iterable[str]) -> C:
         """Return a copy with ``"dotted.key=value"`` overrides applied, as a command line gives them.
@@ -270,32 +303,49 @@ class _Section:
         (True, 'runs/x')
         """
         data = self.to_dict()
-        for override in overrides:
-            key, sep, text = str(override).partition("=")
-            key = key.strip()
-            if not sep or not key:
-                raise ConfigError("override", "must look like 'dotted.key=value'", override, show_value=True)
-            node: dict[str, Any] = data
-            cls: type = type(self)
-            parts = key.split(".")
-            for depth, part in enumerate(parts):
-                fields = attrs.fields_dict(cls)
-                if part not in fields:
-                    raise _unknown_key(type(self), ".".join(parts[: depth + 1]))
-                tp = _hints(cls)[part]
-                if depth == len(parts) - 1:
-                    try:
-                        if attrs.has(tp):
-                            raise ConfigError(key, "is a section; override one of its keys", text)
-                        node[part] = _parse(text.strip(), tp, key)
-                    except ConfigError as exc:
-                        raise _hide_if_secret(exc, key, type(self)) from None
-                elif attrs.has(tp):
-                    node = node[part]
-                    cls = tp
-                else:
-                    raise _unknown_key(type(self), key)
+        _apply_overrides(type(self), data, overrides)
         return _build(type(self), data, prefix="", root=type(self))
+
+
+def _plain_tree(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a nested mapping whose mappings are plain dicts, to apply overrides to."""
+    return {key: _plain_tree(value) if isinstance(value, Mapping) else value for key, value in mapping.items()}
+
+
+def _apply_overrides(root: type, data: dict[str, Any], overrides: Iterable[str]) -> None:
+    """Write ``"dotted.key=value"`` overrides into ``data`` (a plain tree), each value parsed for its key's type.
+
+    :raises ConfigError: On a malformed override, an unknown key, a section overridden as a whole, or a value
+        that does not parse.
+    """
+    for override in overrides:
+        key, sep, text = str(override).partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError("override", "must look like 'dotted.key=value'", override, show_value=True)
+        node: dict[str, Any] = data
+        cls: type = root
+        parts = key.split(".")
+        for depth, part in enumerate(parts):
+            fields = attrs.fields_dict(cls)
+            if part not in fields:
+                raise _unknown_key(root, ".".join(parts[: depth + 1]))
+            tp = _hints(cls)[part]
+            if depth == len(parts) - 1:
+                try:
+                    if attrs.has(tp):
+                        raise ConfigError(key, "is a section; override one of its keys", text)
+                    node[part] = _parse(text.strip(), tp, key)
+                except ConfigError as exc:
+                    raise _hide_if_secret(exc, key, root) from None
+            elif attrs.has(tp):
+                child = node.setdefault(part, {})
+                if not isinstance(child, dict):
+                    raise ConfigError(".".join(parts[: depth + 1]), "must be a mapping", child)
+                node = child
+                cls = tp
+            else:
+                raise _unknown_key(root, key)
 
 
 def _all_keys(cls: type, prefix: str = "") -> list[str]:
@@ -787,10 +837,10 @@ class WandbConfig(_Section):
     """``wandb.*``: the W&B run; ``mode`` is ``"offline"`` (local files), ``"online"`` or ``"disabled"``."""
 
     mode: str = attrs.field(default="offline", validator=_one_of(*WANDB_MODES))
-    project: str | None = "trainkit"
+    project: str | None = attrs.field(default="trainkit", validator=_optional(_wandb_project))
     entity: str | None = None
     name: str | None = None
-    tags: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple)
+    tags: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple, validator=_wandb_tags)
 
 
 @attrs.frozen(kw_only=True)
