@@ -34,3 +34,25 @@ def test_changelog_has_an_unreleased_section():
     """CHANGELOG.md follows Keep a Changelog with an Unreleased section."""
     text = (ROOT / "CHANGELOG.md").read_text()
     assert "## [Unreleased]" in text and "Keep a Changelog" in text
+
+
+def readme_python_blocks() -> list[str]:
+    """The ```python blocks of README.md, as a user copies them."""
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+
+
+def test_every_readme_python_block_runs_unchanged(tmp_path):
+    """Each Python block of the README runs as a script, unchanged, in a fresh folder (as a user pastes it)."""
+    import subprocess
+    import sys
+
+    blocks = readme_python_blocks()
+    assert blocks, "the README has Python blocks"
+    for index, block in enumerate(blocks):
+        script = tmp_path / f"block{index}.py"
+        script.write_text(block)
+        env = {**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(
+            [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+        )
+        assert proc.returncode == 0, f"README block {index} failed:\n{block}\n{proc.stderr[-3000:]}"

@@ -23,7 +23,17 @@ from trainkit.bookkeeping import (
     should_validate,
     step_patience,
 )
-from trainkit.config import Config, public_config, secret_field
+from trainkit.config import (
+    CkptConfig,
+    Config,
+    DistConfig,
+    ProgressConfig,
+    TestConfig,
+    ValConfig,
+    WandbConfig,
+    public_config,
+    secret_field,
+)
 from trainkit.errors import (
     BookkeepingError,
     CheckpointCorruptError,
@@ -53,6 +63,12 @@ __all__ = [
     "launch",
     "spawn",
     "Config",
+    "ValConfig",
+    "TestConfig",
+    "CkptConfig",
+    "WandbConfig",
+    "ProgressConfig",
+    "DistConfig",
     "secret_field",
     "public_config",
     "BestState",

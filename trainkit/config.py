@@ -367,10 +367,10 @@ def _sections(cls: type, prefix: str = "") -> list[str]:
     return names
 
 
-def _unknown_key(root: type, key: str) -> ConfigError:
-    known = _all_keys(root)
+def _unknown_key(root: type, key: str, root_prefix: str = "") -> ConfigError:
+    known = _all_keys(root, root_prefix)
     leaf = key.rsplit(".", 1)[-1]
-    close = difflib.get_close_matches(key, known + _sections(root), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(key, known + _sections(root, root_prefix), n=1, cutoff=0.6)
     if not close:
         by_leaf = {k.rsplit(".", 1)[-1]: k for k in known}
         close = [by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)]
@@ -431,7 +431,7 @@ def _literal(text: str) -> Any:
         return text
 
 
-def _build(cls: type[C], mapping: Any, *, prefix: str, root: type) -> C:
+def _build(cls: type[C], mapping: Any, *, prefix: str, root: type, root_prefix: str = "") -> C:
     if isinstance(mapping, cls):
         return mapping
     if not isinstance(mapping, Mapping):
@@ -442,11 +442,11 @@ def _build(cls: type[C], mapping: Any, *, prefix: str, root: type) -> C:
     for raw_key, value in mapping.items():
         key = str(raw_key)
         if key not in fields:
-            raise _unknown_key(root, prefix + key)
+            raise _unknown_key(root, prefix + key, root_prefix)
         kind = plan[key]
         if kind == "section":
             try:
-                value = _build(_hints(cls)[key], value, prefix=f"{prefix}{key}.", root=root)
+                value = _build(_hints(cls)[key], value, prefix=f"{prefix}{key}.", root=root, root_prefix=root_prefix)
             except ConfigError as exc:
                 raise _hide_if_secret(exc, key, cls) from None
         elif kind == "tuple":
@@ -467,7 +467,16 @@ def _build(cls: type[C], mapping: Any, *, prefix: str, root: type) -> C:
 
 
 def _section(cls: type) -> Any:
-    return attrs.field(factory=cls)
+    """A config section field: takes the section's record, or any mapping validated into one exactly as
+    :meth:`Config.from_mapping` validates it (``MyConfig(epochs=20, val={"patience": 3})``)."""
+
+    def convert(value: Any, field: attrs.Attribute) -> Any:
+        if isinstance(value, Mapping):
+            name = f"{field.name}."
+            return _build(cls, value, prefix=name, root=cls, root_prefix=name)
+        return value
+
+    return attrs.field(factory=cls, converter=attrs.Converter(convert, takes_field=True))
 
 
 # ----------------------------------------------------------------------------------------------- secrets
