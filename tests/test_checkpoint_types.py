@@ -137,7 +137,7 @@ def test_loading_leaves_torchs_allowlist_as_it_was(tmp_path):
     load_checkpoint(tmp_path / "ok.pt")
     with pytest.raises(CheckpointUnsafeError):
         load_checkpoint(tmp_path / "bad.pt")
-    assert list(torch.serialization.get_safe_globals()) == before
+    assert set(torch.serialization.get_safe_globals()) == set(before)  # torch keeps them in a set: order varies
     with pytest.raises(Exception, match="numpy"):  # outside load_checkpoint, torch's own rules apply
         torch.load(tmp_path / "ok.pt", weights_only=True)
 
@@ -174,7 +174,7 @@ def test_loads_in_several_threads_do_not_take_the_allowlist_from_each_other(tmp_
         loaded = list(pool.map(lambda _: load_checkpoint(tmp_path / "last.pt"), range(40)))
     for result in loaded:
         assert_same(result, payload)
-    assert list(torch.serialization.get_safe_globals()) == before
+    assert set(torch.serialization.get_safe_globals()) == set(before)  # torch keeps them in a set: order varies
 
 
 def test_a_cyclic_payload_is_checked_once_and_round_trips(tmp_path):
@@ -460,3 +460,35 @@ def test_staging_keeps_types_and_copies_numpy_arrays():
     array = payload["pipeline"]["array_int64"]
     array[0, 0] = 99  # the caller changing its array after the submit must not change what is written
     assert staged["pipeline"]["array_int64"][0, 0] != 99
+
+
+def test_what_torch_registers_during_a_load_stays_registered(tmp_path):
+    """A type torch (or anyone) adds to the allowlist while a load runs is still there after it: only trainkit's
+    own entries are taken out again."""
+    import trainkit.checkpoint as ckpt
+
+    atomic_save({"pipeline": {"scalar": np.int64(1)}}, tmp_path / "last.pt")
+
+    class Registered:
+        pass
+
+    original = torch.load
+
+    def load_and_register(*args, **kwargs):
+        torch.serialization.add_safe_globals([Registered])  # what a lazily imported torch module does
+        return original(*args, **kwargs)
+
+    torch.load = load_and_register
+    try:
+        load_checkpoint(tmp_path / "last.pt")
+    finally:
+        torch.load = original
+    try:
+        assert Registered in torch.serialization.get_safe_globals()
+        assert not any(
+            isinstance(entry, tuple) and entry[0] is ckpt._slice for entry in torch.serialization.get_safe_globals()
+        )
+    finally:
+        kept = [entry for entry in torch.serialization.get_safe_globals() if entry is not Registered]
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(kept)

@@ -18,7 +18,7 @@ import torch
 
 from tests.faults.harness import train, write_run
 from tests.test_trainer import make_cfg
-from tests.trainers import TinyTrainer
+from tests.trainers import TinyTrainer, param_digest
 from trainkit import OutDirError
 from trainkit import checkpoint as ckpt_io
 from trainkit.run_lock import LOCK_FILE, RunLock
@@ -332,3 +332,55 @@ def test_report_replaces_a_curves_png_link_instead_of_writing_through_it(tmp_pat
     path = plot_curves(tmp_path / "run", summarize_run(tmp_path / "run"))
     assert victim.read_text() == "precious"
     assert not path.is_symlink() and path.read_bytes().startswith(b"\x89PNG")
+
+
+# ---------------------------------------------------------------------------------- hostile files at resume
+
+
+def test_a_last_pt_of_the_wrong_shape_falls_back_to_the_previous_one(tmp_path):
+    """A CRC-valid last.pt whose engine entries have the wrong shape is refused naming the key; auto-resume
+    falls back to last.prev.pt and trains to the same end as an untouched run."""
+    reference = TinyTrainer(make_cfg(tmp_path / "ref", epochs=3))
+    reference.train()
+    out = tmp_path / "run"
+
+    class Stops(TinyTrainer):
+        def train_epoch(self):
+            if self.epoch == 2:
+                raise RuntimeError("stop")
+            super().train_epoch()
+
+    with pytest.raises(RuntimeError, match="stop"):
+        Stops(make_cfg(out, epochs=3)).train()
+    payload = torch.load(out / "last.pt", weights_only=True)
+    payload["loop"] = 5
+    torch.save(payload, out / "last.pt")
+    with pytest.warns(RuntimeWarning, match=r"loop must be a LoopState dict.*resuming from the previous checkpoint"):
+        resumed = TinyTrainer(make_cfg(out, epochs=3))
+    assert resumed.epoch == 1 and (out / "last.corrupt.pt").exists()
+    resumed.train()
+    assert param_digest(resumed.model) == param_digest(reference.model)
+
+
+def test_a_fifo_at_last_pt_falls_back_instead_of_hanging(tmp_path):
+    """A FIFO planted at last.pt is refused without blocking, and the run resumes from last.prev.pt."""
+    TinyTrainer(make_cfg(tmp_path, epochs=2)).train()
+    (tmp_path / "last.pt").unlink()
+    os.mkfifo(tmp_path / "last.pt")
+    started = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="not a regular file"):
+        trainer = TinyTrainer(make_cfg(tmp_path, epochs=3))
+    assert time.monotonic() - started < 30 and trainer.epoch == 1
+
+
+def test_a_users_own_state_dict_as_best_pt_is_not_taken_for_the_best(tmp_path):
+    """best.pt overwritten by a bare torch.save(model.state_dict()) is refused with a warning, never loaded."""
+    trainer = TinyTrainer(make_cfg(tmp_path, epochs=2, scripted_scores=(2.0, 1.0)))
+    trainer.train()
+    torch.save(trainer.model.state_dict(), tmp_path / "best.pt")
+    (tmp_path / "best.prev.pt").unlink()
+    with pytest.warns(RuntimeWarning, match=r"best.pt is not a valid trainkit best.pt"):
+        resumed = TinyTrainer(make_cfg(tmp_path, epochs=3, scripted_scores=(2.0, 1.0, 0.5)))
+    assert resumed.best_model is None
+    resumed.train()
+    assert resumed.best_state.epoch == 2 and resumed.best_model is not None

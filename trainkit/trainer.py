@@ -41,6 +41,7 @@ from trainkit.errors import (
 )
 from trainkit.logging import JsonlSink, LogBuffer, NullSink, WandbSink, new_run_id
 from trainkit.modules import load_module_state, module_state, restore_training_modes, training_modes
+from trainkit.payload import SCHEMA_VERSION, validate_best, validate_last
 from trainkit.progress import EpochBar, step_bar
 from trainkit.run_lock import RunLock
 from trainkit.snapshot import WeightSnapshot
@@ -51,8 +52,8 @@ logger = logging.getLogger("trainkit")
 
 T = TypeVar("T")
 
-CHECKPOINT_SCHEMA_VERSION = 1
-"""Version of the checkpoint layout written by this trainkit."""
+CHECKPOINT_SCHEMA_VERSION = SCHEMA_VERSION
+"""Version of the checkpoint layout written by this trainkit (the layout :mod:`trainkit.payload` describes)."""
 
 LAST_CKPT = "last.pt"
 BEST_CKPT = "best.pt"
@@ -119,7 +120,7 @@ def _read_prefix(path: Path, size: int) -> bytes:
     """The first ``size`` bytes of the metrics file of the folder a run resumed from (empty when it has none)."""
     try:
         with open(path, "rb") as handle:
-            return handle.read(size)
+            return handle.read(min(size, os.fstat(handle.fileno()).st_size))  # a recorded size, not the real one
     except OSError:
         return b""
 
@@ -623,23 +624,30 @@ class BaseTrainer(abc.ABC):
         if mode != "auto" and not path.exists():
             raise CheckpointError(f"ckpt.resume={mode!r}: no checkpoint at {path}")
         try:
-            ckpt = ckpt_io.load_checkpoint(path)
+            ckpt = self._read_last_checkpoint(path)
         except CheckpointCorruptError as exc:
             if mode != "auto" or not previous.exists():
                 raise
-            # the newest file is damaged (bit rot, a disk that lied about fsync): the one before it is intact
-            ckpt = ckpt_io.load_checkpoint(previous)
+            # the newest file is damaged (bit rot, a disk that lied about fsync) or not a checkpoint at all (a
+            # FIFO, a hand-edited payload): the one before it is intact
+            ckpt = self._read_last_checkpoint(previous)
             kept = path.with_name(f"{path.stem}.corrupt{path.suffix}")
             if self.is_main:
                 os.replace(path, kept)  # kept for inspection, and so the next save cannot rotate it into .prev
             warnings.warn(
-                f"{exc}; resuming from the previous checkpoint {previous} instead (the damaged file is kept as {kept})",
+                f"{exc}; resuming from the previous checkpoint {previous} instead (the refused file is kept as {kept})",
                 RuntimeWarning,
                 stacklevel=3,
             )
             path = previous
         self._check_compatible(ckpt, path)
         return ckpt, path
+
+    def _read_last_checkpoint(self, path: Path) -> dict[str, Any]:
+        """Load a ``last.pt`` and check its engine entries against the schema before anything reads them."""
+        ckpt = ckpt_io.load_checkpoint(path)
+        validate_last(ckpt, path=path, world_size=self.world_size)
+        return ckpt
 
     def _check_compatible(self, ckpt: Mapping[str, Any], path: Path) -> None:
         version = ckpt.get("schema_version")
@@ -820,6 +828,7 @@ class BaseTrainer(abc.ABC):
                 continue
             try:
                 payload = ckpt_io.load_checkpoint(candidate)
+                validate_best(payload, path=candidate)
             except CheckpointCorruptError as exc:
                 warnings.warn(str(exc), RuntimeWarning, stacklevel=4)
                 continue
