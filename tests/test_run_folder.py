@@ -375,12 +375,16 @@ def test_a_fifo_at_last_pt_falls_back_instead_of_hanging(tmp_path):
 
 def test_a_users_own_state_dict_as_best_pt_is_not_taken_for_the_best(tmp_path):
     """best.pt overwritten by a bare torch.save(model.state_dict()) is refused with a warning, never loaded."""
-    trainer = TinyTrainer(make_cfg(tmp_path, epochs=2, scripted_scores=(2.0, 1.0)))
+    scores = (2.0, 1.0, 0.5)
+    trainer = TinyTrainer(make_cfg(tmp_path, epochs=2, scripted_scores=scores))
     trainer.train()
     torch.save(trainer.model.state_dict(), tmp_path / "best.pt")
     (tmp_path / "best.prev.pt").unlink()
-    with pytest.warns(RuntimeWarning, match=r"best.pt is not a valid trainkit best.pt"):
-        resumed = TinyTrainer(make_cfg(tmp_path, epochs=3, scripted_scores=(2.0, 1.0, 0.5)))
+    with pytest.warns(RuntimeWarning) as record:
+        resumed = TinyTrainer(make_cfg(tmp_path, epochs=3, scripted_scores=scores))
+    messages = [str(w.message) for w in record]
+    assert any("best.pt is not a valid trainkit best.pt" in m for m in messages), messages
+    assert any("no best checkpoint matches the best recorded" in m for m in messages), messages
     assert resumed.best_model is None
     resumed.train()
     assert resumed.best_state.epoch == 2 and resumed.best_model is not None
