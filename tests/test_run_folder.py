@@ -388,3 +388,27 @@ def test_a_users_own_state_dict_as_best_pt_is_not_taken_for_the_best(tmp_path):
     assert resumed.best_model is None
     resumed.train()
     assert resumed.best_state.epoch == 2 and resumed.best_model is not None
+
+
+def test_a_failed_construction_leaves_nothing_open_and_the_folder_free(tmp_path):
+    """setup() raising: the metrics file is closed, the lock released, and the next trainer starts normally."""
+
+    class FailingSetup(TinyTrainer):
+        def setup(self, ckpt):
+            raise RuntimeError("setup failed")
+
+    def open_files():
+        found = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                found.add(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:  # the descriptor listdir itself used, closed since
+                continue
+        return found
+
+    before = open_files()
+    with pytest.raises(RuntimeError, match="setup failed"):
+        FailingSetup(make_cfg(tmp_path, epochs=1))
+    leaked = {path for path in open_files() - before if str(tmp_path) in path}
+    assert not leaked
+    TinyTrainer(make_cfg(tmp_path, epochs=1)).train()

@@ -234,7 +234,9 @@ class BaseTrainer(abc.ABC):
             if ckpt is not None and resume is not None:
                 self._restore(ckpt, resume)
         except BaseException:
-            self._lock.release()  # a failed construction leaves the folder free (the error may keep self alive)
+            # a failed construction leaves nothing open and the folder free (the error may keep self alive)
+            self._close_sinks(failed=True)
+            self._lock.release()
             raise
 
     def __getattr__(self, name: str) -> Any:
