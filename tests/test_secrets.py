@@ -454,19 +454,10 @@ class LeakyTrainer(TinyTrainer):
 
 def start_run(tmp_path, log_name, words):
     """Start ``python -m tests.test_secrets WORDS`` with an isolated, offline W&B home; return the running process."""
-    from tests.faults.harness import Run, child_env
+    from tests.faults.harness import Run, offline_wandb_env
 
-    home = tmp_path / "wandb-home"
-    home.mkdir(exist_ok=True)
-    env = child_env(
-        WANDB_CONFIG_DIR=str(home),
-        WANDB_CACHE_DIR=str(home / "cache"),
-        WANDB_DATA_DIR=str(home / "data"),
-        NETRC=str(home / "netrc"),
-        WANDB_SILENT="true",
-    )
-    for name in ("WANDB_DIR", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_RUN_ID", "WANDB_RESUME", "WANDB_API_KEY"):
-        env.pop(name, None)
+    env = offline_wandb_env(tmp_path / "wandb-home")
+    env.pop("WANDB_API_KEY", None)
     return Run(["-m", "tests.test_secrets", *words], tmp_path / log_name, env)
 
 

@@ -11,7 +11,7 @@ import numpy  # noqa: F401 - loaded so the trainer also captures and restores nu
 import pytest
 import torch
 
-from tests.faults.harness import ROOT, child_env, train, write_run
+from tests.faults.harness import ROOT, child_env, offline_wandb_env, train, write_run
 from tests.faults.hostile import CODE_RUNNING, SENTINEL_NAME, build_corpus
 from tests.test_trainer import make_cfg
 from tests.trainers import TinyTrainer
@@ -126,17 +126,7 @@ def test_secrets_in_the_environment_never_reach_a_file(tmp_path):
     """An offline W&B run with API keys and tokens in its environment writes none of them into any file."""
     out = tmp_path / "run"
     home = tmp_path / "wandb-home"
-    home.mkdir()
-    env = child_env(
-        **SECRETS,
-        WANDB_CONFIG_DIR=str(home),
-        WANDB_CACHE_DIR=str(home / "cache"),
-        WANDB_DATA_DIR=str(home / "data"),
-        NETRC=str(home / "netrc"),
-        WANDB_SILENT="true",
-    )
-    for name in ("WANDB_DIR", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_RUN_ID", "WANDB_RESUME"):
-        env.pop(name, None)
+    env = offline_wandb_env(home, **SECRETS)
     cfg = make_cfg(out, epochs=2, wandb={"mode": "offline"}, test={"enable": True})
     run = train(write_run(tmp_path / "run.json", cfg), tmp_path / "log", env=env)
     assert run.wait(timeout=150) == 0, run.stderr[-3000:]

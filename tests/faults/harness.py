@@ -25,6 +25,23 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def offline_wandb_env(home: Path, **extra: str) -> dict[str, str]:
+    """A training process's environment with an isolated W&B home, offline, and no W&B settings inherited."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = child_env(
+        **extra,
+        WANDB_CONFIG_DIR=str(home),
+        WANDB_CACHE_DIR=str(home / "cache"),
+        WANDB_DATA_DIR=str(home / "data"),
+        NETRC=str(home / "netrc"),
+        WANDB_SILENT="true",
+    )
+    for name in ("WANDB_DIR", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_RUN_ID", "WANDB_RESUME"):
+        if name not in extra:
+            env.pop(name, None)
+    return env
+
+
 def write_run(path: Path, config: dict[str, Any], fault: dict[str, Any] | None = None) -> Path:
     """Write the JSON file that tests/faults/train.py reads: the trainer's config and the injected faults."""
     path.write_text(json.dumps({"config": config, "fault": fault or {}}))
