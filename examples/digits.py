@@ -12,7 +12,6 @@ Ctrl-C finishes the current epoch, saves, and exits; the same command then resum
 
 from __future__ import annotations
 
-import sys
 import time
 
 import attrs
@@ -143,8 +142,12 @@ class DigitsTrainer(trainkit.BaseTrainer):
         return {"acc": accuracy, "loss": loss}
 
 
-def main(argv: list[str]) -> dict | None:
-    """Train, print the test accuracy, and return the final metrics."""
+def main(argv: list[str] | None = None) -> dict | None:
+    """Train, print the test accuracy, and return the final metrics.
+
+    :param argv: Config words (YAML files, ``dotted.key=value``); None reads the command line, where a bad
+        word is reported in one line and exits with status 2.
+    """
     torch.set_num_threads(max(1, torch.get_num_threads()))
     cfg = config_from_argv(DigitsConfig, argv, defaults=DEFAULTS)
     start = time.perf_counter()
@@ -163,4 +166,4 @@ def main(argv: list[str]) -> dict | None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -145,3 +145,30 @@ def test_report_on_a_folder_without_a_run_fails_clearly(tmp_path):
     report = run([sys.executable, "-m", "trainkit", "report", str(tmp_path)])
     assert report.returncode == 2
     assert "metrics.jsonl does not exist" in report.stderr
+
+
+def test_a_config_error_on_the_command_line_is_one_line_and_exit_status_2(tmp_path):
+    """A misspelled override prints one line naming the closest key and exits 2, as argparse does."""
+    proc = run([sys.executable, "examples/digits.py", "val.paitence=3", f"out_dir={tmp_path}", *QUIET])
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines == ["digits.py: error: unknown config key 'val.paitence'; did you mean 'val.patience'?"], lines
+
+
+def test_a_python_caller_of_config_from_argv_still_gets_the_config_error():
+    """config_from_argv with explicit words raises ConfigError instead of exiting."""
+    from trainkit import Config, ConfigError
+    from trainkit.cli import config_from_argv
+
+    with pytest.raises(ConfigError, match="did you mean 'val.patience'"):
+        config_from_argv(Config, ["epochs=1", "val.paitence=3"])
+
+
+def test_a_misspelled_resume_mode_names_the_choices(tmp_path):
+    """ckpt.resume=sometimes is reported as not auto, never or an existing checkpoint path."""
+    from tests.test_trainer import make_cfg
+    from tests.trainers import TinyTrainer
+    from trainkit import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"ckpt.resume must be 'auto', 'never' or the path of an existing"):
+        TinyTrainer(make_cfg(tmp_path, ckpt={"resume": "sometimes"}))

@@ -49,17 +49,31 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def config_from_argv(config_class: type[C], argv: Sequence[str], defaults: dict[str, Any] | None = None) -> C:
+def config_from_argv(
+    config_class: type[C], argv: Sequence[str] | None = None, defaults: dict[str, Any] | None = None
+) -> C:
     """Build a config from command-line words: YAML files (``*.yaml``/``*.yml``) then ``dotted.key=value`` overrides.
 
-    Later files override earlier ones key by key; overrides apply last, in order.
+    Later files override earlier ones key by key; overrides apply last, in order. Without ``argv`` it reads
+    the process's command line and, as ``argparse`` does, reports a bad word in one line on stderr
+    (``digits.py: error: unknown config key 'val.paitence'; did you mean 'val.patience'?``) and exits with
+    status 2; with ``argv`` given, it raises instead.
 
     :param config_class: The config record to build.
-    :param argv: The words after the program name, e.g. ``["conf.yaml", "epochs=40", "val.patience=5"]``.
+    :param argv: The words after the program name, e.g. ``["conf.yaml", "epochs=40", "val.patience=5"]``;
+        None reads ``sys.argv[1:]``.
     :param defaults: Values applied before any file (a script's own defaults).
     :returns: The validated config.
-    :raises ConfigError: On an unknown key, a bad value, or a word that is neither a file nor an override.
+    :raises ConfigError: On an unknown key, a bad value, or a word that is neither a file nor an override,
+        when ``argv`` is given.
+    :raises SystemExit: With status 2 for the same errors, when ``argv`` is None.
     """
+    if argv is None:
+        try:
+            return config_from_argv(config_class, sys.argv[1:], defaults)
+        except ConfigError as exc:
+            print(f"{Path(sys.argv[0]).name or 'trainkit'}: error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
     data: dict[str, Any] = {}
     _merge(data, defaults or {})
     overrides = []

@@ -624,7 +624,10 @@ class BaseTrainer(abc.ABC):
         if mode == "auto" and not path.exists() and not previous.exists():
             return None, None
         if mode != "auto" and not path.exists():
-            raise CheckpointError(f"ckpt.resume={mode!r}: no checkpoint at {path}")
+            raise CheckpointError(
+                f"ckpt.resume must be 'auto', 'never' or the path of an existing checkpoint, got {mode!r} "
+                f"(there is no file at {path})"
+            )
         try:
             ckpt = self._read_last_checkpoint(path)
         except CheckpointCorruptError as exc:
