@@ -172,3 +172,47 @@ def test_a_misspelled_resume_mode_names_the_choices(tmp_path):
 
     with pytest.raises(CheckpointError, match=r"ckpt.resume must be 'auto', 'never' or the path of an existing"):
         TinyTrainer(make_cfg(tmp_path, ckpt={"resume": "sometimes"}))
+
+
+def test_inspect_shows_what_a_checkpoint_holds(tmp_path):
+    """python -m trainkit inspect prints epoch, step, config, items with tensor shapes/dtypes/bytes, best and
+    patience records and RNG owners, for last.pt and best.pt."""
+    from tests.test_trainer import make_cfg
+    from tests.trainers import TinyTrainer
+
+    TinyTrainer(make_cfg(tmp_path, epochs=3, scripted_scores=(3.0, 1.0, 2.0), val={"patience": 4})).train()
+    last = run([sys.executable, "-m", "trainkit", "inspect", str(tmp_path / "last.pt")])
+    assert last.returncode == 0, last.stderr
+    for needle in (
+        "a trainkit last.pt, schema 1",
+        "epoch:        3 done, step",
+        "best:         score 1 at epoch 1 (minimize",
+        "patience:     3 of 4 left",
+        "rng:          rank 0: ",
+        "  epochs = 3",
+        "  model: 4 tensor(s)",
+        "    0.weight: float32 32x8 (1.0 KiB)",
+        "  optimizer: ",
+    ):
+        assert needle in last.stdout, (needle, last.stdout)
+    best = run([sys.executable, "-m", "trainkit", "inspect", str(tmp_path / "best.pt")])
+    assert best.returncode == 0 and "a trainkit best.pt" in best.stdout and "best epoch:   1" in best.stdout
+
+
+@pytest.mark.parametrize("content", [b"not a checkpoint", b"PK\x05\x06" + b"\x00" * 18])
+def test_inspect_of_a_damaged_file_is_one_line(tmp_path, content):
+    """inspect gives a damaged or foreign file the same one-line refusal as a resume, and exit status 2."""
+    path = tmp_path / "last.pt"
+    path.write_bytes(content)
+    proc = run([sys.executable, "-m", "trainkit", "inspect", str(path)])
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error: checkpoint ")
+
+
+def test_inspect_of_a_bare_state_dict_says_it_is_not_a_trainkit_checkpoint(tmp_path):
+    """A user's own torch.save(model.state_dict()) is refused as not a trainkit checkpoint, in one line."""
+    import torch
+
+    torch.save({"weight": torch.zeros(2)}, tmp_path / "weights.pt")
+    proc = run([sys.executable, "-m", "trainkit", "inspect", str(tmp_path / "weights.pt")])
+    assert proc.returncode == 2 and "is not a trainkit checkpoint" in proc.stderr

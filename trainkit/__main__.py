@@ -1,4 +1,4 @@
-"""``python -m trainkit``: command-line tools (``report``)."""
+"""``python -m trainkit``: command-line tools (``report``, ``inspect``)."""
 
 import sys
 
