@@ -216,3 +216,22 @@ def test_inspect_of_a_bare_state_dict_says_it_is_not_a_trainkit_checkpoint(tmp_p
     torch.save({"weight": torch.zeros(2)}, tmp_path / "weights.pt")
     proc = run([sys.executable, "-m", "trainkit", "inspect", str(tmp_path / "weights.pt")])
     assert proc.returncode == 2 and "is not a trainkit checkpoint" in proc.stderr
+
+
+def test_curve_panels_put_test_points_and_the_lr_on_the_plot_and_a_wide_loss_on_a_log_axis():
+    """The report's panels: a loss spanning more than a decade gets a log axis, a narrow one does not; test
+    metrics join their metric's panel; the learning rate gets a panel; grad norms stay out."""
+    from trainkit.cli import curve_panels
+
+    rows = [
+        {"trainer/epoch": 0, "train/loss": 2.0, "val/loss": 2.1, "train/grad_norm": 3.0, "lr/opt/decay": 1e-3},
+        {"trainer/epoch": 1, "train/loss": 0.05, "val/loss": 0.08, "val/acc": 0.9, "lr/opt/decay": 1e-5},
+        {"trainer/epoch": 1, "test/loss": 0.09, "test/acc": 0.88},
+    ]
+    panels = curve_panels(rows)
+    assert list(panels) == ["loss", "acc", "lr"]
+    assert panels["loss"] == {"keys": ["test/loss", "train/loss", "val/loss"], "log": True}
+    assert panels["acc"] == {"keys": ["test/acc", "val/acc"], "log": False}
+    assert panels["lr"]["log"] is True
+    narrow = curve_panels([{"train/loss": 0.5}, {"train/loss": 0.3}])
+    assert narrow["loss"]["log"] is False

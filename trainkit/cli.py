@@ -21,7 +21,15 @@ from typing import Any, TypeVar
 from trainkit.config import Config, redact_argv
 from trainkit.errors import ConfigError
 
-__all__ = ["config_from_argv", "load_yaml", "read_metrics", "summarize_run", "describe_checkpoint", "main"]
+__all__ = [
+    "config_from_argv",
+    "load_yaml",
+    "read_metrics",
+    "summarize_run",
+    "curve_panels",
+    "describe_checkpoint",
+    "main",
+]
 
 C = TypeVar("C", bound=Config)
 
@@ -170,8 +178,46 @@ def _series(rows: list[dict[str, float]], key: str) -> tuple[list[float], list[f
     return xs, ys
 
 
+def curve_panels(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Decide the panels of ``curves.png``: one per metric name, its train/val curves and test point together.
+
+    Pure. ``train/loss``, ``val/loss`` and ``test/loss`` share the ``loss`` panel; every ``lr/...`` key goes on
+    the ``lr`` panel; grad norms are left out. A panel whose values are all positive and span more than a
+    decade (a loss, a decaying learning rate) gets a log axis.
+
+    :param rows: The rows of ``metrics.jsonl``.
+    :returns: Panel name to ``{"keys": [...], "log": bool}``, in drawing order (loss first, lr last).
+
+    >>> panels = curve_panels([{"train/loss": 100.0, "lr/opt/0": 0.1}, {"train/loss": 0.5, "val/loss": 0.6,
+    ...                        "test/loss": 0.7, "lr/opt/0": 0.1}])
+    >>> panels["loss"], panels["lr"]
+    ({'keys': ['test/loss', 'train/loss', 'val/loss'], 'log': True}, {'keys': ['lr/opt/0'], 'log': False})
+    """
+    keys = sorted({key for row in rows for key in row})
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        if key.startswith(("train/", "val/", "test/")) and "grad_norm" not in key:
+            groups.setdefault(key.split("/", 1)[1], []).append(key)
+        elif key.startswith("lr/"):
+            groups.setdefault("lr", []).append(key)
+    order = sorted(groups, key=lambda name: (name != "loss", name == "lr", name))
+    panels: dict[str, dict[str, Any]] = {}
+    for name in order:
+        values = [
+            row[key]
+            for row in rows
+            for key in groups[name]
+            if isinstance(row.get(key), int | float) and math.isfinite(row[key])
+        ]
+        log = bool(values) and min(values) > 0 and max(values) / min(values) > 10
+        panels[name] = {"keys": groups[name], "log": log}
+    return panels
+
+
 def plot_curves(out_dir: str | Path, summary: dict[str, Any]) -> Path:
-    """Draw the train/val curves per epoch with the best epoch marked, into ``out_dir/curves.png``.
+    """Draw the train/val curves per epoch, test points, the learning rate and the best epoch into ``curves.png``.
+
+    Panels come from :func:`curve_panels` (a loss spanning more than a decade gets a log axis).
 
     :param out_dir: The run folder.
     :param summary: What :func:`summarize_run` returned.
@@ -189,15 +235,17 @@ def plot_curves(out_dir: str | Path, summary: dict[str, Any]) -> Path:
             "matplotlib is needed to draw curves: pip install 'trainkit[report]' (or matplotlib)"
         ) from None
     rows = read_metrics(out_dir)
-    keys = sorted({k for row in rows for k in row if k.startswith(("train/", "val/")) and "grad_norm" not in k})
-    groups: dict[str, list[str]] = {}
-    for key in keys:
-        groups.setdefault(key.split("/", 1)[1], []).append(key)
-    fig, axes = plt.subplots(len(groups) or 1, 1, figsize=(7, 2.6 * max(len(groups), 1)), squeeze=False)
-    for ax, (name, members) in zip(axes[:, 0], sorted(groups.items())):
-        for key in members:
+    panels = curve_panels(rows)
+    fig, axes = plt.subplots(len(panels) or 1, 1, figsize=(7, 2.6 * max(len(panels), 1)), squeeze=False)
+    for ax, (name, panel) in zip(axes[:, 0], panels.items()):
+        for key in panel["keys"]:
             xs, ys = _series(rows, key)
-            ax.plot(xs, ys, marker="o", markersize=3, label=key)
+            if key.startswith("test/"):  # measured once, at the end, on the best weights: a point, not a curve
+                ax.plot(xs[-1:], ys[-1:], marker="*", markersize=11, linestyle="none", label=f"{key} (best weights)")
+            else:
+                ax.plot(xs, ys, marker="o", markersize=3, label=key)
+        if panel["log"]:
+            ax.set_yscale("log")
         if summary.get("best_epoch") is not None:
             ax.axvline(summary["best_epoch"], color="tab:red", linestyle="--", linewidth=1, label="best epoch")
         ax.set_ylabel(name)
