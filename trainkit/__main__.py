@@ -1,4 +1,4 @@
-"""``python -m trainkit``: command-line tools (``report``, ``inspect``)."""
+"""``python -m trainkit``: command-line tools (``report``, ``inspect``, ``replay``)."""
 
 import sys
 

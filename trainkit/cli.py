@@ -443,7 +443,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     inspect_parser = commands.add_parser("inspect", help="show what a checkpoint holds, after the resume's checks")
     inspect_parser.add_argument("checkpoint", help="a last.pt or best.pt")
     inspect_parser.add_argument("--all", action="store_true", help="list every tensor of every item")
+    replay_parser = commands.add_parser(
+        "replay", help="replay a run's validation scores under other early-stopping settings (no torch)"
+    )
+    replay_parser.add_argument("out_dir", help="the run's out_dir")
+    replay_parser.add_argument("settings", nargs="*", help="val.patience=5 val.min_delta=0.01 val.start_patience=3 ...")
+    replay_parser.add_argument("--metric", default="val/loss", help="the score the run selected on (val/loss)")
     args = parser.parse_args(argv)
+    if args.command == "replay":
+        from trainkit.replay import format_replay, replay_run
+
+        try:
+            recorded, replayed = replay_run(args.out_dir, args.settings, metric=args.metric)
+        except (ConfigError, ValueError, FileNotFoundError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print("\n".join(format_replay(recorded, replayed, args.settings, args.metric)))
+        return 0
     if args.command == "inspect":
         from trainkit.errors import CheckpointError
 
