@@ -227,3 +227,26 @@ def test_only_rank_zero_creates_a_run(tmp_path):
     assert [row["trainer/epoch"] for row in part.history] == [0, 1]
     run_id = torch.load(tmp_path / "last.pt", weights_only=True)["wandb_run_id"]
     assert part.run_id == run_id
+
+
+class StopsOnSigterm(CrashingTrainer):
+    """TinyTrainer that receives SIGTERM during epoch 1: it finishes the epoch, saves and stops."""
+
+    def train_epoch(self):
+        super().train_epoch()
+        if self.epoch == 1:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_clean_signal_stop_is_not_a_failed_wandb_run(tmp_path):
+    """SIGTERM stops the run at the epoch's end, saved and resumable: its offline run is recorded with exit code 0."""
+    from trainkit import TrainingInterrupted
+
+    with pytest.raises(TrainingInterrupted):
+        run(StopsOnSigterm(config(tmp_path)))
+    (first,) = offline_runs(tmp_path)
+    assert first.exit_code == 0
+    assert [row["trainer/epoch"] for row in first.history] == [0, 1]

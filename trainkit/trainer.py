@@ -341,7 +341,8 @@ class BaseTrainer(abc.ABC):
             if self.is_main:
                 print(f"trainkit: {exc}", file=sys.stderr, flush=True)
             self._failed = True
-            self._close_sinks(failed=True)
+            # a clean stop at an epoch boundary, saved and resumable: not a failed W&B run (exit code 0)
+            self._close_sinks(failed=False)
             raise
         except BaseException:
             self._failed = True
