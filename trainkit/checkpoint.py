@@ -282,10 +282,10 @@ def _process_gone(pid: int) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # no such process; or a number no process can have
         return True
-    except (PermissionError, OverflowError):  # alive under another user; or not a pid at all
-        return isinstance(sys.exc_info()[1], OverflowError)
+    except PermissionError:  # alive, under another user
+        return False
     return False
 
 
