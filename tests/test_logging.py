@@ -8,6 +8,8 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.host_syncs import count_host_syncs
 from tests.trainers import TinyTrainer
@@ -234,3 +236,159 @@ def test_nan_and_inf_metrics_reach_the_file(trainer):
     trainer.push_logs()
     (row,) = read_rows(trainer.out_dir / "metrics.jsonl")
     assert math.isnan(row["a"]) and row["b"] == math.inf
+
+
+# ------------------------------------------------------------------ RunLog: rows numbered by their line
+
+
+class FakeWandb:
+    """A W&B run that records (step, row) and, like W&B, refuses a step below its last one."""
+
+    run_id = "fake0001"
+
+    def __init__(self, next_step: int = 0) -> None:
+        self.next_step = next_step
+        self.logged: list[tuple[int, dict]] = []
+        self.exit_code: int | None = None
+
+    def log(self, metrics, step=None):
+        step = self.next_step if step is None else step
+        assert step >= self.next_step, f"step {step} after {self.next_step}"
+        self.logged.append((step, dict(metrics)))
+        self.next_step = step + 1
+
+    def summary(self, values):
+        pass
+
+    def finish(self, exit_code=0):
+        self.exit_code = exit_code
+
+
+def row(i: int, bias: float = 0.0) -> dict:
+    return {"trainer/step": i, "trainer/epoch": i // 4, "train/loss": 1.0 / (i + 1) + bias}
+
+
+def write_journal(path, rows) -> int:
+    data = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+    path.write_bytes(data)
+    return len(data)
+
+
+def test_run_log_numbers_w_and_b_rows_by_their_line(tmp_path):
+    """A fresh run: W&B gets every row, at its 0-based line in metrics.jsonl."""
+    from trainkit.logging import JsonlSink, RunLog
+
+    wandb = FakeWandb()
+    log = RunLog(JsonlSink(tmp_path / "m.jsonl", truncate_to=0), wandb)
+    for i in range(5):
+        log.log(row(i))
+    log.finish()
+    assert [step for step, _ in wandb.logged] == [0, 1, 2, 3, 4]
+    assert [r for _, r in wandb.logged] == read_rows(tmp_path / "m.jsonl")
+    assert wandb.exit_code == 0
+
+
+def test_run_log_skips_the_rows_w_and_b_holds_and_reports_a_changed_rerun(tmp_path, capsys):
+    """Resumed at line 4 with W&B holding lines 0-6: lines 4-6 stay out of W&B; changed values are reported once."""
+    from trainkit.logging import JsonlSink, RunLog, WandbHistory
+
+    path = tmp_path / "m.jsonl"
+    offset = write_journal(path, [row(i) for i in range(4)])
+    with path.open("ab") as journal:  # the rows a crash lost
+        journal.write(b"".join(json.dumps(row(i)).encode() + b"\n" for i in range(4, 7)))
+    held = WandbHistory(7, {i: row(i) for i in range(4, 7)})
+
+    wandb = FakeWandb()
+    log = RunLog(JsonlSink(path, truncate_to=offset), wandb, held)
+    for i in range(4, 9):
+        log.log(row(i))
+    log.finish()
+    assert [step for step, _ in wandb.logged] == [7, 8]
+    assert "W&B already held" not in capsys.readouterr().err  # a bit-exact rerun: nothing to say
+
+    path.write_bytes(b"")
+    offset = write_journal(path, [row(i) for i in range(4)])
+    wandb = FakeWandb()
+    log = RunLog(JsonlSink(path, truncate_to=offset), wandb, held)
+    for i in range(4, 9):
+        log.log(row(i, bias=0.5 if i == 5 else 0.0))
+    err = capsys.readouterr().err
+    assert "W&B already held steps 4-6 of this run" in err and "1 of those 3 rows differ" in err, err
+    log.finish()
+    assert "W&B already held" not in capsys.readouterr().err  # said once
+    assert [step for step, _ in wandb.logged] == [7, 8]
+
+
+def test_run_log_sends_the_rows_w_and_b_lost_when_it_resumes(tmp_path):
+    """W&B wrote lines 0-1 before a kill; the file kept 0-5: lines 2-5 are sent at once, torn lines skipped."""
+    from trainkit.logging import JsonlSink, RunLog, WandbHistory
+
+    path = tmp_path / "m.jsonl"
+    rows = [row(i) for i in range(6)]
+    data = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+    torn = data.replace(json.dumps(rows[3]).encode(), b'{"trainer/st')  # a line a crash tore
+    path.write_bytes(torn)
+    wandb = FakeWandb()
+    log = RunLog(JsonlSink(path, truncate_to=len(torn)), wandb, WandbHistory(2, {}))
+    assert [step for step, _ in wandb.logged] == [2, 4, 5]
+    assert [r for _, r in wandb.logged] == [rows[2], rows[4], rows[5]]
+    log.log(row(6))
+    assert wandb.logged[-1] == (6, row(6))
+
+
+def test_run_log_starts_after_the_steps_online_w_and_b_holds(tmp_path):
+    """Online, W&B's own next step counts: rows below it are not sent (W&B would drop them)."""
+    from trainkit.logging import JsonlSink, RunLog
+
+    path = tmp_path / "m.jsonl"
+    offset = write_journal(path, [row(i) for i in range(3)])
+    wandb = FakeWandb(next_step=5)
+    log = RunLog(JsonlSink(path, truncate_to=offset), wandb)
+    for i in range(3, 7):
+        log.log(row(i))
+    assert [step for step, _ in wandb.logged] == [5, 6]
+
+
+def test_run_log_without_a_file_numbers_from_zero():
+    """Checkpoints off (no metrics.jsonl): rows are numbered from 0 in the session."""
+    from trainkit.logging import RunLog
+
+    wandb = FakeWandb()
+    log = RunLog(None, wandb)
+    for i in range(3):
+        log.log(row(i))
+    assert log.offset() is None
+    assert [step for step, _ in wandb.logged] == [0, 1, 2]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    kept=st.integers(0, 8),
+    lost=st.integers(0, 8),
+    wandb_wrote=st.integers(0, 20),
+    new=st.integers(0, 8),
+)
+def test_run_log_w_and_b_gets_every_line_once_in_order(tmp_path, kept, lost, wandb_wrote, new):
+    """Whatever the file kept, lost and W&B wrote before a crash: after the resume W&B holds every line once.
+
+    The session before logged ``kept + lost`` rows; W&B wrote the first ``wandb_wrote`` of them (a kill
+    takes the rest); the checkpoint recorded ``kept``. The resumed run redoes the lost rows and goes on.
+    """
+    from trainkit.logging import JsonlSink, RunLog, WandbHistory
+
+    wandb_wrote = min(wandb_wrote, kept + lost)
+    path = tmp_path / f"m-{kept}-{lost}-{wandb_wrote}-{new}.jsonl"
+    offset = write_journal(path, [row(i) for i in range(kept)])
+    with path.open("ab") as journal:
+        journal.write(b"".join(json.dumps(row(i)).encode() + b"\n" for i in range(kept, kept + lost)))
+    before = [(i, row(i)) for i in range(wandb_wrote)]
+    held = WandbHistory(wandb_wrote, {i: r for i, r in before if i >= kept})
+
+    wandb = FakeWandb()  # a new offline folder starts at 0; FakeWandb checks that steps only grow
+    log = RunLog(JsonlSink(path, truncate_to=offset), wandb, held)
+    for i in range(kept, kept + lost + new):
+        log.log(row(i))
+    log.finish()
+    after = wandb.logged
+    assert sorted(step for step, _ in before + after) == list(range(kept + lost + new))
+    assert dict(before + after) == dict(enumerate(read_rows(path)))

@@ -8,8 +8,13 @@ Each offline run costs a few seconds, so the tests share few runs and check seve
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
+import signal
 import struct
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -162,7 +167,6 @@ def test_offline_run_is_resumed_under_the_same_id(tmp_path):
     assert first.exit_code == 1  # the crash marks the run failed
 
     resumed = CrashingTrainer(cfg)
-    assert resumed._sink.run_id == run_id
     result = run(resumed)
 
     first, second = offline_runs(tmp_path)
@@ -178,9 +182,8 @@ def test_offline_run_is_resumed_under_the_same_id(tmp_path):
 
     assert [row["trainer/epoch"] for row in first.history] == [0]
     assert [row["trainer/epoch"] for row in second.history] == [1, 2]
-    # trainkit never passes step=: W&B's own counter numbers the rows 0, 1, ... within each run folder
-    for part in (first, second):
-        assert [row["_step"] for row in part.history] == list(range(len(part.history)))
+    # W&B's step of a row is its line in metrics.jsonl: it continues in the second folder
+    assert [row["_step"] for part in (first, second) for row in part.history] == [0, 1, 2]
     steps = [row["trainer/step"] for part in (first, second) for row in part.history]
     assert steps == sorted(steps) and len(set(steps)) == len(steps)
 
@@ -250,3 +253,244 @@ def test_a_clean_signal_stop_is_not_a_failed_wandb_run(tmp_path):
     (first,) = offline_runs(tmp_path)
     assert first.exit_code == 0
     assert [row["trainer/epoch"] for row in first.history] == [0, 1]
+
+
+# ------------------------------------------------------------------ one run across offline folders
+
+
+class PerStepTrainer(CrashingTrainer):
+    """TinyTrainer that pushes a row after every batch; at ``KILL_AT=epoch,batch`` it dies after that batch's row.
+
+    ``KILL_HOW`` picks how: ``sigkill`` (the process is killed, W&B's service loses what it had not
+    written) or ``raise`` (an exception; W&B finishes the run as failed). ``BIAS`` is added to the logged
+    batch loss: a resumed run with another bias is a rerun that is not bit-exact.
+    """
+
+    def train_epoch(self):
+        kill_at = os.environ.get("KILL_AT")
+        self.model.train()
+        for batch, (x, y) in enumerate(self.loader):
+            loss = torch.nn.functional.mse_loss(self.model(x), y)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            self.log({"train/batch_loss": loss.detach() + float(os.environ.get("BIAS", "0"))})
+            self.push_logs()
+            if kill_at == f"{self.epoch},{batch}":
+                if os.environ.get("KILL_HOW") == "sigkill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError("injected crash")
+
+
+PER_STEP_SCRIPT = """
+import sys
+from tests.test_wandb import PerStepTrainer, config, run
+run(PerStepTrainer(config(__import__("pathlib").Path(sys.argv[1]))))
+"""
+
+
+def per_step_run(out_dir: Path, **env: str) -> subprocess.CompletedProcess:
+    """Run PerStepTrainer in a child process (so a SIGKILL takes W&B's unwritten rows with it).
+
+    The child starts its own W&B service: this process's (``WANDB_SERVICE``, set by wandb in the
+    environment) would outlive a killed child and keep its run id in use.
+    """
+    parent = {key: value for key, value in os.environ.items() if key != "WANDB_SERVICE"}
+    return subprocess.run(
+        [sys.executable, "-c", PER_STEP_SCRIPT, str(out_dir)],
+        cwd=Path(__file__).resolve().parents[1],
+        env={**parent, **env},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def wandb_cli(*args: str) -> str:
+    """Run wandb's own command line; its stdout and stderr together."""
+    wandb = Path(sys.executable).with_name("wandb")
+    done = subprocess.run([str(wandb), *args], capture_output=True, text=True, timeout=120, env=os.environ.copy())
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+def leet_records(datastore: Path) -> list[dict]:
+    """The records of a ``.wandb`` file as wandb's own reader (``wandb leet inspect --json``) prints them."""
+    return [json.loads(line) for line in wandb_cli("leet", "inspect", "--json", str(datastore)).splitlines()
+            if line.startswith("{")]
+
+
+def folders_when_written(out_dir: Path, count: int, timeout_s: float = 60.0) -> list[OfflineRun]:
+    """The ``count`` offline run folders of ``out_dir``, oldest first, once the newest holds its exit record."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        runs = [OfflineRun.read(folder) for folder in sorted((out_dir / "wandb").glob("offline-run-*"))]
+        if (len(runs) == count and runs[-1].exit_code is not None) or time.monotonic() > deadline:
+            assert len(runs) == count, [r.folder.name for r in runs]
+            return runs
+        time.sleep(0.05)
+
+
+def journal_rows(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_wandb_keys(row: dict) -> dict:
+    return {key: value for key, value in row.items() if not key.startswith("_")}
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_and_resumed_run_syncs_as_one_history(tmp_path):
+    """kill -9 mid-epoch, then resume: across both folders every line of metrics.jsonl is in W&B once, at its step.
+
+    W&B's service buffers what it writes, so a kill takes the rows it had not written yet (in a run this
+    small, all of them: the killed folder holds no run record at all). The resumed run sends the rows the
+    file kept and W&B lost, skips the ones W&B holds, and numbers the rest on; an empty folder is marked
+    synced so that ``wandb sync`` (which stops at a file without a run) skips it. Checked with wandb's
+    own tools: ``wandb leet inspect`` reads the records and ``wandb sync --dry-run`` lists the folders.
+    """
+    killed = per_step_run(tmp_path, KILL_AT="1,4", KILL_HOW="sigkill")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = per_step_run(tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "not bit-exact" not in resumed.stderr
+
+    run_id = torch.load(tmp_path / "last.pt", weights_only=True)["wandb_run_id"]
+    first, second = folders_when_written(tmp_path, 2)
+    assert first.exit_code is None  # killed: W&B never finished it
+    assert second.run_id == run_id and second.exit_code == 0
+    rows = journal_rows(tmp_path)
+    assert len(rows) == 3 * (6 + 1)  # six batch rows and one epoch row per epoch
+
+    steps = [row["_step"] for part in (first, second) for row in part.history]
+    assert sorted(steps) == list(range(len(rows)))  # every line once: no gap, no row twice
+    assert steps == sorted(steps)  # and W&B's step never goes back, also from one folder to the next
+    for part in (first, second):
+        for row in part.history:
+            assert without_wandb_keys(row) == rows[row["_step"]]
+
+    written = [part for part in (first, second) if part.run_id is not None]
+    empty = [part for part in (first, second) if part.run_id is None]
+    for part in empty:
+        assert not part.history and next(part.folder.glob("run-*.wandb.synced"))
+    # wandb's own reader agrees with what trainkit and this test read
+    starts = []
+    for part in written:
+        (datastore,) = part.folder.glob("run-*.wandb")
+        records = leet_records(datastore)
+        assert [r["run"]["run_id"] for r in records if r["type"] == "run"] == [run_id]
+        assert [r["history"]["step"].get("num", 0) for r in records if r["type"] == "history"] == [
+            row["_step"] for row in part.history
+        ]
+        starts += [r["run"]["start_time"] for r in records if r["type"] == "run"]
+    assert starts == sorted(starts)  # wandb sync uploads the folders of one run in this order
+
+    # the README's upload command, pointed at this run and dry
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (command,) = [line for line in readme.splitlines() if line.startswith(".venv/bin/wandb sync ")]
+    program, *args = shlex.split(command)
+    assert args == ["sync", "runs/digits/wandb"], command
+    listing = wandb_cli("sync", "--dry-run", args[1].replace("runs/digits", str(tmp_path)))
+    assert f"Would sync {len(written)} run(s)" in listing, listing
+    assert listing.count(f"run-{run_id}.wandb") == len(written), listing
+    if empty:
+        assert f"Skipped {len(empty)} synced run(s)" in listing, listing
+
+
+@pytest.mark.timeout(300)
+def test_rows_wandb_holds_are_not_sent_again_and_a_changed_rerun_is_reported(tmp_path, capsys, monkeypatch):
+    """A crash after W&B got rows of the epoch: the rerun's rows at those steps stay out of W&B; values that differ are reported."""
+    monkeypatch.setenv("KILL_AT", "1,3")
+    with pytest.raises(RuntimeError, match="injected crash"):
+        run(PerStepTrainer(config(tmp_path)))
+    monkeypatch.delenv("KILL_AT")
+    (first,) = offline_runs(tmp_path)
+    held = [row["_step"] for row in first.history]
+    assert held == list(range(7 + 4))  # epoch 0 (6 batches, 1 epoch row) and batches 0-3 of epoch 1
+    lost = {row["_step"]: without_wandb_keys(row) for row in first.history if row["trainer/epoch"] == 1}
+
+    monkeypatch.setenv("BIAS", "1.0")  # the rerun logs other values: not bit-exact
+    capsys.readouterr()
+    run(PerStepTrainer(config(tmp_path)))
+    err = capsys.readouterr().err
+    assert "W&B already held steps 7-10 of this run" in err and "4 of those 4 rows differ" in err, err
+
+    first, second = offline_runs(tmp_path)
+    rows = journal_rows(tmp_path)
+    steps = [row["_step"] for part in (first, second) for row in part.history]
+    assert steps == list(range(len(rows)))
+    for step, kept in lost.items():  # W&B keeps what it got first; the file has the rerun's rows
+        assert rows[step]["train/batch_loss"] == pytest.approx(kept["train/batch_loss"] + 1.0, abs=0.5)
+        assert rows[step] != kept
+    assert all(without_wandb_keys(row) == rows[row["_step"]] for row in second.history)
+
+
+def test_reading_wandb_folders_survives_torn_and_garbage_files(tmp_path):
+    """read_wandb_history counts complete records only: a file cut anywhere, or random bytes, never raises."""
+    import random
+
+    from trainkit.logging import read_wandb_history
+
+    run(TinyTrainer(config(tmp_path, epochs=2)))
+    (part,) = offline_runs(tmp_path)
+    (datastore,) = part.folder.glob("run-*.wandb")
+    whole = read_wandb_history([tmp_path / "wandb"], part.run_id)
+    assert whole.next_step == 2 and sorted(whole.rows) == [0, 1]
+    assert whole.rows[1] == without_wandb_keys(part.history[1])
+    assert read_wandb_history([tmp_path / "wandb"], part.run_id, since=1).rows.keys() == {1}
+    assert read_wandb_history([tmp_path / "wandb"], "otherid1").next_step == 0
+
+    data = datastore.read_bytes()
+    rng = random.Random(0)
+    seen = set()
+    for cut in sorted(rng.sample(range(len(data)), 40)):
+        datastore.write_bytes(data[:cut])
+        seen.add(read_wandb_history([tmp_path / "wandb"], part.run_id).next_step)
+    assert seen <= {0, 1, 2}
+    for _ in range(20):
+        noisy = bytearray(data)
+        for _ in range(8):
+            noisy[rng.randrange(7, len(noisy))] = rng.randrange(256)
+        datastore.write_bytes(bytes(noisy))
+        assert read_wandb_history([tmp_path / "wandb"], part.run_id).next_step in {0, 1, 2}
+    datastore.write_bytes(os.urandom(5000))
+    assert read_wandb_history([tmp_path / "wandb"], part.run_id).next_step == 0
+
+
+def leveldb_log(records: list[bytes], header: bytes = b":W&B\x00\x00\x01") -> bytes:
+    """Frame records as W&B's writer does (LevelDB's log format with W&B's CRC-32)."""
+    import zlib
+
+    out = bytearray(header)
+    for record in records:
+        rest, first = record, True
+        while True:
+            left = BLOCK - len(out) % BLOCK
+            if left < 7:
+                out += b"\0" * left
+                continue
+            fragment, rest = rest[: left - 7], rest[left - 7 :]
+            kind = (FULL if not rest else FIRST) if first else (LAST if not rest else MIDDLE)
+            out += struct.pack("<IHB", zlib.crc32(fragment, zlib.crc32(bytes((kind,)))), len(fragment), kind)
+            out += fragment
+            first = False
+            if not rest:
+                break
+    return bytes(out)
+
+
+def test_wandb_log_framing_is_read_across_block_ends():
+    """Records that span blocks, and a first chunk with no byte of its record at a block's very end, are read."""
+    import random
+
+    from trainkit.logging import _wandb_log_records
+
+    rng = random.Random(1)
+    exact = BLOCK - 7 - 7 - 7  # leaves exactly one chunk header's room: the next record starts with an empty chunk
+    records = [bytes([1]) * exact, b"after an empty first chunk"]
+    records += [rng.randbytes(rng.randrange(1, 3 * BLOCK)) for _ in range(40)]
+    data = leveldb_log(records)
+    assert list(_wandb_log_records(data)) == records
+    cut = len(data) - 10  # a torn tail: the records before it, nothing made up
+    assert list(_wandb_log_records(data[:cut])) == records[: len(list(_wandb_log_records(data[:cut])))]
+    assert len(list(_wandb_log_records(data[:cut]))) == len(records) - 1

@@ -1,7 +1,8 @@
-"""Metric buffering and the sinks pushed metrics go to: W&B (rank 0) and ``metrics.jsonl``.
+"""Metric buffering and where pushed metrics go: ``metrics.jsonl`` and W&B (rank 0), through one :class:`RunLog`.
 
-Side effects: W&B runs and file appends. This is the only trainkit module that imports wandb, and it
-does so lazily, when a run is started in a mode other than ``disabled``.
+Side effects: W&B runs, file appends, and reading the W&B run folders a resumed run left. This is the only
+trainkit module that imports wandb, and it does so lazily, when a run is started in a mode other than
+``disabled`` or resumed.
 """
 
 from __future__ import annotations
@@ -12,19 +13,31 @@ import json
 import math
 import os
 import stat
+import struct
 import sys
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping
+import zlib
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from trainkit.config import redact_argv, redact_text, strip_secrets
 from trainkit.errors import OutDirError
 
-__all__ = ["LogBuffer", "WandbSink", "NullSink", "JsonlSink", "new_run_id"]
+__all__ = [
+    "LogBuffer",
+    "WandbSink",
+    "NullSink",
+    "JsonlSink",
+    "RunLog",
+    "WandbHistory",
+    "read_wandb_history",
+    "mark_as_synced",
+    "new_run_id",
+]
 
 
 def new_run_id() -> str:
@@ -150,8 +163,9 @@ class NullSink:
     """A sink that drops everything: W&B off, or a rank other than 0."""
 
     run_id: str | None = None
+    next_step: int = 0
 
-    def log(self, metrics: Mapping[str, float]) -> None:
+    def log(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Drop ``metrics``."""
 
     def summary(self, values: Mapping[str, Any]) -> None:
@@ -164,9 +178,8 @@ class NullSink:
 class WandbSink:
     """The rank-0 W&B run.
 
-    trainkit never passes ``step=`` to ``wandb.log``: W&B's own step counter only grows, so steps in
-    W&B never go backwards, also after a resume from an older checkpoint. Charts use the logged
-    ``trainer/step`` as their x-axis (``define_metric``).
+    Each row is logged at the step :class:`RunLog` gives it (its line in ``metrics.jsonl``), committed at
+    once. Charts use the logged ``trainer/step`` as their x-axis (``define_metric``).
 
     No secret reaches W&B's files: the config goes through ``strip_secrets`` (secret keys dropped, URL
     credentials masked), and the command line W&B records in the run's metadata is a copy with
@@ -234,18 +247,25 @@ class WandbSink:
                 self._run = wandb.init(mode="offline", settings=wandb.Settings(silent=True), **kwargs)
         self._run.define_metric("trainer/step")
         self._run.define_metric("*", step_metric="trainer/step")
+        # the step of the next row: 0 offline; online, one past the last step the server holds for this id
+        self.next_step = int(self._run.step)
 
     @property
     def directory(self) -> Path:
         """The W&B run's local folder."""
         return Path(self._run.dir).parent
 
-    def log(self, metrics: dict[str, float]) -> None:
-        """Log one push as one W&B history row.
+    def log(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Log one push as one W&B history row at ``step``.
 
         :param metrics: Name to float, including ``trainer/step`` and ``trainer/epoch``; W&B may keep it.
+        :param step: W&B's step for the row, by default the one after the last; steps only grow (W&B drops
+            a row at a step below its last).
         """
-        self._run.log(metrics)
+        if step is None:
+            step = self.next_step
+        self._run.log(dict(metrics), step=step, commit=True)
+        self.next_step = step + 1
 
     def summary(self, values: Mapping[str, Any]) -> None:
         """Write values into the run summary.
@@ -319,26 +339,58 @@ class JsonlSink:
                     stacklevel=3,
                 )
                 size = truncate_to
+            rows = _count_lines(fd, size)
         except BaseException:
             os.close(fd)
             raise
         self._fd: int | None = fd
         self._size = size
+        self._rows = rows
 
     def tell(self) -> int:
         """The file's current size in bytes, for the checkpoint."""
         return self._size
 
-    def log(self, metrics: Mapping[str, float]) -> None:
+    @property
+    def rows(self) -> int:
+        """The lines the file holds, which is the 0-based line number of the next row."""
+        return self._rows
+
+    def log(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Append one row (one ``write``, so it is never interleaved).
 
         :param metrics: Name to float.
+        :param step: Ignored: a row's step here is its line.
         """
         if self._fd is None:
             raise ValueError(f"{self.path} is closed")
         line = json.dumps(dict(metrics), allow_nan=True).encode() + b"\n"
         _write_all(self._fd, line)
         self._size += len(line)
+        self._rows += 1
+
+    def rows_from(self, first: int) -> Iterator[tuple[int, dict[str, Any]]]:
+        """The rows at line ``first`` and after, each with its line; a line that is not a JSON object is skipped.
+
+        :param first: The 0-based line to start at.
+        :returns: An iterator of (line, row).
+        """
+        if self._fd is None:
+            raise ValueError(f"{self.path} is closed")
+        line, position, pending = 0, 0, b""
+        while position < self._size:
+            chunk = os.pread(self._fd, min(1 << 20, self._size - position), position)
+            if not chunk:
+                break
+            position += len(chunk)
+            *complete, pending = (pending + chunk).split(b"\n")
+            for text in complete:
+                if line >= first:
+                    with contextlib.suppress(ValueError):
+                        row = json.loads(text)
+                        if isinstance(row, dict):
+                            yield line, row
+                line += 1
 
     def sync(self) -> None:
         """Make the rows written so far durable (``fsync``); called before a checkpoint records :meth:`tell`."""
@@ -352,6 +404,17 @@ class JsonlSink:
             self._fd = None
 
 
+def _count_lines(fd: int, size: int) -> int:
+    count, position = 0, 0
+    while position < size:
+        chunk = os.pread(fd, min(1 << 20, size - position), position)
+        if not chunk:
+            break
+        count += chunk.count(b"\n")
+        position += len(chunk)
+    return count
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -362,3 +425,225 @@ def _unusable_journal(path: Path, exc: OSError) -> str:
     if exc.errno == errno.ELOOP:
         return f"{path} is a symbolic link; trainkit does not write through links it did not create; remove it"
     return f"{path} cannot be opened for appending ({exc.strerror or exc})"
+
+
+_WANDB_BLOCK = 32 * 1024
+_CHUNK_HEADER = struct.Struct("<IHB")  # checksum, length, kind
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def _wandb_log_records(data: bytes) -> Iterator[bytes]:
+    """The records of a W&B transaction log (``run-<id>.wandb``), oldest first.
+
+    The file is a 7-byte header then a LevelDB-style log: 32 KiB blocks of chunks, each with a CRC-32 of
+    its kind and payload; a record spans one chunk or a first, middle and last. Reading stops at the first
+    chunk that is cut short or fails its checksum, the tail a killed process leaves.
+    """
+    if data[:4] != b":W&B":
+        return
+    position, pending = 7, None  # pending: the chunks so far of a record that spans several
+    while position + _CHUNK_HEADER.size <= len(data):
+        left = _WANDB_BLOCK - position % _WANDB_BLOCK
+        if left < _CHUNK_HEADER.size:  # a block's tail too short for a header is zero padding
+            position += left
+            continue
+        checksum, length, kind = _CHUNK_HEADER.unpack_from(data, position)
+        if checksum == 0 and length == 0 and kind == 0:  # the rest of the block is padding
+            position += left
+            continue
+        start = position + _CHUNK_HEADER.size
+        payload = data[start : start + length]
+        if len(payload) < length or zlib.crc32(payload, zlib.crc32(bytes((kind,)))) != checksum:
+            return
+        position = start + length
+        if kind == _FULL and pending is None:
+            yield payload
+        elif kind == _FIRST and pending is None:
+            pending = bytearray(payload)  # may be empty: a first chunk can hold no byte of the record
+        elif kind in (_MIDDLE, _LAST) and pending is not None:
+            pending += payload
+            if kind == _LAST:
+                yield bytes(pending)
+                pending = None
+        else:
+            return
+
+
+class WandbHistory(NamedTuple):
+    """What the W&B run folders of one run id already hold."""
+
+    next_step: int
+    """One past the highest step of any row (0 when there is none)."""
+    rows: dict[int, dict[str, Any]]
+    """The rows at steps from ``since`` on, by step, without W&B's own ``_`` keys."""
+    empty: tuple[Path, ...] = ()
+    """The ``.wandb`` files without a run record (a kill took everything W&B had not written yet)."""
+
+
+def read_wandb_history(wandb_dirs: Iterable[Path], run_id: str, since: int = 0) -> WandbHistory:
+    """Read the history rows of run ``run_id`` from the W&B folders under ``wandb_dirs``.
+
+    Side effects: reads every ``*/run-<run_id>.wandb`` file there (a resumed offline run has one folder per
+    session), except in linked folders. A file whose tail a kill cut off counts up to its last complete
+    record; one that cannot be read counts as empty. Without wandb installed nothing is read.
+
+    :param wandb_dirs: The ``wandb`` folders W&B wrote the run into (``out_dir/wandb``).
+    :param run_id: The W&B run id.
+    :param since: Keep the rows from this step on.
+    :returns: The next free step, the kept rows and the files without a run record.
+    """
+    try:
+        from wandb.proto import wandb_internal_pb2
+    except ImportError:  # pragma: no cover - wandb is a dependency; a stripped install may lack it
+        return WandbHistory(0, {})
+    next_step, rows, empty = 0, {}, []
+    for folder in wandb_dirs:
+        for path in sorted(folder.glob(f"*/run-{run_id}.wandb")):
+            if path.parent.is_symlink():  # W&B's latest-run link: the folder is read under its own name
+                continue
+            try:
+                data = path.read_bytes()
+            except OSError:
+                data = b""
+            has_run = False
+            for payload in _wandb_log_records(data):
+                record = wandb_internal_pb2.Record()
+                try:
+                    record.ParseFromString(payload)
+                except Exception:  # noqa: BLE001 - protobuf's DecodeError; a damaged record ends the file
+                    break
+                kind = record.WhichOneof("record_type")
+                has_run = has_run or kind == "run"
+                if kind != "history":
+                    continue
+                items = {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
+                step = record.history.step.num if record.history.HasField("step") else int(items.get("_step", 0))
+                next_step = max(next_step, step + 1)
+                if step >= since:
+                    rows[step] = {key: json.loads(value) for key, value in items.items() if not key.startswith("_")}
+            if not has_run:
+                empty.append(path)
+    return WandbHistory(next_step, rows, tuple(empty))
+
+
+def mark_as_synced(datastore: Path) -> None:
+    """Write W&B's "synced" marker beside a ``.wandb`` file that holds no run, so ``wandb sync`` skips it.
+
+    ``wandb sync`` stops before uploading anything when one of the files it is given has no run record;
+    such a file has nothing to upload.
+
+    :param datastore: The ``run-<id>.wandb`` file.
+    """
+    marker = datastore.with_suffix(".wandb.synced")
+    with contextlib.suppress(OSError):
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        os.close(fd)
+
+
+def _same_row(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    return all(
+        x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
+        for x, y in ((a[k], b[k]) for k in a)
+    )
+
+
+class RunLog:
+    """Where the pushed rows go: ``metrics.jsonl`` (the record) and the W&B run (rank 0).
+
+    A row's W&B step is its 0-based line in ``metrics.jsonl``, so W&B's ``_step`` continues across the
+    offline folders a resumed run writes and ``wandb sync`` uploads them as one history. Rows the file holds
+    but W&B lost (a kill -9 takes the rows W&B had not written yet) are sent when the run resumes. A row
+    whose step W&B already holds (a crash cut an epoch short after W&B got some of its rows, and the resumed run
+    redoes them) is written to the file but not sent again: W&B keeps the first row it got at a step, as it
+    does online. When those kept rows differ from the redone ones (the rerun was not bit-exact), one line
+    on stderr says which steps and how many.
+
+    :param journal: ``metrics.jsonl``; None when checkpoints are off (rows are then numbered from 0).
+    :param wandb: The W&B run, or a :class:`NullSink`.
+    :param wandb_history: What W&B's folders of this run already hold (offline); the W&B run's own next
+        step counts as well (online).
+    """
+
+    def __init__(
+        self,
+        journal: JsonlSink | None = None,
+        wandb: WandbSink | NullSink | None = None,
+        wandb_history: WandbHistory | None = None,
+    ) -> None:
+        self._journal = journal
+        self._wandb = wandb if wandb is not None else NullSink()
+        history = wandb_history or WandbHistory(0, {})
+        self._next_row = journal.rows if journal is not None else 0
+        self._first_new = max(history.next_step, self._wandb.next_step)  # W&B holds the steps below this
+        self._earlier = history.rows
+        self._kept: list[int] = []
+        self._differing = 0
+        if journal is not None and not isinstance(self._wandb, NullSink) and self._first_new < journal.rows:
+            # rows the file kept but W&B never got (a kill took them before W&B wrote them): send them now
+            for step, row in journal.rows_from(self._first_new):
+                self._wandb.log(row, step)
+            self._first_new = journal.rows
+
+    @property
+    def run_id(self) -> str | None:
+        """The W&B run id; None without a W&B run."""
+        return self._wandb.run_id
+
+    def offset(self) -> int | None:
+        """The size of ``metrics.jsonl`` for the checkpoint; None without the file."""
+        return self._journal.tell() if self._journal is not None else None
+
+    def sync(self) -> None:
+        """Make the rows written so far durable, before a checkpoint records :meth:`offset`."""
+        if self._journal is not None:
+            self._journal.sync()
+
+    def log(self, row: Mapping[str, float]) -> None:
+        """Append ``row`` to the file, then send it to W&B unless W&B already holds its step.
+
+        :param row: Name to float, with ``trainer/step`` and ``trainer/epoch``.
+        """
+        step = self._next_row
+        if self._journal is not None:
+            self._journal.log(row)
+        self._next_row += 1
+        if step >= self._first_new:
+            self._report_kept()
+            self._wandb.log(row, step)
+            return
+        self._kept.append(step)
+        earlier = self._earlier.get(step)
+        if earlier is not None and not _same_row(earlier, row):
+            self._differing += 1
+
+    def summary(self, values: Mapping[str, Any]) -> None:
+        """Write values into the W&B run summary.
+
+        :param values: Name to value.
+        """
+        self._wandb.summary(values)
+
+    def finish(self, failed: bool = False) -> None:
+        """Finish the W&B run and close the file (idempotent).
+
+        :param failed: Marks the W&B run as failed (exit code 1).
+        """
+        self._report_kept()
+        self._wandb.finish(exit_code=1 if failed else 0)
+        self._wandb = NullSink()
+        if self._journal is not None:
+            self._journal.finish()
+            self._journal = None
+
+    def _report_kept(self) -> None:
+        if self._differing:
+            print(
+                f"trainkit: W&B already held steps {self._kept[0]}-{self._kept[-1]} of this run from before the "
+                f"interruption and keeps them; {self._differing} of those {len(self._kept)} rows differ from the "
+                "rerun's rows in metrics.jsonl (the rerun was not bit-exact)",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._kept, self._differing = [], 0

@@ -39,7 +39,15 @@ from trainkit.errors import (
     TrainingInterrupted,
     UsageError,
 )
-from trainkit.logging import JsonlSink, LogBuffer, NullSink, WandbSink, new_run_id
+from trainkit.logging import (
+    JsonlSink,
+    LogBuffer,
+    RunLog,
+    WandbSink,
+    mark_as_synced,
+    new_run_id,
+    read_wandb_history,
+)
 from trainkit.modules import load_module_state, module_state, restore_training_modes, training_modes
 from trainkit.payload import SCHEMA_VERSION, validate_best, validate_last
 from trainkit.progress import EpochBar, step_bar
@@ -215,8 +223,7 @@ class BaseTrainer(abc.ABC):
         self._space_checked = False
         self._writer = AsyncCheckpointWriter() if self.cfg.ckpt.async_save else None
         self._staging = StagingBuffers()
-        self._sink: Any = NullSink()
-        self._jsonl: JsonlSink | None = None
+        self._run_log = RunLog()
         self._run_id: str | None = None
         self._lock = RunLock(self.out_dir)  # held by rank 0 of a run that writes out_dir, until train() ends
 
@@ -531,7 +538,7 @@ class BaseTrainer(abc.ABC):
         if best is not None and best.score is not None:
             summary["best/epoch"] = best.epoch
             summary["best/score"] = best.score
-        self._sink.summary(summary)
+        self._run_log.summary(summary)
         if self.is_main:
             parts = [
                 f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}" for key, value in summary.items()
@@ -877,7 +884,7 @@ class BaseTrainer(abc.ABC):
             items=list(self._registry.names),
             latest_metrics=dict(self._latest_metrics),
             results=self._results,
-            metrics_offset=self._jsonl.tell() if self._jsonl is not None else None,
+            metrics_offset=self._run_log.offset(),
             training_modes={
                 name: training_modes(obj) for name, obj in self._registry.items.items() if isinstance(obj, nn.Module)
             },
@@ -920,13 +927,12 @@ class BaseTrainer(abc.ABC):
                 if not self._space_checked:
                     ckpt_io.warn_if_low_on_space(payload, self.last_ckpt_path)
                     self._space_checked = True
-                journal = self._jsonl.sync if self._jsonl is not None else None  # rows on disk before the offset
+                journal = self._run_log.sync  # the rows on disk before a checkpoint records the offset
                 if self._writer is not None:
                     staged = self._staging.stage({name: data for name, (data, _) in writes.items()})
                     self._writer.submit([(staged[name], path) for name, (_, path) in writes.items()], before=journal)
                 else:
-                    if journal is not None:
-                        journal()
+                    journal()
                     for data, path in writes.values():
                         seconds = ckpt_io.atomic_save(data, path, keep_previous=True)
                     logger.debug("saved %s in %.3f s", self.last_ckpt_path, seconds)
@@ -1207,20 +1213,32 @@ class BaseTrainer(abc.ABC):
         self._run_id = (ckpt or {}).get("wandb_run_id") or new_run_id()
         if not self.is_main:
             return
+        journal = None
+        elsewhere = resume is not None and not _same_directory(resume.path.parent, self.out_dir)
         if self.cfg.ckpt.enable:
             ckpt_io.remove_stale_temp_files(self.out_dir)
             offset = (ckpt or {}).get("metrics_offset")
             history = None
-            if resume is not None and isinstance(offset, int) and not _same_directory(resume.path.parent, self.out_dir):
+            if resume is not None and isinstance(offset, int) and elsewhere:
                 history = _read_prefix(resume.path.parent / METRICS_FILE, offset)
             # a fresh run starts a fresh file; a resumed one drops the rows of the epoch it lost
-            self._jsonl = JsonlSink(
+            journal = JsonlSink(
                 self.out_dir / METRICS_FILE, truncate_to=offset if ckpt is not None else 0, history=history
             )
         wb = self.cfg.wandb
         finished = resume is not None and resume.results is not None
-        if wb.mode != "disabled" and not finished:  # a finished run only returns its results: no new W&B run
-            self._sink = WandbSink(
+        if wb.mode == "disabled" or finished:  # a finished run only returns its results: no new W&B run
+            self._run_log = RunLog(journal)
+            return
+        wandb_history = None
+        if resume is not None:  # read before this session's folder exists
+            folders = [self.out_dir / "wandb"] + ([resume.path.parent / "wandb"] if elsewhere else [])
+            wandb_history = read_wandb_history(folders, self._run_id, since=journal.rows if journal else 0)
+            for datastore in wandb_history.empty:  # only in this run's own folder: never write where it resumed from
+                if _same_directory(datastore.parent.parent, self.out_dir / "wandb"):
+                    mark_as_synced(datastore)
+        try:
+            sink = WandbSink(
                 mode=wb.mode,
                 run_id=self._run_id,
                 directory=self.out_dir,
@@ -1231,6 +1249,11 @@ class BaseTrainer(abc.ABC):
                 tags=wb.tags,
                 config_class=self.cfg,
             )
+        except BaseException:
+            if journal is not None:
+                journal.finish()
+            raise
+        self._run_log = RunLog(journal, sink, wandb_history)
 
     def log(self, metrics: Mapping[str, Any] | None = None, **named: Any) -> None:
         """Buffer metrics for the next :meth:`push_logs`; nothing leaves the device here.
@@ -1262,9 +1285,7 @@ class BaseTrainer(abc.ABC):
         self._latest_metrics.update(metrics)
         row = {"trainer/step": self.step, "trainer/epoch": self.epoch, **metrics}
         if self.is_main:
-            self._sink.log(row)
-            if self._jsonl is not None:
-                self._jsonl.log(row)
+            self._run_log.log(row)
         return metrics
 
     def progress(self, iterable: Iterable[T], desc: str | None = None, total: int | None = None) -> Iterable[T]:
@@ -1308,11 +1329,7 @@ class BaseTrainer(abc.ABC):
             self._writer.wait()
 
     def _close_sinks(self, failed: bool = False) -> None:
-        self._sink.finish(exit_code=1 if failed else 0)
-        self._sink = NullSink()
-        if self._jsonl is not None:
-            self._jsonl.finish()
-            self._jsonl = None
+        self._run_log.finish(failed=failed)
 
     def _validate_config(self, cfg: Config | Mapping[str, Any]) -> Config:
         cls = self.config_class
