@@ -399,7 +399,10 @@ def test_a_killed_and_resumed_run_syncs_as_one_history(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_rows_wandb_holds_are_not_sent_again_and_a_changed_rerun_is_reported(tmp_path, capsys, monkeypatch):
-    """A crash after W&B got rows of the epoch: the rerun's rows at those steps stay out of W&B; values that differ are reported."""
+    """A crash after W&B got rows of the epoch: the rerun's rows at those steps stay out of W&B.
+
+    Values of the rerun that differ from the rows W&B keeps are reported in one line.
+    """
     monkeypatch.setenv("KILL_AT", "1,3")
     with pytest.raises(RuntimeError, match="injected crash"):
         run(PerStepTrainer(config(tmp_path)))
