@@ -4,7 +4,7 @@ Imports only the standard library and attrs, so it can be embedded in any loop a
 without torch.
 """
 
-from trainkit.bookkeeping._records import as_verdict, is_bool_like
+from trainkit.bookkeeping._records import as_verdict, is_bool_like, is_int, is_real
 from trainkit.bookkeeping.best import BestState, best_metric_key, retune_min_delta, save_if_best
 from trainkit.bookkeeping.patience import PatienceState, retune_patience, step_patience
 from trainkit.bookkeeping.registry import (
@@ -14,6 +14,7 @@ from trainkit.bookkeeping.registry import (
     collect_payload,
     register_items,
 )
+from trainkit.bookkeeping.resume import Resumed, reconcile
 from trainkit.bookkeeping.schedule import (
     STOP_EARLY,
     STOP_MAX_EPOCHS,
@@ -33,6 +34,8 @@ __all__ = [
     "retune_patience",
     "as_verdict",
     "is_bool_like",
+    "is_int",
+    "is_real",
     "CkptRegistry",
     "RESERVED_NAMES",
     "register_items",
@@ -42,6 +45,8 @@ __all__ = [
     "end_epoch",
     "resume_loop",
     "should_validate",
+    "Resumed",
+    "reconcile",
     "STOP_EARLY",
     "STOP_MAX_EPOCHS",
 ]

@@ -21,6 +21,24 @@ SCHEMA_VERSION = 1
 R = TypeVar("R")
 
 
+def is_int(value: Any) -> bool:
+    """Tell whether ``value`` is an int and not a bool (``True`` is an int to Python, never a count here).
+
+    >>> is_int(3), is_int(True), is_int(3.0)
+    (True, False, False)
+    """
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value: Any) -> bool:
+    """Tell whether ``value`` is an int or a float and not a bool.
+
+    >>> is_real(0.5), is_real(2), is_real(False), is_real("1")
+    (True, True, False, False)
+    """
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}
@@ -59,7 +77,7 @@ def record_from_dict(cls: type[R], data: Mapping[str, Any]) -> R:
     if kind != cls.__name__:
         raise BookkeepingError(f"{cls.__name__}.from_dict got a dict of kind {kind!r}")
     version = data.get("schema_version")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+    if not is_int(version) or version < 1:
         raise BookkeepingError(f"{cls.__name__}.from_dict: schema_version must be an int >= 1, got {version!r}")
     if version > SCHEMA_VERSION:
         raise BookkeepingError(

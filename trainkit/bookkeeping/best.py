@@ -12,7 +12,14 @@ from typing import Any
 
 import attrs
 
-from trainkit.bookkeeping._records import as_float, read_only_floats, record_from_dict, record_to_dict
+from trainkit.bookkeeping._records import (
+    as_float,
+    is_int,
+    is_real,
+    read_only_floats,
+    record_from_dict,
+    record_to_dict,
+)
 from trainkit.errors import BookkeepingError
 
 __all__ = ["BestState", "save_if_best", "best_metric_key", "retune_min_delta"]
@@ -39,7 +46,7 @@ def best_metric_key(name: str) -> str:
 
 
 def _check_min_delta(instance: Any, attribute: attrs.Attribute, value: float) -> None:
-    if not (isinstance(value, int | float) and not isinstance(value, bool)) or not value >= 0 or math.isinf(value):
+    if not is_real(value) or not value >= 0 or math.isinf(value):
         raise BookkeepingError(f"BestState.min_delta must be a finite float >= 0, got {value!r}")
 
 
@@ -49,7 +56,7 @@ def _check_score(instance: Any, attribute: attrs.Attribute, value: float | None)
 
 
 def _check_epoch(instance: Any, attribute: attrs.Attribute, value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+    if value is not None and (not is_int(value) or value < 0):
         raise BookkeepingError(f"{type(instance).__name__}.{attribute.name} must be an int >= 0 or None, got {value!r}")
 
 

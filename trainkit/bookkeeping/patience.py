@@ -10,20 +10,16 @@ from typing import Any
 
 import attrs
 
-from trainkit.bookkeeping._records import is_bool_like, record_from_dict, record_to_dict
+from trainkit.bookkeeping._records import is_bool_like, is_int, record_from_dict, record_to_dict
 from trainkit.errors import BookkeepingError
 
 __all__ = ["PatienceState", "step_patience", "retune_patience"]
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_patience(instance: Any, attribute: attrs.Attribute, value: int | None) -> None:
     if value is None:
         return
-    if not _is_int(value):
+    if not is_int(value):
         raise BookkeepingError(f"PatienceState.patience must be an int >= 1 or None, got {value!r}")
     if value < 1:
         raise BookkeepingError(
@@ -33,7 +29,7 @@ def _check_patience(instance: Any, attribute: attrs.Attribute, value: int | None
 
 
 def _check_start(instance: Any, attribute: attrs.Attribute, value: int) -> None:
-    if not _is_int(value) or value < 0:
+    if not is_int(value) or value < 0:
         raise BookkeepingError(f"PatienceState.start_patience must be an int >= 0, got {value!r}")
 
 
@@ -42,7 +38,7 @@ def _check_remaining(instance: PatienceState, attribute: attrs.Attribute, value:
         if value is not None:
             raise BookkeepingError(f"PatienceState.remaining must be None when patience is None, got {value!r}")
         return
-    if not _is_int(value) or not 0 <= value <= instance.patience:
+    if not is_int(value) or not 0 <= value <= instance.patience:
         raise BookkeepingError(
             f"PatienceState.remaining must be an int in [0, patience={instance.patience}], got {value!r}"
         )
@@ -113,7 +109,7 @@ def step_patience(state: PatienceState, improved: Any, *, epoch: int | None = No
         raise BookkeepingError(
             f"step_patience: improved must be a bool, got {improved!r}; pass what save_if_best returned"
         )
-    if epoch is not None and (not _is_int(epoch) or epoch < 0):
+    if epoch is not None and (not is_int(epoch) or epoch < 0):
         raise BookkeepingError(f"step_patience: epoch must be an int >= 0 or None, got {epoch!r}")
     if state.patience is None:
         return state, False

@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 
-from trainkit.bookkeeping._records import record_from_dict, record_to_dict
+from trainkit.bookkeeping._records import is_int, record_from_dict, record_to_dict
 from trainkit.errors import BookkeepingError
 
 __all__ = ["should_validate", "LoopState", "end_epoch", "resume_loop", "STOP_EARLY", "STOP_MAX_EPOCHS"]
@@ -22,7 +22,7 @@ STOP_MAX_EPOCHS = "max_epochs"
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise BookkeepingError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
