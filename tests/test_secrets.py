@@ -170,9 +170,9 @@ def test_ordinary_names_are_not_secret(name):
 
 def test_no_engine_key_is_secret():
     """None of the engine's own config keys is secret, so the saved config keeps them all."""
-    from trainkit.config import _all_keys
+    from trainkit.config import all_keys
 
-    assert [key for key in _all_keys(Config) if is_secret_key(key, Config)] == []
+    assert [key for key in all_keys(Config) if is_secret_key(key, Config)] == []
     assert public_config(Config(epochs=1)) == Config(epochs=1).to_dict()
 
 

@@ -297,12 +297,10 @@ class CompiledTrainer(TinyTrainer):
 
     compile_model = False
 
-    def setup(self, ckpt):
-        super().setup(ckpt)
-        if self.compile_model:
-            self.model = torch.compile(self.model, backend="eager")
-            self._registry = type(self._registry)()  # re-register the compiled module under the same name
-            self.add_checkpoint_items(model=self.model, optimizer=self.optimizer)
+    def make_ddp(self, module, find_unused_parameters=False):
+        wrapped = super().make_ddp(module, find_unused_parameters)
+        # compiled before TinyTrainer.setup registers it: the registered model is the compiled one
+        return torch.compile(wrapped, backend="eager") if self.compile_model else wrapped
 
 
 def compiled(flag: bool):

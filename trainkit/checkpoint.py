@@ -8,7 +8,6 @@ values, slices and ``b""`` also load, through :func:`load_checkpoint`'s own chec
 
 from __future__ import annotations
 
-import array
 import datetime
 import enum
 import errno
@@ -19,7 +18,6 @@ import math
 import numbers
 import os
 import pickle
-import random
 import re
 import shutil
 import stat
@@ -47,9 +45,6 @@ __all__ = [
     "load_checkpoint",
     "verify_checkpoint",
     "check_loadable",
-    "capture_rng",
-    "restore_rng",
-    "seed_everything",
     "remove_stale_temp_files",
     "payload_nbytes",
     "warn_if_low_on_space",
@@ -1292,59 +1287,3 @@ def _refusal(path: str | os.PathLike[str], message: str, refused: str | None) ->
         f"checkpoint {path} was refused: it holds objects other than tensors and plain values "
         f"(trainkit only loads with weights_only=True): {detail.group(1).strip() if detail else lines[-1]}"
     )
-
-
-def capture_rng() -> dict[str, Any]:
-    """Capture the state of every random generator this process uses, as plain values.
-
-    Python's, torch's CPU and numpy's states are kept as ``bytes``: they pickle inline, where a tensor
-    would add a record (and a CRC) to the checkpoint file on every save.
-
-    :returns: ``{"python": ..., "torch": ..., "numpy": ... (when numpy is loaded), "cuda": ... (when used)}``.
-    """
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "python": [version, array.array("q", internal).tobytes(), gauss],
-        "torch": torch.get_rng_state().numpy().tobytes(),
-    }
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        name, keys, pos, has_gauss, cached = numpy.random.get_state()
-        state["numpy"] = [name, keys.tobytes(), int(pos), int(has_gauss), float(cached)]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    """Restore generator states captured by :func:`capture_rng` (also its earlier tensor-valued form).
-
-    :param state: The captured states.
-    """
-    version, internal, gauss = state["python"]
-    if isinstance(internal, bytes):
-        internal = array.array("q", internal).tolist()
-    elif isinstance(internal, torch.Tensor):
-        internal = internal.tolist()
-    random.setstate((version, tuple(internal), gauss))
-    cpu = state["torch"]
-    torch.set_rng_state(torch.frombuffer(bytearray(cpu), dtype=torch.uint8) if isinstance(cpu, bytes) else cpu)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None and "numpy" in state:
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        keys = numpy.frombuffer(keys, dtype=numpy.uint32) if isinstance(keys, bytes) else keys.numpy()
-        numpy.random.set_state((name, keys.astype("uint32"), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python's, numpy's (when loaded) and torch's generators (CUDA included).
-
-    :param seed: The seed; the trainer passes ``cfg.seed + rank``.
-    """
-    random.seed(seed)
-    torch.manual_seed(seed)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed(seed % 2**32)

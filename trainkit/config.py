@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import attrs
 
+from trainkit.bookkeeping import is_int, is_real
 from trainkit.errors import ConfigError
 
 __all__ = [
@@ -41,6 +42,11 @@ __all__ = [
     "public_config",
     "render_value",
     "redact_argv",
+    "all_keys",
+    "apply_overrides",
+    "changed_on_resume",
+    "RESUME_SAFE_KEYS",
+    "RETUNED_KEYS",
     "ValConfig",
     "TestConfig",
     "CkptConfig",
@@ -58,17 +64,13 @@ DEFAULT_NO_WEIGHT_DECAY = ("bias", "norm", "_emb")
 WANDB_MODES = ("offline", "online", "disabled")
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def _rule(check: typing.Callable[[Any], bool], text: str) -> typing.Callable[[Any, attrs.Attribute, Any], None]:
     """Build a range validator; values of the wrong type are left to the type check, which names them."""
 
     def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if _is_number(value) and not math.isfinite(value):
+        if is_real(value) and not math.isfinite(value):
             raise ConfigError(attribute.name, "must be a finite number", value)
-        if _is_number(value) and not check(value):
+        if is_real(value) and not check(value):
             raise ConfigError(attribute.name, text, value)
 
     return validate
@@ -139,7 +141,7 @@ def _signal_name(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 
 def _patience_rule(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if _is_number(value) and value < 1:
+    if is_real(value) and value < 1:
         raise ConfigError(
             attribute.name,
             "must be >= 1 or None",
@@ -205,9 +207,9 @@ def _make_checker(tp: Any) -> typing.Callable[[Any], bool]:
         allowed = typing.get_args(tp)
         return lambda value: value in allowed
     if tp is float:
-        return _is_number
+        return is_real
     if tp is int:
-        return lambda value: isinstance(value, int) and not isinstance(value, bool)
+        return is_int
     if isinstance(tp, type):
         return lambda value: isinstance(value, tp)
     return _anything
@@ -285,7 +287,7 @@ class _Section:
         # overrides go into the mapping before it is validated: a required key may come from an override alone
         data = _plain_tree(mapping) if isinstance(mapping, Mapping) else mapping
         if isinstance(data, dict):
-            _apply_overrides(cls, data, overrides)
+            apply_overrides(cls, data, overrides)
         return _build(cls, data, prefix="", root=cls)
 
     def with_overrides(self: C, overrides: Iterable[str]) -> C:
@@ -303,7 +305,7 @@ class _Section:
         (True, 'runs/x')
         """
         data = self.to_dict()
-        _apply_overrides(type(self), data, overrides)
+        apply_overrides(type(self), data, overrides)
         return _build(type(self), data, prefix="", root=type(self))
 
 
@@ -312,9 +314,19 @@ def _plain_tree(mapping: Mapping[str, Any]) -> dict[str, Any]:
     return {key: _plain_tree(value) if isinstance(value, Mapping) else value for key, value in mapping.items()}
 
 
-def _apply_overrides(root: type, data: dict[str, Any], overrides: Iterable[str]) -> None:
+def apply_overrides(root: type, data: dict[str, Any], overrides: Iterable[str]) -> None:
     """Write ``"dotted.key=value"`` overrides into ``data`` (a plain tree), each value parsed for its key's type.
 
+    Pure apart from changing ``data``.
+
+    >>> data = {"val": {"patience": 3}}
+    >>> apply_overrides(Config, data, ["val.patience=5", "epochs=2"])
+    >>> data
+    {'val': {'patience': 5}, 'epochs': 2}
+
+    :param root: The config class the keys belong to.
+    :param data: The plain tree to change.
+    :param overrides: ``"dotted.key=value"`` strings.
     :raises ConfigError: On a malformed override, an unknown key, a section overridden as a whole, or a value
         that does not parse.
     """
@@ -348,12 +360,21 @@ def _apply_overrides(root: type, data: dict[str, Any], overrides: Iterable[str])
                 raise _unknown_key(root, key)
 
 
-def _all_keys(cls: type, prefix: str = "") -> list[str]:
+def all_keys(cls: type, prefix: str = "") -> list[str]:
+    """List every leaf key of a config class, dotted, in declaration order.
+
+    >>> all_keys(Config)[:3]
+    ['epochs', 'seed', 'out_dir']
+
+    :param cls: A config class (or section class).
+    :param prefix: Put before every key.
+    :returns: The dotted keys.
+    """
     keys = []
     for field in attrs.fields(cls):
         name = prefix + field.name
         tp = _hints(cls).get(field.name)
-        keys.extend(_all_keys(tp, name + ".") if tp is not None and attrs.has(tp) else [name])
+        keys.extend(all_keys(tp, name + ".") if tp is not None and attrs.has(tp) else [name])
     return keys
 
 
@@ -368,7 +389,7 @@ def _sections(cls: type, prefix: str = "") -> list[str]:
 
 
 def _unknown_key(root: type, key: str, root_prefix: str = "") -> ConfigError:
-    known = _all_keys(root, root_prefix)
+    known = all_keys(root, root_prefix)
     leaf = key.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(key, known + _sections(root, root_prefix), n=1, cutoff=0.6)
     if not close:
@@ -893,3 +914,49 @@ class Config(_Section):
     wandb: WandbConfig = _section(WandbConfig)
     progress: ProgressConfig = _section(ProgressConfig)
     dist: DistConfig = _section(DistConfig)
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+RESUME_SAFE_KEYS = frozenset(
+    key
+    for key in all_keys(Config)
+    if key.split(".")[0] in ("epochs", "out_dir", "ckpt", "wandb", "progress", "dist", "test")
+    or key in ("log_stats_every_n_steps", "log_weight_stats", "log_grad_stats")
+)
+"""The engine's config keys that may change between a run and its resume without changing what it computes.
+
+Exact keys, not prefixes: a user's ``epochs_warmup`` or ``log_temperature`` is compared like any other key.
+"""
+
+RETUNED_KEYS = frozenset({"val.patience", "val.start_patience", "val.min_delta"})
+"""Keys a resume applies to the records it restores (see :func:`~trainkit.bookkeeping.reconcile`)."""
+
+
+def changed_on_resume(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """Compare the config a checkpoint holds with the one a run resumes under.
+
+    Pure. Keys in :data:`RESUME_SAFE_KEYS` and :data:`RETUNED_KEYS` are left out: they may change.
+
+    >>> changed_on_resume({"lr": 0.1, "epochs": 3, "val": {"minimize": True}}, {"lr": 0.2, "epochs": 5, "val": {}})
+    [('lr', 0.1, 0.2), ('val.minimize', True, '<absent>')]
+
+    :param saved: The saved config (plain, without secrets).
+    :param current: The current config, the same way.
+    :returns: ``(dotted key, saved value, current value)`` for each changed key, sorted; ``'<absent>'`` stands
+        for a missing key.
+    """
+    old, new = _flatten(saved), _flatten(current)
+    return [
+        (key, old.get(key, "<absent>"), new.get(key, "<absent>"))
+        for key in sorted(set(old) | set(new))
+        if old.get(key, "<absent>") != new.get(key, "<absent>") and key not in RESUME_SAFE_KEYS | RETUNED_KEYS
+    ]

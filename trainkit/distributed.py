@@ -15,6 +15,7 @@ import socket
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ __all__ = [
     "broadcast_object",
     "all_gather_objects",
     "any_all",
+    "raise_if_any_rank_failed",
     "barrier",
     "teardown",
     "unwrap",
@@ -185,8 +187,10 @@ def reduce_mean(total: Any, count: Any) -> float:
     if is_distributed():
         device = _collective_device()
         pair = torch.stack(
-            [torch.as_tensor(total, dtype=torch.float64).to(device).reshape(()),
-             torch.as_tensor(count, dtype=torch.float64).to(device).reshape(())]
+            [
+                torch.as_tensor(total, dtype=torch.float64).to(device).reshape(()),
+                torch.as_tensor(count, dtype=torch.float64).to(device).reshape(()),
+            ]
         )
         dist.all_reduce(pair, op=dist.ReduceOp.SUM)
         _handed_to_backend(pair)
@@ -258,6 +262,28 @@ def any_all(flags: list[bool]) -> tuple[list[bool], list[bool]]:
     got = values.tolist()
     n = len(flags)
     return [bool(v) for v in got[:n]], [not bool(v) for v in got[n:]]
+
+
+def raise_if_any_rank_failed(
+    error: BaseException | None, failed_elsewhere: Callable[[], BaseException], *, world_size: int
+) -> None:
+    """Let every rank learn, in one all-reduce, whether a step failed on some rank, and raise if it did.
+
+    A rank whose own step failed raises its ``error``; the others raise ``failed_elsewhere()``, so no rank
+    walks on into a collective that the failed one will never join.
+
+    :param error: This rank's failure, or None.
+    :param failed_elsewhere: Builds the error the ranks that did not fail raise.
+    :param world_size: The run's number of processes; with 1 there is no collective.
+    :raises BaseException: ``error`` or ``failed_elsewhere()``, when any rank failed.
+    """
+    failed = error is not None
+    if world_size > 1:
+        (failed,), _ = any_all([failed])
+    if error is not None:
+        raise error
+    if failed:
+        raise failed_elsewhere()
 
 
 def barrier(timeout_s: float) -> None:

@@ -24,8 +24,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from trainkit.config import redact_argv, redact_text, strip_secrets
+from trainkit.config import WandbConfig, redact_argv, redact_text, strip_secrets
 from trainkit.errors import OutDirError
+from trainkit.messages import say
+from trainkit.run_files import same_directory
 
 __all__ = [
     "LogBuffer",
@@ -36,6 +38,7 @@ __all__ = [
     "WandbHistory",
     "read_wandb_history",
     "mark_as_synced",
+    "open_run_log",
     "new_run_id",
 ]
 
@@ -639,11 +642,64 @@ class RunLog:
 
     def _report_kept(self) -> None:
         if self._differing:
-            print(
-                f"trainkit: W&B already held steps {self._kept[0]}-{self._kept[-1]} of this run from before the "
+            say(
+                f"W&B already held steps {self._kept[0]}-{self._kept[-1]} of this run from before the "
                 f"interruption and keeps them; {self._differing} of those {len(self._kept)} rows differ from the "
-                "rerun's rows in metrics.jsonl (the rerun was not bit-exact)",
-                file=sys.stderr,
-                flush=True,
+                "rerun's rows in metrics.jsonl (the rerun was not bit-exact)"
             )
         self._kept, self._differing = [], 0
+
+
+def open_run_log(
+    journal: JsonlSink | None,
+    *,
+    wandb: WandbConfig | None,
+    run_id: str,
+    out_dir: Path,
+    resumed_from: Path | None,
+    config: Mapping[str, Any],
+    config_class: Any = None,
+) -> RunLog:
+    """Start rank 0's :class:`RunLog`: ``metrics.jsonl`` and, unless W&B is off, the W&B run.
+
+    Side effects: starts a W&B run; on a resume first reads what the run's earlier W&B folders hold (in
+    ``out_dir`` and, for ``ckpt.resume=<path>``, in the folder resumed from) and marks as synced the empty
+    ones in ``out_dir`` (:func:`mark_as_synced`). A failure closes ``journal``.
+
+    :param journal: ``metrics.jsonl``, already cut back to the checkpoint's offset; None without checkpoints.
+    :param wandb: The ``wandb`` config section; None for no W&B run.
+    :param run_id: The W&B run id.
+    :param out_dir: The run folder (W&B writes under ``out_dir/wandb``).
+    :param resumed_from: The folder of the checkpoint the run resumed from; None for a fresh run.
+    :param config: The config for W&B's config panel (``public_config``'s output).
+    :param config_class: The config record, whose declared secrets stay out of W&B.
+    :returns: The run log.
+    """
+    if wandb is None:
+        return RunLog(journal)
+    try:
+        history = None
+        if resumed_from is not None:  # read before this session's folder exists
+            folders = [out_dir / "wandb"]
+            if not same_directory(resumed_from, out_dir):
+                folders.append(resumed_from / "wandb")
+            history = read_wandb_history(folders, run_id, since=journal.rows if journal is not None else 0)
+            for datastore in history.empty:  # only in this run's own folder: never write where it resumed from
+                if same_directory(datastore.parent.parent, out_dir / "wandb"):
+                    mark_as_synced(datastore)
+        sink = WandbSink(
+            mode=wandb.mode,
+            run_id=run_id,
+            directory=out_dir,
+            config=config,
+            project=wandb.project,
+            entity=wandb.entity,
+            name=wandb.name,
+            tags=wandb.tags,
+            config_class=config_class,
+        )
+    except BaseException:
+        if journal is not None:
+            journal.finish()
+        raise
+    return RunLog(journal, sink, history)

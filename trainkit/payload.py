@@ -37,6 +37,8 @@ __all__ = [
     "MAX_ITEM_DEPTH",
     "validate_last",
     "validate_best",
+    "last_payload",
+    "best_payload",
 ]
 
 SCHEMA_VERSION = 1
@@ -151,8 +153,8 @@ def _record(cls: Any) -> Callable[[Any, str], None]:
 
 
 def _check_rng(value: Any, where: str) -> None:
-    """One dict per rank of the states :func:`~trainkit.checkpoint.capture_rng` takes; each is tried on a throwaway
-    generator, so a state that :func:`~trainkit.checkpoint.restore_rng` would refuse is refused here."""
+    """One dict per rank of the states :func:`~trainkit.rng.capture_rng` takes; each is tried on a throwaway
+    generator, so a state that :func:`~trainkit.rng.restore_rng` would refuse is refused here."""
     if type(value) is not list or not value:
         raise _Bad(where, "a non-empty list of generator states, one dict per rank", value)
     for rank, state in enumerate(value):
@@ -334,6 +336,93 @@ BEST_PT: tuple[Key, ...] = (
     _CONFIG_KEY,
 )
 """The keys of a ``best.pt``: the best weights, the best record, its epoch and the config; nothing else."""
+
+
+# --- building ---------------------------------------------------------------------------------------------------
+
+
+def last_payload(
+    *,
+    items: dict[str, Any],
+    epoch: int,
+    step: int,
+    world_size: int,
+    config: dict[str, Any],
+    loop: LoopState,
+    best: BestState | None,
+    patience: PatienceState | None,
+    rng: list[dict[str, Any]],
+    wandb_run_id: str | None,
+    latest_metrics: dict[str, float],
+    results: dict[str, float] | None,
+    metrics_offset: int | None,
+    training_modes: dict[str, dict[str, bool]],
+) -> dict[str, Any]:
+    """Build a ``last.pt`` payload: every registered item's state under its name, then the engine's keys.
+
+    Pure. The engine's keys are exactly :data:`LAST_PT`'s, in its order, and every one of them is in
+    :data:`~trainkit.bookkeeping.RESERVED_NAMES` (a test pins both).
+
+    >>> payload = last_payload(items={"model": {}}, epoch=1, step=10, world_size=1, config={}, loop=LoopState(),
+    ...     best=None, patience=None, rng=[{}], wandb_run_id="abc", latest_metrics={}, results=None,
+    ...     metrics_offset=0, training_modes={})
+    >>> list(payload)[1:] == [key.name for key in LAST_PT]
+    True
+
+    :param items: The registered items' states by name (``collect_payload``'s output).
+    :param epoch: Epochs completed.
+    :param step: Optimizer steps taken.
+    :param world_size: The number of processes.
+    :param config: The config as a plain dict without secrets (``public_config``).
+    :param loop: The loop record.
+    :param best: The best record, if tracked.
+    :param patience: The patience record, if tracked.
+    :param rng: Every rank's RNG states, by rank.
+    :param wandb_run_id: The W&B run id.
+    :param latest_metrics: The last pushed value of every metric.
+    :param results: The final results of a finished run, else None.
+    :param metrics_offset: The size of ``metrics.jsonl``, or None without one.
+    :param training_modes: Per registered module, its submodules' ``training`` flags.
+    :returns: The payload, ready for :func:`~trainkit.checkpoint.atomic_save`.
+    """
+    return {
+        **items,
+        "schema_version": SCHEMA_VERSION,
+        "epoch": epoch,
+        "step": step,
+        "world_size": world_size,
+        "config": config,
+        "loop": loop.to_dict(),
+        "best": best.to_dict() if best is not None else None,
+        "patience": patience.to_dict() if patience is not None else None,
+        "rng": rng,
+        "wandb_run_id": wandb_run_id,
+        "items": list(items),
+        "latest_metrics": dict(latest_metrics),
+        "results": results,
+        "metrics_offset": metrics_offset,
+        "training_modes": training_modes,
+    }
+
+
+def best_payload(*, model: dict[str, Any], best: BestState, config: dict[str, Any]) -> dict[str, Any]:
+    """Build a ``best.pt`` payload: exactly :data:`BEST_PT`'s keys, in its order.
+
+    >>> list(best_payload(model={}, best=BestState(), config={})) == [key.name for key in BEST_PT]
+    True
+
+    :param model: The best weights (a state dict).
+    :param best: The best record.
+    :param config: The config as a plain dict without secrets.
+    :returns: The payload.
+    """
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": model,
+        "best": best.to_dict(),
+        "epoch": best.epoch,
+        "config": config,
+    }
 
 
 # --- validation -------------------------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ from typing import Any
 
 import attrs
 
-from trainkit.bookkeeping import BestState, PatienceState, save_if_best, step_patience
-from trainkit.config import ValConfig, _apply_overrides
+from trainkit.bookkeeping import BestState, PatienceState, is_real, save_if_best, step_patience
+from trainkit.config import ValConfig, apply_overrides
 
 __all__ = ["Replay", "replay_scores", "validation_scores", "replay_run", "format_replay"]
 
@@ -84,7 +84,7 @@ def validation_scores(rows: Sequence[Mapping[str, Any]], metric: str) -> list[tu
     for row in rows:
         value = row.get(metric)
         epoch = row.get("trainer/epoch")
-        if isinstance(value, int | float) and not isinstance(value, bool) and isinstance(epoch, int):
+        if is_real(value) and isinstance(epoch, int):
             by_epoch[epoch] = float(value)
     return sorted(by_epoch.items())
 
@@ -110,7 +110,7 @@ def replay_run(out_dir: str | Path, overrides: Sequence[str] = (), metric: str =
         raise ValueError(f"{Path(out_dir) / 'metrics.jsonl'} holds no {metric!r} values; pick the score with --metric")
     minimize = any(word in metric.lower() for word in ("loss", "error", "err", "perplexity", "mse", "mae"))
     data: dict[str, Any] = {"val": {"minimize": minimize}}
-    _apply_overrides(_ValOnly, data, [w if w.startswith("val.") else f"val.{w}" for w in overrides])
+    apply_overrides(_ValOnly, data, [w if w.startswith("val.") else f"val.{w}" for w in overrides])
     val = ValConfig(**data["val"])
     recorded = replay_scores(scores, attrs.evolve(val, patience=None))
     return recorded, replay_scores(scores, val)

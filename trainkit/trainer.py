@@ -7,11 +7,9 @@ validate now? which epoch next?) comes from :mod:`trainkit.bookkeeping`.
 from __future__ import annotations
 
 import abc
-import logging
 import os
 import signal
 import sys
-import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
@@ -23,14 +21,11 @@ import torch
 from torch import nn
 
 from trainkit import bookkeeping as core
-from trainkit import checkpoint as ckpt_io
 from trainkit import distributed as dist_utils
 from trainkit import optim as optim_utils
-from trainkit.async_save import AsyncCheckpointWriter, StagingBuffers
-from trainkit.config import Config, _all_keys, public_config, render_value, strip_secrets
+from trainkit.config import Config, changed_on_resume, public_config, render_value, strip_secrets
 from trainkit.errors import (
     BookkeepingError,
-    CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     DistributedError,
@@ -39,60 +34,26 @@ from trainkit.errors import (
     TrainingInterrupted,
     UsageError,
 )
-from trainkit.logging import (
-    JsonlSink,
-    LogBuffer,
-    RunLog,
-    WandbSink,
-    mark_as_synced,
-    new_run_id,
-    read_wandb_history,
-)
+from trainkit.logging import JsonlSink, LogBuffer, RunLog, new_run_id, open_run_log
+from trainkit.messages import say
 from trainkit.modules import load_module_state, module_state, restore_training_modes, training_modes
-from trainkit.payload import SCHEMA_VERSION, validate_best, validate_last
+from trainkit.payload import SCHEMA_VERSION, best_payload, last_payload
 from trainkit.progress import EpochBar, step_bar
+from trainkit.rng import capture_rng, restore_rng, seed_everything
+from trainkit.run_files import RunFiles, same_directory
 from trainkit.run_lock import RunLock
+from trainkit.signals import StopSignals
 from trainkit.snapshot import WeightSnapshot
 
 __all__ = ["BaseTrainer", "CHECKPOINT_SCHEMA_VERSION"]
-
-logger = logging.getLogger("trainkit")
 
 T = TypeVar("T")
 
 CHECKPOINT_SCHEMA_VERSION = SCHEMA_VERSION
 """Version of the checkpoint layout written by this trainkit (the layout :mod:`trainkit.payload` describes)."""
 
-LAST_CKPT = "last.pt"
-BEST_CKPT = "best.pt"
-METRICS_FILE = "metrics.jsonl"
-
-_RUN_CONTROL_KEYS = frozenset(
-    key
-    for key in _all_keys(Config)
-    if key.split(".")[0] in ("epochs", "out_dir", "ckpt", "wandb", "progress", "dist", "test")
-    or key in ("log_stats_every_n_steps", "log_weight_stats", "log_grad_stats")
-)
-"""The engine's config keys that may change between a run and its resume without changing what it computes.
-
-Exact keys, not prefixes: a user's ``epochs_warmup`` or ``log_temperature`` is compared like any other key.
-"""
-
-_RETUNED_KEYS = ("val.patience", "val.start_patience", "val.min_delta")
-"""Keys a resume applies to the records it restores (see :func:`~trainkit.bookkeeping.retune_patience`)."""
-
 _RECORD_ATTRIBUTES = {"best_state": "_best_state", "patience_state": "_patience_state"}
 """The public names of the engine's records, and where the engine keeps them."""
-
-
-def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, Mapping):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _step_counter(trainer: BaseTrainer) -> Any:
@@ -122,22 +83,6 @@ def _load_item(obj: Any, state: Any) -> None:
         load_module_state(obj, state)
     else:
         obj.load_state_dict(state)
-
-
-def _read_prefix(path: Path, size: int) -> bytes:
-    """The first ``size`` bytes of the metrics file of the folder a run resumed from (empty when it has none)."""
-    try:
-        with open(path, "rb") as handle:
-            return handle.read(min(size, os.fstat(handle.fileno()).st_size))  # a recorded size, not the real one
-    except OSError:
-        return b""
-
-
-def _same_directory(a: Path, b: Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # one of them does not exist (yet)
-        return False
 
 
 class _Resume(NamedTuple):
@@ -219,10 +164,9 @@ class BaseTrainer(abc.ABC):
         self._grad_norm_count = 0
         self._owns_process_group = False
         self._failed = False
-        self._signal: int | None = None
-        self._space_checked = False
-        self._writer = AsyncCheckpointWriter() if self.cfg.ckpt.async_save else None
-        self._staging = StagingBuffers()
+        ckpt = self.cfg.ckpt
+        self._signals = StopSignals(["SIGTERM", "SIGINT"] + ([ckpt.requeue_signal] if ckpt.requeue_signal else []))
+        self._files = RunFiles(self.out_dir, enabled=ckpt.enable, writer=self.is_main, async_save=ckpt.async_save)
         self._run_log = RunLog()
         self._run_id: str | None = None
         self._lock = RunLock(self.out_dir)  # held by rank 0 of a run that writes out_dir, until train() ends
@@ -233,7 +177,7 @@ class BaseTrainer(abc.ABC):
             )
         try:
             self._claim_out_dir()
-            ckpt_io.seed_everything(self.cfg.seed + rank)
+            seed_everything(self.cfg.seed + rank)
             ckpt, path = self._load_resume_checkpoint()
             resume = self._reconcile(ckpt, path) if ckpt is not None and path is not None else None
             self._setup_logging(ckpt, resume)
@@ -335,29 +279,28 @@ class BaseTrainer(abc.ABC):
             self._lock.release()
             return dict(self._results) or None
         more = not self._loop.finished  # a resume already reconciled the loop with the config
-        previous_handlers = self._install_signal_handlers()
         try:
-            bar = EpochBar(total=self.cfg.epochs, initial=self._loop.epoch, enabled=self._bars_enabled)
-            try:
-                self._run_epochs(more, bar)
-            finally:
-                bar.close()
-            return self._finish()
+            with self._signals:
+                bar = EpochBar(total=self.cfg.epochs, initial=self._loop.epoch, enabled=self._bars_enabled)
+                try:
+                    self._run_epochs(more, bar)
+                finally:
+                    bar.close()
+                return self._finish()
         except TrainingInterrupted as exc:
-            self._finish_writes_after_failure()
+            self._files.wait_quietly()
             if self.is_main:
-                print(f"trainkit: {exc}", file=sys.stderr, flush=True)
+                say(str(exc))
             self._failed = True
             # a clean stop at an epoch boundary, saved and resumable: not a failed W&B run (exit code 0)
             self._close_sinks(failed=False)
             raise
         except BaseException:
             self._failed = True
-            self._finish_writes_after_failure()
+            self._files.wait_quietly()
             self._close_sinks(failed=True)
             raise
         finally:
-            self._restore_signal_handlers(previous_handlers)
             self._lock.release()  # after the last write: the next run on this folder may start
 
     def _run_epochs(self, more: bool, bar: EpochBar) -> None:
@@ -389,35 +332,11 @@ class BaseTrainer(abc.ABC):
             if signalled and more:
                 self._stop_for_signal(seconds)
 
-    # ------------------------------------------------------------------ signals
-
-    def _install_signal_handlers(self) -> dict[int, Any]:
-        """Route SIGTERM, SIGINT and the requeue signal to a flag that the loop reads at epoch boundaries."""
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        names = ["SIGTERM", "SIGINT"] + ([self.cfg.ckpt.requeue_signal] if self.cfg.ckpt.requeue_signal else [])
-        previous = {}
-        for name in dict.fromkeys(names):
-            number = getattr(signal, name)
-            previous[number] = signal.signal(number, self._on_signal)
-        return previous
-
-    def _on_signal(self, number: int, frame: Any) -> None:
-        # only flags here: no I/O and no collectives inside a signal handler
-        if self._signal is not None and number == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C aborts now; last.pt still holds the previous epoch
-        self._signal = number
-
-    @staticmethod
-    def _restore_signal_handlers(previous: Mapping[int, Any]) -> None:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-
     def _stop_for_signal(self, save_seconds: float | None) -> None:
-        if self._writer is not None and self.is_main:
-            self._wait_for_writes()
-            save_seconds = self._writer.last_seconds
-        number = self._signal if self._signal is not None else signal.SIGTERM
+        if self.is_main:
+            self._files.wait()
+            save_seconds = self._files.last_seconds
+        number = self._signals.received if self._signals.received is not None else signal.SIGTERM
         raise TrainingInterrupted(signal.Signals(number).name, int(number), self.epoch, save_seconds)
 
     def _validate(self) -> bool:
@@ -446,7 +365,7 @@ class BaseTrainer(abc.ABC):
 
     def _agree_on_stop(self, stop: bool) -> tuple[bool, bool]:
         """Check every rank's stop verdict agrees and learn whether any rank got a signal, in one all-reduce."""
-        signalled = self._signal is not None
+        signalled = self._signals.received is not None
         if self.world_size == 1:
             return stop, signalled
         (anyone, any_signal), (everyone, _) = dist_utils.any_all([stop, signalled])
@@ -466,7 +385,7 @@ class BaseTrainer(abc.ABC):
         self._restore_lost_best_file()
         self._save_checkpoint()
         if self.is_main:
-            self._wait_for_writes()
+            self._files.wait()
         self._close_sinks()
         return dict(self._results) or None
 
@@ -474,7 +393,7 @@ class BaseTrainer(abc.ABC):
         """Say so at the end when ``best.pt`` went missing from disk during the run, and write it again."""
         if not (self.is_main and self.cfg.ckpt.enable) or self._best.state is None or self._best_state is None:
             return
-        self._wait_for_writes()  # a background write may be about to put it there
+        self._files.wait()  # a background write may be about to put it there
         if self._best_dirty or self.best_ckpt_path.exists():
             return
         warnings.warn(
@@ -496,7 +415,7 @@ class BaseTrainer(abc.ABC):
         :returns: The ``test/*`` metrics.
         :raises HookNotImplementedError: When the subclass has no :meth:`test_epoch`.
         """
-        self._wait_for_writes()
+        self._files.wait()
         model = dist_utils.unwrap(self.model)
         best = self._best.state
         own: tuple[dict[str, Any], dict[str, bool]] | None = None
@@ -543,7 +462,7 @@ class BaseTrainer(abc.ABC):
             parts = [
                 f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}" for key, value in summary.items()
             ]
-            print("trainkit: " + ", ".join(parts), flush=True)
+            say(", ".join(parts), stream=sys.stdout)
 
     # ------------------------------------------------------------------ checkpoint registry
 
@@ -587,12 +506,12 @@ class BaseTrainer(abc.ABC):
     @property
     def last_ckpt_path(self) -> Path:
         """``out_dir/last.pt``."""
-        return self.out_dir / LAST_CKPT
+        return self._files.last_path
 
     @property
     def best_ckpt_path(self) -> Path:
         """``out_dir/best.pt``."""
-        return self.out_dir / BEST_CKPT
+        return self._files.best_path
 
     def _claim_out_dir(self) -> None:
         """Lock ``out_dir`` for this run (rank 0, when it writes checkpoints) and check it can be written.
@@ -602,100 +521,37 @@ class BaseTrainer(abc.ABC):
         rank learns whether it worked.
         """
         error: BaseException | None = None
-        if self.is_main and self.cfg.ckpt.enable:
+        if self._files.writes:
             try:
                 self._lock.acquire()
-                for name in (LAST_CKPT, BEST_CKPT):
-                    for path in (self.out_dir / name, ckpt_io.previous_path(self.out_dir / name)):
-                        if path.is_dir() and not path.is_symlink():
-                            raise OutDirError(
-                                f"{path} is a directory, so no checkpoint can be written there; move it away"
-                            )
+                self._files.check_writable()
             except OutDirError as exc:
                 error = exc
-        failed = error is not None
-        if self.world_size > 1:
-            (failed,), _ = dist_utils.any_all([failed])
-        if error is not None:
-            raise error
-        if failed:
-            raise OutDirError(f"rank 0 could not use out_dir {self.out_dir}; see rank 0's error")
+        dist_utils.raise_if_any_rank_failed(
+            error,
+            lambda: OutDirError(f"rank 0 could not use out_dir {self.out_dir}; see rank 0's error"),
+            world_size=self.world_size,
+        )
 
     def _load_resume_checkpoint(self) -> tuple[dict[str, Any] | None, Path | None]:
         """Load the checkpoint ``ckpt.resume`` names; return it and the path it came from (or None, None)."""
-        mode = self.cfg.ckpt.resume
-        if mode == "never" or (mode == "auto" and not self.cfg.ckpt.enable):
-            # a run that writes no checkpoints reads none either, unless ckpt.resume names one
-            return None, None
-        path = self.last_ckpt_path if mode == "auto" else Path(mode)
-        previous = ckpt_io.previous_path(path)
-        if mode == "auto" and not path.exists() and not previous.exists():
-            return None, None
-        if mode != "auto" and not path.exists():
-            raise CheckpointError(
-                f"ckpt.resume must be 'auto', 'never' or the path of an existing checkpoint, got {mode!r} "
-                f"(there is no file at {path})"
-            )
-        try:
-            ckpt = self._read_last_checkpoint(path)
-        except CheckpointCorruptError as exc:
-            if mode != "auto" or not previous.exists():
-                raise
-            # the newest file is damaged (bit rot, a disk that lied about fsync) or not a checkpoint at all (a
-            # FIFO, a hand-edited payload): the one before it is intact
-            ckpt = self._read_last_checkpoint(previous)
-            kept = path.with_name(f"{path.stem}.corrupt{path.suffix}")
-            if self.is_main:
-                os.replace(path, kept)  # kept for inspection, and so the next save cannot rotate it into .prev
-            warnings.warn(
-                f"{exc}; resuming from the previous checkpoint {previous} instead (the refused file is kept as {kept})",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            path = previous
-        self._check_compatible(ckpt, path)
+        ckpt, path = self._files.load_resume(self.cfg.ckpt.resume, world_size=self.world_size)
+        if ckpt is not None and path is not None:
+            self._warn_changed_config(ckpt, path)
         return ckpt, path
 
-    def _read_last_checkpoint(self, path: Path) -> dict[str, Any]:
-        """Load a ``last.pt`` and check its engine entries against the schema before anything reads them."""
-        ckpt = ckpt_io.load_checkpoint(path)
-        validate_last(ckpt, path=path, world_size=self.world_size)
-        return ckpt
-
-    def _check_compatible(self, ckpt: Mapping[str, Any], path: Path) -> None:
-        version = ckpt.get("schema_version")
-        if not isinstance(version, int) or "loop" not in ckpt:
-            raise CheckpointMismatchError(f"{path} is not a trainkit checkpoint (no schema_version/loop entries)")
-        if version > CHECKPOINT_SCHEMA_VERSION:
-            raise CheckpointMismatchError(
-                f"{path} has checkpoint schema version {version}, newer than this trainkit's "
-                f"{CHECKPOINT_SCHEMA_VERSION}; upgrade trainkit to resume it"
-            )
-        if ckpt.get("world_size") != self.world_size:
-            raise CheckpointMismatchError(
-                f"{path} was written by a run with world_size={ckpt.get('world_size')}, this run has "
-                f"world_size={self.world_size}; exact resume needs the same number of processes "
-                "(or start fresh with ckpt.resume=never)"
-            )
-        saved = _flatten(strip_secrets(ckpt.get("config") or {}, self.cfg))
-        current = _flatten(self._cfg_dict)
-        changed = sorted(
-            key
-            for key in set(saved) | set(current)
-            if saved.get(key, "<absent>") != current.get(key, "<absent>")
-            and key not in _RUN_CONTROL_KEYS
-            and key not in _RETUNED_KEYS
-        )
-        if "val.minimize" in changed and ckpt.get("best") is not None:
-            raise CheckpointMismatchError(
-                f"{path} tracked its best with val.minimize={saved['val.minimize']}, this config says "
-                f"{current['val.minimize']}; the best score cannot be compared across directions"
-            )
-        if changed:
+    def _warn_changed_config(self, ckpt: Mapping[str, Any], path: Path) -> None:
+        changes = changed_on_resume(strip_secrets(ckpt.get("config") or {}, self.cfg), self._cfg_dict)
+        for key, old, new in changes:
+            if key == "val.minimize" and ckpt.get("best") is not None:
+                raise CheckpointMismatchError(
+                    f"{path} tracked its best with val.minimize={old}, this config says {new}; the best score "
+                    "cannot be compared across directions"
+                )
+        if changes:
             details = ", ".join(
-                f"{key}: {render_value(key, saved.get(key, '<absent>'), self.cfg)} -> "
-                f"{render_value(key, current.get(key, '<absent>'), self.cfg)}"
-                for key in changed
+                f"{key}: {render_value(key, old, self.cfg)} -> {render_value(key, new, self.cfg)}"
+                for key, old, new in changes
             )
             warnings.warn(
                 f"resuming {path} with a changed config ({details}); the result may differ from an uninterrupted run",
@@ -704,84 +560,30 @@ class BaseTrainer(abc.ABC):
             )
 
     def _reconcile(self, ckpt: Mapping[str, Any], path: Path) -> _Resume:
-        """Read the engine's records from ``ckpt`` and apply the current config to them.
-
-        A changed ``val.patience``/``val.start_patience``/``val.min_delta`` applies from the resumed epoch
-        on (warned, saying exactly what happens); a changed ``epochs`` extends a finished run, reopens one
-        that stopped early only when a larger patience allows more, or ends one that is already past it.
-        Rank 0 prints one line saying which.
-        """
+        """Read the engine's records from ``ckpt`` and apply the current config to them (see ``core.reconcile``)."""
         val = self.cfg.val
-        loop = core.LoopState.from_dict(ckpt["loop"])
-        best = core.BestState.from_dict(ckpt["best"]) if ckpt.get("best") is not None else None
-        saved_patience = core.PatienceState.from_dict(ckpt["patience"]) if ckpt.get("patience") is not None else None
-        notes = []
-        if best is not None:
-            old_delta = best.min_delta
-            best, changed = core.retune_min_delta(best, val.min_delta)
-            if changed:
-                notes.append(
-                    f"val.min_delta {old_delta!r} -> {best.min_delta!r}: later scores must beat the best "
-                    f"({best.score!r} at epoch {best.epoch}) by more than {best.min_delta!r}"
-                )
-        patience = saved_patience
-        if saved_patience is not None and (
-            saved_patience.patience != val.patience or saved_patience.start_patience != val.start_patience
-        ):
-            patience, misses = core.retune_patience(
-                saved_patience, patience=val.patience, start_patience=val.start_patience
-            )
-            left = "no limit" if patience.remaining is None else f"{patience.remaining} left"
-            notes.append(
-                f"val.patience {saved_patience.patience!r} -> {patience.patience!r} and val.start_patience "
-                f"{saved_patience.start_patience} -> {patience.start_patience}: applied from epoch {loop.epoch} on, "
-                f"keeping the {misses} miss(es) already counted ({left})"
-            )
-        if notes:
-            warnings.warn(f"resuming {path}: " + "; ".join(notes), RuntimeWarning, stacklevel=3)
-        lifted = (
-            loop.stop_reason == core.STOP_EARLY
-            and saved_patience is not None
-            and saved_patience.exhausted
-            and patience is not None
-            and not patience.exhausted
+        resumed = core.reconcile(
+            core.LoopState.from_dict(ckpt["loop"]),
+            core.BestState.from_dict(ckpt["best"]) if ckpt.get("best") is not None else None,
+            core.PatienceState.from_dict(ckpt["patience"]) if ckpt.get("patience") is not None else None,
+            epochs=self.cfg.epochs,
+            val_patience=val.patience,
+            start_patience=val.start_patience,
+            min_delta=val.min_delta,
         )
-        resumed, more = core.resume_loop(loop, epochs=self.cfg.epochs, early_stop_lifted=lifted)
-        results = ckpt.get("results")
-        if more:
-            results = None  # a finished run that continues has no final results yet
+        if resumed.notes:
+            warnings.warn(f"resuming {path}: " + "; ".join(resumed.notes), RuntimeWarning, stacklevel=3)
         if self.is_main:
-            print(f"trainkit: resuming {path}: {self._resume_line(loop, resumed, more)}", file=sys.stderr, flush=True)
+            say(f"resuming {path}: {resumed.line}")
+        results = ckpt.get("results")
+        if resumed.more:
+            results = None  # a finished run that continues has no final results yet
         return _Resume(
             path=path,
-            loop=resumed,
-            best=best,
-            patience=patience,
+            loop=resumed.loop,
+            best=resumed.best,
+            patience=resumed.patience,
             results=dict(results) if results is not None else None,
-        )
-
-    def _resume_line(self, saved: core.LoopState, resumed: core.LoopState, more: bool) -> str:
-        """Say in one line where a resumed run stands and what this run does with it."""
-        epochs = self.cfg.epochs
-        if not saved.finished:
-            if more:
-                return f"at epoch {saved.epoch} of {epochs}"
-            final = f"validating epoch {saved.epoch - 1} and finishing" if not saved.last_validated else "finishing"
-            return f"{saved.epoch} epochs done, epochs={epochs} is already reached: {final}"
-        if saved.stop_reason == core.STOP_MAX_EPOCHS:
-            if more:
-                return f"finished after {saved.epoch} epochs; epochs={epochs} extends it by {epochs - saved.epoch}"
-            return f"finished after {saved.epoch} epochs (max_epochs); nothing to train (raise epochs to extend it)"
-        if more:
-            return (
-                f"stopped early after {saved.epoch} epochs; val.patience={self.cfg.val.patience} allows more, "
-                f"so it continues (up to epochs={epochs})"
-            )
-        if saved.epoch >= epochs:
-            return f"stopped early after {saved.epoch} epochs; epochs={epochs} allows no more"
-        return (
-            f"stopped early after {saved.epoch} epochs and stays stopped: its stopping rule allows no more "
-            "(raise val.patience to continue a run that patience stopped)"
         )
 
     def _restore(self, ckpt: dict[str, Any], resume: _Resume) -> None:
@@ -804,7 +606,7 @@ class BaseTrainer(abc.ABC):
         self._results = resume.results
         rng = ckpt.get("rng")
         if rng is not None:
-            ckpt_io.restore_rng(rng[self.rank])
+            restore_rng(rng[self.rank])
 
     def _load_best_model(self, directory: Path) -> None:
         """Reload the best weights from ``best.pt`` beside the resumed checkpoint, so test() uses them.
@@ -815,81 +617,18 @@ class BaseTrainer(abc.ABC):
         best = self._best_state
         if best is None or best.score is None:
             return
-        own_folder = _same_directory(directory, self.out_dir)
-        payload = self._read_best_checkpoint(directory / BEST_CKPT, best, repair=own_folder)
-        if payload is None:
+        saved = self._files.read_best(directory, best)
+        if saved is None:
             return
         # loaded tensors may share memory (tied weights): not private, so the next improvement allocates anew
         self._best.replace(
             {
                 key: value.to(self.device) if isinstance(value, torch.Tensor) else value
-                for key, value in payload["model"].items()
+                for key, value in saved["model"].items()
             }
         )
-        if not own_folder:
+        if not same_directory(directory, self.out_dir):
             self._best_dirty = True
-
-    def _read_best_checkpoint(self, path: Path, best: core.BestState, *, repair: bool) -> dict[str, Any] | None:
-        """Read best.pt, or fall back to best.prev.pt when a crash left it out of step with last.pt.
-
-        :param repair: Put the matching file back in place as ``path`` (only in this run's own folder).
-        """
-        candidates = [path, ckpt_io.previous_path(path)]
-        found = []
-        for candidate in candidates:
-            if not candidate.exists():
-                continue
-            try:
-                payload = ckpt_io.load_checkpoint(candidate)
-                validate_best(payload, path=candidate)
-            except CheckpointCorruptError as exc:
-                warnings.warn(str(exc), RuntimeWarning, stacklevel=4)
-                continue
-            recorded = core.BestState.from_dict(payload["best"])
-            if attrs.evolve(recorded, min_delta=best.min_delta) == best:  # a resume may have changed min_delta
-                if candidate != path and repair and self.is_main:
-                    # best.pt was written, last.pt was not: put the matching best back in place
-                    ckpt_io.atomic_save(payload, path)
-                    warnings.warn(
-                        f"{path} did not match the best recorded in {self.last_ckpt_path} (epoch "
-                        f"{best.epoch}); repaired it from {candidate}",
-                        RuntimeWarning,
-                        stacklevel=4,
-                    )
-                return payload
-            found.append(f"{candidate.name}: epoch {payload['best'].get('epoch')}")
-        warnings.warn(
-            f"no best checkpoint matches the best recorded in {self.last_ckpt_path} (epoch {best.epoch}, score "
-            f"{best.score}; found {', '.join(found) or 'none'}); test() will use the current weights until the "
-            "next improvement",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        return None
-
-    def _checkpoint_payload(self) -> dict[str, Any]:
-        payload = core.collect_payload(self._registry, state_of=_item_state)
-        best = self._best_state
-        patience = self._patience_state
-        payload.update(
-            schema_version=CHECKPOINT_SCHEMA_VERSION,
-            epoch=self._loop.epoch,
-            step=self.step,
-            world_size=self.world_size,
-            config=self._cfg_dict,
-            loop=self._loop.to_dict(),
-            best=best.to_dict() if best is not None else None,
-            patience=patience.to_dict() if patience is not None else None,
-            wandb_run_id=self._run_id,
-            items=list(self._registry.names),
-            latest_metrics=dict(self._latest_metrics),
-            results=self._results,
-            metrics_offset=self._run_log.offset(),
-            training_modes={
-                name: training_modes(obj) for name, obj in self._registry.items.items() if isinstance(obj, nn.Module)
-            },
-        )
-        return payload
 
     def _save_checkpoint(self) -> float | None:
         """Write best.pt (when the best changed) then last.pt on rank 0; every rank learns whether it worked.
@@ -903,50 +642,43 @@ class BaseTrainer(abc.ABC):
         if not self.cfg.ckpt.enable:
             self._best_dirty = False
             return seconds
-        rng = dist_utils.all_gather_objects(ckpt_io.capture_rng())
+        rng = dist_utils.all_gather_objects(capture_rng())
         error: BaseException | None = None
         if self.is_main:
             try:
-                self._wait_for_writes()  # a failed background write surfaces here, and every rank hears of it
-                writes: dict[str, tuple[dict[str, Any], Path]] = {}
+                best = None
                 if self._best_dirty:  # best.pt before last.pt: a crash between them is repaired on resume
-                    best = self._best_state
-                    best_payload = {
-                        "schema_version": CHECKPOINT_SCHEMA_VERSION,
-                        "model": self._best.state,
-                        "best": best.to_dict(),
-                        "epoch": best.epoch,
-                        "config": self._cfg_dict,
-                    }
-                    writes["best"] = (best_payload, self.best_ckpt_path)
-                payload = self._checkpoint_payload()
-                payload["rng"] = rng
-                writes["last"] = (payload, self.last_ckpt_path)
-                for data, _ in writes.values():  # a value that would not load back is refused before writing
-                    ckpt_io.check_loadable(data)
-                if not self._space_checked:
-                    ckpt_io.warn_if_low_on_space(payload, self.last_ckpt_path)
-                    self._space_checked = True
-                journal = self._run_log.sync  # the rows on disk before a checkpoint records the offset
-                if self._writer is not None:
-                    staged = self._staging.stage({name: data for name, (data, _) in writes.items()})
-                    self._writer.submit([(staged[name], path) for name, (_, path) in writes.items()], before=journal)
-                else:
-                    journal()
-                    for data, path in writes.values():
-                        seconds = ckpt_io.atomic_save(data, path, keep_previous=True)
-                    logger.debug("saved %s in %.3f s", self.last_ckpt_path, seconds)
+                    best = best_payload(model=self._best.state, best=self._best_state, config=self._cfg_dict)
+                last = last_payload(
+                    items=core.collect_payload(self._registry, state_of=_item_state),
+                    epoch=self._loop.epoch,
+                    step=self.step,
+                    world_size=self.world_size,
+                    config=self._cfg_dict,
+                    loop=self._loop,
+                    best=self._best_state,
+                    patience=self._patience_state,
+                    rng=rng,
+                    wandb_run_id=self._run_id,
+                    latest_metrics=self._latest_metrics,
+                    results=self._results,
+                    metrics_offset=self._run_log.offset(),
+                    training_modes={
+                        name: training_modes(obj)
+                        for name, obj in self._registry.items.items()
+                        if isinstance(obj, nn.Module)
+                    },
+                )
+                # the rows on disk before a checkpoint records the offset
+                seconds = self._files.save(last, best, before=self._run_log.sync)
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
                 error = exc
         self._best_dirty = False
-        if self.world_size > 1:
-            (failed,), _ = dist_utils.any_all([error is not None])
-        else:
-            failed = error is not None
-        if error is not None:
-            raise error
-        if failed:
-            raise CheckpointError(f"rank 0 failed to write {self.last_ckpt_path}; see rank 0's traceback")
+        dist_utils.raise_if_any_rank_failed(
+            error,
+            lambda: CheckpointError(f"rank 0 failed to write {self.last_ckpt_path}; see rank 0's traceback"),
+            world_size=self.world_size,
+        )
         return seconds
 
     # ------------------------------------------------------------------ best model and early stopping
@@ -1214,46 +946,28 @@ class BaseTrainer(abc.ABC):
         if not self.is_main:
             return
         journal = None
-        elsewhere = resume is not None and not _same_directory(resume.path.parent, self.out_dir)
+        elsewhere = resume is not None and not same_directory(resume.path.parent, self.out_dir)
         if self.cfg.ckpt.enable:
-            ckpt_io.remove_stale_temp_files(self.out_dir)
+            self._files.remove_stale_temp_files()
             offset = (ckpt or {}).get("metrics_offset")
             history = None
             if resume is not None and isinstance(offset, int) and elsewhere:
-                history = _read_prefix(resume.path.parent / METRICS_FILE, offset)
+                history = self._files.read_metrics_prefix(resume.path.parent, offset)
             # a fresh run starts a fresh file; a resumed one drops the rows of the epoch it lost
             journal = JsonlSink(
-                self.out_dir / METRICS_FILE, truncate_to=offset if ckpt is not None else 0, history=history
+                self._files.metrics_path, truncate_to=offset if ckpt is not None else 0, history=history
             )
-        wb = self.cfg.wandb
         finished = resume is not None and resume.results is not None
-        if wb.mode == "disabled" or finished:  # a finished run only returns its results: no new W&B run
-            self._run_log = RunLog(journal)
-            return
-        wandb_history = None
-        if resume is not None:  # read before this session's folder exists
-            folders = [self.out_dir / "wandb"] + ([resume.path.parent / "wandb"] if elsewhere else [])
-            wandb_history = read_wandb_history(folders, self._run_id, since=journal.rows if journal else 0)
-            for datastore in wandb_history.empty:  # only in this run's own folder: never write where it resumed from
-                if _same_directory(datastore.parent.parent, self.out_dir / "wandb"):
-                    mark_as_synced(datastore)
-        try:
-            sink = WandbSink(
-                mode=wb.mode,
-                run_id=self._run_id,
-                directory=self.out_dir,
-                config=self._cfg_dict,
-                project=wb.project,
-                entity=wb.entity,
-                name=wb.name,
-                tags=wb.tags,
-                config_class=self.cfg,
-            )
-        except BaseException:
-            if journal is not None:
-                journal.finish()
-            raise
-        self._run_log = RunLog(journal, sink, wandb_history)
+        self._run_log = open_run_log(
+            journal,
+            # a finished run only returns its results: no new W&B run
+            wandb=None if self.cfg.wandb.mode == "disabled" or finished else self.cfg.wandb,
+            run_id=self._run_id,
+            out_dir=self.out_dir,
+            resumed_from=resume.path.parent if resume is not None else None,
+            config=self._cfg_dict,
+            config_class=self.cfg,
+        )
 
     def log(self, metrics: Mapping[str, Any] | None = None, **named: Any) -> None:
         """Buffer metrics for the next :meth:`push_logs`; nothing leaves the device here.
@@ -1309,24 +1023,12 @@ class BaseTrainer(abc.ABC):
         ranks meet in a barrier first; after a failed one they do not (the others may be gone).
         """
         if self.is_main and not self._failed:
-            self._wait_for_writes()
+            self._files.wait()
         self._close_sinks()
         self._lock.release()
         if self._owns_process_group and dist_utils.is_distributed():
             dist_utils.teardown(self.cfg.dist.timeout_s, meet=not self._failed)
             self._owns_process_group = False
-
-    def _finish_writes_after_failure(self) -> None:
-        """Let an in-flight background write land (its state is good), without masking the error at hand."""
-        try:
-            self._wait_for_writes()
-        except Exception as exc:  # noqa: BLE001 - the exception being raised matters more
-            warnings.warn(f"a background checkpoint write also failed: {exc!r}", RuntimeWarning, stacklevel=3)
-
-    def _wait_for_writes(self) -> None:
-        """Block until a background checkpoint write is on disk; raise its failure if it had one."""
-        if self._writer is not None:
-            self._writer.wait()
 
     def _close_sinks(self, failed: bool = False) -> None:
         self._run_log.finish(failed=failed)
