@@ -188,3 +188,11 @@ def test_a_directory_in_a_checkpoints_place_is_refused(tmp_path):
     with pytest.raises(OutDirError, match="last.prev.pt is a directory"):
         files(tmp_path).check_writable()
     RunFiles(tmp_path, enabled=True, writer=False, async_save=False).check_writable()  # a reader never writes
+
+
+def test_a_handler_that_cannot_be_installed_puts_the_others_back():
+    """SIGKILL cannot be caught: entering fails, and the handler installed before it is restored."""
+    before = signal.getsignal(signal.SIGUSR1)
+    with pytest.raises(OSError), StopSignals(["SIGUSR1", "SIGKILL"]):
+        pass
+    assert signal.getsignal(signal.SIGUSR1) == before

@@ -93,7 +93,7 @@ class SyncCheckpointWriter:
     def __init__(self) -> None:
         self.last_seconds: float | None = None
 
-    def submit(self, writes: list[tuple[Any, Path]], before: Callable[[], None] | None = None) -> None:
+    def submit(self, writes: list[tuple[Any, Path]], *, before: Callable[[], None] | None = None) -> None:
         """Write ``writes`` in order with ``atomic_save(keep_previous=True)``.
 
         :param writes: ``(payload, path)`` pairs.
@@ -119,16 +119,10 @@ class AsyncCheckpointWriter:
         self._error: BaseException | None = None
         self.last_seconds: float | None = None
 
-    def submit(
-        self,
-        writes: list[tuple[Any, Path]],
-        on_done: Callable[[float], None] | None = None,
-        before: Callable[[], None] | None = None,
-    ) -> None:
+    def submit(self, writes: list[tuple[Any, Path]], *, before: Callable[[], None] | None = None) -> None:
         """Wait for the previous job, then start writing ``writes`` in order in the background.
 
         :param writes: ``(staged payload, path)`` pairs; each is written with ``atomic_save(keep_previous=True)``.
-        :param on_done: Called with the job's seconds when it succeeds (from the writer thread).
         :param before: Called in the writer thread before the first write (e.g. to make the metrics journal
             durable before the checkpoint that records its size); its failure fails the job.
         :raises BaseException: The previous job's failure, unchanged.
@@ -146,8 +140,6 @@ class AsyncCheckpointWriter:
                 self._error = exc
                 return
             self.last_seconds = total
-            if on_done is not None:
-                on_done(total)
 
         self._thread = threading.Thread(target=run, name="trainkit-checkpoint-writer", daemon=False)
         self._thread.start()

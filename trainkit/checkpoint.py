@@ -39,12 +39,18 @@ import torch
 
 from trainkit.errors import CheckpointCorruptError, CheckpointError, CheckpointUnsafeError
 
+# they lived here before trainkit.rng gathered every generator's seeding, capture and restore
+from trainkit.rng import capture_rng, restore_rng, seed_everything  # noqa: F401
+
 __all__ = [
     "atomic_save",
     "previous_path",
     "load_checkpoint",
     "verify_checkpoint",
     "check_loadable",
+    "capture_rng",
+    "restore_rng",
+    "seed_everything",
     "remove_stale_temp_files",
     "payload_nbytes",
     "warn_if_low_on_space",

@@ -941,6 +941,9 @@ RETUNED_KEYS = frozenset({"val.patience", "val.start_patience", "val.min_delta"}
 """Keys a resume applies to the records it restores (see :func:`~trainkit.bookkeeping.reconcile`)."""
 
 
+_MAY_CHANGE_ON_RESUME = RESUME_SAFE_KEYS | RETUNED_KEYS
+
+
 def changed_on_resume(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
     """Compare the config a checkpoint holds with the one a run resumes under.
 
@@ -958,5 +961,5 @@ def changed_on_resume(saved: Mapping[str, Any], current: Mapping[str, Any]) -> l
     return [
         (key, old.get(key, "<absent>"), new.get(key, "<absent>"))
         for key in sorted(set(old) | set(new))
-        if old.get(key, "<absent>") != new.get(key, "<absent>") and key not in RESUME_SAFE_KEYS | RETUNED_KEYS
+        if old.get(key, "<absent>") != new.get(key, "<absent>") and key not in _MAY_CHANGE_ON_RESUME
     ]

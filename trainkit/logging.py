@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from trainkit.bookkeeping import is_real
 from trainkit.config import WandbConfig, redact_argv, redact_text, strip_secrets
 from trainkit.errors import OutDirError
 from trainkit.messages import say
@@ -103,7 +104,7 @@ class LogBuffer:
                 value = slot.copy_(value)
             elif isinstance(value, str | bytes):
                 raise TypeError(f"logged metric {key!r} must be a number or a tensor, got {value!r}")
-            elif isinstance(value, bool) or not isinstance(value, int | float):
+            elif not is_real(value):
                 try:
                     value = float(value)
                 except (TypeError, ValueError):

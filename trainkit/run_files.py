@@ -45,11 +45,12 @@ def same_directory(a: Path, b: Path) -> bool:
 
 
 class RunFiles:
-    """The checkpoint files of one run folder, read and written by rank 0.
+    """The checkpoint files of one run folder: every rank reads them, rank 0 writes them.
 
     :param out_dir: The run folder.
     :param enabled: ``ckpt.enable``: whether this run writes checkpoints at all.
-    :param writer: Whether this process writes (rank 0); the others only read.
+    :param writer: Whether this process writes (rank 0); the others only read. A rank-0 reader of a run
+        without checkpoints still keeps a damaged ``last.pt`` aside and repairs ``best.pt`` in ``out_dir``.
     :param async_save: ``ckpt.async_save``: stage each save in reused host buffers and write it in the
         background (one write in flight), instead of writing before :meth:`save` returns.
     """
@@ -57,6 +58,7 @@ class RunFiles:
     def __init__(self, out_dir: Path, *, enabled: bool, writer: bool, async_save: bool) -> None:
         self.out_dir = out_dir
         self.enabled = enabled
+        self.writer = writer
         self.writes = enabled and writer
         self._writer: SyncCheckpointWriter | AsyncCheckpointWriter = (
             AsyncCheckpointWriter() if async_save else SyncCheckpointWriter()
@@ -134,12 +136,12 @@ class RunFiles:
             # FIFO, a hand-edited payload): the one before it is intact
             ckpt = self._read_last(previous, world_size)
             kept = path.with_name(f"{path.stem}.corrupt{path.suffix}")
-            if self.writes:
+            if self.writer:
                 os.replace(path, kept)  # kept for inspection, and so the next save cannot rotate it into .prev
             warnings.warn(
                 f"{exc}; resuming from the previous checkpoint {previous} instead (the refused file is kept as {kept})",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
             path = previous
         _check_compatible(ckpt, path, world_size)
@@ -163,7 +165,7 @@ class RunFiles:
         :returns: The matching ``best.pt`` payload, or None (warned) when none matches.
         """
         path = directory / BEST_CKPT
-        repair = self.writes and same_directory(directory, self.out_dir)
+        repair = self.writer and same_directory(directory, self.out_dir)
         found = []
         for candidate in (path, ckpt_io.previous_path(path)):
             if not candidate.exists():

@@ -37,8 +37,12 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            for number in self._numbers:
-                self._previous[number] = signal.signal(number, self._record)
+            try:
+                for number in self._numbers:
+                    self._previous[number] = signal.signal(number, self._record)
+            except BaseException:
+                self.__exit__(None, None, None)  # the ones already installed go back
+                raise
         return self
 
     def __exit__(

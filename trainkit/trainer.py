@@ -86,12 +86,10 @@ def _load_item(obj: Any, state: Any) -> None:
 
 
 class _Resume(NamedTuple):
-    """The engine's records of a loaded checkpoint, reconciled with the current config."""
+    """A loaded checkpoint's records reconciled with the current config, where it was read, its results."""
 
     path: Path
-    loop: core.LoopState
-    best: core.BestState | None
-    patience: core.PatienceState | None
+    records: core.Resumed
     results: dict[str, float] | None
 
 
@@ -164,9 +162,12 @@ class BaseTrainer(abc.ABC):
         self._grad_norm_count = 0
         self._owns_process_group = False
         self._failed = False
-        ckpt = self.cfg.ckpt
-        self._signals = StopSignals(["SIGTERM", "SIGINT"] + ([ckpt.requeue_signal] if ckpt.requeue_signal else []))
-        self._files = RunFiles(self.out_dir, enabled=ckpt.enable, writer=self.is_main, async_save=ckpt.async_save)
+        ckpt_cfg = self.cfg.ckpt
+        requeue = [ckpt_cfg.requeue_signal] if ckpt_cfg.requeue_signal else []
+        self._signals = StopSignals(["SIGTERM", "SIGINT", *requeue])
+        self._files = RunFiles(
+            self.out_dir, enabled=ckpt_cfg.enable, writer=self.is_main, async_save=ckpt_cfg.async_save
+        )
         self._run_log = RunLog()
         self._run_id: str | None = None
         self._lock = RunLock(self.out_dir)  # held by rank 0 of a run that writes out_dir, until train() ends
@@ -279,29 +280,30 @@ class BaseTrainer(abc.ABC):
             self._lock.release()
             return dict(self._results) or None
         more = not self._loop.finished  # a resume already reconciled the loop with the config
-        try:
-            with self._signals:
+        # the handlers stay until the cleanup below is done: a signal during it is recorded, not fatal
+        with self._signals:
+            try:
                 bar = EpochBar(total=self.cfg.epochs, initial=self._loop.epoch, enabled=self._bars_enabled)
                 try:
                     self._run_epochs(more, bar)
                 finally:
                     bar.close()
                 return self._finish()
-        except TrainingInterrupted as exc:
-            self._files.wait_quietly()
-            if self.is_main:
-                say(str(exc))
-            self._failed = True
-            # a clean stop at an epoch boundary, saved and resumable: not a failed W&B run (exit code 0)
-            self._close_sinks(failed=False)
-            raise
-        except BaseException:
-            self._failed = True
-            self._files.wait_quietly()
-            self._close_sinks(failed=True)
-            raise
-        finally:
-            self._lock.release()  # after the last write: the next run on this folder may start
+            except TrainingInterrupted as exc:
+                self._files.wait_quietly()
+                if self.is_main:
+                    say(str(exc))
+                self._failed = True
+                # a clean stop at an epoch boundary, saved and resumable: not a failed W&B run (exit code 0)
+                self._close_sinks(failed=False)
+                raise
+            except BaseException:
+                self._failed = True
+                self._files.wait_quietly()
+                self._close_sinks(failed=True)
+                raise
+            finally:
+                self._lock.release()  # after the last write: the next run on this folder may start
 
     def _run_epochs(self, more: bool, bar: EpochBar) -> None:
         if not more and not self._loop.last_validated:
@@ -337,7 +339,7 @@ class BaseTrainer(abc.ABC):
             self._files.wait()
             save_seconds = self._files.last_seconds
         number = self._signals.received if self._signals.received is not None else signal.SIGTERM
-        raise TrainingInterrupted(signal.Signals(number).name, int(number), self.epoch, save_seconds)
+        raise TrainingInterrupted(self._signals.name or "SIGTERM", int(number), self.epoch, save_seconds)
 
     def _validate(self) -> bool:
         self._in_validation = True
@@ -578,13 +580,7 @@ class BaseTrainer(abc.ABC):
         results = ckpt.get("results")
         if resumed.more:
             results = None  # a finished run that continues has no final results yet
-        return _Resume(
-            path=path,
-            loop=resumed.loop,
-            best=resumed.best,
-            patience=resumed.patience,
-            results=dict(results) if results is not None else None,
-        )
+        return _Resume(path=path, records=resumed, results=dict(results) if results is not None else None)
 
     def _restore(self, ckpt: dict[str, Any], resume: _Resume) -> None:
         self._registry, _ = core.apply_payload(self._registry, ckpt, load_into=_load_item)
@@ -592,16 +588,17 @@ class BaseTrainer(abc.ABC):
         for name, obj in self._registry.items.items():
             if isinstance(obj, nn.Module) and isinstance(modes.get(name), Mapping):
                 restore_training_modes(obj, modes[name])
-        self._loop = resume.loop
+        records = resume.records
+        self._loop = records.loop
         # inside the loop self.epoch is the epoch being run; after it, the last one that ran
         self.epoch = self._loop.epoch - 1 if self._loop.finished else self._loop.epoch
         self.step = self._loop.step
-        if resume.best is not None:
-            self._best_state = resume.best
-            self.best_metrics = dict(resume.best.metrics)
+        if records.best is not None:
+            self._best_state = records.best
+            self.best_metrics = dict(records.best.metrics)
             self._load_best_model(resume.path.parent)
-        if resume.patience is not None:
-            self._patience_state = resume.patience
+        if records.patience is not None:
+            self._patience_state = records.patience
         self._latest_metrics = dict(ckpt.get("latest_metrics") or {})
         self._results = resume.results
         rng = ckpt.get("rng")
@@ -636,7 +633,8 @@ class BaseTrainer(abc.ABC):
         With ``ckpt.async_save`` rank 0 only copies the state into reused host buffers here and a
         background thread writes it (as atomically and durably); a failed write raises at the next save.
 
-        :returns: The seconds last.pt took to write on rank 0 (None elsewhere, with ckpt disabled, or async).
+        :returns: The seconds the save (best.pt and last.pt) took on rank 0 (None elsewhere, with ckpt disabled,
+            or async).
         """
         seconds = None
         if not self.cfg.ckpt.enable:
@@ -646,6 +644,7 @@ class BaseTrainer(abc.ABC):
         error: BaseException | None = None
         if self.is_main:
             try:
+                self._files.wait()  # a failed background write surfaces here, and every rank hears of it
                 best = None
                 if self._best_dirty:  # best.pt before last.pt: a crash between them is repaired on resume
                     best = best_payload(model=self._best.state, best=self._best_state, config=self._cfg_dict)
