@@ -13,6 +13,7 @@ from torch import nn
 from trainkit.distributed import unwrap
 
 __all__ = [
+    "RunningMean",
     "named_trainable_parameters",
     "trainable_parameters",
     "make_param_groups",
@@ -188,3 +189,36 @@ def param_stats(
     if not pieces:  # grads only, and no parameter has a gradient yet
         return keys, torch.zeros(0, device=weight_norms.device)
     return keys, torch.cat(pieces)
+
+
+class RunningMean:
+    """The mean of 0-d tensors added one by one, kept on their device (no host sync).
+
+    >>> mean = RunningMean()
+    >>> mean.add(torch.tensor(1.0)); mean.add(torch.tensor(3.0))
+    >>> float(mean.take()), mean.take()
+    (2.0, None)
+    """
+
+    def __init__(self) -> None:
+        self._sum: torch.Tensor | None = None
+        self._count = 0
+
+    def add(self, value: torch.Tensor) -> None:
+        """Add one value (copied on the first add, so the caller's tensor is never changed).
+
+        :param value: A 0-d tensor.
+        """
+        self._sum = value.clone() if self._sum is None else self._sum.add_(value)
+        self._count += 1
+
+    def take(self) -> torch.Tensor | None:
+        """Return the mean of the values added since the last take, and start over.
+
+        :returns: A 0-d tensor on the values' device, or None when nothing was added.
+        """
+        if self._sum is None or self._count == 0:
+            return None
+        mean = self._sum / self._count
+        self._sum, self._count = None, 0
+        return mean

@@ -23,6 +23,7 @@ from trainkit.async_save import AsyncCheckpointWriter, StagingBuffers, SyncCheck
 from trainkit.bookkeeping import BestState
 from trainkit.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, OutDirError
 from trainkit.payload import SCHEMA_VERSION, validate_best, validate_last
+from trainkit.run_lock import RunLock
 
 __all__ = ["LAST_CKPT", "BEST_CKPT", "METRICS_FILE", "RunFiles", "same_directory"]
 
@@ -65,6 +66,7 @@ class RunFiles:
         )
         self._staging = StagingBuffers() if async_save else None
         self._space_checked = False
+        self._lock = RunLock(out_dir)
 
     @property
     def last_path(self) -> Path:
@@ -82,6 +84,22 @@ class RunFiles:
         return self.out_dir / METRICS_FILE
 
     # ------------------------------------------------------------------ before the run
+
+    def claim(self) -> None:
+        """Lock ``out_dir`` for this run (:class:`~trainkit.run_lock.RunLock`) and check it can take checkpoints.
+
+        Only a writer of a run with checkpoints does anything; call it before reading anything, so a second
+        run on the same folder is refused at once. :meth:`release` lets the folder go.
+
+        :raises OutDirError: When another run holds the folder, or a checkpoint cannot be written there.
+        """
+        if self.writes:
+            self._lock.acquire()
+            self.check_writable()
+
+    def release(self) -> None:
+        """Let the folder go (idempotent): the next run on it may start."""
+        self._lock.release()
 
     def check_writable(self) -> None:
         """Refuse a folder where a checkpoint cannot be written (a directory in a checkpoint's place).

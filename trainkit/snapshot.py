@@ -12,13 +12,16 @@ itself: no copy plan, no views of old weights, nothing that can go stale.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["WeightSnapshot"]
+from trainkit.modules import load_module_state, restore_training_modes, training_modes
+
+__all__ = ["WeightSnapshot", "weights_swapped_in"]
 
 _FOREACH_COPY_MAX_NUMEL = 1 << 20
 """Above this many elements a tensor is copied on its own: foreach kernels are tuned for many small
@@ -124,3 +127,33 @@ class WeightSnapshot:
         self._state = snapshot
         self._private = True
         return snapshot
+
+
+@contextlib.contextmanager
+def weights_swapped_in(model: torch.nn.Module, state: dict[str, Any] | None) -> Iterator[None]:
+    """Load ``state`` into ``model`` for the ``with`` block, then put back its own weights and train/eval modes.
+
+    Side effects: two state-dict copies into ``model`` (one in, one back) and one copy of its own weights.
+    With ``state`` None the model is left as it is.
+
+    >>> model = torch.nn.Linear(1, 1)
+    >>> own = model.weight.detach().clone()
+    >>> with weights_swapped_in(model, {"weight": torch.zeros(1, 1), "bias": torch.zeros(1)}):
+    ...     float(model.weight.detach())
+    0.0
+    >>> torch.equal(model.weight, own)
+    True
+
+    :param model: The module (unwrapped from DDP and ``torch.compile`` or not: names are matched either way).
+    :param state: The weights to use inside the block (e.g. the best ones), or None.
+    """
+    if state is None:
+        yield
+        return
+    own, modes = WeightSnapshot().take(model.state_dict()), training_modes(model)
+    load_module_state(model, state)
+    try:
+        yield
+    finally:
+        load_module_state(model, own)
+        restore_training_modes(model, modes)

@@ -7,6 +7,7 @@ validate now? which epoch next?) comes from :mod:`trainkit.bookkeeping`.
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import signal
 import sys
@@ -41,9 +42,8 @@ from trainkit.payload import SCHEMA_VERSION, best_payload, last_payload
 from trainkit.progress import EpochBar, step_bar
 from trainkit.rng import capture_rng, restore_rng, seed_everything
 from trainkit.run_files import RunFiles, same_directory
-from trainkit.run_lock import RunLock
 from trainkit.signals import StopSignals
-from trainkit.snapshot import WeightSnapshot
+from trainkit.snapshot import WeightSnapshot, weights_swapped_in
 
 __all__ = ["BaseTrainer", "CHECKPOINT_SCHEMA_VERSION"]
 
@@ -158,8 +158,7 @@ class BaseTrainer(abc.ABC):
         self._patience_stepped = False
         self._best_dirty = False
         self._step_hook: Any = None
-        self._grad_norm_sum: torch.Tensor | None = None
-        self._grad_norm_count = 0
+        self._grad_norm_mean = optim_utils.RunningMean()
         self._owns_process_group = False
         self._failed = False
         ckpt_cfg = self.cfg.ckpt
@@ -170,7 +169,6 @@ class BaseTrainer(abc.ABC):
         )
         self._run_log = RunLog()
         self._run_id: str | None = None
-        self._lock = RunLock(self.out_dir)  # held by rank 0 of a run that writes out_dir, until train() ends
 
         if world_size > 1:
             self._owns_process_group = dist_utils.init_process_group(
@@ -188,7 +186,7 @@ class BaseTrainer(abc.ABC):
         except BaseException:
             # a failed construction leaves nothing open and the folder free (the error may keep self alive)
             self._close_sinks(failed=True)
-            self._lock.release()
+            self._files.release()
             raise
 
     def __getattr__(self, name: str) -> Any:
@@ -277,7 +275,7 @@ class BaseTrainer(abc.ABC):
         :raises DistributedError: When the ranks disagree on stopping.
         """
         if self._results is not None:
-            self._lock.release()
+            self._files.release()
             return dict(self._results) or None
         more = not self._loop.finished  # a resume already reconciled the loop with the config
         # the handlers stay until the cleanup below is done: a signal during it is recorded, not fatal
@@ -303,7 +301,7 @@ class BaseTrainer(abc.ABC):
                 self._close_sinks(failed=True)
                 raise
             finally:
-                self._lock.release()  # after the last write: the next run on this folder may start
+                self._files.release()  # after the last write: the next run on this folder may start
 
     def _run_epochs(self, more: bool, bar: EpochBar) -> None:
         if not more and not self._loop.last_validated:
@@ -420,22 +418,14 @@ class BaseTrainer(abc.ABC):
         self._files.wait()
         model = dist_utils.unwrap(self.model)
         best = self._best.state
-        own: tuple[dict[str, Any], dict[str, bool]] | None = None
-        if best is not None and model is not None:
-            own = (WeightSnapshot().take(model.state_dict()), training_modes(model))
-            load_module_state(model, best)
-        elif model is not None:
+        if best is None and model is not None:
             warnings.warn(
                 "test(): no best model was recorded (save_if_best never improved); testing the current weights",
                 RuntimeWarning,
                 stacklevel=2,
             )
-        try:
+        with weights_swapped_in(model, best) if model is not None else contextlib.nullcontext():
             result = self.test_epoch()
-        finally:
-            if own is not None and model is not None:
-                load_module_state(model, own[0])
-                restore_training_modes(model, own[1])
         if result is not None:
             if not isinstance(result, Mapping):
                 raise UsageError(f"test_epoch() must return a dict of metrics or None, got {type(result).__name__}")
@@ -523,12 +513,10 @@ class BaseTrainer(abc.ABC):
         rank learns whether it worked.
         """
         error: BaseException | None = None
-        if self._files.writes:
-            try:
-                self._lock.acquire()
-                self._files.check_writable()
-            except OutDirError as exc:
-                error = exc
+        try:
+            self._files.claim()
+        except OutDirError as exc:
+            error = exc
         dist_utils.raise_if_any_rank_failed(
             error,
             lambda: OutDirError(f"rank 0 could not use out_dir {self.out_dir}; see rank 0's error"),
@@ -880,8 +868,7 @@ class BaseTrainer(abc.ABC):
         if self.cfg.grad_clip is not None:
             optim_utils.clip_grads_(params, self.cfg.grad_clip, norm)
         norm = norm.detach()
-        self._grad_norm_sum = norm.clone() if self._grad_norm_sum is None else self._grad_norm_sum.add_(norm)
-        self._grad_norm_count += 1
+        self._grad_norm_mean.add(norm)
         self._logs.add({"train/grad_norm": norm})
         return norm
 
@@ -891,11 +878,9 @@ class BaseTrainer(abc.ABC):
         Logs ``train/grad_norm_epoch``, the mean of the norms :meth:`clip_and_log_grad_norm` measured
         since the last call, and starts a new epoch's mean. Logs nothing when no norm was measured.
         """
-        if self._grad_norm_sum is None or self._grad_norm_count == 0:
-            return
-        self._logs.add({"train/grad_norm_epoch": self._grad_norm_sum / self._grad_norm_count})
-        self._grad_norm_sum = None
-        self._grad_norm_count = 0
+        mean = self._grad_norm_mean.take()
+        if mean is not None:
+            self._logs.add({"train/grad_norm_epoch": mean})
 
     def log_param_grad_stats(self, *modules: nn.Module) -> None:
         """Log per-parameter weight norm, grad norm, and grad-to-weight ratio.
@@ -1024,7 +1009,7 @@ class BaseTrainer(abc.ABC):
         if self.is_main and not self._failed:
             self._files.wait()
         self._close_sinks()
-        self._lock.release()
+        self._files.release()
         if self._owns_process_group and dist_utils.is_distributed():
             dist_utils.teardown(self.cfg.dist.timeout_s, meet=not self._failed)
             self._owns_process_group = False
