@@ -215,6 +215,25 @@ def test_run_lock_is_released_by_garbage_collection(tmp_path):
     again.release()
 
 
+def test_a_released_lock_is_free_while_a_forked_child_lives_on(tmp_path):
+    """A child forked while the lock was held (a persistent DataLoader worker) keeps a copy of its descriptor;
+    release() must free the folder anyway, not when the last child exits."""
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child only sleeps holding the inherited descriptor
+        time.sleep(30)
+        os._exit(0)
+    try:
+        lock.release()
+        again = RunLock(tmp_path)
+        again.acquire()  # before the fix: "in use by another trainer in this process"
+        again.release()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+
+
 def test_a_best_pt_lost_mid_run_is_reported_and_written_again_at_the_end(tmp_path):
     """best.pt deleted from disk during the run: the end of the run says so and writes it again from memory."""
 

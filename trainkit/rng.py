@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["seed_everything", "capture_rng", "restore_rng"]
+__all__ = ["seed_everything", "capture_rng", "restore_rng", "start_persistent_workers"]
 
 
 def capture_rng() -> dict[str, Any]:
@@ -69,3 +69,31 @@ def seed_everything(seed: int) -> None:
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed(seed % 2**32)
+
+
+def start_persistent_workers(loader: Any) -> None:
+    """Start the workers of a ``persistent_workers`` DataLoader without moving torch's global generator.
+
+    Such a loader draws its workers' base seed from the global generator once, the first time it is
+    iterated, and never again. A run resumed at epoch 5 iterates it for the first time at epoch 5, where the
+    uninterrupted run did at epoch 0: that one draw would shift every later shuffle. Started here, with the
+    generator's state put back afterwards, the draw never counts, in a fresh run and in a resumed one alike,
+    so each epoch's shuffle depends only on the generator state at that epoch. What the workers themselves
+    draw is not reproduced on resume: they were seeded once, and their state after several epochs is gone.
+
+    Side effects: starts the loader's worker processes (and their first prefetch) when they are not running.
+    Anything else (a loader without workers, not persistent, already started, not a DataLoader) is left alone.
+
+    :param loader: The object ``self.progress()`` was given.
+    """
+    from torch.utils.data import DataLoader
+
+    if not isinstance(loader, DataLoader) or not loader.persistent_workers or loader.num_workers == 0:
+        return
+    if getattr(loader, "_iterator", None) is not None:  # started before: its draw already happened
+        return
+    state = torch.get_rng_state()
+    try:
+        iter(loader)
+    finally:
+        torch.set_rng_state(state)

@@ -87,12 +87,21 @@ class RunLock:
             pass
 
     def release(self) -> None:
-        """Let go of the lock (idempotent); the lock file stays."""
+        """Let go of the lock (idempotent); the lock file stays.
+
+        Unlocked explicitly before the descriptor is closed: processes forked while the lock was held
+        (DataLoader workers, persistent ones outliving the trainer) hold copies of the descriptor, and a
+        close alone would leave the folder locked until the last of them exits.
+        """
         if self._fd is None:
             return
-        self._finalizer()  # closes the descriptor, which drops the flock
-        self._fd = None
-        self._finalizer = None
+        try:
+            if fcntl is not None:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._finalizer()  # closes the descriptor
+            self._fd = None
+            self._finalizer = None
 
     def _busy(self, holder: dict[str, Any] | None) -> str:
         folder = self.path.parent

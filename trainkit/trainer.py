@@ -40,7 +40,7 @@ from trainkit.messages import say
 from trainkit.modules import load_module_state, module_state, restore_training_modes, training_modes
 from trainkit.payload import SCHEMA_VERSION, best_payload, last_payload
 from trainkit.progress import EpochBar, step_bar
-from trainkit.rng import capture_rng, restore_rng, seed_everything
+from trainkit.rng import capture_rng, restore_rng, seed_everything, start_persistent_workers
 from trainkit.run_files import RunFiles, same_directory
 from trainkit.signals import StopSignals
 from trainkit.snapshot import WeightSnapshot, weights_swapped_in
@@ -990,13 +990,16 @@ class BaseTrainer(abc.ABC):
         """Iterate with a per-step progress bar: ``for x, y in self.progress(loader)``.
 
         The bar shows on rank 0 when ``progress.enable`` is set and stderr is a terminal; otherwise this
-        returns ``iterable`` itself, at no cost per step.
+        returns ``iterable`` itself, at no cost per step. Pass a ``DataLoader`` itself: one with
+        ``persistent_workers`` has its workers started here in a way that keeps a resumed run's shuffles
+        exact (see :func:`~trainkit.rng.start_persistent_workers`).
 
         :param iterable: The batches.
         :param desc: The bar's label; defaults to the current epoch.
         :param total: The number of batches when ``len(iterable)`` does not give it.
         :returns: An iterable over the same batches; the iterable itself when bars are off.
         """
+        start_persistent_workers(iterable)
         return step_bar(iterable, desc=desc or f"epoch {self.epoch}", total=total, enabled=self._bars_enabled)
 
     def close(self) -> None:

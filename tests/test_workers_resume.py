@@ -1,0 +1,73 @@
+"""Exact resume with DataLoader workers: the sample order of every epoch after a resume is the uninterrupted run's.
+
+A persistent-workers loader draws its workers' base seed from torch's global generator once, the first
+time it is iterated; a resumed process iterates it for the first time at a later epoch, so without care
+that draw shifts the generator and the resumed epochs shuffle differently.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.test_trainer import Crash, make_cfg
+from tests.trainers import TinyTrainer, param_digest
+
+
+class LoaderTrainer(TinyTrainer):
+    """TinyTrainer whose shuffled loader (global-generator permutation) has workers; it records each epoch's order."""
+
+    workers = 2
+    persistent = True
+    crash_at: int | None = None
+
+    def setup(self, ckpt):
+        super().setup(ckpt)
+        ids = torch.arange(len(self.train_set)).float().unsqueeze(1)
+        x, y = self.train_set.tensors
+        self.loader = DataLoader(
+            TensorDataset(x, y, ids),
+            batch_size=self.cfg.batch_size,
+            shuffle=True,
+            num_workers=self.workers,
+            persistent_workers=self.persistent,
+        )
+
+    def train_epoch(self):
+        if self.epoch == self.crash_at:
+            raise Crash
+        self.model.train()
+        first = []
+        for x, y, ids in self.progress(self.loader):
+            loss = nn.functional.mse_loss(self.model(x), y)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            first.append(float(ids[0]))
+        # the order is in metrics.jsonl, which a resumed run must reproduce bit for bit
+        self.log({f"order/{i}": value for i, value in enumerate(first)})
+        self.log({"train/loss": loss.detach()})
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_a_resume_with_workers_shuffles_as_the_uninterrupted_run(tmp_path, workers, persistent):
+    """Crash at epoch 2, resume: the resumed epochs' order, metrics.jsonl and weights are the uninterrupted run's."""
+    kwargs = dict(epochs=4)
+    flavour = {"workers": workers, "persistent": persistent}
+    reference_trainer = type("Ref", (LoaderTrainer,), flavour)(make_cfg(tmp_path / "ref", **kwargs))
+    reference_trainer.train()
+    reference_trainer.close()
+
+    dying = type("Dying", (LoaderTrainer,), {**flavour, "crash_at": 2})(make_cfg(tmp_path / "run", **kwargs))
+    with pytest.raises(Crash):
+        dying.train()
+    dying.close()
+    resumed = type("Resumed", (LoaderTrainer,), flavour)(make_cfg(tmp_path / "run", **kwargs))
+    resumed.train()
+    resumed.close()
+
+    assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == (tmp_path / "ref" / "metrics.jsonl").read_bytes()
+    assert param_digest(resumed.model) == param_digest(reference_trainer.model)
