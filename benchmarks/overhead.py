@@ -500,6 +500,9 @@ class BenchTrainer(BaseTrainer):
         self.optimizer = wl.make_optimizer(self.model)
         self.loader = wl.train_loader()
         self.add_checkpoint_items(model=self.model, optimizer=self.optimizer)
+        # the loader's generator stays unregistered, as in the hand-written loops (their checkpoints hold
+        # the same items): no run here resumes, so trainkit's warning about it is beside the point
+        warnings.filterwarnings("ignore", "the DataLoader given to progress", RuntimeWarning)
         self.log_steps = self.feature == "wandb"
         self.track_best = self.feature == "ckpt"
         self.improvements = 0

@@ -7,6 +7,8 @@ that draw shifts the generator and the resumed epochs shuffle differently.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -71,3 +73,54 @@ def test_a_resume_with_workers_shuffles_as_the_uninterrupted_run(tmp_path, worke
 
     assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == (tmp_path / "ref" / "metrics.jsonl").read_bytes()
     assert param_digest(resumed.model) == param_digest(reference_trainer.model)
+
+
+class GeneratorLoaderTrainer(LoaderTrainer):
+    """The loader shuffles with a generator of its own (as PyTorch's reproducibility notes recommend)."""
+
+    workers = 0
+    persistent = False
+    register_generator = True
+
+    def setup(self, ckpt):
+        super().setup(ckpt)
+        self.generator = torch.Generator().manual_seed(1234)
+        self.loader = DataLoader(
+            self.loader.dataset, batch_size=self.cfg.batch_size, shuffle=True, generator=self.generator
+        )
+        if self.register_generator:
+            self.add_checkpoint_items(loader_generator=self.generator)
+
+
+@pytest.mark.timeout(180)
+def test_a_registered_loader_generator_resumes_its_shuffle(tmp_path):
+    """A DataLoader's own generator, registered with add_checkpoint_items, is restored: the resume is exact."""
+    kwargs = dict(epochs=4)
+    reference = GeneratorLoaderTrainer(make_cfg(tmp_path / "ref", **kwargs))
+    reference.train()
+    reference.close()
+    dying = type("Dying", (GeneratorLoaderTrainer,), {"crash_at": 2})(make_cfg(tmp_path / "run", **kwargs))
+    with pytest.raises(Crash):
+        dying.train()
+    dying.close()
+    resumed = GeneratorLoaderTrainer(make_cfg(tmp_path / "run", **kwargs))
+    assert torch.equal(resumed.generator.get_state(), resumed.checkpoint_items["loader_generator"].get_state())
+    resumed.train()
+    resumed.close()
+    assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == (tmp_path / "ref" / "metrics.jsonl").read_bytes()
+    assert param_digest(resumed.model) == param_digest(reference.model)
+
+
+def test_an_unregistered_loader_generator_is_warned_about_once(tmp_path):
+    """progress() on a loader with its own generator that is not registered warns once, naming the fix."""
+    unregistered = type("Unregistered", (GeneratorLoaderTrainer,), {"register_generator": False})
+    trainer = unregistered(make_cfg(tmp_path, epochs=2))
+    with pytest.warns(RuntimeWarning, match=r"add_checkpoint_items\(loader_generator=generator\)") as caught:
+        trainer.train()
+    trainer.close()
+    assert len([w for w in caught if "torch.Generator of its own" in str(w.message)]) == 1
+    registered = GeneratorLoaderTrainer(make_cfg(tmp_path / "registered", epochs=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        registered.train()
+    registered.close()

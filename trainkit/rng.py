@@ -12,7 +12,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["seed_everything", "capture_rng", "restore_rng", "start_persistent_workers"]
+__all__ = [
+    "seed_everything",
+    "capture_rng",
+    "restore_rng",
+    "start_persistent_workers",
+    "GeneratorItem",
+    "loader_generators",
+]
 
 
 def capture_rng() -> dict[str, Any]:
@@ -97,3 +104,66 @@ def start_persistent_workers(loader: Any) -> None:
         iter(loader)
     finally:
         torch.set_rng_state(state)
+
+
+class GeneratorItem:
+    """A ``torch.Generator`` as a checkpoint item: its state is saved, and restored into it in place.
+
+    :meth:`~trainkit.BaseTrainer.add_checkpoint_items` wraps a generator in one, so a DataLoader or sampler
+    that shuffles with a generator of its own resumes its shuffle exactly.
+
+    >>> generator = torch.Generator().manual_seed(0)
+    >>> item = GeneratorItem(generator)
+    >>> saved = item.state_dict()
+    >>> first = torch.randperm(5, generator=generator)
+    >>> item.load_state_dict(saved)
+    >>> torch.equal(torch.randperm(5, generator=generator), first)
+    True
+
+    :param generator: The generator.
+    """
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The generator's state.
+
+        :returns: ``{"state": generator.get_state()}`` (a uint8 tensor).
+        """
+        return {"state": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put a saved state back into the generator.
+
+        :param state: What :meth:`state_dict` returned.
+        :raises ValueError: When the state is not a generator state of this generator's kind.
+        """
+        value = state.get("state") if isinstance(state, dict) else None
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8:
+            raise ValueError(f"a generator state is a uint8 tensor under 'state', got {type(value).__name__}")
+        self.generator.set_state(value)
+
+
+def loader_generators(loader: Any) -> list[torch.Generator]:
+    """The generators a DataLoader shuffles or seeds its workers with, other than torch's global one.
+
+    :param loader: Anything; only a ``DataLoader`` has any.
+    :returns: Its own generator and its sampler's, also one a batch sampler wraps, each once.
+    """
+    from torch.utils.data import DataLoader
+
+    if not isinstance(loader, DataLoader):
+        return []
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    candidates = [
+        loader.generator,
+        getattr(loader.sampler, "generator", None),
+        getattr(getattr(loader.sampler, "sampler", None), "generator", None),  # a BatchSampler given as sampler
+        getattr(getattr(batch_sampler, "sampler", None), "generator", None),
+    ]
+    found: list[torch.Generator] = []
+    for candidate in candidates:
+        if isinstance(candidate, torch.Generator) and all(candidate is not g for g in found):
+            found.append(candidate)
+    return found

@@ -40,7 +40,14 @@ from trainkit.messages import say
 from trainkit.modules import load_module_state, module_state, restore_training_modes, training_modes
 from trainkit.payload import SCHEMA_VERSION, best_payload, last_payload
 from trainkit.progress import EpochBar, step_bar
-from trainkit.rng import capture_rng, restore_rng, seed_everything, start_persistent_workers
+from trainkit.rng import (
+    GeneratorItem,
+    capture_rng,
+    loader_generators,
+    restore_rng,
+    seed_everything,
+    start_persistent_workers,
+)
 from trainkit.run_files import RunFiles, same_directory
 from trainkit.signals import StopSignals
 from trainkit.snapshot import WeightSnapshot, weights_swapped_in
@@ -159,6 +166,7 @@ class BaseTrainer(abc.ABC):
         self._best_dirty = False
         self._step_hook: Any = None
         self._grad_norm_mean = optim_utils.RunningMean()
+        self._loaders_checked: set[int] = set()
         self._owns_process_group = False
         self._failed = False
         ckpt_cfg = self.cfg.ckpt
@@ -463,13 +471,16 @@ class BaseTrainer(abc.ABC):
 
         Registering is what makes an object survive a resume, so every rank does it; writing the file
         stays rank zero's job. Objects with ``state_dict()``/``load_state_dict()`` (modules, optimizers,
-        schedulers, GradScalers) are restored in place; plain values are saved as registered and read
-        back from :attr:`checkpoint_items`. The first optimizer registered drives :attr:`step`.
+        schedulers, GradScalers) are restored in place, and so is a ``torch.Generator`` (a DataLoader's or
+        sampler's own: register it, or a resume shuffles differently); plain values are saved as registered
+        and read back from :attr:`checkpoint_items`. The first optimizer registered drives :attr:`step`.
 
         :param kwargs: The items to add to the checkpoint dictionary.
         :raises RegistryError: When a name is reserved or already registered.
         """
-        self._registry, _ = core.register_items(self._registry, kwargs)
+        # a generator has no state_dict(): registered as its state, restored into it in place
+        items = {name: GeneratorItem(obj) if isinstance(obj, torch.Generator) else obj for name, obj in kwargs.items()}
+        self._registry, _ = core.register_items(self._registry, items)
         for obj in kwargs.values():
             if isinstance(obj, torch.optim.Optimizer) and self._step_hook is None:
                 self._step_hook = obj.register_step_post_hook(_step_counter(self))
@@ -477,7 +488,10 @@ class BaseTrainer(abc.ABC):
     @property
     def checkpoint_items(self) -> Mapping[str, Any]:
         """The registered checkpoint items (after a resume, plain values hold the restored ones)."""
-        return self._registry.items
+        items = self._registry.items
+        if not any(isinstance(obj, GeneratorItem) for obj in items.values()):
+            return items
+        return {name: obj.generator if isinstance(obj, GeneratorItem) else obj for name, obj in items.items()}
 
     def add_samplers(self, *samplers: Any) -> None:
         """Hand samplers to the trainer, which calls ``set_epoch(epoch)`` on each before every epoch.
@@ -1000,7 +1014,23 @@ class BaseTrainer(abc.ABC):
         :returns: An iterable over the same batches; the iterable itself when bars are off.
         """
         start_persistent_workers(iterable)
+        self._check_loader_generators(iterable)
         return step_bar(iterable, desc=desc or f"epoch {self.epoch}", total=total, enabled=self._bars_enabled)
+
+    def _check_loader_generators(self, loader: Any) -> None:
+        """Warn once per loader that shuffles with a generator a resume would not restore."""
+        if not self.cfg.ckpt.enable or id(loader) in self._loaders_checked:
+            return
+        self._loaders_checked.add(id(loader))
+        registered = [obj.generator for obj in self._registry.items.values() if isinstance(obj, GeneratorItem)]
+        if any(all(g is not r for r in registered) for g in loader_generators(loader)):
+            warnings.warn(
+                "the DataLoader given to progress() shuffles with a torch.Generator of its own, which is not "
+                "registered, so a resumed run would shuffle differently from an uninterrupted one; register it "
+                "in setup(): self.add_checkpoint_items(loader_generator=generator)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def close(self) -> None:
         """Finish the W&B run, close ``metrics.jsonl`` and leave the process group if the trainer made it.
