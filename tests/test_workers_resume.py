@@ -124,3 +124,28 @@ def test_an_unregistered_loader_generator_is_warned_about_once(tmp_path):
         warnings.simplefilter("error", RuntimeWarning)
         registered.train()
     registered.close()
+
+
+def test_a_distributed_sampler_nobody_sets_the_epoch_of_is_warned_about(tmp_path):
+    """A DistributedSampler not handed to add_samplers() shuffles every epoch the same way: progress() says so once."""
+    from torch.utils.data import DistributedSampler
+
+    class Forgetful(LoaderTrainer):
+        workers, persistent = 0, False
+
+        def setup(self, ckpt):
+            super().setup(ckpt)
+            dataset = self.loader.dataset
+            sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=self.cfg.seed)
+            self.loader = DataLoader(dataset, batch_size=self.cfg.batch_size, sampler=sampler)
+
+    trainer = Forgetful(make_cfg(tmp_path, epochs=2))
+    with pytest.warns(RuntimeWarning, match=r"nothing calls its set_epoch\(\).*self.add_samplers\(sampler\)") as caught:
+        trainer.train()
+    trainer.close()
+    assert len([w for w in caught if "set_epoch" in str(w.message)]) == 1
+    with warnings.catch_warnings():  # TinyTrainer's own loader hands its sampler over: nothing to say
+        warnings.simplefilter("error", RuntimeWarning)
+        trainer = TinyTrainer(make_cfg(tmp_path / "fine", epochs=1))
+        trainer.train()
+        trainer.close()

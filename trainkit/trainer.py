@@ -1006,7 +1006,9 @@ class BaseTrainer(abc.ABC):
         The bar shows on rank 0 when ``progress.enable`` is set and stderr is a terminal; otherwise this
         returns ``iterable`` itself, at no cost per step. Pass a ``DataLoader`` itself: one with
         ``persistent_workers`` has its workers started here in a way that keeps a resumed run's shuffles
-        exact (see :func:`~trainkit.rng.start_persistent_workers`).
+        exact (see :func:`~trainkit.rng.start_persistent_workers`), and the first time a loader comes by,
+        a ``RuntimeWarning`` says when its shuffle would not survive a resume (its own generator is not
+        registered) or would repeat every epoch (a ``DistributedSampler`` not given to :meth:`add_samplers`).
 
         :param iterable: The batches.
         :param desc: The bar's label; defaults to the current epoch.
@@ -1014,14 +1016,29 @@ class BaseTrainer(abc.ABC):
         :returns: An iterable over the same batches; the iterable itself when bars are off.
         """
         start_persistent_workers(iterable)
-        self._check_loader_generators(iterable)
+        self._check_loader(iterable)
         return step_bar(iterable, desc=desc or f"epoch {self.epoch}", total=total, enabled=self._bars_enabled)
 
-    def _check_loader_generators(self, loader: Any) -> None:
-        """Warn once per loader that shuffles with a generator a resume would not restore."""
-        if not self.cfg.ckpt.enable or id(loader) in self._loaders_checked:
+    def _check_loader(self, loader: Any) -> None:
+        """Warn once per loader whose shuffle would repeat every epoch, or that a resume would not restore."""
+        if id(loader) in self._loaders_checked:
             return
         self._loaders_checked.add(id(loader))
+        sampler = getattr(loader, "sampler", None)
+        if (
+            callable(getattr(sampler, "set_epoch", None))
+            and getattr(sampler, "shuffle", False)
+            and all(sampler is not known for known in self._samplers)
+        ):
+            warnings.warn(
+                f"the DataLoader given to progress() has a {type(sampler).__name__} that shuffles by epoch, but "
+                "nothing calls its set_epoch(), so every epoch shuffles the same way; hand it to the trainer in "
+                "setup(): self.add_samplers(sampler)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        if not self.cfg.ckpt.enable:
+            return
         registered = [obj.generator for obj in self._registry.items.values() if isinstance(obj, GeneratorItem)]
         if any(all(g is not r for r in registered) for g in loader_generators(loader)):
             warnings.warn(
