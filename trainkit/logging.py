@@ -268,7 +268,8 @@ class WandbSink:
         """
         if step is None:
             step = self.next_step
-        self._run.log(dict(metrics), step=step, commit=True)
+        # W&B copies the row itself; trainkit hands it a fresh dict per push
+        self._run.log(metrics if isinstance(metrics, dict) else dict(metrics), step=step, commit=True)
         self.next_step = step + 1
 
     def summary(self, values: Mapping[str, Any]) -> None:
@@ -612,9 +613,10 @@ class RunLog:
         step = self._next_row
         if self._journal is not None:
             self._journal.log(row)
-        self._next_row += 1
+        self._next_row = step + 1
         if step >= self._first_new:
-            self._report_kept()
+            if self._kept:
+                self._report_kept()
             self._wandb.log(row, step)
             return
         self._kept.append(step)
@@ -642,7 +644,7 @@ class RunLog:
             self._journal = None
 
     def _report_kept(self) -> None:
-        if self._differing:
+        if self._kept and self._differing:
             say(
                 f"W&B already held steps {self._kept[0]}-{self._kept[-1]} of this run from before the "
                 f"interruption and keeps them; {self._differing} of those {len(self._kept)} rows differ from the "
