@@ -482,18 +482,45 @@ def leveldb_log(records: list[bytes], header: bytes = b":W&B\x00\x00\x01") -> by
     return bytes(out)
 
 
-def test_wandb_log_framing_is_read_across_block_ends():
-    """Records that span blocks, and a first chunk with no byte of its record at a block's very end, are read."""
+def history_record(step: int, padding: int) -> bytes:
+    """A serialized W&B history record at ``step`` with a ``padding``-character string item (to size it)."""
+    from wandb.proto import wandb_internal_pb2
+
+    record = wandb_internal_pb2.Record()
+    record.history.step.num = step
+    for key, value in (("_step", step), ("trainer/step", step * 10), ("note", "x" * padding)):
+        item = record.history.item.add()
+        item.key = key
+        item.value_json = json.dumps(value)
+    return record.SerializeToString()
+
+
+def test_wandb_history_is_read_across_block_ends(tmp_path):
+    """Records that span blocks, and a first chunk with no byte of its record at a block's end, are all read.
+
+    A hand-framed ``.wandb`` file (W&B's writer's layout): the first record is sized so that exactly one
+    chunk header fits after it, so the next record starts with an empty first chunk; then records of up to
+    three blocks. A torn tail gives the records before it and nothing made up.
+    """
     import random
 
-    from trainkit.logging import _wandb_log_records
+    from trainkit.logging import read_wandb_history
 
     rng = random.Random(1)
-    exact = BLOCK - 7 - 7 - 7  # leaves exactly one chunk header's room: the next record starts with an empty chunk
-    records = [bytes([1]) * exact, b"after an empty first chunk"]
-    records += [rng.randbytes(rng.randrange(1, 3 * BLOCK)) for _ in range(40)]
+    target = BLOCK - 7 - 7 - 7  # file header, its chunk header, and exactly one chunk header's room after it
+    padding = target
+    for _ in range(8):  # protobuf's length prefixes grow with the padding: settle on the exact size
+        first = history_record(0, padding)
+        padding += target - len(first)
+    assert len(first) == target
+    records = [first] + [history_record(step, rng.randrange(1, 3 * BLOCK)) for step in range(1, 30)]
     data = leveldb_log(records)
-    assert list(_wandb_log_records(data)) == records
-    cut = len(data) - 10  # a torn tail: the records before it, nothing made up
-    assert list(_wandb_log_records(data[:cut])) == records[: len(list(_wandb_log_records(data[:cut])))]
-    assert len(list(_wandb_log_records(data[:cut]))) == len(records) - 1
+    folder = tmp_path / "wandb" / "offline-run-20260101_000000-abcd1234"
+    folder.mkdir(parents=True)
+    datastore = folder / "run-abcd1234.wandb"
+    datastore.write_bytes(data)
+    history = read_wandb_history([tmp_path / "wandb"], "abcd1234", since=28)
+    assert history.next_step == 30 and sorted(history.rows) == [28, 29]
+    assert history.rows[29]["trainer/step"] == 290
+    datastore.write_bytes(data[: len(data) - 10])  # the last record torn
+    assert read_wandb_history([tmp_path / "wandb"], "abcd1234").next_step == 29
