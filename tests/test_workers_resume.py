@@ -118,7 +118,8 @@ def test_an_unregistered_loader_generator_is_warned_about_once(tmp_path):
     with pytest.warns(RuntimeWarning, match=r"add_checkpoint_items\(loader_generator=generator\)") as caught:
         trainer.train()
     trainer.close()
-    assert len([w for w in caught if "torch.Generator of its own" in str(w.message)]) == 1
+    (warned,) = [w for w in caught if "torch.Generator of its own" in str(w.message)]
+    assert warned.filename == __file__
     registered = GeneratorLoaderTrainer(make_cfg(tmp_path / "registered", epochs=2))
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
@@ -143,9 +144,34 @@ def test_a_distributed_sampler_nobody_sets_the_epoch_of_is_warned_about(tmp_path
     with pytest.warns(RuntimeWarning, match=r"nothing calls its set_epoch\(\).*self.add_samplers\(sampler\)") as caught:
         trainer.train()
     trainer.close()
-    assert len([w for w in caught if "set_epoch" in str(w.message)]) == 1
+    (warned,) = [w for w in caught if "set_epoch" in str(w.message)]
+    assert warned.filename == __file__  # it points at the line that called progress()
     with warnings.catch_warnings():  # TinyTrainer's own loader hands its sampler over: nothing to say
         warnings.simplefilter("error", RuntimeWarning)
         trainer = TinyTrainer(make_cfg(tmp_path / "fine", epochs=1))
+        trainer.train()
+        trainer.close()
+
+
+def test_a_sampler_whose_epoch_is_set_by_hand_is_not_warned_about(tmp_path):
+    """The DDP idiom sampler.set_epoch(epoch) called in train_epoch() is as good as add_samplers(): no warning."""
+    from torch.utils.data import DistributedSampler
+
+    class ByHand(LoaderTrainer):
+        workers, persistent = 0, False
+
+        def setup(self, ckpt):
+            super().setup(ckpt)
+            dataset = self.loader.dataset
+            self.by_hand = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=self.cfg.seed)
+            self.loader = DataLoader(dataset, batch_size=self.cfg.batch_size, sampler=self.by_hand)
+
+        def train_epoch(self):
+            self.by_hand.set_epoch(self.epoch)
+            super().train_epoch()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        trainer = ByHand(make_cfg(tmp_path, epochs=3))
         trainer.train()
         trainer.close()

@@ -167,6 +167,7 @@ class BaseTrainer(abc.ABC):
         self._step_hook: Any = None
         self._grad_norm_mean = optim_utils.RunningMean()
         self._loaders_checked: set[int] = set()
+        self._samplers_unchecked: set[int] = set()
         self._owns_process_group = False
         self._failed = False
         ckpt_cfg = self.cfg.ckpt
@@ -1021,22 +1022,18 @@ class BaseTrainer(abc.ABC):
 
     def _check_loader(self, loader: Any) -> None:
         """Warn once per loader whose shuffle would repeat every epoch, or that a resume would not restore."""
-        if id(loader) in self._loaders_checked:
-            return
-        self._loaders_checked.add(id(loader))
+        key = id(loader)
         sampler = getattr(loader, "sampler", None)
-        if (
-            callable(getattr(sampler, "set_epoch", None))
-            and getattr(sampler, "shuffle", False)
-            and all(sampler is not known for known in self._samplers)
-        ):
-            warnings.warn(
-                f"the DataLoader given to progress() has a {type(sampler).__name__} that shuffles by epoch, but "
-                "nothing calls its set_epoch(), so every epoch shuffles the same way; hand it to the trainer in "
-                "setup(): self.add_samplers(sampler)",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        if key in self._samplers_unchecked or key not in self._loaders_checked:
+            # decided at the first epoch after 0: by then a set_epoch() called by hand shows in sampler.epoch
+            if self.epoch == 0 and getattr(sampler, "epoch", None) == 0:
+                self._samplers_unchecked.add(key)
+            else:
+                self._samplers_unchecked.discard(key)
+                self._warn_if_epoch_never_set(sampler)
+        if key in self._loaders_checked:
+            return
+        self._loaders_checked.add(key)
         if not self.cfg.ckpt.enable:
             return
         registered = [obj.generator for obj in self._registry.items.values() if isinstance(obj, GeneratorItem)]
@@ -1046,8 +1043,21 @@ class BaseTrainer(abc.ABC):
                 "registered, so a resumed run would shuffle differently from an uninterrupted one; register it "
                 "in setup(): self.add_checkpoint_items(loader_generator=generator)",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=3,  # the line that called progress()
             )
+
+    def _warn_if_epoch_never_set(self, sampler: Any) -> None:
+        if not (callable(getattr(sampler, "set_epoch", None)) and getattr(sampler, "shuffle", False)):
+            return
+        if any(sampler is known for known in self._samplers) or getattr(sampler, "epoch", None) == self.epoch:
+            return  # handed over, or its set_epoch() is called by hand
+        warnings.warn(
+            f"the DataLoader given to progress() has a {type(sampler).__name__} that shuffles by epoch, but its "
+            f"epoch is {getattr(sampler, 'epoch', None)!r} in epoch {self.epoch}: nothing calls its set_epoch(), so "
+            "every epoch shuffles the same way; hand it to the trainer in setup(): self.add_samplers(sampler)",
+            RuntimeWarning,
+            stacklevel=4,  # the line that called progress()
+        )
 
     def close(self) -> None:
         """Finish the W&B run, close ``metrics.jsonl`` and leave the process group if the trainer made it.
