@@ -389,3 +389,10 @@ def test_a_required_key_may_come_from_an_override_alone():
     assert (cfg.epochs, cfg.val.patience, cfg.val.minimize) == (3, 2, True)
     with pytest.raises(ConfigError, match="epochs is required"):
         config_from_argv(Config, ["val.patience=2"])
+
+
+@pytest.mark.parametrize("name", ["SIGKILL", "SIGSTOP"])
+def test_a_requeue_signal_that_cannot_be_caught_is_refused(name):
+    """ckpt.requeue_signal=SIGKILL would fail only when train() installs its handler: refused up front."""
+    error = config_error({"epochs": 1, "ckpt": {"requeue_signal": name}})
+    assert "ckpt.requeue_signal" in str(error) and "can catch" in str(error) and name in str(error)

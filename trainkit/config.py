@@ -138,6 +138,8 @@ def _signal_name(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
     if isinstance(value, str) and not isinstance(getattr(signal, value, None), signal.Signals):
         raise ConfigError(attribute.name, "must be a signal name such as 'SIGUSR1'", value)
+    if value in ("SIGKILL", "SIGSTOP"):
+        raise ConfigError(attribute.name, "must be a signal a process can catch (not SIGKILL or SIGSTOP)", value)
 
 
 def _patience_rule(instance: Any, attribute: attrs.Attribute, value: Any) -> None:

@@ -287,30 +287,31 @@ class BaseTrainer(abc.ABC):
             self._files.release()
             return dict(self._results) or None
         more = not self._loop.finished  # a resume already reconciled the loop with the config
-        # the handlers stay until the cleanup below is done: a signal during it is recorded, not fatal
-        with self._signals:
-            try:
-                bar = EpochBar(total=self.cfg.epochs, initial=self._loop.epoch, enabled=self._bars_enabled)
+        try:
+            # the handlers stay until the cleanup below is done: a signal during it is recorded, not fatal
+            with self._signals:
                 try:
-                    self._run_epochs(more, bar)
-                finally:
-                    bar.close()
-                return self._finish()
-            except TrainingInterrupted as exc:
-                self._files.wait_quietly()
-                if self.is_main:
-                    say(str(exc))
-                self._failed = True
-                # a clean stop at an epoch boundary, saved and resumable: not a failed W&B run (exit code 0)
-                self._close_sinks(failed=False)
-                raise
-            except BaseException:
-                self._failed = True
-                self._files.wait_quietly()
-                self._close_sinks(failed=True)
-                raise
-            finally:
-                self._files.release()  # after the last write: the next run on this folder may start
+                    bar = EpochBar(total=self.cfg.epochs, initial=self._loop.epoch, enabled=self._bars_enabled)
+                    try:
+                        self._run_epochs(more, bar)
+                    finally:
+                        bar.close()
+                    return self._finish()
+                except TrainingInterrupted as exc:
+                    self._files.wait_quietly()
+                    if self.is_main:
+                        say(str(exc))
+                    self._failed = True
+                    # a clean stop at an epoch boundary, saved and resumable: not a failed W&B run (exit code 0)
+                    self._close_sinks(failed=False)
+                    raise
+                except BaseException:
+                    self._failed = True
+                    self._files.wait_quietly()
+                    self._close_sinks(failed=True)
+                    raise
+        finally:
+            self._files.release()  # after the last write: the next run on this folder may start
 
     def _run_epochs(self, more: bool, bar: EpochBar) -> None:
         if not more and not self._loop.last_validated:
