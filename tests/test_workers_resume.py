@@ -127,51 +127,46 @@ def test_an_unregistered_loader_generator_is_warned_about_once(tmp_path):
     registered.close()
 
 
+class DistributedSamplerTrainer(LoaderTrainer):
+    """The loader draws from a DistributedSampler that is not handed to add_samplers(); set by hand if asked."""
+
+    workers, persistent = 0, False
+    set_epoch_by_hand = False
+
+    def setup(self, ckpt):
+        from torch.utils.data import DistributedSampler
+
+        super().setup(ckpt)
+        dataset = self.loader.dataset
+        self.own_sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=self.cfg.seed)
+        self.loader = DataLoader(dataset, batch_size=self.cfg.batch_size, sampler=self.own_sampler)
+
+    def train_epoch(self):
+        if self.set_epoch_by_hand:
+            self.own_sampler.set_epoch(self.epoch)
+        super().train_epoch()
+
+
 def test_a_distributed_sampler_nobody_sets_the_epoch_of_is_warned_about(tmp_path):
     """A DistributedSampler not handed to add_samplers() shuffles every epoch the same way: progress() says so once."""
-    from torch.utils.data import DistributedSampler
-
-    class Forgetful(LoaderTrainer):
-        workers, persistent = 0, False
-
-        def setup(self, ckpt):
-            super().setup(ckpt)
-            dataset = self.loader.dataset
-            sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=self.cfg.seed)
-            self.loader = DataLoader(dataset, batch_size=self.cfg.batch_size, sampler=sampler)
-
-    trainer = Forgetful(make_cfg(tmp_path, epochs=2))
+    trainer = DistributedSamplerTrainer(make_cfg(tmp_path, epochs=3))
     with pytest.warns(RuntimeWarning, match=r"nothing calls its set_epoch\(\).*self.add_samplers\(sampler\)") as caught:
         trainer.train()
     trainer.close()
     (warned,) = [w for w in caught if "set_epoch" in str(w.message)]
     assert warned.filename == __file__  # it points at the line that called progress()
-    with warnings.catch_warnings():  # TinyTrainer's own loader hands its sampler over: nothing to say
-        warnings.simplefilter("error", RuntimeWarning)
-        trainer = TinyTrainer(make_cfg(tmp_path / "fine", epochs=1))
-        trainer.train()
-        trainer.close()
 
 
-def test_a_sampler_whose_epoch_is_set_by_hand_is_not_warned_about(tmp_path):
-    """The DDP idiom sampler.set_epoch(epoch) called in train_epoch() is as good as add_samplers(): no warning."""
-    from torch.utils.data import DistributedSampler
-
-    class ByHand(LoaderTrainer):
-        workers, persistent = 0, False
-
-        def setup(self, ckpt):
-            super().setup(ckpt)
-            dataset = self.loader.dataset
-            self.by_hand = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=self.cfg.seed)
-            self.loader = DataLoader(dataset, batch_size=self.cfg.batch_size, sampler=self.by_hand)
-
-        def train_epoch(self):
-            self.by_hand.set_epoch(self.epoch)
-            super().train_epoch()
-
+@pytest.mark.parametrize("how", ["add_samplers", "by hand"])
+def test_a_sampler_whose_epoch_is_set_is_not_warned_about(tmp_path, how):
+    """Handed to add_samplers(), or the DDP idiom sampler.set_epoch(epoch) in train_epoch(): no warning."""
+    if how == "by hand":
+        trainer = type("ByHand", (DistributedSamplerTrainer,), {"set_epoch_by_hand": True})(
+            make_cfg(tmp_path, epochs=3)
+        )
+    else:
+        trainer = TinyTrainer(make_cfg(tmp_path, epochs=3))  # its DistributedSampler goes to add_samplers()
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        trainer = ByHand(make_cfg(tmp_path, epochs=3))
         trainer.train()
-        trainer.close()
+    trainer.close()
