@@ -170,3 +170,25 @@ def test_a_sampler_whose_epoch_is_set_is_not_warned_about(tmp_path, how):
         warnings.simplefilter("error", RuntimeWarning)
         trainer.train()
     trainer.close()
+
+
+def test_a_new_loader_is_checked_even_where_a_freed_one_lived(tmp_path):
+    """The once-per-loader check remembers loaders, not ids: a new loader at a freed one's address is checked."""
+    import gc
+
+    trainer = GeneratorLoaderTrainer(make_cfg(tmp_path, epochs=1))
+    dataset = trainer.loader.dataset
+    for _ in range(5):  # a registered generator: nothing to say; then the loader is freed
+        fine = DataLoader(dataset, batch_size=8, shuffle=True, generator=trainer.generator)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            trainer.progress(fine)
+        del fine
+        gc.collect()
+        unregistered = DataLoader(dataset, batch_size=8, shuffle=True, generator=torch.Generator())
+        with pytest.warns(RuntimeWarning, match="torch.Generator of its own"):
+            trainer.progress(unregistered)
+        del unregistered
+        gc.collect()
+    trainer.progress([1, 2, 3])  # a plain list passes through unchecked
+    trainer.close()

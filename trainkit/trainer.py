@@ -166,8 +166,9 @@ class BaseTrainer(abc.ABC):
         self._best_dirty = False
         self._step_hook: Any = None
         self._grad_norm_mean = optim_utils.RunningMean()
-        self._loaders_checked: set[int] = set()
-        self._samplers_unchecked: set[int] = set()
+        # weak sets, not ids: a loader built anew each epoch may reuse a freed one's id
+        self._loaders_checked: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._samplers_unchecked: weakref.WeakSet[Any] = weakref.WeakSet()
         self._owns_process_group = False
         self._failed = False
         ckpt_cfg = self.cfg.ckpt
@@ -1023,7 +1024,11 @@ class BaseTrainer(abc.ABC):
 
     def _check_loader(self, loader: Any) -> None:
         """Warn once per loader whose shuffle would repeat every epoch, or that a resume would not restore."""
-        key = id(loader)
+        try:
+            weakref.ref(loader)
+        except TypeError:  # a list or a tuple of batches: no sampler, no generator to check
+            return
+        key = loader
         sampler = getattr(loader, "sampler", None)
         if key in self._samplers_unchecked or key not in self._loaders_checked:
             # decided at the first epoch after 0: by then a set_epoch() called by hand shows in sampler.epoch
