@@ -7,6 +7,7 @@ without torch.
 from trainkit.bookkeeping._records import as_verdict, is_bool_like, is_int, is_real
 from trainkit.bookkeeping.best import BestState, best_metric_key, retune_min_delta, save_if_best
 from trainkit.bookkeeping.patience import PatienceState, retune_patience, step_patience
+from trainkit.bookkeeping.position import EpochPosition, position_mismatch, step_checkpoint_due
 from trainkit.bookkeeping.registry import (
     RESERVED_NAMES,
     CkptRegistry,
@@ -49,4 +50,7 @@ __all__ = [
     "reconcile",
     "STOP_EARLY",
     "STOP_MAX_EPOCHS",
+    "EpochPosition",
+    "step_checkpoint_due",
+    "position_mismatch",
 ]

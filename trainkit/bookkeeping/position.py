@@ -1,0 +1,143 @@
+"""Where a run stands inside an epoch: the position a step checkpoint records, and when one is due.
+
+Pure: stdlib and attrs only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from trainkit.bookkeeping._records import is_int, record_from_dict, record_to_dict
+from trainkit.errors import BookkeepingError
+
+__all__ = ["EpochPosition", "step_checkpoint_due", "position_mismatch"]
+
+
+def _count(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not is_int(value) or value < 0:
+        raise BookkeepingError(f"EpochPosition.{attribute.name} must be an int >= 0, got {value!r}")
+
+
+def _optional_count(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None:
+        _count(instance, attribute, value)
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not is_int(value) or value < 1:
+        raise BookkeepingError(f"EpochPosition.{attribute.name} must be an int >= 1, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class EpochPosition:
+    """How far into an epoch a step checkpoint was written, and what the epoch's batches were made of.
+
+    A resumed run skips ``batches`` batches of epoch ``epoch`` at the index level; the other fields are what
+    must not have changed for the skipped indices to be the same samples.
+
+    :ivar epoch: The 0-based epoch in progress.
+    :ivar batches: Batches of it already consumed (trained on), in ``[1, batches_per_epoch]``.
+    :ivar batches_per_epoch: ``len(loader)`` on each rank.
+    :ivar batch_size: The loader's ``batch_size`` (None for a loader built from a ``batch_sampler``).
+    :ivar dataset_length: ``len(loader.dataset)``.
+    :ivar world_size: The number of processes.
+
+    >>> EpochPosition(epoch=2, batches=5, batches_per_epoch=10, batch_size=32, dataset_length=320, world_size=1)
+    EpochPosition(epoch=2, batches=5, batches_per_epoch=10, batch_size=32, dataset_length=320, world_size=1)
+    >>> EpochPosition(epoch=0, batches=11, batches_per_epoch=10, batch_size=None, dataset_length=1, world_size=1)
+    Traceback (most recent call last):
+    ...
+    trainkit.errors.BookkeepingError: EpochPosition.batches must be at most batches_per_epoch=10, got 11
+    """
+
+    epoch: int = attrs.field(validator=_count)
+    batches: int = attrs.field(validator=_positive)
+    batches_per_epoch: int = attrs.field(validator=_positive)
+    batch_size: int | None = attrs.field(validator=_optional_count)
+    dataset_length: int = attrs.field(validator=_count)
+    world_size: int = attrs.field(validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.batches > self.batches_per_epoch:
+            raise BookkeepingError(
+                f"EpochPosition.batches must be at most batches_per_epoch={self.batches_per_epoch}, got {self.batches}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the record as plain JSON-able values with a schema version.
+
+        >>> p = EpochPosition(epoch=0, batches=1, batches_per_epoch=2, batch_size=8, dataset_length=16, world_size=1)
+        >>> EpochPosition.from_dict(p.to_dict()) == p
+        True
+        """
+        return record_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EpochPosition:
+        """Rebuild a record written by :meth:`to_dict`.
+
+        :param data: The dict.
+        :returns: The record.
+        :raises BookkeepingError: On a foreign kind, a newer schema or an invalid field.
+        """
+        return record_from_dict(cls, data)
+
+
+def step_checkpoint_due(last_saved_step: int, step: int, every_n_steps: int | None) -> bool:
+    """Tell whether a step checkpoint is due at a step boundary.
+
+    Pure. Due when ``step`` has reached a multiple of ``every_n_steps`` that ``last_saved_step`` had not,
+    so a counter that jumps past a multiple (two optimizer steps between batches) still saves once.
+
+    :param last_saved_step: The step of the last checkpoint (or where the epoch started).
+    :param step: Optimizer steps taken now.
+    :param every_n_steps: The period; None means step checkpoints are off.
+    :returns: Whether to write ``last.pt`` now.
+    :raises BookkeepingError: When ``every_n_steps`` is not None and not an int >= 1.
+
+    >>> [s for s in range(1, 10) if step_checkpoint_due(s - 1, s, 3)]
+    [3, 6, 9]
+    >>> step_checkpoint_due(5, 7, 3), step_checkpoint_due(6, 8, 3), step_checkpoint_due(0, 9, None)
+    (True, False, False)
+    """
+    if every_n_steps is None:
+        return False
+    if not is_int(every_n_steps) or every_n_steps < 1:
+        raise BookkeepingError(f"every_n_steps must be None or an int >= 1, got {every_n_steps!r}")
+    return step // every_n_steps > last_saved_step // every_n_steps
+
+
+def position_mismatch(
+    saved: EpochPosition, *, world_size: int, loader: tuple[int | None, int, int] | None = None
+) -> str | None:
+    """Say why a mid-epoch position cannot be resumed here, or None when it can.
+
+    Pure. Skipping ``saved.batches`` batches lands on the samples the interrupted run had not seen only when
+    the world size, the batch size, the dataset's length and the epoch's length are unchanged. The world size
+    is known at construction, the loader only once it is seen: without ``loader`` only the world size is
+    compared.
+
+    :param saved: The checkpoint's position.
+    :param world_size: This run's number of processes.
+    :param loader: This run's loader's ``(batch_size, len(dataset), len(loader))``.
+    :returns: ``"<what>: <saved> then, <now> now"`` for each difference, joined by ``"; "``; None when none.
+
+    >>> p = EpochPosition(epoch=1, batches=3, batches_per_epoch=10, batch_size=32, dataset_length=320, world_size=2)
+    >>> position_mismatch(p, world_size=2, loader=(32, 320, 10)) is None
+    True
+    >>> position_mismatch(p, world_size=4, loader=(16, 320, 20))
+    'world size: 2 then, 4 now; batch size: 32 then, 16 now; batches per epoch: 10 then, 20 now'
+    """
+    checks = [("world size", saved.world_size, world_size)]
+    if loader is not None:
+        batch_size, dataset_length, batches_per_epoch = loader
+        checks += [
+            ("batch size", saved.batch_size, batch_size),
+            ("dataset length", saved.dataset_length, dataset_length),
+            ("batches per epoch", saved.batches_per_epoch, batches_per_epoch),
+        ]
+    parts = [f"{what}: {then} then, {now} now" for what, then, now in checks if then != now]
+    return "; ".join(parts) or None
