@@ -8,6 +8,7 @@ file races with the next run that opens it).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import json
@@ -30,6 +31,21 @@ LOCK_FILE = ".trainkit.lock"
 """The lock file's name inside ``out_dir``."""
 
 _OPEN_FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+_HELD: weakref.WeakSet[RunLock] = weakref.WeakSet()
+"""The locks this process holds; a forked child lets go of its copies of them (see ``_forget_in_child``)."""
+
+
+def _forget_in_child() -> None:
+    """In a process just forked (a DataLoader worker), close the inherited lock descriptors without unlocking.
+
+    A child holding a copy keeps the folder locked after its parent dies: a trainer killed with SIGKILL
+    left its workers holding the lock for the seconds they take to notice, and a resume started at once
+    was refused. Closing the copy (never ``LOCK_UN``, which would unlock the parent's lock too) leaves
+    the parent the only holder.
+    """
+    for lock in list(_HELD):
+        lock._forget()
 
 
 class RunLock:
@@ -78,6 +94,7 @@ class RunLock:
             raise OutDirError(self._unusable(exc)) from exc
         self._fd = fd
         self._finalizer = weakref.finalize(self, os.close, fd)
+        _HELD.add(self)
         since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
         record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": since}).encode()
         try:
@@ -102,6 +119,17 @@ class RunLock:
             self._finalizer()  # closes the descriptor
             self._fd = None
             self._finalizer = None
+            _HELD.discard(self)
+
+    def _forget(self) -> None:
+        """Close this process's copy of the descriptor without unlocking (in a forked child only)."""
+        fd, finalizer = self._fd, self._finalizer
+        self._fd = self._finalizer = None
+        if finalizer is not None:
+            finalizer.detach()
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _busy(self, holder: dict[str, Any] | None) -> str:
         folder = self.path.parent
@@ -129,3 +157,7 @@ def _read_holder(fd: int) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
