@@ -86,24 +86,32 @@ class GeneratorLoaderTrainer(LoaderTrainer):
         super().setup(ckpt)
         self.generator = torch.Generator().manual_seed(1234)
         self.loader = DataLoader(
-            self.loader.dataset, batch_size=self.cfg.batch_size, shuffle=True, generator=self.generator
+            self.loader.dataset,
+            batch_size=self.cfg.batch_size,
+            shuffle=True,
+            generator=self.generator,
+            num_workers=self.workers,
+            persistent_workers=self.persistent,
         )
         if self.register_generator:
             self.add_checkpoint_items(loader_generator=self.generator)
 
 
 @pytest.mark.timeout(180)
-def test_a_registered_loader_generator_resumes_its_shuffle(tmp_path):
-    """A DataLoader's own generator, registered with add_checkpoint_items, is restored: the resume is exact."""
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, True)])
+def test_a_registered_loader_generator_resumes_its_shuffle(tmp_path, workers, persistent):
+    """A DataLoader's own generator, registered with add_checkpoint_items, is restored: the resume is exact; with
+    persistent workers too (starting them must not draw from that generator, or the resumed shuffles shift)."""
     kwargs = dict(epochs=4)
-    reference = GeneratorLoaderTrainer(make_cfg(tmp_path / "ref", **kwargs))
+    flavour = {"workers": workers, "persistent": persistent}
+    reference = type("Ref", (GeneratorLoaderTrainer,), flavour)(make_cfg(tmp_path / "ref", **kwargs))
     reference.train()
     reference.close()
-    dying = type("Dying", (GeneratorLoaderTrainer,), {"crash_at": 2})(make_cfg(tmp_path / "run", **kwargs))
+    dying = type("Dying", (GeneratorLoaderTrainer,), {**flavour, "crash_at": 2})(make_cfg(tmp_path / "run", **kwargs))
     with pytest.raises(Crash):
         dying.train()
     dying.close()
-    resumed = GeneratorLoaderTrainer(make_cfg(tmp_path / "run", **kwargs))
+    resumed = type("Resumed", (GeneratorLoaderTrainer,), flavour)(make_cfg(tmp_path / "run", **kwargs))
     assert torch.equal(resumed.generator.get_state(), resumed.checkpoint_items["loader_generator"].get_state())
     resumed.train()
     resumed.close()
