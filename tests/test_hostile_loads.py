@@ -511,7 +511,7 @@ def test_a_last_pt_from_before_training_modes_and_last_validated_still_validates
 
 def test_the_schema_names_every_engine_key_and_the_trainers_version(real):
     """LAST_PT names exactly the reserved engine keys, which a real last.pt holds, and the trainer's schema version."""
-    assert {key.name for key in LAST_PT} == RESERVED_NAMES - {"trainkit"}
+    assert {key.name for key in LAST_PT} == RESERVED_NAMES
     assert {key.name for key in LAST_PT} <= set(real["last_payload"])
     assert [key.name for key in BEST_PT] == list(real["best_payload"])
     assert SCHEMA_VERSION == CHECKPOINT_SCHEMA_VERSION

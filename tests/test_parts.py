@@ -87,7 +87,7 @@ def test_the_engine_keys_are_the_reserved_names():
     payload = engine_payload()
     engine_keys = [key for key in payload if key != "model"]
     assert engine_keys == [key.name for key in LAST_PT]
-    assert set(engine_keys) == RESERVED_NAMES - {"trainkit"}  # "trainkit" is held back for later use
+    assert set(engine_keys) == RESERVED_NAMES  # "trainkit" holds the state of a step checkpoint inside an epoch
     assert payload["items"] == ["model"]
     validate_last(payload, path="last.pt", world_size=1)
     best = best_payload(model={"w": torch.ones(2)}, best=BestState(minimize=True, score=0.5, epoch=0), config={})

@@ -148,3 +148,118 @@ class ReportingTrainer(TinyTrainer):
         }
         Path(self.cfg.out_dir, f"rank{self.rank}.json").write_text(json.dumps(report))
         return result
+
+
+@attrs.frozen(kw_only=True)
+class StepConfig(Config):
+    """A run whose epochs are cut by step checkpoints: accumulation, workers, a sampler of choice, augmentation."""
+
+    lr: float = 0.05
+    batch_size: int = 4
+    n_samples: int = 30  # 30 samples in batches of 4: the last batch of an epoch is short
+    accumulate: int = 2
+    num_workers: int = 0
+    persistent_workers: bool = False
+    distributed_sampler: bool = False
+    loader_generator: bool = False
+    drop_last: bool = False
+    push_every: int = 3
+
+
+class NoisyDataset(torch.utils.data.Dataset):
+    """Samples with per-sample noise drawn from trainkit.sample_generator (exact in workers, across resumes)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, seed: int) -> None:
+        self.x, self.y, self.seed = x, y, seed
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index):
+        import trainkit
+
+        noise = torch.randn(self.x.shape[1], generator=trainkit.sample_generator(self.seed, index))
+        return self.x[index] + 0.1 * noise, self.y[index]
+
+
+KILL_AT: tuple[str, int, int] | None = None
+"""("batch", epoch, batch index) or ("val", epoch, 0): where a StepTrainer SIGKILLs its own process."""
+SIGTERM_AT: tuple[str, int, int] | None = None
+"""Where a StepTrainer sends itself SIGTERM (rank 0 only: the other ranks learn it from the vote)."""
+
+
+def _maybe_die(where: tuple[str, int, int], rank: int = 0) -> None:
+    import signal
+
+    if where == KILL_AT:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if where == SIGTERM_AT and rank == 0:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+class StepTrainer(BaseTrainer):
+    """Gradient accumulation over a shuffled loader, dropout, per-sample noise, mid-epoch log pushes."""
+
+    config_class = StepConfig
+    cfg: StepConfig
+
+    def setup(self, ckpt):
+        import trainkit
+
+        cfg = self.cfg
+        x, y = make_data(cfg.n_samples + 16)
+        self.train_set = NoisyDataset(x[: cfg.n_samples], y[: cfg.n_samples], cfg.seed)
+        self.val_x, self.val_y = x[cfg.n_samples :].to(self.device), y[cfg.n_samples :].to(self.device)
+        net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 1))
+        self.model = self.make_ddp(net)
+        self.optimizer = torch.optim.SGD(self.get_param_groups(), lr=cfg.lr, momentum=0.9)
+        options = {
+            "batch_size": cfg.batch_size,
+            "num_workers": cfg.num_workers,
+            "persistent_workers": cfg.persistent_workers,
+            "drop_last": cfg.drop_last,
+        }
+        items = {}
+        if cfg.distributed_sampler:
+            sampler = DistributedSampler(self.train_set, num_replicas=self.world_size, rank=self.rank, seed=cfg.seed)
+            self.add_samplers(sampler)
+            self.loader = DataLoader(self.train_set, sampler=sampler, **options)
+        elif cfg.loader_generator:
+            generator = torch.Generator().manual_seed(cfg.seed + 7)
+            items["loader_generator"] = generator
+            self.loader = DataLoader(self.train_set, shuffle=True, generator=generator, **options)
+        else:
+            self.loader = DataLoader(self.train_set, shuffle=True, **options)
+        self.loss_mean = trainkit.RunningMean()
+        self.add_checkpoint_items(model=self.model, optimizer=self.optimizer, loss_mean=self.loss_mean, **items)
+
+    def train_epoch(self):
+        cfg = self.cfg
+        self.model.train()
+        batches = len(self.loader)
+        for index, (x, y) in enumerate(self.progress(self.loader), start=self.first_batch):
+            x, y = x.to(self.device), y.to(self.device)
+            loss = nn.functional.mse_loss(self.model(x), y)
+            (loss / cfg.accumulate).backward()
+            self.loss_mean.add(loss.detach())
+            if (index + 1) % cfg.accumulate == 0 or index + 1 == batches:
+                self.clip_and_log_grad_norm()
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            self.log({"train/batch_loss": loss.detach()})
+            if (index + 1) % cfg.push_every == 0:
+                self.push_logs()
+            _maybe_die(("batch", self.epoch, index), self.rank)
+        self.log({"train/loss": self.loss_mean.take()})
+        self.log_epoch_grad_norm()
+
+    def val_epoch(self):
+        self.model.eval()
+        with torch.no_grad():
+            total = ((self.model(self.val_x) - self.val_y) ** 2).sum()
+        score = self.reduce_mean(total, len(self.val_x))
+        improved = self.save_if_best(score, {"val/loss": score})
+        self.log({"val/loss": score})
+        stop = self.step_patience(improved)
+        _maybe_die(("val", self.epoch, 0), self.rank)
+        return stop

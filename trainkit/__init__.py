@@ -51,17 +51,32 @@ from trainkit.errors import (
 )
 
 if TYPE_CHECKING:
+    from trainkit.batches import SampleIndex
     from trainkit.launcher import launch, spawn
+    from trainkit.optim import RunningMean
+    from trainkit.rng import sample_generator, sample_seed
     from trainkit.trainer import BaseTrainer
 
 __version__ = "0.1.0"
 
-_LAZY = {"BaseTrainer": "trainkit.trainer", "launch": "trainkit.launcher", "spawn": "trainkit.launcher"}
+_LAZY = {
+    "BaseTrainer": "trainkit.trainer",
+    "launch": "trainkit.launcher",
+    "spawn": "trainkit.launcher",
+    "RunningMean": "trainkit.optim",
+    "sample_generator": "trainkit.rng",
+    "sample_seed": "trainkit.rng",
+    "SampleIndex": "trainkit.batches",
+}
 
 __all__ = [
     "BaseTrainer",
     "launch",
     "spawn",
+    "RunningMean",
+    "sample_generator",
+    "sample_seed",
+    "SampleIndex",
     "Config",
     "ValConfig",
     "TestConfig",

@@ -375,6 +375,16 @@ def describe_checkpoint(path: str | Path, *, all_tensors: bool = False) -> list[
         )
         validated = loop.get("last_validated", True)
         lines.append(f"loop:         stop_reason={loop.get('stop_reason')}, last epoch validated={validated}")
+        mid_epoch = payload.get("trainkit")
+        if mid_epoch is not None:
+            position = mid_epoch["position"]
+            lines.append(
+                f"position:     inside epoch {position['epoch']}: {position['batches']} of "
+                f"{position['batches_per_epoch']} batches done (batch size {position['batch_size']}, "
+                f"{position['dataset_length']} samples); a resume continues from the next batch"
+            )
+        else:
+            lines.append("position:     at an epoch's end")
     else:
         lines.append(f"best epoch:   {payload['epoch']}")
     if best is not None:

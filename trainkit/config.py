@@ -856,12 +856,17 @@ class CkptConfig(_Section):
     the current epoch and exit, as a cluster scheduler sends before requeueing a job; None disables it.
     ``async_save`` copies the state into reused host buffers and writes it from a background thread, so
     the loop waits only for the copy (off by default).
+    ``every_n_steps`` also writes ``last.pt`` every that many optimizer steps, at a step boundary inside the
+    epoch, so a kill loses at most that many steps and a resume continues from the same batch (for a loop
+    that iterates ``self.progress(loader)``); with it set, a stop signal stops at the next step boundary
+    instead of the epoch's end. None (the default) keeps checkpoints at epoch ends only.
     """
 
     enable: bool = True
     resume: str = attrs.field(default="auto", validator=_non_empty)
     requeue_signal: str | None = attrs.field(default="SIGUSR1", validator=_optional(_signal_name))
     async_save: bool = False
+    every_n_steps: int | None = attrs.field(default=None, validator=_optional(_at_least(1)))
 
 
 @attrs.frozen(kw_only=True)

@@ -31,6 +31,7 @@ __all__ = [
     "broadcast_object",
     "all_gather_objects",
     "any_all",
+    "DelayedVote",
     "raise_if_any_rank_failed",
     "barrier",
     "teardown",
@@ -262,6 +263,58 @@ def any_all(flags: list[bool]) -> tuple[list[bool], list[bool]]:
     got = values.tolist()
     n = len(flags)
     return [bool(v) for v in got[:n]], [not bool(v) for v in got[n:]]
+
+
+class DelayedVote:
+    """Whether any rank raised a flag, learned one call late so that no call waits for the other ranks.
+
+    Each :meth:`cast` starts a non-blocking all-reduce (MAX) of this rank's flag and returns the result of
+    the one the previous call started, which has long finished by then when the calls are a training step
+    apart (the step's own gradient all-reduce already brought the ranks together). Every rank must call it
+    at the same points. Without a process group it returns the flag at once.
+
+    >>> vote = DelayedVote(timeout_s=5.0)
+    >>> vote.cast(False), vote.cast(True), vote.finish()
+    (False, True, False)
+
+    :param timeout_s: How long a wait for the previous all-reduce may take (``dist.timeout_s``).
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._work: Any = None
+        self._value: torch.Tensor | None = None
+
+    def cast(self, flag: bool) -> bool:
+        """Send this rank's flag; return whether any rank's flag was set at the previous call.
+
+        :param flag: This rank's flag now.
+        :returns: Any rank's flag at the previous call (False at the first); ``flag`` itself when not distributed.
+        """
+        if not is_distributed():
+            return bool(flag)
+        previous = self.finish()
+        value = torch.tensor([int(bool(flag))], dtype=torch.int32, device=_collective_device())
+        self._work = dist.all_reduce(value, op=dist.ReduceOp.MAX, async_op=True)
+        self._value = value
+        _handed_to_backend(value)
+        return previous
+
+    def finish(self) -> bool:
+        """Wait for the all-reduce in flight, if any, and return its result (False when none is in flight).
+
+        :returns: Whether any rank's flag was set at the last :meth:`cast`.
+        :raises RuntimeError: From torch.distributed, when a rank does not join within the timeout.
+        """
+        work, value = self._work, self._value
+        self._work = self._value = None
+        if work is None or value is None:
+            return False
+        if dist.get_backend() == "gloo":
+            work.wait(self._timeout)
+        else:
+            work.wait()  # nccl's own watchdog bounds it by the group's timeout
+        return bool(value.item())
 
 
 def raise_if_any_rank_failed(

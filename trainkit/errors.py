@@ -130,24 +130,41 @@ class HookNotImplementedError(TrainkitError, NotImplementedError):
 
 
 class TrainingInterrupted(TrainkitError):
-    """A signal (SIGTERM, SIGINT, or the requeue signal) stopped training at an epoch boundary.
+    """A signal (SIGTERM, SIGINT, or the requeue signal) stopped training at an epoch or step boundary.
 
-    The epoch that was running finished and ``last.pt`` holds it; running the same command again resumes
-    from there. :func:`trainkit.launch` turns this into the exit code :attr:`exit_code`.
+    The epoch that was running finished (or, with ``ckpt.every_n_steps``, the optimizer step that was
+    running) and ``last.pt`` holds it; running the same command again resumes from there.
+    :func:`trainkit.launch` turns this into the exit code :attr:`exit_code`.
 
     :param signal_name: The signal's name, e.g. ``"SIGTERM"``.
     :param signal_number: The signal's number.
-    :param epoch: The 0-based epoch that finished before stopping.
+    :param epoch: The 0-based epoch that finished before stopping (or that was stopped inside).
     :param save_seconds: How long saving ``last.pt`` took, or None when checkpoints are disabled.
+    :param step: The optimizer step it stopped after, when it stopped inside the epoch.
+    :param batches: ``(consumed, per epoch)`` batches of ``epoch``, when it stopped inside the epoch.
     """
 
-    def __init__(self, signal_name: str, signal_number: int, epoch: int, save_seconds: float | None = None):
+    def __init__(
+        self,
+        signal_name: str,
+        signal_number: int,
+        epoch: int,
+        save_seconds: float | None = None,
+        *,
+        step: int | None = None,
+        batches: tuple[int, int] | None = None,
+    ):
         self.signal_name = signal_name
         self.signal_number = signal_number
         self.epoch = epoch
         self.save_seconds = save_seconds
+        self.step = step
+        self.batches = batches
         saved = f"last.pt saved in {save_seconds:.3f} s" if save_seconds is not None else "checkpoints are disabled"
-        super().__init__(f"{signal_name} received: stopped after epoch {epoch} ({saved}); run again to resume")
+        where = f"after epoch {epoch}"
+        if batches is not None:
+            where = f"after step {step}, batch {batches[0]} of {batches[1]} of epoch {epoch}"
+        super().__init__(f"{signal_name} received: stopped {where} ({saved}); run again to resume")
 
     @property
     def exit_code(self) -> int:

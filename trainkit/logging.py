@@ -124,6 +124,29 @@ class LogBuffer:
             self._vectors.pop(tuple(keys), None)
             self._vectors[tuple(keys)] = values.detach().reshape(-1)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The buffered metrics as host values, without draining them (what a step checkpoint keeps).
+
+        Side effects: one device-to-host transfer per buffered tensor.
+
+        :returns: ``{"scalars": [[key, float], ...], "vectors": [[[key, ...], [float, ...]], ...]}``, in logging order.
+        """
+        return {
+            "scalars": [
+                [key, float(value.item()) if isinstance(value, torch.Tensor) else float(value)]
+                for key, value in self._scalars.items()
+            ],
+            "vectors": [[list(keys), values.to(torch.float64).tolist()] for keys, values in self._vectors.items()],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned, replacing the buffer's content.
+
+        :param state: The saved buffer.
+        """
+        self._scalars = {str(key): float(value) for key, value in state["scalars"]}
+        self._vectors = {tuple(keys): torch.tensor(values, dtype=torch.float64) for keys, values in state["vectors"]}
+
     def drain(self) -> dict[str, float]:
         """Return every buffered metric as a Python float and empty the buffer.
 

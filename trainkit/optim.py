@@ -6,6 +6,7 @@ Side effects: only what each function's docstring states; nothing here syncs wit
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -194,6 +195,10 @@ def param_stats(
 class RunningMean:
     """The mean of 0-d tensors added one by one, kept on their device (no host sync).
 
+    An epoch's mean loss, say: ``add()`` once per batch, ``take()`` at the epoch's end. Register it with
+    :meth:`~trainkit.BaseTrainer.add_checkpoint_items` when step checkpoints are on, so the mean of an epoch
+    resumed in its middle counts the batches trained before the checkpoint too.
+
     >>> mean = RunningMean()
     >>> mean.add(torch.tensor(1.0)); mean.add(torch.tensor(3.0))
     >>> float(mean.take()), mean.take()
@@ -209,8 +214,31 @@ class RunningMean:
 
         :param value: A 0-d tensor.
         """
-        self._sum = value.clone() if self._sum is None else self._sum.add_(value)
+        total = self._sum
+        if total is None:
+            self._sum = value.clone()
+        else:
+            if total.device != value.device:  # restored from a checkpoint on the CPU
+                total = self._sum = total.to(value.device)
+            total.add_(value)
         self._count += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """The running sum and count; register the object with ``add_checkpoint_items`` and an epoch's mean
+        survives a resume from a step checkpoint inside the epoch.
+
+        :returns: ``{"sum": a 0-d CPU tensor or None, "count": int}``.
+        """
+        return {"sum": None if self._sum is None else self._sum.detach().cpu().clone(), "count": self._count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned (the sum moves to the values' device at the next add).
+
+        :param state: The saved sum and count.
+        """
+        total = state["sum"]
+        self._sum = None if total is None else total.detach().clone()
+        self._count = int(state["count"])
 
     def take(self) -> torch.Tensor | None:
         """Return the mean of the values added since the last take, and start over.

@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import torch
 
-from trainkit.bookkeeping import RESERVED_NAMES, BestState, LoopState, PatienceState
+from trainkit.bookkeeping import RESERVED_NAMES, BestState, EpochPosition, LoopState, PatienceState
 from trainkit.errors import CheckpointCorruptError
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "validate_best",
     "last_payload",
     "best_payload",
+    "mid_epoch_state",
 ]
 
 SCHEMA_VERSION = 1
@@ -266,6 +267,69 @@ def _check_modes(value: Any, where: str) -> None:
                 raise _Bad(_step(where, name), "a dict of submodule name to bool", {module: flag})
 
 
+_MID_EPOCH_RULE = "a dict with 'position' (an EpochPosition dict) and 'ranks' (one dict per rank)"
+_RANK_RULE = "a dict with 'rng_at_iter', 'generators_at_iter', 'logs' and 'grad_norm'"
+
+
+def _check_mid_epoch(value: Any, where: str) -> None:
+    """The state of a step checkpoint written inside an epoch (see :func:`mid_epoch_state`)."""
+    if type(value) is not dict or set(value) != {"position", "ranks"}:
+        raise _Bad(where, _MID_EPOCH_RULE, value)
+    _record(EpochPosition)(value["position"], f"{where}['position']")
+    ranks = value["ranks"]
+    if type(ranks) is not list or not ranks:
+        raise _Bad(f"{where}['ranks']", "a non-empty list, one dict per rank", ranks)
+    for rank, state in enumerate(ranks):
+        at = f"{where}['ranks'][{rank}]"
+        if type(state) is not dict or set(state) != {"rng_at_iter", "generators_at_iter", "logs", "grad_norm"}:
+            raise _Bad(at, _RANK_RULE, state)
+        _check_rng([state["rng_at_iter"]], f"{at}['rng_at_iter']")
+        generators = state["generators_at_iter"]
+        if type(generators) is not list or not all(_is_byte_tensor(g) for g in generators):
+            raise _Bad(f"{at}['generators_at_iter']", "a list of uint8 generator states", generators)
+        for index, generator in enumerate(generators):
+            _torch_state(generator, f"{at}['generators_at_iter'][{index}]")
+        _check_logs(state["logs"], f"{at}['logs']")
+        _check_running_mean(state["grad_norm"], f"{at}['grad_norm']")
+
+
+def _check_logs(value: Any, where: str) -> None:
+    rule = "{'scalars': [[str, float], ...], 'vectors': [[[str, ...], [float, ...]], ...]}"
+    if type(value) is not dict or set(value) != {"scalars", "vectors"}:
+        raise _Bad(where, rule, value)
+    scalars, vectors = value["scalars"], value["vectors"]
+    if type(scalars) is not list or not all(
+        type(pair) is list and len(pair) == 2 and type(pair[0]) is str and type(pair[1]) is float for pair in scalars
+    ):
+        raise _Bad(f"{where}['scalars']", "a list of [str, float] pairs", scalars)
+    if type(vectors) is not list or not all(
+        type(pair) is list
+        and len(pair) == 2
+        and type(pair[0]) is list
+        and type(pair[1]) is list
+        and len(pair[0]) == len(pair[1])
+        and all(type(key) is str for key in pair[0])
+        and all(type(number) is float for number in pair[1])
+        for pair in vectors
+    ):
+        raise _Bad(
+            f"{where}['vectors']", "a list of [keys, values] pairs of equal length (str keys, float values)", vectors
+        )
+
+
+def _check_running_mean(value: Any, where: str) -> None:
+    rule = "{'sum': None or a 0-d floating tensor, 'count': an int >= 0}"
+    if (
+        type(value) is not dict
+        or set(value) != {"sum", "count"}
+        or not (_is_int(value["count"]) and value["count"] >= 0)
+    ):
+        raise _Bad(where, rule, value)
+    total = value["sum"]
+    if total is not None and not (isinstance(total, torch.Tensor) and total.dim() == 0 and total.is_floating_point()):
+        raise _Bad(f"{where}['sum']", "None or a 0-d floating tensor", total)
+
+
 def _check_model(value: Any, where: str) -> None:
     if not isinstance(value, dict) or not all(type(key) is str for key in value):
         raise _Bad(where, "a state dict: str keys to tensors and plain values", value)
@@ -323,10 +387,13 @@ LAST_PT: tuple[Key, ...] = (
     Key("results", "None or a dict of str to int or float", _metrics, nullable=True),
     Key("metrics_offset", "None or an int in [0, 2**63): the size of metrics.jsonl", _int_from(0), nullable=True),
     Key("training_modes", "a dict of item name to a dict of submodule name to bool", _check_modes, required=False),
+    Key("trainkit", f"None or {_MID_EPOCH_RULE}", _check_mid_epoch, nullable=True, required=False),
 )
 """The engine's keys of a ``last.pt``, in the order the trainer writes them; each registered item's state sits
 beside them under its own name (listed in ``items``). ``training_modes`` is absent from checkpoints written before
-trainkit saved it; a ``loop`` dict may lack ``last_validated`` (LoopState.from_dict supplies the default)."""
+trainkit saved it, and ``trainkit`` (the state of a step checkpoint written inside an epoch, None at an epoch's end)
+from checkpoints written before step checkpoints existed; a ``loop`` dict may lack ``last_validated``
+(LoopState.from_dict supplies the default)."""
 
 BEST_PT: tuple[Key, ...] = (
     _SCHEMA_VERSION_KEY,
@@ -357,6 +424,7 @@ def last_payload(
     results: dict[str, float] | None,
     metrics_offset: int | None,
     training_modes: dict[str, dict[str, bool]],
+    mid_epoch: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Build a ``last.pt`` payload: every registered item's state under its name, then the engine's keys.
 
@@ -383,6 +451,7 @@ def last_payload(
     :param results: The final results of a finished run, else None.
     :param metrics_offset: The size of ``metrics.jsonl``, or None without one.
     :param training_modes: Per registered module, its submodules' ``training`` flags.
+    :param mid_epoch: For a step checkpoint inside an epoch, :func:`mid_epoch_state`'s dict; None at an epoch's end.
     :returns: The payload, ready for :func:`~trainkit.checkpoint.atomic_save`.
     """
     return {
@@ -402,7 +471,26 @@ def last_payload(
         "results": results,
         "metrics_offset": metrics_offset,
         "training_modes": training_modes,
+        "trainkit": mid_epoch,
     }
+
+
+def mid_epoch_state(position: EpochPosition, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``trainkit`` entry of a step checkpoint written inside an epoch.
+
+    Pure.
+
+    >>> p = EpochPosition(epoch=0, batches=1, batches_per_epoch=2, batch_size=1, dataset_length=2, world_size=1)
+    >>> sorted(mid_epoch_state(p, [{}]))
+    ['position', 'ranks']
+
+    :param position: Where the epoch stands.
+    :param ranks: Per rank: ``rng_at_iter`` (its RNG states when the loader's iterator was made),
+        ``generators_at_iter`` (its loader's own generators' states then), ``logs`` (its unpushed metrics,
+        ``LogBuffer.state_dict()``) and ``grad_norm`` (its epoch grad-norm mean so far).
+    :returns: ``{"position": ..., "ranks": [...]}``.
+    """
+    return {"position": position.to_dict(), "ranks": ranks}
 
 
 def best_payload(*, model: dict[str, Any], best: BestState, config: dict[str, Any]) -> dict[str, Any]:
@@ -534,6 +622,24 @@ def _check_last_consistency(payload: dict[str, Any], world_size: int | None) -> 
             raise _Bad(f"training_modes[{_short(name)}]", "the mode of an item listed in items", name)
     for name in items:
         _check_nesting(payload[name], name, MAX_ITEM_DEPTH)
+    mid_epoch = payload.get("trainkit")
+    if mid_epoch is not None:
+        position = mid_epoch["position"]
+        if len(mid_epoch["ranks"]) != saved:
+            raise _Bad(
+                "trainkit['ranks']", f"a list of {saved} dicts (world_size={saved}, one per rank)", mid_epoch["ranks"]
+            )
+        if position["world_size"] != saved:
+            raise _Bad(
+                "trainkit['position']['world_size']", f"the checkpoint's world_size, {saved}", position["world_size"]
+            )
+        loop = payload["loop"]
+        if loop.get("stop_reason") is not None or position["epoch"] != loop.get("epoch"):
+            raise _Bad(
+                "trainkit['position']['epoch']",
+                f"the epoch in progress, loop['epoch']={loop.get('epoch')!r}, in a run that has not finished",
+                position["epoch"],
+            )
 
 
 # --- messages ---------------------------------------------------------------------------------------------------

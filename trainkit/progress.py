@@ -66,7 +66,9 @@ class EpochBar:
             self._bar = None
 
 
-def step_bar(iterable: Iterable[T], *, desc: str | None, total: int | None, enabled: bool) -> Iterable[T]:
+def step_bar(
+    iterable: Iterable[T], *, desc: str | None, total: int | None, enabled: bool, initial: int = 0
+) -> Iterable[T]:
     """Wrap an iterable in a transient per-step bar, or return it untouched when disabled.
 
     When stderr is not a terminal there is no step bar (the epoch bar alone reports progress), so a run
@@ -76,10 +78,13 @@ def step_bar(iterable: Iterable[T], *, desc: str | None, total: int | None, enab
     :param desc: The bar's label.
     :param total: The number of items when ``len(iterable)`` does not give it.
     :param enabled: False returns ``iterable`` itself, at zero cost per step.
+    :param initial: Items already done (a resumed epoch's skipped batches).
     :returns: An iterable over the same items.
     """
     if not enabled or not _is_terminal():
         return iterable
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, desc=desc, total=total, leave=False, mininterval=_interval(), dynamic_ncols=True)
+    return tqdm(
+        iterable, desc=desc, total=total, initial=initial, leave=False, mininterval=_interval(), dynamic_ncols=True
+    )

@@ -6,6 +6,7 @@ Side effects: the process's Python, torch (CPU and CUDA) and numpy (when loaded)
 from __future__ import annotations
 
 import array
+import hashlib
 import random
 import sys
 from typing import Any
@@ -19,6 +20,8 @@ __all__ = [
     "start_persistent_workers",
     "GeneratorItem",
     "loader_generators",
+    "sample_seed",
+    "sample_generator",
 ]
 
 
@@ -88,6 +91,8 @@ def start_persistent_workers(loader: Any) -> None:
     so each epoch's shuffle depends only on the generator state at that epoch. What the workers themselves
     draw is not reproduced on resume: they were seeded once, and their state after several epochs is gone.
 
+    The loader's own generators (``loader_generators``) are put back the same way.
+
     Side effects: starts the loader's worker processes (and their first prefetch) when they are not running.
     Anything else (a loader without workers, not persistent, already started, not a DataLoader) is left alone.
 
@@ -100,10 +105,14 @@ def start_persistent_workers(loader: Any) -> None:
     if getattr(loader, "_iterator", None) is not None:  # started before: its draw already happened
         return
     state = torch.get_rng_state()
+    # the loader's own generators too: its base seed, and a sampler's shuffle when prefetching starts
+    generators = [(generator, generator.get_state()) for generator in loader_generators(loader)]
     try:
         iter(loader)
     finally:
         torch.set_rng_state(state)
+        for generator, saved in generators:
+            generator.set_state(saved)
 
 
 class GeneratorItem:
@@ -167,3 +176,57 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
         if isinstance(candidate, torch.Generator) and all(candidate is not g for g in found):
             found.append(candidate)
     return found
+
+
+def sample_seed(seed: int, index: int, epoch: int | None = None) -> int:
+    """A seed for one sample's randomness in one epoch: a pure function of ``(seed, epoch, index)``.
+
+    Randomness drawn from it (an augmentation's crop, a dropout mask made in ``__getitem__``) is the same in
+    a resumed run as in the uninterrupted one, whichever worker loads the sample and whatever it loaded
+    before, which a worker's own generator cannot promise. ``index`` is what ``__getitem__`` received: under
+    ``self.progress()`` with step checkpoints on it carries its epoch (a
+    :class:`~trainkit.batches.SampleIndex`); pass ``epoch`` otherwise.
+
+    >>> seed = sample_seed(0, 5, epoch=1)
+    >>> seed == sample_seed(0, 5, epoch=1), seed == sample_seed(0, 5, epoch=2), seed == sample_seed(1, 5, epoch=1)
+    (True, False, False)
+
+    :param seed: The run's seed (``cfg.seed``), so two runs with different seeds augment differently.
+    :param index: The sample's index.
+    :param epoch: The 0-based epoch; None reads ``index.epoch``.
+    :returns: An int in ``[0, 2**63)``.
+    :raises ValueError: When ``epoch`` is None and ``index`` carries no epoch.
+    """
+    if epoch is None:
+        epoch = getattr(index, "epoch", None)
+        if epoch is None:
+            raise ValueError(
+                f"sample_seed(): index {index!r} carries no epoch (it did not come through self.progress() with "
+                "ckpt.every_n_steps set); pass epoch= explicitly"
+            )
+    digest = hashlib.blake2b(f"{int(seed)}/{int(epoch)}/{int(index)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def sample_generator(seed: int, index: int, epoch: int | None = None) -> torch.Generator:
+    """A CPU ``torch.Generator`` seeded with :func:`sample_seed` for per-sample randomness in a dataset.
+
+    Use it in ``__getitem__`` for anything random, so a resumed run (even one resumed in the middle of an
+    epoch, with workers) sees the same sample the same way::
+
+        def __getitem__(self, index):
+            generator = trainkit.sample_generator(self.seed, index)
+            noise = torch.randn(self.x[index].shape, generator=generator)
+            return self.x[index] + 0.1 * noise, self.y[index]
+
+    >>> a = torch.rand(2, generator=sample_generator(0, 3, epoch=1))
+    >>> torch.equal(a, torch.rand(2, generator=sample_generator(0, 3, epoch=1)))
+    True
+
+    :param seed: The run's seed.
+    :param index: The sample's index (its epoch is read from it when it carries one).
+    :param epoch: The 0-based epoch; None reads ``index.epoch``.
+    :returns: A fresh generator.
+    :raises ValueError: When no epoch is known.
+    """
+    return torch.Generator().manual_seed(sample_seed(seed, index, epoch))

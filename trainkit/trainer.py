@@ -24,6 +24,7 @@ from torch import nn
 from trainkit import bookkeeping as core
 from trainkit import distributed as dist_utils
 from trainkit import optim as optim_utils
+from trainkit.batches import RankPosition, TrackedBatches, loader_shape, skippable
 from trainkit.config import Config, changed_on_resume, public_config, render_value, strip_secrets
 from trainkit.errors import (
     BookkeepingError,
@@ -38,7 +39,7 @@ from trainkit.errors import (
 from trainkit.logging import JsonlSink, LogBuffer, RunLog, new_run_id, open_run_log
 from trainkit.messages import say
 from trainkit.modules import load_module_state, module_state, restore_training_modes, training_modes
-from trainkit.payload import SCHEMA_VERSION, best_payload, last_payload
+from trainkit.payload import SCHEMA_VERSION, best_payload, last_payload, mid_epoch_state
 from trainkit.progress import EpochBar, step_bar
 from trainkit.rng import (
     GeneratorItem,
@@ -116,7 +117,10 @@ class BaseTrainer(abc.ABC):
     CUDA is available, else cpu), ``rank``, ``world_size``, ``is_main`` (rank 0), ``epoch`` (the 0-based
     epoch being run), ``step`` (optimizer steps taken: advanced automatically after every ``step()`` of
     the first optimizer registered with :meth:`add_checkpoint_items`; a subclass without a registered
-    optimizer advances it itself), ``model`` (set by the subclass in :meth:`setup`), ``best_model`` (the
+    optimizer advances it itself), ``first_batch`` (the index in the epoch of the first batch
+    :meth:`progress` yields: 0, or in an epoch resumed from a step checkpoint the batches trained on before
+    it, so ``enumerate(self.progress(loader), start=self.first_batch)`` counts batches of the whole epoch),
+    ``model`` (set by the subclass in :meth:`setup`), ``best_model`` (the
     snapshotted best weights, a state dict on ``device``, or None) and ``best_metrics`` (the ``best/val/*``
     dict).
 
@@ -171,6 +175,14 @@ class BaseTrainer(abc.ABC):
         self._samplers_unchecked: weakref.WeakSet[Any] = weakref.WeakSet()
         self._owns_process_group = False
         self._failed = False
+        # where the epoch stands, for step checkpoints (ckpt.every_n_steps) and mid-epoch resumes
+        self._in_train_epoch = False
+        self._epoch_tracked = False
+        self._pending_position: tuple[core.EpochPosition, RankPosition] | None = None
+        self._last_saved_step = 0
+        self._vote = dist_utils.DelayedVote(self.cfg.dist.timeout_s)
+        self._untracked_warned = False
+        self.first_batch = 0
         ckpt_cfg = self.cfg.ckpt
         requeue = [ckpt_cfg.requeue_signal] if ckpt_cfg.requeue_signal else []
         self._signals = StopSignals(["SIGTERM", "SIGINT", *requeue])
@@ -326,7 +338,7 @@ class BaseTrainer(abc.ABC):
             self.epoch = self._loop.epoch
             for sampler in self._samplers:
                 sampler.set_epoch(self.epoch)
-            self.train_epoch()
+            self._train_one_epoch()
             stop = False
             validated = core.should_validate(self.epoch, self.cfg.epochs, self.cfg.val.every_n_epochs)
             if validated:
@@ -343,12 +355,53 @@ class BaseTrainer(abc.ABC):
             if signalled and more:
                 self._stop_for_signal(seconds)
 
-    def _stop_for_signal(self, save_seconds: float | None) -> None:
+    def _train_one_epoch(self) -> None:
+        self._in_train_epoch = True
+        self._epoch_tracked = False
+        try:
+            self.train_epoch()
+        finally:
+            self._in_train_epoch = False
+            self.first_batch = 0
+        if self._pending_position is not None:
+            position = self._pending_position[0]
+            self._pending_position = None
+            warnings.warn(
+                f"the run resumed inside epoch {position.epoch} (after {position.batches} of "
+                f"{position.batches_per_epoch} batches), but train_epoch() did not iterate a DataLoader through "
+                "self.progress(), so the epoch ran from its first batch: the batches before the checkpoint were "
+                "trained on twice",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _stop_for_signal(self, save_seconds: float | None, batches: TrackedBatches | None = None) -> None:
         if self.is_main:
             self._files.wait()
             save_seconds = self._files.last_seconds
         number = self._signals.received if self._signals.received is not None else signal.SIGTERM
-        raise TrainingInterrupted(self._signals.name or "SIGTERM", int(number), self.epoch, save_seconds)
+        raise TrainingInterrupted(
+            self._signals.name or "SIGTERM",
+            int(number),
+            self.epoch,
+            save_seconds,
+            step=self.step if batches is not None else None,
+            batches=(batches.consumed, len(batches)) if batches is not None else None,
+        )
+
+    def _at_step_boundary(self, batches: TrackedBatches) -> None:
+        """Between two batches, right after an optimizer step: write a due step checkpoint, act on a signal.
+
+        The ranks agree on a signal through a vote started at the previous boundary, so no rank waits here;
+        a signal is acted on one step later under DDP than on one process.
+        """
+        stop = self._vote.cast(self._signals.received is not None)
+        seconds = None
+        if stop or core.step_checkpoint_due(self._last_saved_step, self.step, self.cfg.ckpt.every_n_steps):
+            seconds = self._save_checkpoint(batches)
+            self._last_saved_step = self.step
+        if stop:
+            self._stop_for_signal(seconds, batches)
 
     def _validate(self) -> bool:
         self._in_validation = True
@@ -580,8 +633,13 @@ class BaseTrainer(abc.ABC):
         )
         if resumed.notes:
             warnings.warn(f"resuming {path}: " + "; ".join(resumed.notes), RuntimeWarning, stacklevel=3)
+        line = resumed.line
+        mid_epoch = ckpt.get("trainkit")
+        if resumed.more and mid_epoch is not None:
+            position = mid_epoch["position"]
+            line += f", inside it: {position['batches']} of {position['batches_per_epoch']} batches done"
         if self.is_main:
-            say(f"resuming {path}: {resumed.line}")
+            say(f"resuming {path}: {line}")
         results = ckpt.get("results")
         if resumed.more:
             results = None  # a finished run that continues has no final results yet
@@ -609,6 +667,37 @@ class BaseTrainer(abc.ABC):
         rng = ckpt.get("rng")
         if rng is not None:
             restore_rng(rng[self.rank])
+        mid_epoch = ckpt.get("trainkit")
+        if mid_epoch is not None and rng is not None:
+            self._restore_position(mid_epoch, rng[self.rank], resume)
+
+    def _restore_position(self, mid_epoch: Mapping[str, Any], rng_at_save: dict[str, Any], resume: _Resume) -> None:
+        """Keep a step checkpoint's position for the resumed epoch's progress(), and put back its unpushed logs."""
+        position = core.EpochPosition.from_dict(mid_epoch["position"])
+        if self._loop.finished or self._loop.epoch != position.epoch:
+            warnings.warn(
+                f"{resume.path} was written inside epoch {position.epoch} (after {position.batches} of "
+                f"{position.batches_per_epoch} batches), but epochs={self.cfg.epochs} ends the run before it: "
+                "the rest of that epoch is not trained",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return
+        mismatch = core.position_mismatch(position, world_size=self.world_size)
+        if mismatch is not None:  # load_resume refuses another world size already; kept for a direct caller
+            raise CheckpointMismatchError(f"{resume.path} was written inside an epoch: {mismatch}")
+        state = mid_epoch["ranks"][self.rank]
+        self.first_batch = position.batches
+        self._pending_position = (
+            position,
+            RankPosition(
+                rng_at_iter=state["rng_at_iter"],
+                generators_at_iter=state["generators_at_iter"],
+                rng_at_save=rng_at_save,
+            ),
+        )
+        self._logs.load_state_dict(state["logs"])
+        self._grad_norm_mean.load_state_dict(state["grad_norm"])
 
     def _load_best_model(self, directory: Path) -> None:
         """Reload the best weights from ``best.pt`` beside the resumed checkpoint, so test() uses them.
@@ -632,8 +721,11 @@ class BaseTrainer(abc.ABC):
         if not same_directory(directory, self.out_dir):
             self._best_dirty = True
 
-    def _save_checkpoint(self) -> float | None:
+    def _save_checkpoint(self, batches: TrackedBatches | None = None) -> float | None:
         """Write best.pt (when the best changed) then last.pt on rank 0; every rank learns whether it worked.
+
+        With ``batches`` (a step checkpoint inside an epoch), ``last.pt`` also records where the epoch stands
+        and what each rank must put back to continue from there.
 
         With ``ckpt.async_save`` rank 0 only copies the state into reused host buffers here and a
         background thread writes it (as atomically and durably); a failed write raises at the next save.
@@ -645,7 +737,30 @@ class BaseTrainer(abc.ABC):
         if not self.cfg.ckpt.enable:
             self._best_dirty = False
             return seconds
-        rng = dist_utils.all_gather_objects(capture_rng())
+        mine: dict[str, Any] = {"rng": capture_rng()}
+        if batches is not None:
+            mine["mid_epoch"] = {
+                "rng_at_iter": batches.rng_at_iter,
+                "generators_at_iter": batches.generators_at_iter,
+                "logs": self._logs.state_dict(),
+                "grad_norm": self._grad_norm_mean.state_dict(),
+            }
+        gathered = dist_utils.all_gather_objects(mine)
+        rng = [state["rng"] for state in gathered]
+        loop, mid_epoch = self._loop, None
+        if batches is not None:
+            loop = attrs.evolve(loop, step=self.step)
+            mid_epoch = mid_epoch_state(
+                core.EpochPosition(
+                    epoch=self._loop.epoch,
+                    batches=batches.consumed,
+                    batches_per_epoch=len(batches),
+                    batch_size=batches.loader.batch_size,
+                    dataset_length=len(batches.loader.dataset),
+                    world_size=self.world_size,
+                ),
+                [state["mid_epoch"] for state in gathered],
+            )
         error: BaseException | None = None
         if self.is_main:
             try:
@@ -659,7 +774,7 @@ class BaseTrainer(abc.ABC):
                     step=self.step,
                     world_size=self.world_size,
                     config=self._cfg_dict,
-                    loop=self._loop,
+                    loop=loop,
                     best=self._best_state,
                     patience=self._patience_state,
                     rng=rng,
@@ -672,6 +787,7 @@ class BaseTrainer(abc.ABC):
                         for name, obj in self._registry.items.items()
                         if isinstance(obj, nn.Module)
                     },
+                    mid_epoch=mid_epoch,
                 )
                 # the rows on disk before a checkpoint records the offset
                 seconds = self._files.save(last, best, before=self._run_log.sync)
@@ -1007,7 +1123,11 @@ class BaseTrainer(abc.ABC):
         """Iterate with a per-step progress bar: ``for x, y in self.progress(loader)``.
 
         The bar shows on rank 0 when ``progress.enable`` is set and stderr is a terminal; otherwise this
-        returns ``iterable`` itself, at no cost per step. Pass a ``DataLoader`` itself: one with
+        returns ``iterable`` itself, at no cost per step, unless step checkpoints are on. With
+        ``ckpt.every_n_steps``, the ``DataLoader`` that :meth:`train_epoch` iterates through here is counted:
+        at each step boundary (the first batch fetched after an optimizer step) a due step checkpoint is
+        written and a stop signal acted on, and an epoch resumed from a step checkpoint skips the batches
+        trained before it at the index level (see :attr:`first_batch`). Pass a ``DataLoader`` itself: one with
         ``persistent_workers`` has its workers started here in a way that keeps a resumed run's shuffles
         exact (see :func:`~trainkit.rng.start_persistent_workers`), and the first time a loader comes by,
         a ``RuntimeWarning`` says when its shuffle would not survive a resume (its own generator is not
@@ -1016,11 +1136,80 @@ class BaseTrainer(abc.ABC):
         :param iterable: The batches.
         :param desc: The bar's label; defaults to the current epoch.
         :param total: The number of batches when ``len(iterable)`` does not give it.
-        :returns: An iterable over the same batches; the iterable itself when bars are off.
+        :returns: An iterable over the same batches; the iterable itself when bars and step checkpoints are
+            off.
+        :raises CheckpointMismatchError: In an epoch resumed from a step checkpoint, when the loader's batch
+            size, dataset length or length differ from the checkpoint's, or it cannot be skipped into.
         """
         start_persistent_workers(iterable)
         self._check_loader(iterable)
-        return step_bar(iterable, desc=desc or f"epoch {self.epoch}", total=total, enabled=self._bars_enabled)
+        tracked = self._track(iterable)
+        return step_bar(
+            iterable if tracked is None else tracked,
+            desc=desc or f"epoch {self.epoch}",
+            total=total,
+            enabled=self._bars_enabled,
+            initial=0 if tracked is None else tracked.skip,
+        )
+
+    def _track(self, loader: Any) -> TrackedBatches | None:
+        """The epoch's batches counted (for step checkpoints) and skipped into (for a mid-epoch resume), or None."""
+        stepping = self.cfg.ckpt.enable and self.cfg.ckpt.every_n_steps is not None
+        pending = self._pending_position
+        if not self._in_train_epoch or not (stepping or pending is not None):
+            return None
+        if self._epoch_tracked:
+            if not self._untracked_warned:
+                self._untracked_warned = True
+                warnings.warn(
+                    "progress() was called a second time in one train_epoch(): only the first loop is counted, so "
+                    "no step checkpoint is written while this one runs",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return None
+        if not skippable(loader):
+            if pending is not None:
+                raise CheckpointMismatchError(
+                    f"the checkpoint was written inside epoch {pending[0].epoch}, after {pending[0].batches} batches, "
+                    f"but train_epoch() now iterates a {type(loader).__name__}, which trainkit cannot skip into; "
+                    "resume from an epoch-boundary checkpoint, or start fresh (ckpt.resume=never)"
+                )
+            if not self._untracked_warned:
+                self._untracked_warned = True
+                warnings.warn(
+                    f"ckpt.every_n_steps needs progress() to be given a DataLoader over a map-style dataset, got a "
+                    f"{type(loader).__name__}: this loop writes no step checkpoints and resumes at epoch boundaries",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return None
+        position: core.EpochPosition | None = None
+        resume: RankPosition | None = None
+        if pending is not None:
+            position, resume = pending
+            mismatch = core.position_mismatch(position, world_size=self.world_size, loader=loader_shape(loader))
+            generators = len(loader_generators(loader))
+            if mismatch is None and generators != len(resume.generators_at_iter):
+                mismatch = f"generators of its own: {len(resume.generators_at_iter)} then, {generators} now"
+            if mismatch is not None:
+                raise CheckpointMismatchError(
+                    f"the checkpoint was written inside epoch {position.epoch}, after {position.batches} of "
+                    f"{position.batches_per_epoch} batches, and skipping them needs the same data: {mismatch}; "
+                    "resume from an epoch-boundary checkpoint, or start fresh (ckpt.resume=never)"
+                )
+            self._pending_position = None
+        self._epoch_tracked = True
+        self._last_saved_step = self.step
+        return TrackedBatches(
+            loader,
+            epoch=self.epoch,
+            skip=position.batches if position is not None else 0,
+            resume=resume,
+            step=lambda: self.step,
+            at_step_boundary=self._at_step_boundary if stepping else None,
+            on_close=self._vote.finish,
+        )
 
     def _check_loader(self, loader: Any) -> None:
         """Warn once per loader whose shuffle would repeat every epoch, or that a resume would not restore."""

@@ -1,0 +1,120 @@
+"""Step checkpoints (ckpt.every_n_steps): a run SIGKILLed at any step resumes inside the epoch, bit for bit.
+
+Every scenario runs in tests/faults/step_kills.py: real processes (forked), real SIGKILLs, real files. The
+StepTrainer accumulates gradients over 2 batches, uses dropout (global RNG), per-sample noise from
+trainkit.sample_generator, a RunningMean epoch loss and log pushes in the middle of epochs; each run's final
+weights, optimizer state and metrics.jsonl must equal the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.faults.harness import ROOT, child_env
+
+pytestmark = pytest.mark.timeout(600)
+
+BASE = {
+    "epochs": 2,
+    "wandb": {"mode": "disabled"},
+    "progress": {"enable": False},
+    "ckpt": {"every_n_steps": 1},
+    "dist": {"backend": "gloo", "timeout_s": 30},
+}
+
+
+def run_scenario(tmp_path, runs, world_size=1, **config):
+    """Run the reference and every kill sequence of ``runs``; return (reference summary, results)."""
+    scenario = {"config": {**BASE, **config, "out_dir": str(tmp_path / "out")}, "world_size": world_size,
+                "runs": [[], *runs]}
+    path = tmp_path / "scenario.json"
+    path.write_text(json.dumps(scenario))
+    report = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "tests.faults.step_kills", str(path), str(report)], cwd=ROOT,
+                          env=child_env(), capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(report.read_text())
+    reference = results[0]
+    assert reference["exit_codes"] == [[0] * world_size], proc.stderr[-4000:]
+    return reference["summary"], results[1:], proc.stderr
+
+
+def assert_all_exact(reference, results, stderr, killed=-9):
+    for result in results:
+        codes = result["exit_codes"]
+        assert all(code == [killed] * len(code) for code in codes[:-1]), (result["kills"], codes, stderr[-3000:])
+        assert codes[-1] == [0] * len(codes[-1]), (result["kills"], codes, stderr[-3000:])
+        summary = result["summary"]
+        for key in ("model", "optimizer", "metrics_text", "step"):
+            assert summary[key] == reference[key], f"{key} differs after kills at {result['kills']}"
+
+
+def every_point(epochs, batches):
+    """A kill after every batch of every epoch (inside and at the end of accumulation windows, the last batch)
+    and after every validation."""
+    points = [[["batch", e, b]] for e in range(epochs) for b in range(batches)]
+    return points + [[["val", e, 0]] for e in range(epochs)]
+
+
+def test_a_kill_after_any_batch_resumes_bit_identically(tmp_path):
+    """One process, no workers: 30 samples in batches of 4 (8 per epoch, the last short), windows of 2."""
+    runs = every_point(2, 8) + [[["batch", 0, 1], ["batch", 0, 4]], [["batch", 1, 2], ["batch", 1, 6]]]
+    reference, results, stderr = run_scenario(tmp_path, runs)
+    assert reference["step"] == 8  # 4 steps per epoch: windows of 2 over 8 batches
+    assert_all_exact(reference, results, stderr)
+    # a kill inside a window resumes from the step boundary before it: the run said where it resumed
+    assert "resuming" in stderr
+
+
+@pytest.mark.parametrize(
+    ("workers", "persistent", "loader_generator"),
+    [(2, False, False), (2, True, True), (0, False, True)],
+    ids=["workers", "persistent-workers-own-generator", "own-generator"],
+)
+def test_workers_and_loader_generators_resume_bit_identically(tmp_path, workers, persistent, loader_generator):
+    """Sample order and per-sample noise are exact with worker processes, persistent or not, and own generators."""
+    runs = [[["batch", 0, 2]], [["batch", 0, 5]], [["batch", 0, 7]], [["batch", 1, 0]], [["val", 0, 0]],
+            [["batch", 0, 1], ["batch", 0, 4]]]
+    reference, results, stderr = run_scenario(
+        tmp_path, runs, num_workers=workers, persistent_workers=persistent, loader_generator=loader_generator
+    )
+    assert_all_exact(reference, results, stderr)
+
+
+@pytest.mark.ddp
+def test_two_gloo_ranks_with_a_distributed_sampler_resume_bit_identically(tmp_path):
+    """2 ranks, a DistributedSampler (4 batches per rank per epoch): every kill point, and two in one epoch."""
+    runs = every_point(2, 4) + [[["batch", 0, 0], ["batch", 0, 2]]]
+    reference, results, stderr = run_scenario(tmp_path, runs, world_size=2, distributed_sampler=True)
+    assert_all_exact(reference, results, stderr)
+
+
+def test_background_saves_and_sparser_step_checkpoints_resume_bit_identically(tmp_path):
+    """ckpt.async_save, every_n_steps=3: a kill resumes from the last step checkpoint written, up to 2 steps back."""
+    runs = [[["batch", 0, 3]], [["batch", 0, 6]], [["batch", 1, 1]], [["batch", 1, 5]]]
+    reference, results, stderr = run_scenario(tmp_path, runs, ckpt={"every_n_steps": 3, "async_save": True})
+    assert_all_exact(reference, results, stderr)
+
+
+def test_sigterm_stops_at_the_next_step_boundary_and_resumes_exactly(tmp_path):
+    """SIGTERM after batch 2 (inside a window): the run finishes that window's step, saves, exits 143."""
+    reference, results, stderr = run_scenario(tmp_path, [[["sigterm", 0, 2]]])
+    assert_all_exact(reference, results, stderr, killed=143)
+    stopped = json.loads((tmp_path / "out" / "run1.json.stopped0").read_text())
+    assert stopped["step"] == 2  # batches 2 and 3 make step 2: stopped at the first boundary after the signal
+    assert "stopped after step 2, batch 4 of 8 of epoch 0" in stopped["message"]
+
+
+@pytest.mark.ddp
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_boundary(tmp_path):
+    """Only rank 0 gets SIGTERM; the vote tells rank 1 a step later; both save once, exit 143, resume exactly."""
+    reference, results, stderr = run_scenario(tmp_path, [[["sigterm", 0, 0]]], world_size=2,
+                                              distributed_sampler=True)
+    assert_all_exact(reference, results, stderr, killed=143)
+    steps = [json.loads((tmp_path / "out" / f"run1.json.stopped{rank}").read_text())["step"] for rank in (0, 1)]
+    # the signal lands in step 1; the vote cast at its boundary is read at the next one
+    assert steps == [2, 2]

@@ -1,0 +1,284 @@
+"""The epoch's batches as ``self.progress(loader)`` hands them out: counted, and skippable at the index level.
+
+A step checkpoint records how many batches of the epoch were consumed. A resumed run recreates the
+loader's iterator exactly as the interrupted run did (same global and loader RNG states at creation, so the
+same permutation and worker base seed), advances the loader's *index sampler* past the consumed batches
+(indices only: no sample is loaded or collated) before any index reaches a worker, and only then puts back
+the RNG states of the save point. The cost of skipping is drawing the epoch's indices, not reading its data.
+
+Side effects: swaps a ``DataLoader``'s index sampler for the moment its iterator is created, and sets the
+process's RNG states when resuming.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from trainkit.rng import capture_rng, loader_generators, restore_rng
+
+__all__ = ["SampleIndex", "TrackedBatches", "skippable", "loader_shape", "RankPosition"]
+
+_END = object()
+
+
+class SampleIndex(int):
+    """A sample index that also says which epoch asked for it: ``index.epoch``.
+
+    A ``DataLoader`` iterated through ``self.progress()`` with step checkpoints on hands its dataset these
+    instead of plain ints. They are ints in every other respect (arithmetic gives plain ints), so datasets
+    index with them as before; :func:`trainkit.sample_generator` reads the epoch from them, which is how a
+    dataset in a worker process, even a persistent one, knows the epoch.
+
+    >>> index = SampleIndex(7, epoch=2)
+    >>> index + 1, index.epoch, [10, 20, 30, 40, 50, 60, 70, 80][index]
+    (8, 2, 80)
+    >>> import pickle; pickle.loads(pickle.dumps(index)).epoch
+    2
+
+    :param value: The index.
+    :param epoch: The 0-based epoch.
+    """
+
+    epoch: int
+
+    def __new__(cls, value: int, epoch: int) -> SampleIndex:
+        index = super().__new__(cls, value)
+        index.epoch = epoch
+        return index
+
+    def __reduce__(self) -> tuple[Any, tuple[int, int]]:
+        return SampleIndex, (int(self), self.epoch)
+
+
+class RankPosition:
+    """What one rank must put back to resume inside an epoch (saved per rank in a step checkpoint).
+
+    :param rng_at_iter: The RNG states (``capture_rng()``) when the loader's iterator was created.
+    :param generators_at_iter: The states of the loader's own generators then, in ``loader_generators`` order.
+    :param rng_at_save: The RNG states at the save point.
+    """
+
+    def __init__(
+        self, rng_at_iter: dict[str, Any], generators_at_iter: list[torch.Tensor], rng_at_save: dict[str, Any]
+    ) -> None:
+        self.rng_at_iter = rng_at_iter
+        self.generators_at_iter = generators_at_iter
+        self.rng_at_save = rng_at_save
+
+
+def skippable(loader: Any) -> bool:
+    """Tell whether trainkit can resume inside an epoch of ``loader``: a ``DataLoader`` over a map-style dataset.
+
+    :param loader: What ``self.progress()`` was given.
+    :returns: True for a ``DataLoader`` whose dataset has a length and is indexed by a sampler.
+    """
+    from torch.utils.data import DataLoader, IterableDataset
+
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return False
+    try:
+        len(loader.dataset)
+    except TypeError:
+        return False
+    return True
+
+
+def loader_shape(loader: Any) -> tuple[int | None, int, int]:
+    """The facts a mid-epoch position depends on: ``(batch_size, len(dataset), len(loader))``.
+
+    :param loader: A loader :func:`skippable` accepts.
+    :returns: The three numbers.
+    """
+    return loader.batch_size, len(loader.dataset), len(loader)
+
+
+class _SkippingIndices:
+    """A loader's index sampler, iterated from batch ``skip`` on, every int index tagged with ``epoch``."""
+
+    def __init__(self, inner: Any, *, skip: int, epoch: int, batched: bool) -> None:
+        self.inner = inner
+        self.skip = skip
+        self.epoch = epoch
+        self.batched = batched
+        self.stream: _IndexStream | None = None
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> _IndexStream:
+        self.stream = _IndexStream(iter(self.inner), skip=self.skip, epoch=self.epoch, batched=self.batched)
+        return self.stream
+
+
+class _IndexStream:
+    """The index iterator the loader's iterator reads; :meth:`prime` does the skip (and the first draw) now."""
+
+    def __init__(self, inner: Iterator[Any], *, skip: int, epoch: int, batched: bool) -> None:
+        self._inner = inner
+        self._skip = skip
+        self._epoch = epoch
+        self._batched = batched
+        self._ahead: list[Any] | None = None
+
+    def __iter__(self) -> _IndexStream:
+        return self
+
+    def prime(self) -> None:
+        """Skip the consumed batches and draw the first one to come, if not done yet.
+
+        A single-process loader reads its first indices at its first ``next()``, a multi-process one while
+        its iterator is created; priming right after creation makes both draw their sampler's randomness at
+        the same moment in a fresh run and in a resumed one.
+        """
+        if self._ahead is not None:
+            return
+        inner = self._inner
+        for _ in range(self._skip):
+            if next(inner, _END) is _END:
+                break
+        first = next(inner, _END)
+        self._ahead = [] if first is _END else [first]
+
+    def __next__(self) -> Any:
+        if self._ahead is None:
+            self.prime()
+        ahead = self._ahead
+        if ahead:
+            indices = ahead.pop()
+        else:
+            indices = next(self._inner)
+        epoch = self._epoch
+        if self._batched:
+            return [SampleIndex(i, epoch) if type(i) is int else i for i in indices]
+        return SampleIndex(indices, epoch) if type(indices) is int else indices
+
+
+@contextlib.contextmanager
+def _index_sampler_swapped(loader: Any, replacement: _SkippingIndices) -> Iterator[None]:
+    """Make ``loader`` (and its persistent iterator, which keeps its own reference) read ``replacement``."""
+    attribute = "batch_sampler" if loader._auto_collation else "sampler"
+    real = getattr(loader, attribute)
+    persistent = getattr(loader, "_iterator", None)
+    # DataLoader refuses to set these after construction; the swap lasts only while the iterator is made
+    object.__setattr__(loader, attribute, replacement)
+    if persistent is not None:
+        persistent._index_sampler = replacement
+    try:
+        yield
+    finally:
+        object.__setattr__(loader, attribute, real)
+        iterator = getattr(loader, "_iterator", None)
+        for made in (persistent, iterator):
+            if made is not None:
+                made._index_sampler = real  # later epochs of a persistent iterator read the real sampler
+
+
+class TrackedBatches:
+    """The batches of one training epoch, with the number consumed so far known to the trainer.
+
+    Iterating it yields the loader's batches, from batch ``skip`` on. Each time the step counter has moved
+    since the previous batch (an optimizer step ended; never inside a gradient-accumulation window), it calls
+    ``at_step_boundary(self)`` before fetching the next batch: that is where a step checkpoint is written and a
+    stop signal acted on, with :attr:`consumed` batches fully trained on.
+
+    :param loader: A ``DataLoader`` :func:`skippable` accepts.
+    :param epoch: The 0-based epoch.
+    :param skip: Batches to skip (a resumed epoch's consumed batches), 0 otherwise.
+    :param resume: What this rank puts back when resuming (with ``skip``), else None.
+    :param step: Reads the trainer's optimizer step counter.
+    :param at_step_boundary: Called at each step boundary, before the next batch is fetched.
+    :param on_close: Called once when iteration ends, however it ends.
+    """
+
+    def __init__(
+        self,
+        loader: Any,
+        *,
+        epoch: int,
+        skip: int,
+        resume: RankPosition | None,
+        step: Callable[[], int],
+        at_step_boundary: Callable[[TrackedBatches], None] | None,
+        on_close: Callable[[], None],
+    ) -> None:
+        self.loader = loader
+        self.epoch = epoch
+        self.skip = skip
+        self.consumed = skip
+        """Batches of this epoch trained on so far (counting the skipped ones)."""
+        self.rng_at_iter: dict[str, Any] | None = None
+        """The RNG states when the loader's iterator was created (what a resume puts back before creating it)."""
+        self.generators_at_iter: list[torch.Tensor] = []
+        """The loader's own generators' states then."""
+        self._resume = resume
+        self._step = step
+        self._at_step_boundary = at_step_boundary
+        self._on_close = on_close
+        self._started = False
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def _start(self) -> Iterator[Any]:
+        loader = self.loader
+        generators = loader_generators(loader)
+        resume = self._resume
+        if resume is not None:
+            restore_rng(resume.rng_at_iter)
+            for generator, state in zip(generators, resume.generators_at_iter, strict=True):
+                generator.set_state(state)
+        self.rng_at_iter = capture_rng()
+        self.generators_at_iter = [generator.get_state() for generator in generators]
+        iterator = self._iterate(self.skip)
+        if resume is not None:
+            restore_rng(resume.rng_at_save)
+            self._resume = None
+        return iterator
+
+    def _iterate(self, skip: int) -> Iterator[Any]:
+        """The loader's iterator from batch ``skip`` on, its indices tagged with the epoch, the skip done now."""
+        loader = self.loader
+        inner = loader.batch_sampler if loader._auto_collation else loader.sampler
+        indices = _SkippingIndices(inner, skip=skip, epoch=self.epoch, batched=loader._auto_collation)
+        with _index_sampler_swapped(loader, indices):
+            iterator = iter(loader)
+        if indices.stream is not None:
+            indices.stream.prime()
+        return iterator
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._started:
+            # a second pass over the same object: its batches are not the epoch's position any more
+            warnings.warn(
+                "the batches progress() returned were iterated a second time: this pass is not counted, so no "
+                "step checkpoint is written while it runs; call progress() once per pass",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            yield from self._iterate(skip=0)
+            return
+        self._started = True
+        try:
+            iterator = self._start()
+            step = self._step
+            boundary = self._at_step_boundary
+            last_step = step()
+            consumed = self.consumed
+            while True:
+                if boundary is not None and step() != last_step:
+                    last_step = step()
+                    boundary(self)
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    return
+                consumed += 1
+                self.consumed = consumed
+                yield batch
+        finally:
+            self._on_close()
