@@ -269,7 +269,7 @@ class PerStepTrainer(CrashingTrainer):
     def train_epoch(self):
         kill_at = os.environ.get("KILL_AT")
         self.model.train()
-        for batch, (x, y) in enumerate(self.loader):
+        for batch, (x, y) in enumerate(self.progress(self.loader), start=self.first_batch):
             loss = torch.nn.functional.mse_loss(self.model(x), y)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -283,9 +283,11 @@ class PerStepTrainer(CrashingTrainer):
 
 
 PER_STEP_SCRIPT = """
-import sys
+import os, sys
 from tests.test_wandb import PerStepTrainer, config, run
-run(PerStepTrainer(config(__import__("pathlib").Path(sys.argv[1]))))
+every = os.environ.get("EVERY_N_STEPS")
+steps = {"ckpt": {"every_n_steps": int(every)}} if every else {}
+run(PerStepTrainer(config(__import__("pathlib").Path(sys.argv[1]), **steps)))
 """
 
 
@@ -340,7 +342,8 @@ def without_wandb_keys(row: dict) -> dict:
 
 
 @pytest.mark.timeout(600)
-def test_a_killed_and_resumed_run_syncs_as_one_history(tmp_path):
+@pytest.mark.parametrize("every_n_steps", [None, 2], ids=["epoch-checkpoints", "step-checkpoints"])
+def test_a_killed_and_resumed_run_syncs_as_one_history(tmp_path, every_n_steps):
     """kill -9 mid-epoch, then resume: across both folders every line of metrics.jsonl is in W&B once, at its step.
 
     W&B's service buffers what it writes, so a kill takes the rows it had not written yet (in a run this
@@ -349,11 +352,14 @@ def test_a_killed_and_resumed_run_syncs_as_one_history(tmp_path):
     synced so that ``wandb sync`` (which stops at a file without a run) skips it. Checked with wandb's
     own tools: ``wandb leet inspect`` reads the records and ``wandb sync --dry-run`` lists the folders.
     """
-    killed = per_step_run(tmp_path, KILL_AT="1,4", KILL_HOW="sigkill")
+    steps = {"EVERY_N_STEPS": str(every_n_steps)} if every_n_steps else {}
+    killed = per_step_run(tmp_path, KILL_AT="1,4", KILL_HOW="sigkill", **steps)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    resumed = per_step_run(tmp_path)
+    resumed = per_step_run(tmp_path, **steps)
     assert resumed.returncode == 0, resumed.stderr
     assert "not bit-exact" not in resumed.stderr
+    if every_n_steps:  # resumed from the step checkpoint after batch 3 of epoch 1, not from epoch 1's start
+        assert "inside it: 4 of 6 batches done" in resumed.stderr, resumed.stderr
 
     run_id = torch.load(tmp_path / "last.pt", weights_only=True)["wandb_run_id"]
     first, second = folders_when_written(tmp_path, 2)
