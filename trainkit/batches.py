@@ -35,8 +35,8 @@ class SampleIndex(int):
     dataset in a worker process, even a persistent one, knows the epoch.
 
     >>> index = SampleIndex(7, epoch=2)
-    >>> index + 1, index.epoch, [10, 20, 30, 40, 50, 60, 70, 80][index]
-    (8, 2, 80)
+    >>> index + 1, index.epoch, [10, 20, 30, 40, 50, 60, 70, 80][index], isinstance(index, SampleIndex)
+    (8, 2, 80, True)
     >>> import pickle; pickle.loads(pickle.dumps(index)).epoch
     2
 
@@ -44,15 +44,53 @@ class SampleIndex(int):
     :param epoch: The 0-based epoch.
     """
 
+    __slots__ = ()
     epoch: int
 
     def __new__(cls, value: int, epoch: int) -> SampleIndex:
-        index = super().__new__(cls, value)
-        index.epoch = epoch
-        return index
+        return int.__new__(_index_type(epoch), value)
 
     def __reduce__(self) -> tuple[Any, tuple[int, int]]:
         return SampleIndex, (int(self), self.epoch)
+
+
+_INDEX_TYPES: dict[int, type[SampleIndex]] = {}
+
+
+def _index_type(epoch: int) -> type[SampleIndex]:
+    """The subclass of :class:`SampleIndex` whose instances belong to ``epoch`` (made once per epoch).
+
+    The epoch is a class attribute, so making an index costs what making an int does (no ``__dict__``, no
+    Python-level ``__new__``): a batch of 256 is tagged in about 80 us instead of 170.
+    """
+    made = _INDEX_TYPES.get(epoch)
+    if made is None:
+        namespace = {"__slots__": (), "epoch": epoch, "__new__": int.__new__, "__module__": __name__}
+        made = _INDEX_TYPES[epoch] = type("SampleIndex", (SampleIndex,), namespace)
+        made.__qualname__ = "SampleIndex"
+    return made
+
+
+class _EpochBatch(list):
+    """A batch of int indices that yields them as :class:`SampleIndex` when iterated (as the fetcher does).
+
+    The indices are tagged lazily, where the batch is read (in the worker process, with workers), and the batch
+    pickles as its plain ints and the epoch: per-index pickling of tagged ints cost ~0.5 ms per 256 indices.
+    """
+
+    __slots__ = ("epoch",)
+
+    def __iter__(self) -> Iterator[int]:
+        return map(_index_type(self.epoch), list.__iter__(self))
+
+    def __reduce__(self) -> tuple[Any, tuple[list[int], int]]:
+        return _epoch_batch, (list.__getitem__(self, slice(None)), self.epoch)
+
+
+def _epoch_batch(indices: list[int], epoch: int) -> _EpochBatch:
+    batch = _EpochBatch(indices)
+    batch.epoch = epoch
+    return batch
 
 
 class RankPosition:
@@ -152,10 +190,10 @@ class _IndexStream:
             indices = ahead.pop()
         else:
             indices = next(self._inner)
-        epoch = self._epoch
         if self._batched:
-            return [SampleIndex(i, epoch) if type(i) is int else i for i in indices]
-        return SampleIndex(indices, epoch) if type(indices) is int else indices
+            # a batch of anything but ints (keys of a dict-like dataset, say) is handed over as it is
+            return _epoch_batch(indices, self._epoch) if set(map(type, indices)) == {int} else indices
+        return _index_type(self._epoch)(indices) if type(indices) is int else indices
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ kills are real SIGKILLs of real training processes, on real files, at a few hund
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import hashlib
 import json
 import os
@@ -35,7 +36,7 @@ import trainkit
 from tests import trainers
 from trainkit.distributed import free_port
 
-TIMEOUT_S = 120.0
+TIMEOUT_S = 180.0
 
 
 def _digest(state: Any) -> str:
@@ -91,6 +92,8 @@ def _fork_attempt(config: dict[str, Any], world_size: int, kill: list | None, re
         if pid == 0:  # the child: train, then leave without running the parent's cleanup
             code = 0
             try:
+                # an attempt that hangs says where, on stderr, before the parent kills it
+                faulthandler.dump_traceback_later(TIMEOUT_S - 10, exit=False)
                 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
                 _attempt(config, rank, world_size, kill, report)
             except trainkit.TrainingInterrupted as stopped:
@@ -117,6 +120,7 @@ def _fork_attempt(config: dict[str, Any], world_size: int, kill: list | None, re
                         os.kill(other, signal.SIGKILL)
                 os.waitpid(pid, 0)
                 codes.append(-999)
+                print(f"attempt {kill} timed out after {TIMEOUT_S} s", file=sys.stderr, flush=True)
                 break
             time.sleep(0.002)
     return codes
