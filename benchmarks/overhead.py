@@ -157,6 +157,8 @@ GATES = {
     "tiny/tqdm": 1.02,
     "tiny/wandb": 1.02,
     "tiny/ckpt": 1.03,
+    "tiny/steps": 1.02,
+    "medium/steps": 1.01,
     "import/trainkit": 1.10,
     "import/BaseTrainer": 1.10,
     "micro/snapshot": 1.30,
@@ -489,7 +491,13 @@ def raw_run(wl: Workload, tmp: Path, feature: str) -> tuple[nn.Module, Any]:
 
 
 class BenchTrainer(BaseTrainer):
-    """The same model, data and loop through trainkit. Set ``workload``/``feature`` before constructing."""
+    """The same model, data and loop through trainkit. Set ``workload``/``feature`` before constructing.
+
+    Feature ``steps`` turns step checkpoints on (``ckpt.every_n_steps``, a period longer than the run) and
+    leaves out the checkpoint writes at epoch ends (see :meth:`_save_checkpoint`), so what it adds to
+    ``off`` is the per-step work of step checkpoints alone: the counted batch iteration and the step-boundary
+    check (stop-signal vote, due check) after every optimizer step.
+    """
 
     workload: Workload
     feature: str = "off"
@@ -508,12 +516,14 @@ class BenchTrainer(BaseTrainer):
         self.improvements = 0
         self.last_loss = torch.zeros(())
         self.last_val = float("nan")
+        self.tracked: int | None = None
 
     def train_epoch(self) -> None:
         model, optimizer = self.model, self.optimizer
         model.train()
         loss = self.last_loss
-        for x, y in self.progress(self.loader):
+        batches = self.progress(self.loader)
+        for x, y in batches:
             loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -522,6 +532,19 @@ class BenchTrainer(BaseTrainer):
                 self.log({"train/loss": loss})
                 self.push_logs()
         self.last_loss = loss
+        # the batches trainkit counted (step checkpoints on): proof that `steps` measured the tracked loop
+        self.tracked = getattr(batches, "consumed", None)
+
+    def _save_checkpoint(self, batches: Any = None) -> float | None:
+        """Feature ``steps``: write nothing. Step checkpoints need ``ckpt.enable``, which also writes ``last.pt``
+        at every epoch end and at the end of the run; those writes are the ``ckpt`` feature (gated by
+        ``tiny/ckpt`` against the same files written by hand), not the per-step cost measured here. No step
+        checkpoint may come due (the period is longer than the run): one would be a mistake in the setup."""
+        if self.feature != "steps":
+            return super()._save_checkpoint(batches)
+        if batches is not None:
+            raise AssertionError("a step checkpoint came due in the `steps` variant: every_n_steps is too small")
+        return None
 
     def val_epoch(self) -> bool:
         self.last_val = self.workload.val_loss(self.model)
@@ -556,12 +579,17 @@ def checkpoint_config(wl: Workload) -> dict[str, Any]:
 
 
 def trainkit_config(wl: Workload, tmp: Path, feature: str) -> dict[str, Any]:
+    ckpt: dict[str, Any] = {"enable": feature in ("ckpt", "steps")}
+    if feature == "steps":
+        # every step runs the tracked iteration and the boundary check; the period is past the run's last
+        # step, so none is written (the variant's _save_checkpoint asserts it)
+        ckpt["every_n_steps"] = wl.steps + 1
     return {
         "epochs": wl.epochs,
         "seed": SEED,
         "out_dir": str(tmp),
         "val": {"minimize": True},
-        "ckpt": {"enable": feature == "ckpt"},
+        "ckpt": ckpt,
         "wandb": {"mode": "offline" if feature == "wandb" else "disabled", "project": "trainkit-bench"},
         "progress": {"enable": feature == "tqdm"},
     }
@@ -573,6 +601,13 @@ def trainkit_run(wl: Workload, tmp: Path, feature: str) -> tuple[nn.Module, Any]
     trainer = BenchTrainer(trainkit_config(wl, tmp, feature))
     trainer.train()
     trainer.close()
+    if feature == "steps" and (trainer.tracked != len(trainer.loader) or trainer.step != wl.steps):
+        raise SystemExit(
+            f"the `steps` variant did not run the tracked loop: {trainer.tracked} batches counted in the last epoch "
+            f"(expected {len(trainer.loader)}), {trainer.step} steps counted (expected {wl.steps})"
+        )
+    if feature == "steps" and any(tmp.glob("*.pt")):  # BaseTrainer._save_checkpoint renamed: the stub is bypassed
+        raise SystemExit(f"the `steps` variant wrote checkpoint files: {sorted(p.name for p in tmp.glob('*.pt'))}")
     return trainer.model, (trainer.last_loss, trainer.last_val, trainer.improvements if feature == "ckpt" else None)
 
 
@@ -916,7 +951,7 @@ def _close(a: Outcome, b: Outcome) -> bool:
 
 # the clock each training gate is judged on with --clock auto: CPU time for what trainkit adds inside the
 # process (Python work, tqdm, handing rows to W&B), wall time where the cost is waiting on the disk (fsync)
-TINY_CLOCK = {"off": "cpu", "tqdm": "cpu", "wandb": "cpu", "ckpt": "wall"}
+TINY_CLOCK = {"off": "cpu", "tqdm": "cpu", "wandb": "cpu", "ckpt": "wall", "steps": "cpu"}
 
 
 def bench_training(report: Report, s: Settings, use_lightning: bool) -> None:
@@ -956,6 +991,20 @@ def bench_training(report: Report, s: Settings, use_lightning: bool) -> None:
         if use_lightning:
             report.add_row("tiny", feature, "trainkit", "lightning", t["trainkit"], t["lightning"], clock, None)
 
+    # step checkpoints' per-step work (ckpt.every_n_steps, none written): against the raw loop, as tiny/off;
+    # trainkit (off) beside it shows what the steps variant adds to trainkit alone
+    contestants = [
+        Contestant("raw", lambda wl, tmp: raw_run(wl, tmp, "off"), "raw"),
+        Contestant("trainkit", lambda wl, tmp: trainkit_run(wl, tmp, "steps"), "trainkit"),
+        Contestant("trainkit (off)", lambda wl, tmp: trainkit_run(wl, tmp, "off"), "trainkit"),
+    ]
+    res = run_group("tiny/steps", tiny, contestants, s.rounds, s.tiny_reps)
+    report.check_work("tiny/steps", res.outcomes, "raw", {c.name: c.family for c in contestants})
+    clock = report.pick(TINY_CLOCK["steps"])
+    t = res.times
+    report.add_row("tiny", "steps", "trainkit", "raw", t["trainkit"], t["raw"], clock, "tiny/steps")
+    report.add_row("tiny", "steps", "trainkit", "trainkit (off)", t["trainkit"], t["trainkit (off)"], clock, None)
+
     medium = medium_workload(s)
     log(
         f"medium: MLP 256-4x1024-10, Adam, batch 128, {medium.steps} steps per run; "
@@ -965,6 +1014,7 @@ def bench_training(report: Report, s: Settings, use_lightning: bool) -> None:
         Contestant("raw", lambda wl, tmp: raw_run(wl, tmp, "off"), "raw"),
         Contestant("trainkit", lambda wl, tmp: trainkit_run(wl, tmp, "off"), "trainkit"),
         Contestant("raw (again)", lambda wl, tmp: raw_run(wl, tmp, "off"), "raw"),
+        Contestant("trainkit (steps)", lambda wl, tmp: trainkit_run(wl, tmp, "steps"), "trainkit"),
     ]
     if use_lightning:
         contestants.append(Contestant("lightning", lambda wl, tmp: lightning_run(wl, tmp, "off"), "lightning"))
@@ -974,6 +1024,8 @@ def bench_training(report: Report, s: Settings, use_lightning: bool) -> None:
     t = res.times
     report.add_row("medium", "off", "trainkit", "raw", t["trainkit"], t["raw"], clock, "medium/off")
     report.add_row("medium", "off", "raw (again)", "raw", t["raw (again)"], t["raw"], clock, None)
+    report.add_row("medium", "steps", "trainkit (steps)", "raw", t["trainkit (steps)"], t["raw"], clock, "medium/steps")
+    report.add_row("medium", "steps", "trainkit (steps)", "trainkit", t["trainkit (steps)"], t["trainkit"], clock, None)
     if use_lightning:
         report.add_row("medium", "off", "trainkit", "lightning", t["trainkit"], t["lightning"], clock, None)
 
