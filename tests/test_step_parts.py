@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 import trainkit
 from tests.faults.harness import ROOT, child_env
 from tests.trainers import StepTrainer
-from trainkit.batches import SampleIndex
-from trainkit.bookkeeping import EpochPosition, position_mismatch, step_checkpoint_due
+from trainkit.batches import SampleIndex, draws_only_from_torch, iterator_rng
+from trainkit.bookkeeping import EpochPosition, next_step_checkpoint, position_mismatch, step_checkpoint_due
 from trainkit.errors import BookkeepingError, CheckpointCorruptError, CheckpointMismatchError, TrainingInterrupted
 from trainkit.logging import LogBuffer
 from trainkit.optim import RunningMean
@@ -45,6 +45,53 @@ def test_a_step_checkpoint_is_due_once_per_multiple_crossed(every, increments):
         if due:
             saved = step
         assert saved // every == step // every
+
+
+@given(st.integers(0, 500), st.integers(0, 500), st.one_of(st.none(), st.integers(1, 40)))
+def test_the_next_due_step_is_where_a_checkpoint_first_comes_due(saved, step, every):
+    """The threshold the loop compares against agrees with step_checkpoint_due for every step after a save."""
+    due_at = next_step_checkpoint(saved, every)
+    assert step_checkpoint_due(saved, step, every) == (due_at is not None and step >= due_at)
+    if due_at is not None:
+        assert due_at > saved and due_at % every == 0 and due_at - saved <= every
+
+
+def test_only_torch_samplers_let_the_iterator_states_hold_torch_alone():
+    """Python's and numpy's states are left out only where the iterator cannot reach them."""
+    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
+
+    from tests.trainers import PythonShuffleSampler
+
+    data = torch.utils.data.TensorDataset(torch.arange(10.0))
+
+    class OwnRandomSampler(RandomSampler):
+        def __iter__(self):
+            import random
+
+            random.random()
+            return super().__iter__()
+
+    class OwnLoader(DataLoader):
+        def __iter__(self):
+            return super().__iter__()
+
+    torch_only = [
+        DataLoader(data, shuffle=True, batch_size=3),
+        DataLoader(data, batch_size=3),
+        DataLoader(data, sampler=DistributedSampler(data, num_replicas=2, rank=0), batch_size=2),
+        DataLoader(data, sampler=BatchSampler(RandomSampler(data), 4, False), batch_size=None),
+    ]
+    reaching = [
+        DataLoader(data, sampler=PythonShuffleSampler(10), batch_size=3),
+        DataLoader(data, sampler=OwnRandomSampler(data), batch_size=3),
+        DataLoader(data, sampler=BatchSampler(OwnRandomSampler(data), 4, False), batch_size=None),
+        DataLoader(data, batch_sampler=BatchSampler(PythonShuffleSampler(10), 4, False)),
+        OwnLoader(data, shuffle=True, batch_size=3),
+    ]
+    assert [draws_only_from_torch(loader) for loader in torch_only] == [True] * len(torch_only)
+    assert [draws_only_from_torch(loader) for loader in reaching] == [False] * len(reaching)
+    assert set(iterator_rng(torch_only[0])) == {"torch"}
+    assert {"python", "torch"} <= set(iterator_rng(reaching[0]))
 
 
 @given(st.integers(0, 5), st.integers(1, 9), st.integers(1, 9), st.sampled_from([None, 4, 8]), st.integers(0, 99))

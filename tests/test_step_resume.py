@@ -85,6 +85,14 @@ def test_workers_and_loader_generators_resume_bit_identically(tmp_path, workers,
     assert_all_exact(reference, results, stderr)
 
 
+def test_a_sampler_that_shuffles_with_python_random_resumes_bit_identically(tmp_path):
+    """A sampler of the user's own may draw from Python's generator when its iterator is made: trainkit keeps
+    every generator's state at that moment for it (for torch's own samplers it keeps torch's alone)."""
+    runs = [[["batch", 0, 3]], [["batch", 1, 2]], [["batch", 1, 5], ["batch", 1, 6]]]
+    reference, results, stderr = run_scenario(tmp_path, runs, python_sampler=True)
+    assert_all_exact(reference, results, stderr)
+
+
 @pytest.mark.ddp
 def test_two_gloo_ranks_with_a_distributed_sampler_resume_bit_identically(tmp_path):
     """2 ranks, a DistributedSampler (4 batches per rank per epoch): every kill point, and two in one epoch."""

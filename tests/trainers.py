@@ -162,6 +162,7 @@ class StepConfig(Config):
     persistent_workers: bool = False
     distributed_sampler: bool = False
     loader_generator: bool = False
+    python_sampler: bool = False
     drop_last: bool = False
     push_every: int = 3
 
@@ -180,6 +181,23 @@ class NoisyDataset(torch.utils.data.Dataset):
 
         noise = torch.randn(self.x.shape[1], generator=trainkit.sample_generator(self.seed, index))
         return self.x[index] + 0.1 * noise, self.y[index]
+
+
+class PythonShuffleSampler(torch.utils.data.Sampler):
+    """Shuffles with Python's global ``random``: a resume must put Python's state back to repeat its order."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self):
+        import random
+
+        order = list(range(self.length))
+        random.shuffle(order)
+        return iter(order)
 
 
 KILL_AT: tuple[str, int, int] | None = None
@@ -224,6 +242,8 @@ class StepTrainer(BaseTrainer):
             sampler = DistributedSampler(self.train_set, num_replicas=self.world_size, rank=self.rank, seed=cfg.seed)
             self.add_samplers(sampler)
             self.loader = DataLoader(self.train_set, sampler=sampler, **options)
+        elif cfg.python_sampler:
+            self.loader = DataLoader(self.train_set, sampler=PythonShuffleSampler(len(self.train_set)), **options)
         elif cfg.loader_generator:
             generator = torch.Generator().manual_seed(cfg.seed + 7)
             items["loader_generator"] = generator

@@ -153,16 +153,19 @@ def _record(cls: Any) -> Callable[[Any, str], None]:
     return check
 
 
-def _check_rng(value: Any, where: str) -> None:
+def _check_rng(value: Any, where: str, *, python_required: bool = True) -> None:
     """One dict per rank of the states :func:`~trainkit.rng.capture_rng` takes; each is tried on a throwaway
-    generator, so a state that :func:`~trainkit.rng.restore_rng` would refuse is refused here."""
+    generator, so a state that :func:`~trainkit.rng.restore_rng` would refuse is refused here. A loader's
+    iterator-time states (``python_required=False``) may hold torch's alone."""
     if type(value) is not list or not value:
         raise _Bad(where, "a non-empty list of generator states, one dict per rank", value)
     for rank, state in enumerate(value):
         at = f"{where}[{rank}]"
-        if type(state) is not dict or "python" not in state or "torch" not in state:
-            raise _Bad(at, "a dict of generator states with 'python' and 'torch' entries", state)
-        _python_state(state["python"], f"{at}['python']")
+        if type(state) is not dict or "torch" not in state or (python_required and "python" not in state):
+            entries = "'python' and 'torch' entries" if python_required else "a 'torch' entry"
+            raise _Bad(at, f"a dict of generator states with {entries}", state)
+        if "python" in state:
+            _python_state(state["python"], f"{at}['python']")
         _torch_state(state["torch"], f"{at}['torch']")
         if "numpy" in state:
             _numpy_state(state["numpy"], f"{at}['numpy']")
@@ -283,7 +286,7 @@ def _check_mid_epoch(value: Any, where: str) -> None:
         at = f"{where}['ranks'][{rank}]"
         if type(state) is not dict or set(state) != {"rng_at_iter", "generators_at_iter", "logs", "grad_norm"}:
             raise _Bad(at, _RANK_RULE, state)
-        _check_rng([state["rng_at_iter"]], f"{at}['rng_at_iter']")
+        _check_rng([state["rng_at_iter"]], f"{at}['rng_at_iter']", python_required=False)
         generators = state["generators_at_iter"]
         if type(generators) is not list or not all(_is_byte_tensor(g) for g in generators):
             raise _Bad(f"{at}['generators_at_iter']", "a list of uint8 generator states", generators)

@@ -50,14 +50,17 @@ def capture_rng() -> dict[str, Any]:
 def restore_rng(state: dict[str, Any]) -> None:
     """Restore generator states captured by :func:`capture_rng` (also its earlier tensor-valued form).
 
+    Only the generators present in ``state`` are set; torch's CPU one must be.
+
     :param state: The captured states.
     """
-    version, internal, gauss = state["python"]
-    if isinstance(internal, bytes):
-        internal = array.array("q", internal).tolist()
-    elif isinstance(internal, torch.Tensor):
-        internal = internal.tolist()
-    random.setstate((version, tuple(internal), gauss))
+    if "python" in state:  # a loader's iterator-time states may hold torch's alone (see trainkit.batches)
+        version, internal, gauss = state["python"]
+        if isinstance(internal, bytes):
+            internal = array.array("q", internal).tolist()
+        elif isinstance(internal, torch.Tensor):
+            internal = internal.tolist()
+        random.setstate((version, tuple(internal), gauss))
     cpu = state["torch"]
     torch.set_rng_state(torch.frombuffer(bytearray(cpu), dtype=torch.uint8) if isinstance(cpu, bytes) else cpu)
     numpy = sys.modules.get("numpy")

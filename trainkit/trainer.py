@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -180,6 +181,8 @@ class BaseTrainer(abc.ABC):
         self._epoch_tracked = False
         self._pending_position: tuple[core.EpochPosition, RankPosition] | None = None
         self._last_saved_step = 0
+        self._step_checkpoint_at: float = math.inf  # the step from which one is due (this epoch's tracked loop)
+        self._voting = False  # whether this epoch's step boundaries take part in the ranks' stop vote
         self._vote = dist_utils.DelayedVote(self.cfg.dist.timeout_s)
         self._untracked_warned = False
         self.first_batch = 0
@@ -395,13 +398,22 @@ class BaseTrainer(abc.ABC):
         The ranks agree on a signal through a vote started at the previous boundary, so no rank waits here;
         a signal is acted on one step later under DDP than on one process.
         """
-        stop = self._vote.cast(self._signals.received is not None)
+        signalled = self._signals.received is not None
+        if not (signalled or self._voting or self.step >= self._step_checkpoint_at):
+            return  # one process, no signal, nothing due: what almost every step boundary is
+        stop = self._vote.cast(signalled)
         seconds = None
         if stop or core.step_checkpoint_due(self._last_saved_step, self.step, self.cfg.ckpt.every_n_steps):
             seconds = self._save_checkpoint(batches)
-            self._last_saved_step = self.step
+            self._mark_step_saved()
         if stop:
             self._stop_for_signal(seconds, batches)
+
+    def _mark_step_saved(self) -> None:
+        """Record that ``last.pt`` holds the current step (or that the tracked epoch starts here)."""
+        self._last_saved_step = self.step
+        due_at = core.next_step_checkpoint(self.step, self.cfg.ckpt.every_n_steps)
+        self._step_checkpoint_at = math.inf if due_at is None else due_at
 
     def _validate(self) -> bool:
         self._in_validation = True
@@ -1200,7 +1212,8 @@ class BaseTrainer(abc.ABC):
                 )
             self._pending_position = None
         self._epoch_tracked = True
-        self._last_saved_step = self.step
+        self._mark_step_saved()
+        self._voting = stepping and dist_utils.is_distributed()
         return TrackedBatches(
             loader,
             epoch=self.epoch,

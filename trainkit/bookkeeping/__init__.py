@@ -7,7 +7,7 @@ without torch.
 from trainkit.bookkeeping._records import as_verdict, is_bool_like, is_int, is_real
 from trainkit.bookkeeping.best import BestState, best_metric_key, retune_min_delta, save_if_best
 from trainkit.bookkeeping.patience import PatienceState, retune_patience, step_patience
-from trainkit.bookkeeping.position import EpochPosition, position_mismatch, step_checkpoint_due
+from trainkit.bookkeeping.position import EpochPosition, next_step_checkpoint, position_mismatch, step_checkpoint_due
 from trainkit.bookkeeping.registry import (
     RESERVED_NAMES,
     CkptRegistry,
@@ -52,5 +52,6 @@ __all__ = [
     "STOP_MAX_EPOCHS",
     "EpochPosition",
     "step_checkpoint_due",
+    "next_step_checkpoint",
     "position_mismatch",
 ]

@@ -13,7 +13,7 @@ import attrs
 from trainkit.bookkeeping._records import is_int, record_from_dict, record_to_dict
 from trainkit.errors import BookkeepingError
 
-__all__ = ["EpochPosition", "step_checkpoint_due", "position_mismatch"]
+__all__ = ["EpochPosition", "step_checkpoint_due", "next_step_checkpoint", "position_mismatch"]
 
 
 def _count(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -103,11 +103,29 @@ def step_checkpoint_due(last_saved_step: int, step: int, every_n_steps: int | No
     >>> step_checkpoint_due(5, 7, 3), step_checkpoint_due(6, 8, 3), step_checkpoint_due(0, 9, None)
     (True, False, False)
     """
+    due_at = next_step_checkpoint(last_saved_step, every_n_steps)
+    return due_at is not None and step >= due_at
+
+
+def next_step_checkpoint(last_saved_step: int, every_n_steps: int | None) -> int | None:
+    """The step count from which the next step checkpoint is due: the next multiple of ``every_n_steps``.
+
+    Pure. ``step_checkpoint_due(last, step, n)`` is ``step >= next_step_checkpoint(last, n)``; a loop that
+    reads the threshold once per save compares one int per step instead.
+
+    :param last_saved_step: The step of the last checkpoint (or where the epoch started).
+    :param every_n_steps: The period; None means step checkpoints are off.
+    :returns: The first step count at which one is due; None when they are off.
+    :raises BookkeepingError: When ``every_n_steps`` is not None and not an int >= 1.
+
+    >>> [next_step_checkpoint(saved, 3) for saved in (0, 5, 6)], next_step_checkpoint(6, None)
+    ([3, 6, 9], None)
+    """
     if every_n_steps is None:
-        return False
+        return None
     if not is_int(every_n_steps) or every_n_steps < 1:
         raise BookkeepingError(f"every_n_steps must be None or an int >= 1, got {every_n_steps!r}")
-    return step // every_n_steps > last_saved_step // every_n_steps
+    return (last_saved_step // every_n_steps + 1) * every_n_steps
 
 
 def position_mismatch(
