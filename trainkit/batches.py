@@ -18,6 +18,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from trainkit.rng import capture_rng, loader_generators, restore_rng
 
@@ -101,24 +111,15 @@ def _epoch_batch(indices: list[int], epoch: int) -> _EpochBatch:
     return batch
 
 
-def _torch_only_samplers() -> tuple[type, ...]:
-    from torch.utils.data import (
-        BatchSampler,
-        DistributedSampler,
-        RandomSampler,
-        SequentialSampler,
-        SubsetRandomSampler,
-        WeightedRandomSampler,
-    )
-
-    return (
-        BatchSampler,
-        DistributedSampler,
-        RandomSampler,
-        SequentialSampler,
-        SubsetRandomSampler,
-        WeightedRandomSampler,
-    )
+_TORCH_ONLY_SAMPLERS = (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
+"""Torch's own samplers: they draw from torch's global generator or their own, never from ``random`` or numpy."""
 
 
 def draws_only_from_torch(loader: Any) -> bool:
@@ -132,12 +133,10 @@ def draws_only_from_torch(loader: Any) -> bool:
     :param loader: A loader :func:`skippable` accepts.
     :returns: Whether Python's and numpy's generators are out of the iterator's reach.
     """
-    from torch.utils.data import DataLoader
-
     kind = type(loader)
     if kind.__iter__ is not DataLoader.__iter__ or kind._get_iterator is not DataLoader._get_iterator:
         return False  # a loader class that makes its own iterator may draw from anything
-    known = _torch_only_samplers()
+    known = _TORCH_ONLY_SAMPLERS
     sampler = loader.batch_sampler if loader._auto_collation else loader.sampler
     while sampler is not None:
         if type(sampler) not in known:
@@ -183,8 +182,6 @@ def skippable(loader: Any) -> bool:
     :param loader: What ``self.progress()`` was given.
     :returns: True for a ``DataLoader`` whose dataset has a length and is indexed by a sampler.
     """
-    from torch.utils.data import DataLoader, IterableDataset
-
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return False
     try:
@@ -371,22 +368,21 @@ class TrackedBatches:
         self._started = True
         try:
             iterator = self._start()
-            step = self._step
             boundary = self._at_step_boundary
+            if boundary is None:
+                for batch in iterator:
+                    self.consumed += 1
+                    yield batch
+                return
+            step = self._step
             last_step = step()
-            consumed = self.consumed
-            while True:
-                if boundary is not None:
-                    now = step()
-                    if now != last_step:
-                        last_step = now
-                        boundary(self)
-                try:
-                    batch = next(iterator)
-                except StopIteration:
-                    return
-                consumed += 1
-                self.consumed = consumed
+            for batch in iterator:
+                self.consumed += 1
                 yield batch
+                # the caller asked for the next batch: if an optimizer step ended since, this is a boundary
+                now = step()
+                if now != last_step:
+                    last_step = now
+                    boundary(self)
         finally:
             self._on_close()

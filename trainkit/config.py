@@ -551,6 +551,7 @@ def _words(segment: str) -> list[str]:
     return words
 
 
+@functools.lru_cache(maxsize=4096)  # every save and W&B config asks about the same few dozen names
 def _secret_segment(segment: str) -> bool:
     words = _words(segment)
     for index, word in enumerate(words):

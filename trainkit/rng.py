@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
 __all__ = [
     "seed_everything",
@@ -101,8 +102,6 @@ def start_persistent_workers(loader: Any) -> None:
 
     :param loader: The object ``self.progress()`` was given.
     """
-    from torch.utils.data import DataLoader
-
     if not isinstance(loader, DataLoader) or not loader.persistent_workers or loader.num_workers == 0:
         return
     if getattr(loader, "_iterator", None) is not None:  # started before: its draw already happened
@@ -163,8 +162,6 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
     :param loader: Anything; only a ``DataLoader`` has any.
     :returns: Its own generator and its sampler's, also one a batch sampler wraps, each once.
     """
-    from torch.utils.data import DataLoader
-
     if not isinstance(loader, DataLoader):
         return []
     batch_sampler = getattr(loader, "batch_sampler", None)
