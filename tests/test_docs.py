@@ -22,6 +22,7 @@ BASE_TRAINER_METHODS = [
     "setup",
     "add_checkpoint_items",
     "make_ddp",
+    "make_fsdp",
     "barrier",
     "reduce_mean",
     "reset_best_tracking",

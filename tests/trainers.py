@@ -283,3 +283,127 @@ class StepTrainer(BaseTrainer):
         stop = self.step_patience(improved)
         _maybe_die(("val", self.epoch, 0), self.rank)
         return stop
+
+
+@attrs.frozen(kw_only=True)
+class ShardConfig(Config):
+    """A 2-hidden-layer regressor wrapped with DDP or FSDP2 (``wrap``), AdamW, clipping and statistics."""
+
+    wrap: str = "ddp"
+    lr: float = 0.01
+    batch_size: int = 16
+    n_samples: int = 320
+    report: bool = True
+    fail_rank: int | None = None
+    fail_epoch: int = 0
+    fail_batch: int = 0
+    dump_loaded: bool = False
+
+
+class ShardTrainer(BaseTrainer):
+    """The same model, data and steps under ``make_ddp`` or ``make_fsdp``: what FSDP2 must reproduce."""
+
+    config_class = ShardConfig
+    cfg: ShardConfig
+
+    def setup(self, ckpt):
+        cfg = self.cfg
+        x, y = make_data(cfg.n_samples)
+        n_train, n_val = int(0.6 * len(x)), int(0.2 * len(x))
+        self.train_set = TensorDataset(x[:n_train], y[:n_train])
+        val = TensorDataset(x[n_train : n_train + n_val], y[n_train : n_train + n_val])
+        test = TensorDataset(x[n_train + n_val :], y[n_train + n_val :])
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank and under either wrap
+        net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+        if cfg.wrap == "fsdp":
+            self.model = self.make_fsdp(net, shard=nn.Linear)
+        else:
+            self.model = self.make_ddp(net)
+        self.optimizer = torch.optim.AdamW(self.get_param_groups(), lr=cfg.lr)
+        self.sampler = DistributedSampler(self.train_set, num_replicas=self.world_size, rank=self.rank, seed=cfg.seed)
+        self.add_samplers(self.sampler)
+        self.loader = DataLoader(self.train_set, batch_size=cfg.batch_size, sampler=self.sampler)
+        shard = {"num_replicas": self.world_size, "rank": self.rank, "shuffle": False}
+        self.val_loader = DataLoader(val, batch_size=32, sampler=DistributedSampler(val, **shard))
+        self.test_loader = DataLoader(test, batch_size=32, sampler=DistributedSampler(test, **shard))
+        self.add_checkpoint_items(model=self.model, optimizer=self.optimizer)
+
+    def train(self):
+        if self.cfg.dump_loaded:  # what the constructor restored, whole, instead of training
+            weights, optimizer = full_weights(self.model), full_optimizer_state(self.model, self.optimizer)
+            if self.rank == 0:
+                torch.save({"weights": weights, "optimizer": optimizer, "epoch": self.epoch, "step": self.step},
+                           os.path.join(self.cfg.out_dir, f"loaded{self.world_size}.pt"))
+            return None
+        return super().train()
+
+    def train_epoch(self):
+        self.model.train()
+        total, count = torch.zeros(()), 0
+        for index, (x, y) in enumerate(self.progress(self.loader), start=self.first_batch):
+            if self.rank == self.cfg.fail_rank and self.epoch == self.cfg.fail_epoch and index == self.cfg.fail_batch:
+                raise RuntimeError(f"injected failure on rank {self.rank} at epoch {self.epoch}")
+            loss = nn.functional.mse_loss(self.model(x), y)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.log_param_grad_stats()
+            self.clip_and_log_grad_norm()
+            self.optimizer.step()
+            total, count = total + loss.detach() * len(x), count + len(x)
+        self.log({"train/loss": self.reduce_mean(total, count)})
+        self.log_epoch_grad_norm()
+
+    def _mean_loss(self, loader):
+        self.model.eval()
+        total, count = torch.zeros((), dtype=torch.float64), 0
+        with torch.no_grad():
+            for x, y in loader:
+                total += nn.functional.mse_loss(self.model(x), y, reduction="sum").double()
+                count += len(x)
+        return self.reduce_mean(total, count)
+
+    def val_epoch(self):
+        score = self._mean_loss(self.val_loader)
+        self.log({"val/loss": score})
+        improved = self.save_if_best(score)
+        return self.step_patience(improved)
+
+    def test_epoch(self):
+        return {"loss": self._mean_loss(self.test_loader)}
+
+    def push_logs(self):
+        pushed = super().push_logs()
+        self.__dict__.setdefault("pushed", []).append({"step": self.step, "epoch": self.epoch, **pushed})
+        return pushed
+
+    def log_training_results(self):
+        super().log_training_results()
+        if self.cfg.report:
+            full, optimizer = full_weights(self.model), full_optimizer_state(self.model, self.optimizer)
+            if self.rank == 0:
+                report = {"weights": full, "pushed": self.__dict__.get("pushed", []), "optimizer": optimizer}
+                torch.save(report, os.path.join(self.cfg.out_dir, f"report{self.world_size}.pt"))
+
+
+def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole weights of a plain, DDP or FSDP2 module as plain CPU tensors (a collective under FSDP2)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from trainkit.distributed import unwrap
+
+    model = unwrap(model)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
+    return {k: v.detach().clone() for k, v in get_model_state_dict(model, options=options).items()}
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """An optimizer's whole state keyed by parameter name (``model.<name>``), as plain CPU tensors (a collective
+    under FSDP2); the same keys whatever the wrap, so states of runs on different world sizes compare."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from trainkit.distributed import unwrap
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_optimizer_state_dict(nn.ModuleDict({"model": unwrap(model)}), optimizer, options=options)
+    return {name: {key: torch.as_tensor(value).clone() for key, value in entry.items()}
+            for name, entry in state.get("state", {}).items()}  # rank 0 alone holds the whole state

@@ -54,6 +54,7 @@ __all__ = [
     "remove_stale_temp_files",
     "payload_nbytes",
     "warn_if_low_on_space",
+    "fsync_directory",
 ]
 
 TEMP_SUFFIX = ".tmp"
@@ -99,7 +100,11 @@ def _temp_name(prefix: str) -> str:
     return f"{prefix}{os.getpid()}.{next(_TEMP_COUNTER)}{TEMP_SUFFIX}"
 
 
-def _fsync_directory(directory: str | os.PathLike[str]) -> None:
+def fsync_directory(directory: str | os.PathLike[str]) -> None:
+    """Make a directory's entries (a rename, a new file) durable; a filesystem that cannot is left alone.
+
+    :param directory: The directory.
+    """
     with suppress(OSError):  # some filesystems (and Windows) cannot open a directory for fsync
         fd = os.open(directory, os.O_RDONLY)
         try:
@@ -156,7 +161,7 @@ def atomic_save(payload: Any, path: str | os.PathLike[str], *, keep_previous: bo
                 f"are needed and {free} bytes are free; {target} was left unchanged"
             ) from full
         raise
-    _fsync_directory(names.directory)
+    fsync_directory(names.directory)
     return time.perf_counter() - start
 
 

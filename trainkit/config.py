@@ -861,6 +861,10 @@ class CkptConfig(_Section):
     epoch, so a kill loses at most that many steps and a resume continues from the same batch (for a loop
     that iterates ``self.progress(loader)``); with it set, a stop signal stops at the next step boundary
     instead of the epoch's end. None (the default) keeps checkpoints at epoch ends only.
+    ``format`` is ``"file"`` (``last.pt``/``best.pt``, written whole by rank 0) or ``"sharded"``
+    (``last.ckpt/``/``best.ckpt/`` directories in which every rank writes its own shards through
+    ``torch.distributed.checkpoint``; needed for a model wrapped by ``make_fsdp``, and resumable on another
+    number of processes at an epoch boundary). See :mod:`trainkit.sharded`.
     """
 
     enable: bool = True
@@ -868,6 +872,7 @@ class CkptConfig(_Section):
     requeue_signal: str | None = attrs.field(default="SIGUSR1", validator=_optional(_signal_name))
     async_save: bool = False
     every_n_steps: int | None = attrs.field(default=None, validator=_optional(_at_least(1)))
+    format: str = attrs.field(default="file", validator=_one_of("file", "sharded"))
 
 
 @attrs.frozen(kw_only=True)

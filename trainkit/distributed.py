@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainkit.errors import DistributedError
+from trainkit.errors import DistributedError, UsageError
 
 __all__ = [
     "init_process_group",
@@ -184,7 +184,9 @@ def reduce_mean(total: Any, count: Any) -> float:
     :param total: This rank's summed quantity (a float or a scalar tensor).
     :param count: This rank's number of terms in that sum.
     :returns: The pooled mean, identical on every rank; NaN when no rank contributed a term.
+    :raises UsageError: When ``total`` or ``count`` is a DTensor that is whole on every rank (not a partial sum).
     """
+    total, count = _own_share(total, "total"), _own_share(count, "count")
     if is_distributed():
         device = _collective_device()
         pair = torch.stack(
@@ -199,6 +201,24 @@ def reduce_mean(total: Any, count: Any) -> float:
     else:
         total_sum, count_sum = float(total), float(count)
     return total_sum / count_sum if count_sum > 0 else math.nan
+
+
+def _own_share(value: Any, name: str) -> Any:
+    """This rank's share of a value that may be a DTensor: a partial sum is its local part; anything else that
+    is already whole on every rank would be counted once per rank, so it is refused."""
+    if type(value) is torch.Tensor or not isinstance(value, torch.Tensor):
+        return value
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, DTensor):
+        return value
+    if value.placements and all(placement.is_partial() for placement in value.placements):
+        return value.to_local()
+    raise UsageError(
+        f"reduce_mean(): {name} is a DTensor with placements {tuple(value.placements)}, which holds the whole "
+        "value on every rank, so pooling it would count it once per rank; pass this rank's own share as a "
+        "plain tensor"
+    )
 
 
 def broadcast_object(value: Any, src: int = 0) -> Any:

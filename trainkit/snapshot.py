@@ -29,8 +29,21 @@ tensors and copy large ones at under half of the bandwidth a plain ``copy_`` rea
 H200), while a launch per tensor costs nothing next to copying a million elements."""
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's own memory: an FSDP2 ``DTensor``'s local shard (which it shares), else the tensor itself."""
+    return tensor if type(tensor) is torch.Tensor else getattr(tensor, "_local_tensor", tensor)
+
+
 def _reusable(held: Any, value: torch.Tensor) -> bool:
-    """Whether a private snapshot tensor can take ``value`` in place: same shape, dtype, device, strided."""
+    """Whether a private snapshot tensor can take ``value`` in place: same shape, dtype, device, strided, and
+    for a ``DTensor`` (an FSDP2 shard) the same kind, placements, mesh and local shard shape."""
+    if type(held) is not type(value):
+        return False
+    if type(value) is not torch.Tensor and hasattr(value, "placements"):
+        if held.placements != value.placements or held.device_mesh != value.device_mesh:
+            return False
+        if _local(held).shape != _local(value).shape:
+            return False
     return (
         isinstance(held, torch.Tensor)
         and held.layout == torch.strided
@@ -118,8 +131,9 @@ class WeightSnapshot:
             source = value.detach()
             held = previous.get(key) if previous is not None else None
             if held is not None and _reusable(held, source):
-                targets.append(held)
-                sources.append(source)
+                # an FSDP2 shard is copied shard to shard: each rank keeps its own part, no gather
+                targets.append(_local(held))
+                sources.append(_local(source))
                 snapshot[key] = held
             else:
                 snapshot[key] = source.clone()

@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import sys
+import time
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
@@ -23,12 +24,15 @@ import torch
 from torch import nn
 
 from trainkit import bookkeeping as core
+from trainkit import checkpoint as ckpt_io
 from trainkit import distributed as dist_utils
 from trainkit import optim as optim_utils
+from trainkit import sharded, sharding
 from trainkit.batches import RankPosition, TrackedBatches, loader_shape, skippable
 from trainkit.config import Config, changed_on_resume, public_config, render_value, strip_secrets
 from trainkit.errors import (
     BookkeepingError,
+    CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     DistributedError,
@@ -40,7 +44,7 @@ from trainkit.errors import (
 from trainkit.logging import JsonlSink, LogBuffer, RunLog, new_run_id, open_run_log
 from trainkit.messages import say
 from trainkit.modules import load_module_state, module_state, restore_training_modes, training_modes
-from trainkit.payload import SCHEMA_VERSION, best_payload, last_payload, mid_epoch_state
+from trainkit.payload import SCHEMA_VERSION, best_payload, last_payload, mid_epoch_state, validate_best, validate_last
 from trainkit.progress import EpochBar, step_bar
 from trainkit.rng import (
     GeneratorItem,
@@ -87,7 +91,10 @@ def _item_state(obj: Any) -> Any:
 
 
 def _load_item(obj: Any, state: Any) -> None:
-    """Load a registered object's state; a module takes names saved with compile on or off."""
+    """Load a registered object's state; a module takes names saved with compile on or off. An item whose state
+    is in a sharded checkpoint's DCP files (marked in its ``trainkit.pt``) was loaded from there already."""
+    if isinstance(state, str) and state == sharded.SHARDED:
+        return
     if isinstance(obj, nn.Module):
         load_module_state(obj, state)
     else:
@@ -136,6 +143,11 @@ class BaseTrainer(abc.ABC):
 
     def __init__(self, cfg: Config | Mapping[str, Any], rank: int = 0, world_size: int = 1) -> None:
         self.cfg = self._validate_config(cfg)
+        if self.cfg.ckpt.format == "sharded" and self.cfg.ckpt.async_save:
+            raise UsageError(
+                "ckpt.async_save is not supported with ckpt.format='sharded' yet: set ckpt.async_save=false "
+                "(sharded saves are written by every rank at once, so each rank writes only its share)"
+            )
         if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise UsageError(
                 f"rank must be in [0, world_size) and world_size >= 1, got rank={rank!r}, world_size={world_size!r}"
@@ -206,6 +218,7 @@ class BaseTrainer(abc.ABC):
             resume = self._reconcile(ckpt, path) if ckpt is not None and path is not None else None
             self._setup_logging(ckpt, resume)
             self.setup(ckpt)
+            self._check_format()
             if ckpt is not None and resume is not None:
                 self._restore(ckpt, resume)
         except BaseException:
@@ -466,19 +479,31 @@ class BaseTrainer(abc.ABC):
         return dict(self._results) or None
 
     def _restore_lost_best_file(self) -> None:
-        """Say so at the end when ``best.pt`` went missing from disk during the run, and write it again."""
-        if not (self.is_main and self.cfg.ckpt.enable) or self._best.state is None or self._best_state is None:
+        """Say so at the end when ``best.pt`` went missing from disk during the run, and write it again.
+
+        A sharded ``best.ckpt`` is written by every rank, so rank 0's finding is broadcast: all ranks save it, or
+        none does.
+        """
+        every_rank = self.cfg.ckpt.format == "sharded"
+        if not self.cfg.ckpt.enable or self._best.state is None or self._best_state is None:
             return
-        self._files.wait()  # a background write may be about to put it there
-        if self._best_dirty or self.best_ckpt_path.exists():
+        if not (self.is_main or every_rank):
             return
-        warnings.warn(
-            f"{self.best_ckpt_path} was removed during the run; the best weights (epoch {self._best_state.epoch}) "
-            "were still in memory and are written to it again",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        self._best_dirty = True
+        lost = False
+        if self.is_main:
+            self._files.wait()  # a background write may be about to put it there
+            lost = not self._best_dirty and not self.best_ckpt_path.exists()
+            if lost:
+                warnings.warn(
+                    f"{self.best_ckpt_path} was removed during the run; the best weights (epoch "
+                    f"{self._best_state.epoch}) were still in memory and are written to it again",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        if every_rank:
+            lost = dist_utils.broadcast_object(lost)
+        if lost:
+            self._best_dirty = True
 
     def test(self) -> dict[str, float]:
         """Perform a test epoch.
@@ -579,12 +604,16 @@ class BaseTrainer(abc.ABC):
 
     @property
     def last_ckpt_path(self) -> Path:
-        """``out_dir/last.pt``."""
+        """``out_dir/last.pt``; with ``ckpt.format="sharded"``, the directory ``out_dir/last.ckpt``."""
+        if self.cfg.ckpt.format == "sharded":
+            return self.out_dir / sharded.LAST_DIR
         return self._files.last_path
 
     @property
     def best_ckpt_path(self) -> Path:
-        """``out_dir/best.pt``."""
+        """``out_dir/best.pt``; with ``ckpt.format="sharded"``, the directory ``out_dir/best.ckpt``."""
+        if self.cfg.ckpt.format == "sharded":
+            return self.out_dir / sharded.BEST_DIR
         return self._files.best_path
 
     def _claim_out_dir(self) -> None:
@@ -607,10 +636,93 @@ class BaseTrainer(abc.ABC):
 
     def _load_resume_checkpoint(self) -> tuple[dict[str, Any] | None, Path | None]:
         """Load the checkpoint ``ckpt.resume`` names; return it and the path it came from (or None, None)."""
-        ckpt, path = self._files.load_resume(self.cfg.ckpt.resume, world_size=self.world_size)
+        self._refuse_other_format()
+        if self.cfg.ckpt.format == "sharded":
+            ckpt, path = self._load_sharded_resume()
+        else:
+            ckpt, path = self._files.load_resume(self.cfg.ckpt.resume, world_size=self.world_size)
         if ckpt is not None and path is not None:
             self._warn_changed_config(ckpt, path)
         return ckpt, path
+
+    def _refuse_other_format(self) -> None:
+        """Refuse to start fresh over a run folder whose checkpoints are in the other ``ckpt.format``."""
+        if self.cfg.ckpt.resume != "auto" or not self.cfg.ckpt.enable:
+            return
+        last = self.out_dir / sharded.LAST_DIR
+        directories = [path for path in (last, sharded.previous_directory(last)) if path.is_dir()]
+        file = self._files.last_path
+        files = [path for path in (file, ckpt_io.previous_path(file)) if path.exists()]
+        mine, other = (directories, files) if self.cfg.ckpt.format == "sharded" else (files, directories)
+        if other and not mine:
+            written = "file" if self.cfg.ckpt.format == "sharded" else "sharded"
+            raise CheckpointMismatchError(
+                f"{other[0]} was written with ckpt.format={written!r}, and this run has "
+                f"ckpt.format={self.cfg.ckpt.format!r}, which would start over beside it; resume it with "
+                f"ckpt.format={written!r}, or start fresh in another out_dir (or with ckpt.resume=never)"
+            )
+
+    def _load_sharded_resume(self) -> tuple[dict[str, Any] | None, Path | None]:
+        """``ckpt.format="sharded"``: the engine payload of the newest whole checkpoint directory (a collective).
+
+        With ``auto``, ``last.ckpt`` or, when it is damaged or incomplete, ``last.prev.ckpt``; a named
+        directory never falls back. The modules' and optimizers' shards are read after ``setup()``.
+        """
+        resume = self.cfg.ckpt.resume
+        if resume == "never" or (resume == "auto" and not self.cfg.ckpt.enable):
+            return None, None
+        if resume == "auto":
+            last = self.out_dir / sharded.LAST_DIR
+            candidates = [path for path in (last, sharded.previous_directory(last)) if path.is_dir()]
+            if not candidates:
+                return None, None
+        else:
+            named = Path(resume)
+            if not named.is_dir():
+                raise CheckpointError(
+                    f"ckpt.resume must be 'auto', 'never' or, with ckpt.format='sharded', a checkpoint directory "
+                    f"(such as {self.out_dir / sharded.LAST_DIR}), got {resume!r}, which is not a directory"
+                )
+            candidates = [named]
+        problems: list[str] = []
+        for candidate in candidates:
+            problem = sharded.verify_directory(candidate, rank=self.rank, world_size=self.world_size)
+            ckpt: dict[str, Any] = {}
+            if problem is None:
+                try:
+                    ckpt = ckpt_io.load_checkpoint(candidate / sharded.ENGINE_FILE)
+                    validate_last(ckpt, path=candidate / sharded.ENGINE_FILE)
+                except CheckpointCorruptError as exc:
+                    problem = str(exc)
+            if problem is None:
+                if problems and self.is_main:
+                    warnings.warn(
+                        f"{problems[-1]}; resuming from the previous checkpoint {candidate} instead",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
+                saved = ckpt["world_size"]
+                if saved != self.world_size and ckpt.get("trainkit") is not None:
+                    raise CheckpointMismatchError(
+                        f"{candidate} was written inside an epoch by {saved} processes and this run has "
+                        f"{self.world_size}: the batches of a partly trained epoch are only known for the same "
+                        "number of processes; resume it with the same world size, or from a checkpoint written at "
+                        "an epoch's end (a sharded one reshards to any number of processes)"
+                    )
+                return ckpt, candidate
+            problems.append(problem)
+        raise CheckpointCorruptError("; ".join(problems))
+
+    def _check_format(self) -> None:
+        """Refuse what ``ckpt.format`` cannot save: a model sharded by :meth:`make_fsdp` in a single file."""
+        if not self.cfg.ckpt.enable or self.cfg.ckpt.format != "file":
+            return
+        for name, obj in self._registry.items.items():
+            if isinstance(obj, nn.Module) and sharding.is_sharded(obj):
+                raise UsageError(
+                    f"checkpoint item {name!r} is sharded by make_fsdp(), and ckpt.format='file' would write only "
+                    "rank 0's shards; set ckpt.format='sharded' (or ckpt.enable=false)"
+                )
 
     def _warn_changed_config(self, ckpt: Mapping[str, Any], path: Path) -> None:
         changes = changed_on_resume(strip_secrets(ckpt.get("config") or {}, self.cfg), self._cfg_dict)
@@ -658,6 +770,9 @@ class BaseTrainer(abc.ABC):
         return _Resume(path=path, records=resumed, results=dict(results) if results is not None else None)
 
     def _restore(self, ckpt: dict[str, Any], resume: _Resume) -> None:
+        if self.cfg.ckpt.format == "sharded":
+            items = self._registry.items
+            sharded.apply_items(items, sharded.load_items(items, resume.path))
         self._registry, _ = core.apply_payload(self._registry, ckpt, load_into=_load_item)
         modes = ckpt.get("training_modes") or {}
         for name, obj in self._registry.items.items():
@@ -677,7 +792,7 @@ class BaseTrainer(abc.ABC):
         self._latest_metrics = dict(ckpt.get("latest_metrics") or {})
         self._results = resume.results
         rng = ckpt.get("rng")
-        if rng is not None:
+        if rng is not None and self.rank < len(rng):  # a rank added by resharding keeps its fresh seed
             restore_rng(rng[self.rank])
         mid_epoch = ckpt.get("trainkit")
         if mid_epoch is not None and rng is not None:
@@ -720,6 +835,9 @@ class BaseTrainer(abc.ABC):
         best = self._best_state
         if best is None or best.score is None:
             return
+        if self.cfg.ckpt.format == "sharded":
+            self._load_sharded_best(directory, best)
+            return
         saved = self._files.read_best(directory, best)
         if saved is None:
             return
@@ -732,6 +850,44 @@ class BaseTrainer(abc.ABC):
         )
         if not same_directory(directory, self.out_dir):
             self._best_dirty = True
+
+    def _load_sharded_best(self, directory: Path, best: core.BestState) -> None:
+        """Read the best weights' shards from the ``best.ckpt`` (or ``best.prev.ckpt``) that matches ``best``."""
+        model = dist_utils.unwrap(self.model)
+        found = []
+        for candidate in (directory / sharded.BEST_DIR, sharded.previous_directory(directory / sharded.BEST_DIR)):
+            if not candidate.is_dir():
+                continue
+            problem = sharded.verify_directory(candidate, rank=self.rank, world_size=self.world_size)
+            if problem is None:
+                try:
+                    engine = ckpt_io.load_checkpoint(candidate / sharded.ENGINE_FILE)
+                    validate_best(engine, path=candidate / sharded.ENGINE_FILE)
+                except CheckpointCorruptError as exc:
+                    problem = str(exc)
+            if problem is not None:
+                if self.is_main:
+                    warnings.warn(problem, RuntimeWarning, stacklevel=4)
+                continue
+            recorded = core.BestState.from_dict(engine["best"])
+            if attrs.evolve(recorded, min_delta=best.min_delta) != best or model is None:
+                found.append(f"{candidate.name}: epoch {recorded.epoch}")
+                continue
+            # a copy of the model's own state as the template: DCP fills it in place, the model is left alone
+            template = {key: value.detach().clone() for key, value in module_state(model).items()}
+            loaded = sharded.load_items_into({"model": template}, candidate)
+            self._best.replace(loaded["model"], private=True)
+            if not same_directory(directory, self.out_dir):
+                self._best_dirty = True
+            return
+        if self.is_main:
+            warnings.warn(
+                f"no best checkpoint in {directory} matches the best recorded in the resumed checkpoint (epoch "
+                f"{best.epoch}, score {best.score}; found {', '.join(found) or 'none'}); test() will use the current "
+                "weights until the next improvement",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _save_checkpoint(self, batches: TrackedBatches | None = None) -> float | None:
         """Write best.pt (when the best changed) then last.pt on rank 0; every rank learns whether it worked.
@@ -773,6 +929,8 @@ class BaseTrainer(abc.ABC):
                 ),
                 [state["mid_epoch"] for state in gathered],
             )
+        if self.cfg.ckpt.format == "sharded":
+            return self._save_sharded(rng, loop, mid_epoch)
         error: BaseException | None = None
         if self.is_main:
             try:
@@ -780,26 +938,8 @@ class BaseTrainer(abc.ABC):
                 best = None
                 if self._best_dirty:  # best.pt before last.pt: a crash between them is repaired on resume
                     best = best_payload(model=self._best.state, best=self._best_state, config=self._cfg_dict)
-                last = last_payload(
-                    items=core.collect_payload(self._registry, state_of=_item_state),
-                    epoch=self._loop.epoch,
-                    step=self.step,
-                    world_size=self.world_size,
-                    config=self._cfg_dict,
-                    loop=loop,
-                    best=self._best_state,
-                    patience=self._patience_state,
-                    rng=rng,
-                    wandb_run_id=self._run_id,
-                    latest_metrics=self._latest_metrics,
-                    results=self._results,
-                    metrics_offset=self._run_log.offset(),
-                    training_modes={
-                        name: training_modes(obj)
-                        for name, obj in self._registry.items.items()
-                        if isinstance(obj, nn.Module)
-                    },
-                    mid_epoch=mid_epoch,
+                last = self._engine_payload(
+                    core.collect_payload(self._registry, state_of=_item_state), rng, loop, mid_epoch
                 )
                 # the rows on disk before a checkpoint records the offset
                 seconds = self._files.save(last, best, before=self._run_log.sync)
@@ -812,6 +952,68 @@ class BaseTrainer(abc.ABC):
             world_size=self.world_size,
         )
         return seconds
+
+    def _engine_payload(
+        self, items: dict[str, Any], rng: list[dict[str, Any]], loop: core.LoopState, mid_epoch: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        return last_payload(
+            items=items,
+            epoch=self._loop.epoch,
+            step=self.step,
+            world_size=self.world_size,
+            config=self._cfg_dict,
+            loop=loop,
+            best=self._best_state,
+            patience=self._patience_state,
+            rng=rng,
+            wandb_run_id=self._run_id,
+            latest_metrics=self._latest_metrics,
+            results=self._results,
+            metrics_offset=self._run_log.offset(),
+            training_modes={
+                name: training_modes(obj) for name, obj in self._registry.items.items() if isinstance(obj, nn.Module)
+            },
+            mid_epoch=mid_epoch,
+        )
+
+    def _save_sharded(
+        self, rng: list[dict[str, Any]], loop: core.LoopState, mid_epoch: dict[str, Any] | None
+    ) -> float | None:
+        """``ckpt.format="sharded"``: every rank writes its shards of ``best.ckpt`` (when the best changed), then of
+        ``last.ckpt``; rank 0 adds the engine's payload and publishes each (see :mod:`trainkit.sharded`)."""
+        started = time.perf_counter()
+        tag = f"{self._loop.epoch}-{self.step}"
+        if self._best_dirty and self._best.state is not None and self._best_state is not None:
+            engine = None
+            if self.is_main:
+                engine = best_payload(model={}, best=self._best_state, config=self._cfg_dict)
+            sharded.save_directory(
+                self.out_dir / sharded.BEST_DIR,
+                {"model": self._best.state},
+                engine,
+                rank=self.rank,
+                world_size=self.world_size,
+                tag=tag,
+            )
+        self._best_dirty = False
+        items = self._registry.items
+        engine = None
+        if self.is_main:
+            in_dcp = {id(obj) for obj in sharded.dcp_items(items).values()}
+            states = core.collect_payload(
+                self._registry, state_of=lambda obj: sharded.SHARDED if id(obj) in in_dcp else _item_state(obj)
+            )
+            engine = self._engine_payload(states, rng, loop, mid_epoch)
+            self._run_log.sync()  # the rows on disk before the checkpoint records the offset
+        sharded.save_directory(
+            self.out_dir / sharded.LAST_DIR,
+            sharded.state_for_save(items),
+            engine,
+            rank=self.rank,
+            world_size=self.world_size,
+            tag=tag,
+        )
+        return time.perf_counter() - started if self.is_main else None
 
     # ------------------------------------------------------------------ best model and early stopping
 
@@ -928,6 +1130,49 @@ class BaseTrainer(abc.ABC):
             module, device_ids=device_ids, find_unused_parameters=find_unused_parameters
         )
 
+    def make_fsdp(
+        self,
+        module: nn.Module,
+        *,
+        shard: Iterable[nn.Module] | type | tuple[type, ...] | None = None,
+        mp_policy: Any = None,
+        reshard_after_forward: bool = True,
+        mesh: Any = None,
+    ) -> nn.Module:
+        """Shard a module's parameters, gradients and optimizer state across the ranks with FSDP2.
+
+        The sibling of :meth:`make_ddp` for models whose weights and optimizer state should not be copied to
+        every rank: ``torch.distributed.fsdp.fully_shard`` on a 1-D device mesh over all ranks (CPU with gloo,
+        CUDA with nccl). Build the optimizer after this call, from the returned module's parameters (they
+        are DTensors now). The module keeps its class and its parameter names; :meth:`get_param_groups`,
+        :meth:`clip_and_log_grad_norm` (the norm over every shard), :meth:`log_param_grad_stats` and
+        :meth:`reduce_mean` work as with DDP. On one process it returns the module on :attr:`device`, as
+        :meth:`make_ddp` does.
+
+        :param module: The module to shard (moved to :attr:`device` first).
+        :param shard: Units sharded on their own before the root, so only one unit's parameters are
+            gathered at a time: submodules of ``module``, or a module class (or tuple of classes) whose
+            instances are the units (a transformer block, say). None shards the root alone: each forward
+            gathers every parameter, while gradients and optimizer state stay sharded.
+        :param mp_policy: A ``torch.distributed.fsdp.MixedPrecisionPolicy`` (e.g. bf16 parameters with fp32
+            gradient reduction), passed to every ``fully_shard`` call; None trains in full precision.
+        :param reshard_after_forward: Free gathered parameters after each unit's forward (less memory, one
+            more all-gather in backward), FSDP2's default.
+        :param mesh: The ``DeviceMesh`` to shard over; None builds one over every rank on this device type.
+        :returns: The sharded module (the same object), or the module itself on one process.
+        :raises UsageError: When a ``shard`` unit is not a submodule of ``module``, or ``mp_policy`` is not a
+            ``MixedPrecisionPolicy``.
+        """
+        module = module.to(self.device)
+        if self.world_size == 1:
+            sharding.units_to_shard(module, shard)  # the same argument checks as on many ranks
+            return module
+        if mesh is None:
+            mesh = sharding.device_mesh(self.device, self.world_size)
+        return sharding.shard_module(
+            module, mesh=mesh, shard=shard, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
+        )
+
     def barrier(self) -> None:
         """Synchronize all processes in the distributed group (bounded by ``dist.timeout_s``).
 
@@ -948,6 +1193,9 @@ class BaseTrainer(abc.ABC):
         :param total: This rank's summed quantity.
         :param count: This rank's number of terms in that sum.
         :returns: The pooled mean, NaN if no rank contributed a term.
+        :raises UsageError: When ``total`` or ``count`` is a DTensor that already holds the whole value on every
+            rank (a partial sum over FSDP2 shards, as a norm's square over sharded parameters, is this rank's
+            share and is accepted).
         """
         return dist_utils.reduce_mean(total, count)
 
@@ -1012,7 +1260,7 @@ class BaseTrainer(abc.ABC):
         norm = optim_utils.total_grad_norm(params)
         if self.cfg.grad_clip is not None:
             optim_utils.clip_grads_(params, self.cfg.grad_clip, norm)
-        norm = norm.detach()
+        norm = sharding.plain(norm.detach())  # over FSDP2 shards a replicated DTensor: its local value is the norm
         self._grad_norm_mean.add(norm)
         self._logs.add({"train/grad_norm": norm})
         return norm
@@ -1043,7 +1291,7 @@ class BaseTrainer(abc.ABC):
             return
         named = optim_utils.named_trainable_parameters(self._modules(modules, "log_param_grad_stats"))
         keys, values = optim_utils.param_stats(named, weights=cfg.log_weight_stats, grads=cfg.log_grad_stats)
-        self._logs.add_vector(keys, values)
+        self._logs.add_vector(keys, sharding.plain(values))  # norms over FSDP2 shards: one all-reduce, on the device
 
     def _optimizers(self) -> dict[str, torch.optim.Optimizer]:
         registered = {name: obj for name, obj in self._registry.items.items() if isinstance(obj, torch.optim.Optimizer)}

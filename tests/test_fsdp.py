@@ -1,0 +1,152 @@
+"""FSDP2 (make_fsdp) on real gloo processes: the same training as DDP, and the helpers correct over shards."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import trainkit
+from tests.test_trainer import make_cfg
+from tests.trainers import ShardTrainer
+
+pytestmark = [pytest.mark.ddp, pytest.mark.timeout(300)]
+
+
+def run(out_dir, world_size=2, **overrides):
+    """Train a ShardTrainer; return (result, every push_logs() result on rank 0, the final whole weights)."""
+    cfg = make_cfg(out_dir, **{"epochs": 3, "dist": {"timeout_s": 60}, "grad_clip": 0.5, "log_grad_stats": True,
+                               "log_weight_stats": True, "test": {"enable": True}, "ckpt": {"enable": False},
+                               **overrides})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = trainkit.spawn(ShardTrainer, cfg, world_size)
+    report = torch.load(out_dir / f"report{world_size}.pt")
+    return result, report["pushed"], report["weights"]
+
+
+def test_fsdp2_trains_as_ddp_does(tmp_path):
+    """Same data, same initial weights: losses, grad norms (clipped over every shard), per-parameter statistics,
+    validation, the best epoch and the test score agree with DDP to float tolerance."""
+    ddp_result, ddp_rows, ddp_weights = run(tmp_path / "ddp", wrap="ddp")
+    fsdp_result, fsdp_rows, fsdp_weights = run(tmp_path / "fsdp", wrap="fsdp")
+    assert [sorted(row) for row in fsdp_rows] == [sorted(row) for row in ddp_rows]
+    assert any("params/0.weight/grad_norm" in row for row in ddp_rows)
+    for ddp_row, fsdp_row in zip(ddp_rows, fsdp_rows, strict=True):
+        for key, value in ddp_row.items():
+            if isinstance(value, float):
+                assert fsdp_row[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+            else:
+                assert fsdp_row[key] == value, key
+    assert fsdp_result.keys() == ddp_result.keys()
+    for key, value in ddp_result.items():
+        assert fsdp_result[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    assert fsdp_weights.keys() == ddp_weights.keys()
+    for name, weight in ddp_weights.items():
+        torch.testing.assert_close(fsdp_weights[name], weight, rtol=1e-4, atol=1e-5)
+
+
+def sharded_cfg(out_dir, **overrides):
+    return make_cfg(out_dir, **{"epochs": 3, "dist": {"timeout_s": 60}, "wrap": "fsdp", "val": {"patience": 5},
+                                "test": {"enable": True}, "ckpt": {"format": "sharded"}, **overrides})
+
+
+def assert_same_state(got, ref):
+    assert got.keys() == ref.keys()
+    for name, value in ref.items():
+        if isinstance(value, dict):
+            assert_same_state(got[name], value)
+        else:
+            assert torch.equal(got[name], value), name
+
+
+def test_an_fsdp2_run_killed_mid_way_resumes_bit_identically_from_its_sharded_checkpoint(tmp_path):
+    """A rank fails at epoch 2; the rerun resumes from last.ckpt (every rank's shards) and ends bit-identical to
+    the uninterrupted run: weights, optimizer state, logged values, best epoch and test score."""
+    ref_dir, out = tmp_path / "ref", tmp_path / "resumed"
+    expected = trainkit.spawn(ShardTrainer, sharded_cfg(ref_dir), 2)
+    with pytest.raises(Exception, match="injected failure on rank 1 at epoch 2"):
+        trainkit.spawn(ShardTrainer, sharded_cfg(out, fail_rank=1, fail_epoch=2), 2)
+    written = {p.name for p in out.iterdir() if p.is_dir()}
+    assert {"best.ckpt", "last.ckpt", "last.prev.ckpt"} <= written and not any(".tmp-" in name for name in written)
+    assert {p.name for p in (out / "last.ckpt").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                             "trainkit.pt", "manifest.json"}
+    got = trainkit.spawn(ShardTrainer, sharded_cfg(out), 2)
+    assert got == expected
+    ref, resumed = torch.load(ref_dir / "report2.pt"), torch.load(out / "report2.pt")
+    assert_same_state(resumed["weights"], ref["weights"])
+    assert_same_state(resumed["optimizer"], ref["optimizer"])
+    assert not [p for p in out.iterdir() if ".tmp-" in p.name]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_a_sharded_checkpoint_of_two_ranks_loads_on_one_and_on_three(tmp_path, world_size):
+    """Written by 2 FSDP2 ranks at an epoch's end, read by 1 (a plain module) and by 3 (resharded): the whole
+    weights and AdamW state are bitwise those the 2 ranks held."""
+    out = tmp_path / "run"
+    trainkit.spawn(ShardTrainer, sharded_cfg(out, epochs=2, test={"enable": False}), 2)
+    saved = torch.load(out / "report2.pt")
+    trainkit.spawn(ShardTrainer, sharded_cfg(out, epochs=3, dump_loaded=True), world_size)
+    loaded = torch.load(out / f"loaded{world_size}.pt")
+    assert loaded["epoch"] == 2 and loaded["step"] > 0
+    assert_same_state(loaded["weights"], saved["weights"])
+    assert_same_state(loaded["optimizer"], saved["optimizer"])
+
+
+def test_a_damaged_or_unpublished_sharded_checkpoint_is_never_resumed(tmp_path, capfd):
+    """A flipped byte in last.ckpt's shard: the resume falls back to last.prev.ckpt (warned) and still ends
+    bit-identical to the uninterrupted run. A temporary directory a killed save left is ignored, then removed."""
+    ref_dir, out = tmp_path / "ref", tmp_path / "run"
+    trainkit.spawn(ShardTrainer, sharded_cfg(ref_dir, epochs=3, test={"enable": False}), 2)
+    with pytest.raises(Exception, match="injected failure on rank 0 at epoch 2"):
+        trainkit.spawn(ShardTrainer, sharded_cfg(out, epochs=3, test={"enable": False}, fail_rank=0, fail_epoch=2), 2)
+    # last.ckpt holds epoch 2's start, last.prev.ckpt epoch 1's: damage the newest, leave a torn save beside it
+    shard = out / "last.ckpt" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    torn = out / ".last.ckpt.tmp-9-99"
+    torn.mkdir()
+    (torn / "__0_0.distcp").write_bytes(b"half a shard")
+    capfd.readouterr()
+    trainkit.spawn(ShardTrainer, sharded_cfg(out, epochs=3, test={"enable": False}), 2)
+    warned = capfd.readouterr().err  # the ranks' warnings, on their stderr
+    assert re.search(r"last.ckpt is damaged or incomplete: __1_0.distcp: \d+ bytes with CRC-32 0x[0-9a-f]{8}, "
+                     r"the manifest says \d+ bytes with CRC-32 0x[0-9a-f]{8}; resuming from the previous checkpoint "
+                     r"\S+last.prev.ckpt instead", warned), warned[-2000:]
+    assert_same_state(torch.load(out / "report2.pt")["weights"], torch.load(ref_dir / "report2.pt")["weights"])
+    assert not torn.exists()
+
+
+def test_a_sharded_model_is_refused_where_it_cannot_be_saved_or_resumed(tmp_path):
+    """An FSDP2 model with ckpt.format='file' (rank 0 alone would be written), async sharded saves, a folder
+    of the other format, and a mid-epoch sharded checkpoint on another world size: each a clear error."""
+    with pytest.raises(Exception, match=r"sharded by make_fsdp\(\).*set ckpt.format='sharded'"):
+        trainkit.spawn(ShardTrainer, sharded_cfg(tmp_path / "file", ckpt={"format": "file"}), 2)
+    with pytest.raises(trainkit.UsageError, match="ckpt.async_save is not supported with ckpt.format='sharded'"):
+        ShardTrainer(sharded_cfg(tmp_path / "async", wrap="ddp", ckpt={"format": "sharded", "async_save": True}))
+    files = tmp_path / "files"
+    ShardTrainer(sharded_cfg(files, wrap="ddp", epochs=1, ckpt={"format": "file"})).train()
+    with pytest.raises(trainkit.CheckpointMismatchError, match=r"last.pt was written with ckpt.format='file'"):
+        ShardTrainer(sharded_cfg(files, wrap="ddp", epochs=2))
+    steps, stepping = tmp_path / "steps", {"format": "sharded", "every_n_steps": 4}
+    # 6 batches per rank and epoch: step 8 is written after batch 2 of epoch 1, then rank 1 fails at batch 4
+    with pytest.raises(Exception, match="injected failure on rank 1 at epoch 1"):
+        trainkit.spawn(ShardTrainer, sharded_cfg(steps, ckpt=stepping, fail_rank=1, fail_epoch=1, fail_batch=4), 2)
+    with pytest.raises(trainkit.CheckpointMismatchError, match=r"inside an epoch by 2 processes and this run has 1"):
+        ShardTrainer(sharded_cfg(steps, ckpt=stepping))
+
+
+def test_sharded_step_checkpoints_resume_inside_the_epoch_bit_identically(tmp_path):
+    """ckpt.every_n_steps with sharded checkpoints: a failure mid-epoch resumes from the step checkpoint inside
+    it, on the same 2 ranks, and ends bit-identical to the uninterrupted run."""
+    stepping = {"format": "sharded", "every_n_steps": 4}
+    ref_dir, out = tmp_path / "ref", tmp_path / "run"
+    expected = trainkit.spawn(ShardTrainer, sharded_cfg(ref_dir, ckpt=stepping), 2)
+    with pytest.raises(Exception, match="injected failure on rank 0 at epoch 1"):
+        trainkit.spawn(ShardTrainer, sharded_cfg(out, ckpt=stepping, fail_rank=0, fail_epoch=1, fail_batch=4), 2)
+    resumed = trainkit.spawn(ShardTrainer, sharded_cfg(out, ckpt=stepping), 2)
+    assert resumed == expected
+    ref, got = torch.load(ref_dir / "report2.pt"), torch.load(out / "report2.pt")
+    assert_same_state(got["weights"], ref["weights"])
+    assert_same_state(got["optimizer"], ref["optimizer"])

@@ -1,0 +1,305 @@
+"""Sharded checkpoints (``ckpt.format="sharded"``): one directory per checkpoint, every rank writing its shards.
+
+Layout of ``out_dir/last.ckpt/`` (and ``best.ckpt/``)::
+
+    .metadata, __<rank>_<n>.distcp   torch.distributed.checkpoint (DCP): registered modules and optimizers,
+                                     each rank writing its own shards (FSDP2 DTensors; a replicated tensor once)
+    trainkit.pt                      rank 0: the engine's payload (records, every rank's RNG states, the config,
+                                     the other registered items), the same schema as a last.pt / best.pt
+    manifest.json                    every file's size and CRC-32, written last: what makes the checkpoint whole
+
+A save writes into a temporary sibling (``.last.ckpt.tmp-<epoch>-<step>``); once every rank has finished its
+files, rank 0 writes ``trainkit.pt`` and the manifest, moves the published directory to ``last.prev.ckpt``
+and renames the temporary one into place, then fsyncs ``out_dir``. A run killed at any point leaves either
+the old ``last.ckpt`` or the new one (and ``last.prev.ckpt``), never a half-written one under a published
+name; the temporary directory is removed by the next save or run. A resume checks the manifest (every
+rank a share of the files) before it trusts a directory, and falls back to ``last.prev.ckpt``.
+
+Modules and optimizers go through ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict``,
+``get_optimizer_state_dict`` over a ``ModuleDict`` of the registered modules), so a checkpoint written by N
+ranks loads on M ranks (resharded by DCP) and into a plain module on one process.
+
+Side effects: files in ``out_dir``; collectives (every rank must call :func:`save_directory`,
+:func:`load_items` and :func:`verify_directory` together).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainkit import checkpoint as ckpt_io
+from trainkit import distributed as dist_utils
+from trainkit.errors import CheckpointCorruptError
+
+__all__ = [
+    "LAST_DIR",
+    "BEST_DIR",
+    "ENGINE_FILE",
+    "MANIFEST_FILE",
+    "SHARDED",
+    "previous_directory",
+    "dcp_items",
+    "state_for_save",
+    "save_directory",
+    "load_items",
+    "load_items_into",
+    "apply_items",
+    "verify_directory",
+    "remove_temporary",
+]
+
+LAST_DIR = "last.ckpt"
+BEST_DIR = "best.ckpt"
+ENGINE_FILE = "trainkit.pt"
+MANIFEST_FILE = "manifest.json"
+SHARDED = "trainkit:sharded"
+"""What ``trainkit.pt`` holds in place of an item whose state is in the DCP files."""
+_CHUNK = 8 << 20
+
+
+def previous_directory(path: Path) -> Path:
+    """``last.ckpt`` -> ``last.prev.ckpt``: where the checkpoint a save replaces is kept.
+
+    :param path: A checkpoint directory.
+    :returns: Its ``.prev`` sibling.
+    """
+    return path.with_name(f"{path.stem}.prev{path.suffix}")
+
+
+def dcp_items(items: Mapping[str, Any]) -> dict[str, Any]:
+    """The registered items whose state goes through DCP: modules and optimizers.
+
+    :param items: The registry's name -> object mapping.
+    :returns: The subset, in registration order.
+    """
+    return {name: obj for name, obj in items.items() if isinstance(obj, nn.Module | torch.optim.Optimizer)}
+
+
+def _modules(items: Mapping[str, Any]) -> nn.ModuleDict:
+    # one container for every registered module: an optimizer's parameters are named through it, whichever
+    # module holds them (unwrapped from DDP: the same names with either wrap)
+    return nn.ModuleDict({name: dist_utils.unwrap(obj) for name, obj in items.items() if isinstance(obj, nn.Module)})
+
+
+def state_for_save(items: Mapping[str, Any]) -> dict[str, Any]:
+    """The DCP state dict of the registered modules and optimizers (sharded tensors stay sharded).
+
+    :param items: The registry's items.
+    :returns: ``{name: state}`` for each module and optimizer.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    container = _modules(items)
+    state: dict[str, Any] = {}
+    for name, obj in dcp_items(items).items():
+        if isinstance(obj, nn.Module):
+            state[name] = get_model_state_dict(dist_utils.unwrap(obj))
+        else:
+            state[name] = get_optimizer_state_dict(container, obj)
+    return state
+
+
+def load_items(items: Mapping[str, Any], directory: Path) -> dict[str, Any]:
+    """Read the modules' and optimizers' states from a checkpoint directory, resharded to this run's ranks.
+
+    :param items: The registry's items (their current states are the templates DCP fills).
+    :param directory: The checkpoint directory.
+    :returns: ``{name: state}``, ready for :func:`apply_items`.
+    :raises CheckpointCorruptError: When DCP cannot read an entry (a missing key, a shape that changed).
+    """
+    return load_items_into(state_for_save(items), directory)
+
+
+def load_items_into(state: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """Fill ``state`` (tensors and DTensors of this run's shapes and shards) from a checkpoint directory.
+
+    :param state: The template, filled in place.
+    :param directory: The checkpoint directory.
+    :returns: ``state``.
+    :raises CheckpointCorruptError: When DCP cannot read an entry (a missing key, a shape that changed).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(state, checkpoint_id=str(directory))
+    except Exception as exc:  # noqa: BLE001 - DCP wraps reader errors in CheckpointException and others
+        raise CheckpointCorruptError(
+            f"{directory}: the sharded state could not be read into the registered items ({_why(exc)}); "
+            "register the same modules and optimizers as the run that wrote it"
+        ) from exc
+    return state
+
+
+def apply_items(items: Mapping[str, Any], states: Mapping[str, Any]) -> None:
+    """Load states read by :func:`load_items` into the registered modules and optimizers.
+
+    :param items: The registry's items.
+    :param states: ``{name: state}``.
+    """
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    container = _modules(items)
+    for name, obj in dcp_items(items).items():
+        if isinstance(obj, nn.Module):
+            set_model_state_dict(dist_utils.unwrap(obj), states[name])
+        else:
+            set_optimizer_state_dict(container, obj, states[name])
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[-1] if text else ''}"[:300]
+
+
+def _crc(path: Path) -> tuple[int, int]:
+    crc, size = 0, 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return size, crc
+
+
+def _own_files(directory: Path, rank: int) -> list[Path]:
+    """The DCP files ``rank`` wrote (``__<rank>_<n>.distcp``), and ``.metadata`` for rank 0."""
+    own = sorted(directory.glob(f"__{rank}_*.distcp"))
+    if rank == 0 and (directory / ".metadata").exists():
+        own.append(directory / ".metadata")
+    return own
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_directory(
+    final: Path, state: dict[str, Any], engine: dict[str, Any] | None, *, rank: int, world_size: int, tag: str
+) -> None:
+    """Write a checkpoint directory and publish it as ``final`` (a collective: every rank calls it).
+
+    Rank 0 clears a stale temporary directory of the same tag; every rank writes its shards with
+    ``dcp.save`` and checksums its own files; rank 0 writes ``engine`` as ``trainkit.pt``, the manifest,
+    then keeps the published directory as ``.prev`` and renames the new one into place.
+
+    :param final: ``out_dir/last.ckpt`` or ``out_dir/best.ckpt``.
+    :param state: This rank's DCP state (:func:`state_for_save`, or the best weights).
+    :param engine: The engine's payload (rank 0; ignored elsewhere).
+    :param rank: This rank.
+    :param world_size: The number of ranks.
+    :param tag: What makes the temporary directory's name unique to this save (epoch and step).
+    :raises BaseException: Whatever a rank's write raised, on every rank (see ``raise_if_any_rank_failed``).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    temporary = final.with_name(f".{final.name}.tmp-{tag}")
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            remove_temporary(final.parent, final.name)
+            temporary.mkdir(parents=True)
+        except Exception as exc:  # noqa: BLE001 - every rank hears of it below
+            error = exc
+    dist_utils.raise_if_any_rank_failed(
+        error, lambda: RuntimeError(f"rank 0 could not prepare {temporary}"), world_size=world_size
+    )
+    checksums: dict[str, list[int]] = {}
+    try:
+        dcp.save(state, checkpoint_id=str(temporary))
+        for path in _own_files(temporary, rank):
+            _fsync_file(path)
+            checksums[path.name] = list(_crc(path))
+    except Exception as exc:  # noqa: BLE001 - every rank hears of it below
+        error = exc
+    gathered = dist_utils.all_gather_objects((checksums, error is not None))
+    if error is None and any(failed for _, failed in gathered):
+        error = RuntimeError("another rank failed to write its shards")
+    if rank == 0 and error is None:
+        try:
+            manifest: dict[str, list[int]] = {}
+            for files, _ in gathered:
+                manifest.update(files)
+            ckpt_io.atomic_save(engine, temporary / ENGINE_FILE)
+            manifest[ENGINE_FILE] = list(_crc(temporary / ENGINE_FILE))
+            with open(temporary / MANIFEST_FILE, "w") as handle:
+                json.dump({"version": 1, "files": manifest}, handle, sort_keys=True)
+                handle.flush()
+                os.fsync(handle.fileno())
+            ckpt_io.fsync_directory(temporary)
+            _publish(temporary, final)
+        except Exception as exc:  # noqa: BLE001 - every rank hears of it below
+            error = exc
+    dist_utils.raise_if_any_rank_failed(
+        error, lambda: RuntimeError(f"a rank failed to write {final}; see its traceback"), world_size=world_size
+    )
+
+
+def _publish(temporary: Path, final: Path) -> None:
+    """Keep the published checkpoint as ``.prev``, rename the new one into place, make both renames durable."""
+    previous = previous_directory(final)
+    if final.exists():
+        if previous.exists():
+            shutil.rmtree(previous)  # a kill here leaves `final` published: nothing is lost
+        os.replace(final, previous)  # a kill here leaves `previous` published: a resume falls back to it
+    os.replace(temporary, final)
+    ckpt_io.fsync_directory(final.parent)
+
+
+def remove_temporary(out_dir: Path, name: str) -> list[Path]:
+    """Remove the temporary directories that killed saves of checkpoint ``name`` left in ``out_dir``.
+
+    :param out_dir: The run folder.
+    :param name: ``last.ckpt`` or ``best.ckpt``.
+    :returns: The removed directories.
+    """
+    removed = []
+    for path in out_dir.glob(f".{name}.tmp-*"):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def verify_directory(directory: Path, *, rank: int, world_size: int) -> str | None:
+    """Check a checkpoint directory against its manifest, every rank a share of the files (a collective).
+
+    :param directory: The checkpoint directory.
+    :param rank: This rank.
+    :param world_size: The number of ranks.
+    :returns: None when every file is there with its size and CRC-32; otherwise what is wrong (the same
+        answer on every rank).
+    """
+    problem: str | None = None
+    try:
+        with open(directory / MANIFEST_FILE) as handle:
+            manifest = json.load(handle)
+        files = manifest["files"]
+        if not isinstance(files, dict) or ENGINE_FILE not in files or ".metadata" not in files:
+            raise ValueError("the manifest does not list trainkit.pt and .metadata")
+        for index, (name, expected) in enumerate(sorted(files.items())):
+            if index % world_size != rank:
+                continue
+            if "/" in name or name.startswith("..") or not isinstance(expected, list):
+                raise ValueError(f"the manifest names {name!r}")
+            got = _crc(directory / name)
+            if list(got) != expected:
+                want = f"{expected[0]} bytes with CRC-32 {expected[1]:#010x}" if len(expected) == 2 else repr(expected)
+                problem = f"{name}: {got[0]} bytes with CRC-32 {got[1]:#010x}, the manifest says {want}"
+                break
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    answers = dist_utils.all_gather_objects(problem)
+    found = [answer for answer in answers if answer is not None]
+    return f"{directory} is damaged or incomplete: {found[0]}" if found else None
