@@ -298,6 +298,31 @@ class ShardConfig(Config):
     fail_epoch: int = 0
     fail_batch: int = 0
     dump_loaded: bool = False
+    kill_in_save: str | None = None  # "before_publish" / "after_publish": rank 0 SIGKILLs itself there
+    kill_at_save: int = 2  # ... in the n-th save of last.ckpt
+
+
+def _kill_in_publish(where: str, at_save: int) -> None:
+    """Make this process SIGKILL itself in the ``at_save``-th publish of last.ckpt: every rank's shards and the
+    manifest are written, and the rename into place has not happened (``before_publish``) or has
+    (``after_publish``)."""
+    import signal
+
+    from trainkit import sharded
+
+    real = sharded._publish
+    saves = []
+
+    def publish(temporary, final):
+        if final.name == sharded.LAST_DIR:
+            saves.append(final)
+            if len(saves) == at_save:
+                if where == "after_publish":
+                    real(temporary, final)
+                os.kill(os.getpid(), signal.SIGKILL)
+        return real(temporary, final)
+
+    sharded._publish = publish
 
 
 class ShardTrainer(BaseTrainer):
@@ -327,6 +352,8 @@ class ShardTrainer(BaseTrainer):
         self.val_loader = DataLoader(val, batch_size=32, sampler=DistributedSampler(val, **shard))
         self.test_loader = DataLoader(test, batch_size=32, sampler=DistributedSampler(test, **shard))
         self.add_checkpoint_items(model=self.model, optimizer=self.optimizer)
+        if cfg.kill_in_save and self.rank == 0:
+            _kill_in_publish(cfg.kill_in_save, cfg.kill_at_save)
 
     def train(self):
         if self.cfg.dump_loaded:  # what the constructor restored, whole, instead of training

@@ -52,6 +52,7 @@ __all__ = [
     "save_directory",
     "load_items",
     "load_items_into",
+    "read_whole",
     "apply_items",
     "verify_directory",
     "remove_temporary",
@@ -119,18 +120,19 @@ def load_items(items: Mapping[str, Any], directory: Path) -> dict[str, Any]:
     return load_items_into(state_for_save(items), directory)
 
 
-def load_items_into(state: dict[str, Any], directory: Path) -> dict[str, Any]:
+def load_items_into(state: dict[str, Any], directory: Path, *, no_dist: bool = False) -> dict[str, Any]:
     """Fill ``state`` (tensors and DTensors of this run's shapes and shards) from a checkpoint directory.
 
     :param state: The template, filled in place.
     :param directory: The checkpoint directory.
+    :param no_dist: Read in this process alone, even inside a process group.
     :returns: ``state``.
     :raises CheckpointCorruptError: When DCP cannot read an entry (a missing key, a shape that changed).
     """
     import torch.distributed.checkpoint as dcp
 
     try:
-        dcp.load(state, checkpoint_id=str(directory))
+        dcp.load(state, checkpoint_id=str(directory), no_dist=no_dist)
     except Exception as exc:  # noqa: BLE001 - DCP wraps reader errors in CheckpointException and others
         raise CheckpointCorruptError(
             f"{directory}: the sharded state could not be read into the registered items ({_why(exc)}); "
@@ -153,6 +155,34 @@ def apply_items(items: Mapping[str, Any], states: Mapping[str, Any]) -> None:
             set_model_state_dict(dist_utils.unwrap(obj), states[name])
         else:
             set_optimizer_state_dict(container, obj, states[name])
+
+
+def read_whole(directory: Path, key: str) -> dict[str, Any]:
+    """Read one entry of a checkpoint directory (``"model"``, say) whole, in this process alone.
+
+    The template is built from the checkpoint's own metadata (every tensor's global shape and dtype), so
+    nothing of the run that wrote it is needed: no model class, no process group.
+
+    :param directory: The checkpoint directory.
+    :param key: The top-level entry.
+    :returns: ``{name: tensor}`` with whole (unsharded) CPU tensors.
+    :raises CheckpointCorruptError: When the entry is missing or cannot be read.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - a damaged .metadata raises anything pickle can
+        raise CheckpointCorruptError(f"{directory}: its .metadata cannot be read ({_why(exc)})") from exc
+    prefix = f"{key}."
+    template: dict[str, Any] = {}
+    for name, entry in metadata.state_dict_metadata.items():
+        if name.startswith(prefix) and isinstance(entry, TensorStorageMetadata):
+            template[name[len(prefix) :]] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    if not template:
+        raise CheckpointCorruptError(f"{directory} holds no tensors under {key!r}")
+    return load_items_into({key: template}, directory, no_dist=True)[key]
 
 
 def _why(exc: BaseException) -> str:
