@@ -63,18 +63,26 @@ def assert_same_state(got, ref):
             assert torch.equal(got[name], value), name
 
 
-def test_an_fsdp2_run_killed_mid_way_resumes_bit_identically_from_its_sharded_checkpoint(tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_an_fsdp2_run_killed_mid_way_resumes_bit_identically_from_its_sharded_checkpoint(tmp_path, background):
     """A rank fails at epoch 2; the rerun resumes from last.ckpt (every rank's shards) and ends bit-identical to
-    the uninterrupted run: weights, optimizer state, logged values, best epoch and test score."""
+    the uninterrupted run: weights, optimizer state, logged values, best epoch and test score. With
+    ckpt.async_save the shards are written in the background and published at the next save."""
     ref_dir, out = tmp_path / "ref", tmp_path / "resumed"
-    expected = trainkit.spawn(ShardTrainer, sharded_cfg(ref_dir), 2)
+    ckpt = {"format": "sharded", "async_save": background}
+    expected = trainkit.spawn(ShardTrainer, sharded_cfg(ref_dir, ckpt=ckpt), 2)
     with pytest.raises(Exception, match="injected failure on rank 1 at epoch 2"):
-        trainkit.spawn(ShardTrainer, sharded_cfg(out, fail_rank=1, fail_epoch=2), 2)
+        trainkit.spawn(ShardTrainer, sharded_cfg(out, ckpt=ckpt, fail_rank=1, fail_epoch=2), 2)
     written = {p.name for p in out.iterdir() if p.is_dir()}
-    assert {"best.ckpt", "last.ckpt", "last.prev.ckpt"} <= written and not any(".tmp-" in name for name in written)
+    torn = [name for name in written if ".tmp-" in name]
+    if background:  # epoch 1's save was in flight, never published: the resume starts from epoch 0's
+        assert {"best.ckpt", "last.ckpt"} <= written and len(torn) == 1
+        assert torch.load(out / "last.ckpt" / "trainkit.pt", weights_only=False)["epoch"] == 1
+    else:
+        assert {"best.ckpt", "last.ckpt", "last.prev.ckpt"} <= written and not torn
     assert {p.name for p in (out / "last.ckpt").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp",
                                                              "trainkit.pt", "manifest.json"}
-    got = trainkit.spawn(ShardTrainer, sharded_cfg(out), 2)
+    got = trainkit.spawn(ShardTrainer, sharded_cfg(out, ckpt=ckpt), 2)
     assert got == expected
     ref, resumed = torch.load(ref_dir / "report2.pt"), torch.load(out / "report2.pt")
     assert_same_state(resumed["weights"], ref["weights"])
@@ -122,12 +130,10 @@ def test_a_damaged_or_unpublished_sharded_checkpoint_is_never_resumed(tmp_path, 
 
 
 def test_a_sharded_model_is_refused_where_it_cannot_be_saved_or_resumed(tmp_path):
-    """An FSDP2 model with ckpt.format='file' (rank 0 alone would be written), async sharded saves, a folder
-    of the other format, and a mid-epoch sharded checkpoint on another world size: each a clear error."""
+    """An FSDP2 model with ckpt.format='file' (rank 0 alone would be written), a folder of the other format,
+    and a mid-epoch sharded checkpoint on another world size: each a clear error."""
     with pytest.raises(Exception, match=r"sharded by make_fsdp\(\).*set ckpt.format='sharded'"):
         trainkit.spawn(ShardTrainer, sharded_cfg(tmp_path / "file", ckpt={"format": "file"}), 2)
-    with pytest.raises(trainkit.UsageError, match="ckpt.async_save is not supported with ckpt.format='sharded'"):
-        ShardTrainer(sharded_cfg(tmp_path / "async", wrap="ddp", ckpt={"format": "sharded", "async_save": True}))
     files = tmp_path / "files"
     ShardTrainer(sharded_cfg(files, wrap="ddp", epochs=1, ckpt={"format": "file"})).train()
     with pytest.raises(trainkit.CheckpointMismatchError, match=r"last.pt was written with ckpt.format='file'"):
@@ -140,10 +146,11 @@ def test_a_sharded_model_is_refused_where_it_cannot_be_saved_or_resumed(tmp_path
         ShardTrainer(sharded_cfg(steps, ckpt=stepping))
 
 
-def test_sharded_step_checkpoints_resume_inside_the_epoch_bit_identically(tmp_path):
-    """ckpt.every_n_steps with sharded checkpoints: a failure mid-epoch resumes from the step checkpoint inside
-    it, on the same 2 ranks, and ends bit-identical to the uninterrupted run."""
-    stepping = {"format": "sharded", "every_n_steps": 4}
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_sharded_step_checkpoints_resume_inside_the_epoch_bit_identically(tmp_path, background):
+    """ckpt.every_n_steps with sharded checkpoints, sync and in the background: a failure mid-epoch resumes from
+    the step checkpoint inside it, on the same 2 ranks, and ends bit-identical to the uninterrupted run."""
+    stepping = {"format": "sharded", "every_n_steps": 4, "async_save": background}
     ref_dir, out = tmp_path / "ref", tmp_path / "run"
     expected = trainkit.spawn(ShardTrainer, sharded_cfg(ref_dir, ckpt=stepping), 2)
     with pytest.raises(Exception, match="injected failure on rank 0 at epoch 1"):
@@ -209,3 +216,17 @@ def test_a_kill_during_a_sharded_save_resumes_from_a_published_checkpoint(tmp_pa
     assert_same_state(torch.load(out / "report2.pt")["weights"], torch.load(ref_dir / "report2.pt")["weights"])
     assert_same_state(torch.load(out / "report2.pt")["optimizer"], torch.load(ref_dir / "report2.pt")["optimizer"])
     assert not [p for p in out.iterdir() if ".tmp-" in p.name]
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_a_failed_shard_write_fails_every_rank_and_publishes_nothing(tmp_path, background):
+    """Rank 1's second write of shards fails (a full disk). Sync: that save raises on every rank. Async: the next
+    save (or the end of the run) raises it, on every rank. Either way last.ckpt stays the checkpoint before."""
+    out = tmp_path / "run"
+    cfg = sharded_cfg(out, epochs=3, test={"enable": False}, fail_write=2,
+                      ckpt={"format": "sharded", "async_save": background})
+    with pytest.raises(Exception, match=r"No space left on device \(injected\)|a rank failed to write"):
+        trainkit.spawn(ShardTrainer, cfg, 2)
+    engine = torch.load(out / "last.ckpt" / "trainkit.pt", weights_only=False)
+    assert engine["epoch"] == 1  # epoch 0's save published; epoch 1's never
+    assert not (out / "last.prev.ckpt").exists()

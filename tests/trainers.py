@@ -300,6 +300,7 @@ class ShardConfig(Config):
     dump_loaded: bool = False
     kill_in_save: str | None = None  # "before_publish" / "after_publish": rank 0 SIGKILLs itself there
     kill_at_save: int = 2  # ... in the n-th save of last.ckpt
+    fail_write: int = 0  # rank 1's n-th DCP write of last.ckpt's shards raises OSError (0: never)
 
 
 def _kill_in_publish(where: str, at_save: int) -> None:
@@ -323,6 +324,23 @@ def _kill_in_publish(where: str, at_save: int) -> None:
         return real(temporary, final)
 
     sharded._publish = publish
+
+
+def _fail_shard_write(at_write: int) -> None:
+    """Make this process's ``at_write``-th DCP write of last.ckpt's shards raise, as a full disk would."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    real = FileSystemWriter.write_data
+    writes = []
+
+    def write_data(self, plan, planner):
+        if ".last.ckpt.tmp" in str(getattr(self, "path", "")):
+            writes.append(plan)
+        if len(writes) == at_write and ".last.ckpt.tmp" in str(getattr(self, "path", "")):
+            raise OSError(28, "No space left on device (injected)")
+        return real(self, plan, planner)
+
+    FileSystemWriter.write_data = write_data
 
 
 class ShardTrainer(BaseTrainer):
@@ -354,6 +372,8 @@ class ShardTrainer(BaseTrainer):
         self.add_checkpoint_items(model=self.model, optimizer=self.optimizer)
         if cfg.kill_in_save and self.rank == 0:
             _kill_in_publish(cfg.kill_in_save, cfg.kill_at_save)
+        if cfg.fail_write and self.rank == 1:
+            _fail_shard_write(cfg.fail_write)
 
     def train(self):
         if self.cfg.dump_loaded:  # what the constructor restored, whole, instead of training

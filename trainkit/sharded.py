@@ -38,7 +38,7 @@ from torch import nn
 
 from trainkit import checkpoint as ckpt_io
 from trainkit import distributed as dist_utils
-from trainkit.errors import CheckpointCorruptError
+from trainkit.errors import CheckpointCorruptError, CheckpointError
 
 __all__ = [
     "LAST_DIR",
@@ -50,6 +50,7 @@ __all__ = [
     "dcp_items",
     "state_for_save",
     "save_directory",
+    "BackgroundSave",
     "load_items",
     "load_items_into",
     "read_whole",
@@ -215,25 +216,8 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def save_directory(
-    final: Path, state: dict[str, Any], engine: dict[str, Any] | None, *, rank: int, world_size: int, tag: str
-) -> None:
-    """Write a checkpoint directory and publish it as ``final`` (a collective: every rank calls it).
-
-    Rank 0 clears a stale temporary directory of the same tag; every rank writes its shards with
-    ``dcp.save`` and checksums its own files; rank 0 writes ``engine`` as ``trainkit.pt``, the manifest,
-    then keeps the published directory as ``.prev`` and renames the new one into place.
-
-    :param final: ``out_dir/last.ckpt`` or ``out_dir/best.ckpt``.
-    :param state: This rank's DCP state (:func:`state_for_save`, or the best weights).
-    :param engine: The engine's payload (rank 0; ignored elsewhere).
-    :param rank: This rank.
-    :param world_size: The number of ranks.
-    :param tag: What makes the temporary directory's name unique to this save (epoch and step).
-    :raises BaseException: Whatever a rank's write raised, on every rank (see ``raise_if_any_rank_failed``).
-    """
-    import torch.distributed.checkpoint as dcp
-
+def _prepare(final: Path, *, rank: int, world_size: int, tag: str) -> Path:
+    """Rank 0 clears torn temporary directories of ``final`` and makes this save's; every rank learns it worked."""
     temporary = final.with_name(f".{final.name}.tmp-{tag}")
     error: BaseException | None = None
     if rank == 0:
@@ -245,14 +229,28 @@ def save_directory(
     dist_utils.raise_if_any_rank_failed(
         error, lambda: RuntimeError(f"rank 0 could not prepare {temporary}"), world_size=world_size
     )
+    return temporary
+
+
+def _complete(
+    temporary: Path,
+    final: Path,
+    engine: dict[str, Any] | None,
+    error: BaseException | None,
+    *,
+    rank: int,
+    world_size: int,
+) -> None:
+    """After this rank's shards are written (or failed with ``error``): checksum them, gather, and on rank 0 write
+    ``trainkit.pt`` and the manifest and publish; every rank raises when any rank failed (a collective)."""
     checksums: dict[str, list[int]] = {}
-    try:
-        dcp.save(state, checkpoint_id=str(temporary))
-        for path in _own_files(temporary, rank):
-            _fsync_file(path)
-            checksums[path.name] = list(_crc(path))
-    except Exception as exc:  # noqa: BLE001 - every rank hears of it below
-        error = exc
+    if error is None:
+        try:
+            for path in _own_files(temporary, rank):
+                _fsync_file(path)
+                checksums[path.name] = list(_crc(path))
+        except Exception as exc:  # noqa: BLE001 - every rank hears of it below
+            error = exc
     gathered = dist_utils.all_gather_objects((checksums, error is not None))
     if error is None and any(failed for _, failed in gathered):
         error = RuntimeError("another rank failed to write its shards")
@@ -274,6 +272,144 @@ def save_directory(
     dist_utils.raise_if_any_rank_failed(
         error, lambda: RuntimeError(f"a rank failed to write {final}; see its traceback"), world_size=world_size
     )
+
+
+def save_directory(
+    final: Path, state: dict[str, Any], engine: dict[str, Any] | None, *, rank: int, world_size: int, tag: str
+) -> None:
+    """Write a checkpoint directory and publish it as ``final`` (a collective: every rank calls it).
+
+    Rank 0 clears a stale temporary directory of the same name; every rank writes its shards with
+    ``dcp.save`` and checksums its own files; rank 0 writes ``engine`` as ``trainkit.pt``, the manifest,
+    then keeps the published directory as ``.prev`` and renames the new one into place.
+
+    :param final: ``out_dir/last.ckpt`` or ``out_dir/best.ckpt``.
+    :param state: This rank's DCP state (:func:`state_for_save`, or the best weights).
+    :param engine: The engine's payload (rank 0; ignored elsewhere).
+    :param rank: This rank.
+    :param world_size: The number of ranks.
+    :param tag: What makes the temporary directory's name unique to this save (epoch, step, a count).
+    :raises BaseException: Whatever a rank's write raised, on every rank (see ``raise_if_any_rank_failed``).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    temporary = _prepare(final, rank=rank, world_size=world_size, tag=tag)
+    error: BaseException | None = None
+    try:
+        dcp.save(state, checkpoint_id=str(temporary))
+    except BaseException as exc:
+        if not _is_write_error(exc):
+            raise
+        error = _write_failed(final, rank, exc)
+    _complete(temporary, final, engine, error, rank=rank, world_size=world_size)
+
+
+def _dcp_exception() -> type[BaseException]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
+def _is_write_error(exc: BaseException) -> bool:
+    """A DCP write's failure: an ordinary exception, or DCP's ``CheckpointException``, which derives from
+    ``BaseException`` (so a plain ``except Exception`` lets it through, and ``spawn`` reports only an exit code);
+    never a ``KeyboardInterrupt`` or ``SystemExit``."""
+    return isinstance(exc, Exception | _dcp_exception())
+
+
+def _write_failed(final: Path, rank: int, exc: BaseException) -> CheckpointError:
+    """A DCP write failure as a trainkit error (an ``Exception``, picklable, with DCP's reason in its message)."""
+    error = CheckpointError(f"writing the shards of {final} failed on rank {rank}: {_why(exc)}")
+    error.__cause__ = exc
+    return error
+
+
+class BackgroundSave:
+    """One sharded save in flight: ``dcp.async_save`` writes the shards from a thread, on a gloo group of its own;
+    :meth:`finish` (on the main thread, every rank together) waits for it, then checksums and publishes.
+
+    The state is staged (copied to host memory) before :meth:`start` returns, so training may change the
+    weights at once. Only one save is in flight: the trainer finishes the previous one before it starts the
+    next, at the end of the run and before a signal's exit; a failed write raises there, on every rank.
+
+    :param timeout_s: The bound on the save group's collectives (``dist.timeout_s``).
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        self._group: Any = None
+        self._pending: tuple[Any, Path, Path, dict[str, Any] | None] | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether a save was started and not finished."""
+        return self._pending is not None
+
+    def start(
+        self, final: Path, state: dict[str, Any], engine: dict[str, Any] | None, *, rank: int, world_size: int, tag: str
+    ) -> None:
+        """Stage ``state`` and start writing it into a temporary directory of ``final`` (a collective).
+
+        :param final: ``out_dir/last.ckpt``.
+        :param state: This rank's DCP state.
+        :param engine: The engine's payload (rank 0), written at :meth:`finish`.
+        :param rank: This rank.
+        :param world_size: The number of ranks.
+        :param tag: Unique to this save.
+        :raises RuntimeError: When a save is still in flight (finish it first).
+        """
+        import datetime
+
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        if self._pending is not None:
+            raise RuntimeError("a sharded save is still in flight; finish() it before starting another")
+        temporary = _prepare(final, rank=rank, world_size=world_size, tag=tag)
+        if world_size > 1 and self._group is None:
+            # the writer thread's collectives on their own group: nothing the training loop does can queue
+            # behind them or interleave with them (a shared group deadlocks on the loop's next barrier)
+            timeout = datetime.timedelta(seconds=self._timeout_s)
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
+        future = dcp.async_save(state, checkpoint_id=str(temporary), process_group=self._group)
+        future = getattr(future, "upload_completion", future)  # an AsyncSaveResponse wraps the one to wait on
+        self._pending = (future, temporary, final, engine)
+
+    def finish(self, *, rank: int, world_size: int) -> None:
+        """Wait for the save in flight, then checksum and publish it (a collective; nothing to do when none is).
+
+        :param rank: This rank.
+        :param world_size: The number of ranks.
+        :raises BaseException: The write's failure on this rank, or another rank's, on every rank.
+        """
+        if self._pending is None:
+            return
+        future, temporary, final, engine = self._pending
+        self._pending = None
+        error: BaseException | None = None
+        try:
+            future.result(timeout=self._timeout_s)
+        except BaseException as exc:
+            if not _is_write_error(exc):
+                raise
+            error = _write_failed(final, rank, exc)
+        _complete(temporary, final, engine, error, rank=rank, world_size=world_size)
+
+    def abandon(self) -> None:
+        """Let a save in flight end without publishing it (this rank is failing; the others may be gone).
+
+        Its temporary directory stays unpublished, and the next run's first save removes it.
+        """
+        if self._pending is None:
+            return
+        future = self._pending[0]
+        self._pending = None
+        # the run is failing already: this write is never published, and its own failure adds nothing
+        try:
+            future.result(timeout=self._timeout_s)
+        except BaseException as exc:
+            if not _is_write_error(exc):
+                raise
 
 
 def _publish(temporary: Path, final: Path) -> None:

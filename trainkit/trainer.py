@@ -143,11 +143,6 @@ class BaseTrainer(abc.ABC):
 
     def __init__(self, cfg: Config | Mapping[str, Any], rank: int = 0, world_size: int = 1) -> None:
         self.cfg = self._validate_config(cfg)
-        if self.cfg.ckpt.format == "sharded" and self.cfg.ckpt.async_save:
-            raise UsageError(
-                "ckpt.async_save is not supported with ckpt.format='sharded' yet: set ckpt.async_save=false "
-                "(sharded saves are written by every rank at once, so each rank writes only its share)"
-            )
         if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise UsageError(
                 f"rank must be in [0, world_size) and world_size >= 1, got rank={rank!r}, world_size={world_size!r}"
@@ -201,9 +196,15 @@ class BaseTrainer(abc.ABC):
         ckpt_cfg = self.cfg.ckpt
         requeue = [ckpt_cfg.requeue_signal] if ckpt_cfg.requeue_signal else []
         self._signals = StopSignals(["SIGTERM", "SIGINT", *requeue])
+        in_shards = ckpt_cfg.format == "sharded"
         self._files = RunFiles(
-            self.out_dir, enabled=ckpt_cfg.enable, writer=self.is_main, async_save=ckpt_cfg.async_save
+            self.out_dir, enabled=ckpt_cfg.enable, writer=self.is_main, async_save=ckpt_cfg.async_save and not in_shards
         )
+        # ckpt.async_save with sharded checkpoints: every rank's shards written by DCP in the background
+        self._background = (
+            sharded.BackgroundSave(self.cfg.dist.timeout_s) if in_shards and ckpt_cfg.async_save else None
+        )
+        self._sharded_saves = 0
         self._run_log = RunLog()
         self._run_id: str | None = None
 
@@ -328,6 +329,7 @@ class BaseTrainer(abc.ABC):
                     return self._finish()
                 except TrainingInterrupted as exc:
                     self._files.wait_quietly()
+                    self._abandon_background()  # _stop_for_signal published it already; a no-op then
                     if self.is_main:
                         say(str(exc))
                     self._failed = True
@@ -337,6 +339,7 @@ class BaseTrainer(abc.ABC):
                 except BaseException:
                     self._failed = True
                     self._files.wait_quietly()
+                    self._abandon_background()
                     self._close_sinks(failed=True)
                     raise
         finally:
@@ -392,6 +395,7 @@ class BaseTrainer(abc.ABC):
             )
 
     def _stop_for_signal(self, save_seconds: float | None, batches: TrackedBatches | None = None) -> None:
+        self._finish_background()  # every rank is here: the save just started is published before the exit
         if self.is_main:
             self._files.wait()
             save_seconds = self._files.last_seconds
@@ -473,10 +477,21 @@ class BaseTrainer(abc.ABC):
         self._results = {**self._latest_metrics, **self.best_metrics}
         self._restore_lost_best_file()
         self._save_checkpoint()
+        self._finish_background()
         if self.is_main:
             self._files.wait()
         self._close_sinks()
         return dict(self._results) or None
+
+    def _finish_background(self) -> None:
+        """Wait for a background sharded save and publish it (every rank together); its failure raises here."""
+        if self._background is not None:
+            self._background.finish(rank=self.rank, world_size=self.world_size)
+
+    def _abandon_background(self) -> None:
+        """Let a background sharded save end unpublished: this rank is failing, the others may not be there."""
+        if self._background is not None:
+            self._background.abandon()
 
     def _restore_lost_best_file(self) -> None:
         """Say so at the end when ``best.pt`` went missing from disk during the run, and write it again.
@@ -982,7 +997,9 @@ class BaseTrainer(abc.ABC):
         """``ckpt.format="sharded"``: every rank writes its shards of ``best.ckpt`` (when the best changed), then of
         ``last.ckpt``; rank 0 adds the engine's payload and publishes each (see :mod:`trainkit.sharded`)."""
         started = time.perf_counter()
-        tag = f"{self._loop.epoch}-{self.step}"
+        self._finish_background()  # one save in flight: the previous one is published (or its failure raised) now
+        self._sharded_saves += 1
+        tag = f"{self._loop.epoch}-{self.step}-{self._sharded_saves}"
         if self._best_dirty and self._best.state is not None and self._best_state is not None:
             engine = None
             if self.is_main:
@@ -1005,14 +1022,12 @@ class BaseTrainer(abc.ABC):
             )
             engine = self._engine_payload(states, rng, loop, mid_epoch)
             self._run_log.sync()  # the rows on disk before the checkpoint records the offset
-        sharded.save_directory(
-            self.out_dir / sharded.LAST_DIR,
-            sharded.state_for_save(items),
-            engine,
-            rank=self.rank,
-            world_size=self.world_size,
-            tag=tag,
-        )
+        last = self.out_dir / sharded.LAST_DIR
+        options = {"rank": self.rank, "world_size": self.world_size, "tag": tag}
+        if self._background is not None:
+            self._background.start(last, sharded.state_for_save(items), engine, **options)
+            return None
+        sharded.save_directory(last, sharded.state_for_save(items), engine, **options)
         return time.perf_counter() - started if self.is_main else None
 
     # ------------------------------------------------------------------ best model and early stopping
@@ -1524,6 +1539,7 @@ class BaseTrainer(abc.ABC):
         """
         if self.is_main and not self._failed:
             self._files.wait()
+        self._abandon_background()  # train() finished or abandoned it; only a trainer never trained has one here
         self._close_sinks()
         self._files.release()
         if self._owns_process_group and dist_utils.is_distributed():
