@@ -30,9 +30,11 @@ def run(out_dir, world_size=2, **overrides):
 
 def test_fsdp2_trains_as_ddp_does(tmp_path):
     """Same data, same initial weights: losses, grad norms (clipped over every shard), per-parameter statistics,
-    validation, the best epoch and the test score agree with DDP to float tolerance."""
-    ddp_result, ddp_rows, ddp_weights = run(tmp_path / "ddp", wrap="ddp")
-    fsdp_result, fsdp_rows, fsdp_weights = run(tmp_path / "fsdp", wrap="fsdp")
+    validation, early stopping, the best epoch and the test score agree with DDP to float tolerance."""
+    stopping = {"epochs": 8, "val": {"patience": 1}}
+    ddp_result, ddp_rows, ddp_weights = run(tmp_path / "ddp", wrap="ddp", **stopping)
+    fsdp_result, fsdp_rows, fsdp_weights = run(tmp_path / "fsdp", wrap="fsdp", **stopping)
+    assert 1 < max(row["epoch"] for row in ddp_rows) < 7  # stopped early, after more than one epoch
     assert [sorted(row) for row in fsdp_rows] == [sorted(row) for row in ddp_rows]
     assert any("params/0.weight/grad_norm" in row for row in ddp_rows)
     for ddp_row, fsdp_row in zip(ddp_rows, fsdp_rows, strict=True):
@@ -230,3 +232,31 @@ def test_a_failed_shard_write_fails_every_rank_and_publishes_nothing(tmp_path, b
     engine = torch.load(out / "last.ckpt" / "trainkit.pt", weights_only=False)
     assert engine["epoch"] == 1  # epoch 0's save published; epoch 1's never
     assert not (out / "last.prev.ckpt").exists()
+
+
+def test_a_ddp_file_checkpoint_continues_as_fsdp2_and_back(tmp_path):
+    """A DDP run's last.pt named by an FSDP2 run with sharded checkpoints (and an FSDP2 run's last.ckpt named by a
+    DDP run with file checkpoints) loads whole weights and AdamW state bit for bit, best weights included."""
+    ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
+    trainkit.spawn(ShardTrainer, sharded_cfg(ddp, wrap="ddp", epochs=2, test={"enable": False},
+                                             ckpt={"format": "file"}), 2)
+    saved = torch.load(ddp / "report2.pt")
+    into_fsdp = sharded_cfg(tmp_path / "as_fsdp", epochs=3, dump_loaded=True,
+                            ckpt={"format": "sharded", "resume": str(ddp / "last.pt")})
+    trainkit.spawn(ShardTrainer, into_fsdp, 2)
+    loaded = torch.load(tmp_path / "as_fsdp" / "loaded2.pt")
+    assert loaded["epoch"] == 2
+    assert_same_state(loaded["weights"], saved["weights"])
+    assert_same_state(loaded["optimizer"], saved["optimizer"])
+    assert loaded["best"].keys() == saved["weights"].keys()
+    assert_same_state(loaded["best"], saved["best"])
+
+    trainkit.spawn(ShardTrainer, sharded_cfg(fsdp, epochs=2, test={"enable": False}), 2)
+    saved = torch.load(fsdp / "report2.pt")
+    into_ddp = sharded_cfg(tmp_path / "as_ddp", wrap="ddp", epochs=3, dump_loaded=True,
+                           ckpt={"format": "file", "resume": str(fsdp / "last.ckpt")})
+    trainkit.spawn(ShardTrainer, into_ddp, 2)
+    loaded = torch.load(tmp_path / "as_ddp" / "loaded2.pt")
+    assert_same_state(loaded["weights"], saved["weights"])
+    assert_same_state(loaded["optimizer"], saved["optimizer"])
+    assert_same_state(loaded["best"], saved["best"])

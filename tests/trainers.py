@@ -378,8 +378,10 @@ class ShardTrainer(BaseTrainer):
     def train(self):
         if self.cfg.dump_loaded:  # what the constructor restored, whole, instead of training
             weights, optimizer = full_weights(self.model), full_optimizer_state(self.model, self.optimizer)
+            best = whole_best(self)
             if self.rank == 0:
-                torch.save({"weights": weights, "optimizer": optimizer, "epoch": self.epoch, "step": self.step},
+                torch.save({"weights": weights, "optimizer": optimizer, "epoch": self.epoch, "step": self.step,
+                            "best": best},
                            os.path.join(self.cfg.out_dir, f"loaded{self.world_size}.pt"))
             return None
         return super().train()
@@ -427,8 +429,10 @@ class ShardTrainer(BaseTrainer):
         super().log_training_results()
         if self.cfg.report:
             full, optimizer = full_weights(self.model), full_optimizer_state(self.model, self.optimizer)
+            best = whole_best(self)
             if self.rank == 0:
-                report = {"weights": full, "pushed": self.__dict__.get("pushed", []), "optimizer": optimizer}
+                report = {"weights": full, "pushed": self.__dict__.get("pushed", []), "optimizer": optimizer,
+                          "best": best}
                 torch.save(report, os.path.join(self.cfg.out_dir, f"report{self.world_size}.pt"))
 
 
@@ -454,3 +458,10 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     state = get_optimizer_state_dict(nn.ModuleDict({"model": unwrap(model)}), optimizer, options=options)
     return {name: {key: torch.as_tensor(value).clone() for key, value in entry.items()}
             for name, entry in state.get("state", {}).items()}  # rank 0 alone holds the whole state
+
+
+def whole_best(trainer: BaseTrainer) -> dict:
+    """The best-model snapshot's whole tensors, without DDP's prefix (gathered from the shards under FSDP2)."""
+    best = trainer.best_model or {}
+    return {name.removeprefix("module."): (value.full_tensor() if hasattr(value, "full_tensor") else value).clone()
+            for name, value in best.items()}

@@ -38,7 +38,7 @@ from torch import nn
 
 from trainkit import checkpoint as ckpt_io
 from trainkit import distributed as dist_utils
-from trainkit.errors import CheckpointCorruptError, CheckpointError
+from trainkit.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 
 __all__ = [
     "LAST_DIR",
@@ -55,6 +55,7 @@ __all__ = [
     "load_items_into",
     "read_whole",
     "apply_items",
+    "apply_whole_items",
     "verify_directory",
     "remove_temporary",
 ]
@@ -184,6 +185,54 @@ def read_whole(directory: Path, key: str) -> dict[str, Any]:
     if not template:
         raise CheckpointCorruptError(f"{directory} holds no tensors under {key!r}")
     return load_items_into({key: template}, directory, no_dist=True)[key]
+
+
+def apply_whole_items(items: Mapping[str, Any], payload: Mapping[str, Any]) -> list[str]:
+    """Load a file checkpoint's whole module and optimizer states into (possibly FSDP2-sharded) registered items.
+
+    A module's state may carry DDP's ``module.`` prefix; an optimizer's is torch's own (states keyed by the
+    position of each parameter in its param groups), which is mapped to parameter names through this run's
+    optimizer, built the same way. Each rank keeps its own shards of the whole states.
+
+    :param items: The registry's items.
+    :param payload: The file checkpoint (a ``last.pt``), each item's state under its name.
+    :returns: The names of the items loaded.
+    :raises CheckpointMismatchError: When an optimizer's parameter count differs from the checkpoint's.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    whole = StateDictOptions(full_state_dict=True)
+    container = _modules(items)
+    names_of = {id(param): name for name, param in container.named_parameters()}
+    loaded = []
+    for name, obj in dcp_items(items).items():
+        state = payload[name]
+        if isinstance(obj, nn.Module):
+            if state and all(key.startswith("module.") for key in state):
+                state = {key.removeprefix("module."): value for key, value in state.items()}
+            set_model_state_dict(dist_utils.unwrap(obj), state, options=whole)
+        else:
+            params = [param for group in obj.param_groups for param in group["params"]]
+            saved = [index for group in state["param_groups"] for index in group["params"]]
+            if len(saved) != len(params):
+                raise CheckpointMismatchError(
+                    f"checkpoint item {name!r} is an optimizer over {len(saved)} parameters and this run's has "
+                    f"{len(params)}; build the optimizer over the same parameters, in the same order"
+                )
+            fqn = {index: names_of[id(param)] for index, param in zip(saved, params, strict=True)}
+            converted = {
+                "state": {fqn[index]: value for index, value in state["state"].items()},
+                "param_groups": [
+                    {**group, "params": [fqn[index] for index in group["params"]]} for group in state["param_groups"]
+                ],
+            }
+            set_optimizer_state_dict(container, obj, converted, options=whole)
+        loaded.append(name)
+    return loaded
 
 
 def _why(exc: BaseException) -> str:

@@ -19,7 +19,7 @@ from torch import nn
 
 from trainkit.errors import UsageError
 
-__all__ = ["device_mesh", "shard_module", "is_sharded", "plain", "units_to_shard"]
+__all__ = ["device_mesh", "shard_module", "is_sharded", "plain", "units_to_shard", "shard_like"]
 
 
 def device_mesh(device: torch.device, world_size: int) -> Any:
@@ -128,3 +128,27 @@ def plain(value: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def shard_like(whole: dict[str, Any], like: dict[str, Any]) -> dict[str, Any]:
+    """This rank's shards of whole tensors, laid out as ``like``'s DTensors (a collective for sharded entries).
+
+    :param whole: Name to whole tensor (every rank holds the same), e.g. a ``best.pt``'s weights.
+    :param like: Name to tensor or DTensor: a sharded module's state dict.
+    :returns: Name to a new DTensor with ``like``'s mesh and placements (a plain tensor where ``like`` has one).
+    :raises KeyError: When ``whole`` lacks one of ``like``'s names.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    out: dict[str, Any] = {}
+    for name, template in like.items():
+        value = whole[name]
+        if isinstance(template, DTensor):
+            out[name] = distribute_tensor(
+                value.detach().to(template.device, template.dtype), template.device_mesh, template.placements
+            )
+        elif isinstance(value, torch.Tensor):
+            out[name] = value.detach().clone()
+        else:
+            out[name] = value
+    return out

@@ -652,7 +652,11 @@ class BaseTrainer(abc.ABC):
     def _load_resume_checkpoint(self) -> tuple[dict[str, Any] | None, Path | None]:
         """Load the checkpoint ``ckpt.resume`` names; return it and the path it came from (or None, None)."""
         self._refuse_other_format()
-        if self.cfg.ckpt.format == "sharded":
+        resume = self.cfg.ckpt.resume
+        named = resume not in ("auto", "never")
+        # a named checkpoint is read in its own format, whatever this run writes: that is how a DDP run's
+        # last.pt continues as an FSDP2 run with sharded checkpoints, and the other way round
+        if (named and Path(resume).is_dir()) or (not named and self.cfg.ckpt.format == "sharded"):
             ckpt, path = self._load_sharded_resume()
         else:
             ckpt, path = self._files.load_resume(self.cfg.ckpt.resume, world_size=self.world_size)
@@ -674,7 +678,8 @@ class BaseTrainer(abc.ABC):
             raise CheckpointMismatchError(
                 f"{other[0]} was written with ckpt.format={written!r}, and this run has "
                 f"ckpt.format={self.cfg.ckpt.format!r}, which would start over beside it; resume it with "
-                f"ckpt.format={written!r}, or start fresh in another out_dir (or with ckpt.resume=never)"
+                f"ckpt.format={written!r}, convert it by naming it in another out_dir (ckpt.resume={other[0]}), "
+                "or start fresh (ckpt.resume=never)"
             )
 
     def _load_sharded_resume(self) -> tuple[dict[str, Any] | None, Path | None]:
@@ -692,13 +697,7 @@ class BaseTrainer(abc.ABC):
             if not candidates:
                 return None, None
         else:
-            named = Path(resume)
-            if not named.is_dir():
-                raise CheckpointError(
-                    f"ckpt.resume must be 'auto', 'never' or, with ckpt.format='sharded', a checkpoint directory "
-                    f"(such as {self.out_dir / sharded.LAST_DIR}), got {resume!r}, which is not a directory"
-                )
-            candidates = [named]
+            candidates = [Path(resume)]
         problems: list[str] = []
         for candidate in candidates:
             problem = sharded.verify_directory(candidate, rank=self.rank, world_size=self.world_size)
@@ -785,9 +784,13 @@ class BaseTrainer(abc.ABC):
         return _Resume(path=path, records=resumed, results=dict(results) if results is not None else None)
 
     def _restore(self, ckpt: dict[str, Any], resume: _Resume) -> None:
-        if self.cfg.ckpt.format == "sharded":
-            items = self._registry.items
+        items = self._registry.items
+        if resume.path.is_dir():  # a sharded checkpoint: read resharded to this run, into any wrap
             sharded.apply_items(items, sharded.load_items(items, resume.path))
+        elif any(sharding.is_sharded(obj) for obj in items.values() if isinstance(obj, nn.Module)):
+            # a file checkpoint (a DDP or one-process run) into FSDP2 modules: whole states, sharded on load
+            converted = sharded.apply_whole_items(items, ckpt)
+            ckpt = {**ckpt, **dict.fromkeys(converted, sharded.SHARDED)}
         self._registry, _ = core.apply_payload(self._registry, ckpt, load_into=_load_item)
         modes = ckpt.get("training_modes") or {}
         for name, obj in self._registry.items.items():
@@ -850,11 +853,17 @@ class BaseTrainer(abc.ABC):
         best = self._best_state
         if best is None or best.score is None:
             return
-        if self.cfg.ckpt.format == "sharded":
+        if (directory / sharded.BEST_DIR).is_dir() or sharded.previous_directory(directory / sharded.BEST_DIR).is_dir():
             self._load_sharded_best(directory, best)
             return
         saved = self._files.read_best(directory, best)
         if saved is None:
+            return
+        model = dist_utils.unwrap(self.model)
+        if sharding.is_sharded(model):  # best.pt holds whole weights: each rank keeps its own shards of them
+            own = module_state(model)
+            self._best.replace(sharding.shard_like(saved["model"], own), private=True)
+            self._best_dirty = True  # this run's folder gets a best.ckpt of them at the next save
             return
         # loaded tensors may share memory (tied weights): not private, so the next improvement allocates anew
         self._best.replace(
