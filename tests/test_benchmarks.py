@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -88,3 +90,22 @@ def test_step_resume_quick_mode_runs_and_resumes_exactly(tmp_path):
     assert trainkit["steps"]["reference"] == trainkit["steps"]["resumed"]
     assert report["exactness"]["lightning"] == {"skipped": "--no-lightning"}
     assert report["trainkit_exact"] is True
+
+
+@pytest.mark.ddp
+def test_sharded_save_quick_mode_runs(tmp_path):
+    """benchmarks/sharded_save.py --quick: every variant saves through trainkit on 2 gloo ranks and reports blocked
+    seconds, peak memory per rank and the disk's own speed (the goals apply at full size, not here)."""
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/sharded_save.py", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "sharded_save_quick.json").read_text())
+    (row,) = report["rows"]
+    for name in ("file", "sharded", "sharded async"):
+        assert row[f"{name} blocked_s"] > 0 and len(row[f"{name} peak_mib"]) == 2
+    assert row["disk_dd_s"] > 0 and row["bytes"] > 9 * 2**20

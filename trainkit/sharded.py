@@ -25,6 +25,7 @@ Side effects: files in ``out_dir``; collectives (every rank must call :func:`sav
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -265,6 +266,15 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+def _own_checksums(temporary: Path, rank: int) -> dict[str, list[int]]:
+    """fsync the files this rank wrote and return each one's ``[size, CRC-32]``, by name."""
+    checksums = {}
+    for path in _own_files(temporary, rank):
+        _fsync_file(path)
+        checksums[path.name] = list(_crc(path))
+    return checksums
+
+
 def _prepare(final: Path, *, rank: int, world_size: int, tag: str) -> Path:
     """Rank 0 clears torn temporary directories of ``final`` and makes this save's; every rank learns it worked."""
     temporary = final.with_name(f".{final.name}.tmp-{tag}")
@@ -289,17 +299,17 @@ def _complete(
     *,
     rank: int,
     world_size: int,
+    checksums: dict[str, list[int]] | None = None,
 ) -> None:
-    """After this rank's shards are written (or failed with ``error``): checksum them, gather, and on rank 0 write
-    ``trainkit.pt`` and the manifest and publish; every rank raises when any rank failed (a collective)."""
-    checksums: dict[str, list[int]] = {}
-    if error is None:
+    """After this rank's shards are written (or failed with ``error``): checksum them (unless ``checksums`` holds
+    them already), gather, and on rank 0 write ``trainkit.pt`` and the manifest and publish; every rank raises
+    when any rank failed (a collective)."""
+    if error is None and checksums is None:
         try:
-            for path in _own_files(temporary, rank):
-                _fsync_file(path)
-                checksums[path.name] = list(_crc(path))
+            checksums = _own_checksums(temporary, rank)
         except Exception as exc:  # noqa: BLE001 - every rank hears of it below
             error = exc
+    checksums = checksums if error is None and checksums is not None else {}
     gathered = dist_utils.all_gather_objects((checksums, error is not None))
     if error is None and any(failed for _, failed in gathered):
         error = RuntimeError("another rank failed to write its shards")
@@ -373,6 +383,12 @@ def _write_failed(final: Path, rank: int, exc: BaseException) -> CheckpointError
     return error
 
 
+def _after_write(write: Any, temporary: Path, rank: int) -> dict[str, list[int]]:
+    """Wait for a background DCP write, then checksum what this rank wrote (in the checksum thread)."""
+    write.result()
+    return _own_checksums(temporary, rank)
+
+
 class BackgroundSave:
     """One sharded save in flight: ``dcp.async_save`` writes the shards from a thread, on a gloo group of its own;
     :meth:`finish` (on the main thread, every rank together) waits for it, then checksums and publishes.
@@ -388,6 +404,7 @@ class BackgroundSave:
         self._timeout_s = timeout_s
         self._group: Any = None
         self._pending: tuple[Any, Path, Path, dict[str, Any] | None] | None = None
+        self._checksummer: concurrent.futures.ThreadPoolExecutor | None = None
 
     @property
     def pending(self) -> bool:
@@ -422,7 +439,12 @@ class BackgroundSave:
             self._group = dist.new_group(backend="gloo", timeout=timeout)
         future = dcp.async_save(state, checkpoint_id=str(temporary), process_group=self._group)
         future = getattr(future, "upload_completion", future)  # an AsyncSaveResponse wraps the one to wait on
-        self._pending = (future, temporary, final, engine)
+        if self._checksummer is None:
+            self._checksummer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainkit-checksum")
+        # this rank's fsyncs and CRCs (a second read of everything it wrote) in the background too, after the
+        # write: rank-local, no collective, so finish() only gathers and publishes
+        summed = self._checksummer.submit(_after_write, future, temporary, rank)
+        self._pending = (summed, temporary, final, engine)
 
     def finish(self, *, rank: int, world_size: int) -> None:
         """Wait for the save in flight, then checksum and publish it (a collective; nothing to do when none is).
@@ -436,13 +458,14 @@ class BackgroundSave:
         future, temporary, final, engine = self._pending
         self._pending = None
         error: BaseException | None = None
+        checksums = None
         try:
-            future.result(timeout=self._timeout_s)
+            checksums = future.result(timeout=self._timeout_s)
         except BaseException as exc:
             if not _is_write_error(exc):
                 raise
             error = _write_failed(final, rank, exc)
-        _complete(temporary, final, engine, error, rank=rank, world_size=world_size)
+        _complete(temporary, final, engine, error, rank=rank, world_size=world_size, checksums=checksums)
 
     def abandon(self) -> None:
         """Let a save in flight end without publishing it (this rank is failing; the others may be gone).

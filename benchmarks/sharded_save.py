@@ -1,0 +1,230 @@
+"""Sharded checkpoints (``ckpt.format=sharded``) against today's rank-0 file, on 2 gloo ranks.
+
+    python benchmarks/sharded_save.py [--sizes 10,100,1000] [--rounds 3] [--quick] [--out benchmarks/results]
+
+For each checkpoint size (MB of weights plus AdamW's two moments, float32) three trainers of 2 processes
+each save the same state through trainkit's own save path (``BaseTrainer._save_checkpoint``, what the loop
+calls at an epoch's end), ``rounds`` times after one warm-up save:
+
+- ``file``: a DDP model, ``ckpt.format=file``: rank 0 gathers nothing (DDP replicas are whole) and writes
+  ``last.pt`` with ``torch.save``, temp file + fsync + rename;
+- ``sharded``: an FSDP2 model (``make_fsdp``), ``ckpt.format=sharded``: every rank writes its half through DCP,
+  then checksums, manifest, publish;
+- ``sharded async``: the same with ``ckpt.async_save``: the loop is blocked while the shards are staged in
+  host memory; the write runs in the background and is published at the next save (timed apart: ``drain``).
+
+Reported per variant: the seconds the loop is blocked per save (the slowest rank, median over rounds), the
+peak resident memory of each rank above its level just before a save (``VmHWM``; a fresh pair of
+processes per variant, the peak reset before each save through ``/proc/self/clear_refs``), and for the
+synchronous sharded save its throughput (checkpoint bytes / blocked
+seconds) as a fraction of the disk's own: ``dd if=/dev/zero bs=4M conv=fsync`` of the same number of bytes
+into the same folder, measured in the same run, right after. Goals: async blocked <= 0.1x sync sharded;
+sync sharded throughput >= 0.8x the disk's. Exit 1 when one is missed (``--quick`` only reports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainkit import BaseTrainer, Config  # noqa: E402
+from trainkit.distributed import all_gather_objects, free_port  # noqa: E402
+
+GATE_ASYNC = 0.1
+GATE_THROUGHPUT = 0.8
+VARIANTS = {
+    "file": {"wrap": "ddp", "ckpt": {"format": "file"}},
+    "sharded": {"wrap": "fsdp", "ckpt": {"format": "sharded"}},
+    "sharded async": {"wrap": "fsdp", "ckpt": {"format": "sharded", "async_save": True}},
+}
+
+
+@attrs.frozen(kw_only=True)
+class SaveConfig(Config):
+    """The engine's keys plus the size of the state and how to wrap it."""
+
+    mb: int = 10
+    wrap: str = "ddp"
+    rounds: int = 3
+    report: str = ""
+
+
+class SaveTrainer(BaseTrainer):
+    """A stack of square Linear layers of ``mb`` MB with weights + AdamW moments; no training, only saves."""
+
+    config_class = SaveConfig
+    cfg: SaveConfig
+
+    def setup(self, ckpt: Any) -> None:
+        cfg = self.cfg
+        floats = cfg.mb * 2**20 // 4 // 3  # weights, exp_avg, exp_avg_sq
+        layers = 16
+        width = max(8, int((floats / layers) ** 0.5))
+        torch.manual_seed(cfg.seed)
+        net = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
+        if cfg.wrap == "fsdp":
+            self.model = self.make_fsdp(net, shard=nn.Linear)
+        else:
+            self.model = self.make_ddp(net)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.model(torch.randn(2, width)).sum().backward()
+        self.optimizer.step()  # the moments exist: the checkpoint has its full size
+        self.add_checkpoint_items(model=self.model, optimizer=self.optimizer)
+        self.payload_bytes = 3 * layers * width * width * 4
+
+    def train_epoch(self) -> None:  # pragma: no cover - never trained
+        raise NotImplementedError
+
+    def val_epoch(self) -> bool:  # pragma: no cover - never validated
+        raise NotImplementedError
+
+    def measure(self) -> dict[str, Any]:
+        """Save once to warm up, then ``rounds`` times: the blocked seconds of each, and the highest resident
+        memory any save (with its background write) reached above the process's memory just before it."""
+        blocked, drains, peaks = [], [], []
+        for index in range(self.cfg.rounds + 1):
+            self.barrier()
+            before = _reset_peak_rss()
+            begun = time.perf_counter()
+            self._save_checkpoint()
+            took = time.perf_counter() - begun
+            self.barrier()
+            drain_begun = time.perf_counter()
+            self._finish_background()  # what the next save would wait for (0 for synchronous saves)
+            drain = time.perf_counter() - drain_begun
+            if index:
+                blocked.append(took)
+                drains.append(drain)
+                peaks.append((_status_kib("VmHWM") - before) / 1024)
+        return {"blocked": blocked, "drain": drains, "peak_mib": max(peaks)}
+
+
+def _status_kib(field: str) -> int:
+    """A ``/proc/self/status`` memory field, in KiB (``VmRSS``, ``VmHWM``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _reset_peak_rss() -> int:
+    """Reset this process's peak resident memory to its current one (Linux >= 4.0); return the current, KiB."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kib("VmRSS")
+
+
+def _worker(rank: int, world_size: int, cfg: dict[str, Any], port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    trainer = SaveTrainer(cfg, rank, world_size)
+    try:
+        mine = trainer.measure()
+        every = all_gather_objects(mine)
+        if rank == 0:
+            rounds = len(every[0]["blocked"])
+            result = {
+                "payload_bytes": trainer.payload_bytes,
+                "blocked_s": statistics.median(max(r["blocked"][i] for r in every) for i in range(rounds)),
+                "drain_s": statistics.median(max(r["drain"][i] for r in every) for i in range(rounds)),
+                "peak_mib_per_rank": [round(r["peak_mib"], 1) for r in every],
+            }
+            Path(cfg["report"]).write_text(json.dumps(result))
+    finally:
+        trainer.close()
+
+
+def run_variant(name: str, mb: int, rounds: int, folder: Path) -> dict[str, Any]:
+    """One variant at one size, in a fresh pair of processes; returns rank 0's report."""
+    out = folder / name.replace(" ", "_")
+    report = folder / f"{name.replace(' ', '_')}.json"
+    cfg = {
+        "epochs": 1,
+        "out_dir": str(out),
+        "wandb": {"mode": "disabled"},
+        "progress": {"enable": False},
+        "dist": {"backend": "gloo", "timeout_s": 600},
+        "mb": mb,
+        "rounds": rounds,
+        "report": str(report),
+        **VARIANTS[name],
+    }
+    mp.start_processes(_worker, args=(2, cfg, free_port()), nprocs=2, join=True, start_method="spawn")
+    result = json.loads(report.read_text())
+    shutil.rmtree(out, ignore_errors=True)
+    return result
+
+
+def disk_seconds(folder: Path, nbytes: int) -> float:
+    """Seconds ``dd`` takes to write and fsync ``nbytes`` of zeros into ``folder`` (the disk's own speed)."""
+    target = folder / "dd.bin"
+    count = max(1, nbytes // (4 << 20))
+    begun = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=4M", f"count={count}", "conv=fsync"],
+                   check=True, capture_output=True)
+    took = time.perf_counter() - begun
+    target.unlink()
+    return took * nbytes / (count * (4 << 20))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10,100,1000", help="checkpoint sizes in MB, comma-separated")
+    parser.add_argument("--rounds", type=int, default=3, help="timed saves per variant (after one warm-up)")
+    parser.add_argument("--quick", action="store_true", help="10 MB, 1 round; goals only reported")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="where the results go")
+    parser.add_argument("--dir", default=None, help="the folder to write checkpoints into (a temp dir by default)")
+    args = parser.parse_args(argv)
+    sizes = [10] if args.quick else [int(size) for size in args.sizes.split(",")]
+    rounds = 1 if args.quick else args.rounds
+    rows = []
+    missed = []
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        folder = Path(tmp)
+        for mb in sizes:
+            results = {name: run_variant(name, mb, rounds, folder) for name in VARIANTS}
+            nbytes = results["sharded"]["payload_bytes"]
+            disk = disk_seconds(folder, nbytes)
+            sync, background = results["sharded"]["blocked_s"], results["sharded async"]["blocked_s"]
+            row = {
+                "mb": mb,
+                "bytes": nbytes,
+                "disk_dd_s": round(disk, 4),
+                **{f"{name} blocked_s": round(r["blocked_s"], 4) for name, r in results.items()},
+                "sharded async drain_s": round(results["sharded async"]["drain_s"], 4),
+                **{f"{name} peak_mib": r["peak_mib_per_rank"] for name, r in results.items()},
+                "async / sync": round(background / sync, 3),
+                "sync throughput / disk": round(disk / sync, 3),
+            }
+            rows.append(row)
+            if row["async / sync"] > GATE_ASYNC:
+                missed.append(f"{mb} MB: async/sync {row['async / sync']} > {GATE_ASYNC}")
+            if row["sync throughput / disk"] < GATE_THROUGHPUT:
+                missed.append(f"{mb} MB: sync throughput/disk {row['sync throughput / disk']} < {GATE_THROUGHPUT}")
+            print(json.dumps(row), flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    name = "sharded_save_quick.json" if args.quick else "sharded_save.json"
+    meta = {"torch": torch.__version__, "cpus": os.cpu_count(), "rounds": rounds, "goals": {
+        "async / sync": f"<= {GATE_ASYNC}", "sync throughput / disk": f">= {GATE_THROUGHPUT}"}}
+    (Path(args.out) / name).write_text(json.dumps({"meta": meta, "rows": rows, "missed": missed}, indent=1))
+    for line in missed:
+        print(f"goal missed: {line}")
+    return 1 if missed and not args.quick else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
