@@ -30,7 +30,7 @@ import json
 import os
 import shutil
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,7 @@ __all__ = [
     "apply_items",
     "apply_whole_items",
     "verify_directory",
+    "read_engine",
     "remove_temporary",
 ]
 
@@ -234,6 +235,30 @@ def apply_whole_items(items: Mapping[str, Any], payload: Mapping[str, Any]) -> l
             set_optimizer_state_dict(container, obj, converted, options=whole)
         loaded.append(name)
     return loaded
+
+
+def read_engine(
+    directory: Path, *, rank: int, world_size: int, validate: Callable[..., None]
+) -> tuple[dict[str, Any] | None, str | None]:
+    """Check a checkpoint directory against its manifest (a collective), then load and validate its ``trainkit.pt``.
+
+    :param directory: The checkpoint directory.
+    :param rank: This rank.
+    :param world_size: The number of ranks.
+    :param validate: ``validate_last`` or ``validate_best`` (called with the payload and ``path=``).
+    :returns: ``(payload, None)``, or ``(None, what is wrong)`` when the directory is damaged, incomplete or not a
+        trainkit checkpoint.
+    """
+    problem = verify_directory(directory, rank=rank, world_size=world_size)
+    if problem is not None:
+        return None, problem
+    path = directory / ENGINE_FILE
+    try:
+        engine = ckpt_io.load_checkpoint(path)
+        validate(engine, path=path)
+    except CheckpointCorruptError as exc:
+        return None, str(exc)
+    return engine, None
 
 
 def _why(exc: BaseException) -> str:

@@ -700,15 +700,10 @@ class BaseTrainer(abc.ABC):
             candidates = [Path(resume)]
         problems: list[str] = []
         for candidate in candidates:
-            problem = sharded.verify_directory(candidate, rank=self.rank, world_size=self.world_size)
-            ckpt: dict[str, Any] = {}
-            if problem is None:
-                try:
-                    ckpt = ckpt_io.load_checkpoint(candidate / sharded.ENGINE_FILE)
-                    validate_last(ckpt, path=candidate / sharded.ENGINE_FILE)
-                except CheckpointCorruptError as exc:
-                    problem = str(exc)
-            if problem is None:
+            ckpt, problem = sharded.read_engine(
+                candidate, rank=self.rank, world_size=self.world_size, validate=validate_last
+            )
+            if ckpt is not None:
                 if problems and self.is_main:
                     warnings.warn(
                         f"{problems[-1]}; resuming from the previous checkpoint {candidate} instead",
@@ -882,14 +877,10 @@ class BaseTrainer(abc.ABC):
         for candidate in (directory / sharded.BEST_DIR, sharded.previous_directory(directory / sharded.BEST_DIR)):
             if not candidate.is_dir():
                 continue
-            problem = sharded.verify_directory(candidate, rank=self.rank, world_size=self.world_size)
-            if problem is None:
-                try:
-                    engine = ckpt_io.load_checkpoint(candidate / sharded.ENGINE_FILE)
-                    validate_best(engine, path=candidate / sharded.ENGINE_FILE)
-                except CheckpointCorruptError as exc:
-                    problem = str(exc)
-            if problem is not None:
+            engine, problem = sharded.read_engine(
+                candidate, rank=self.rank, world_size=self.world_size, validate=validate_best
+            )
+            if engine is None:
                 if self.is_main:
                     warnings.warn(problem, RuntimeWarning, stacklevel=4)
                 continue
