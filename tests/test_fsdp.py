@@ -260,3 +260,23 @@ def test_a_ddp_file_checkpoint_continues_as_fsdp2_and_back(tmp_path):
     assert_same_state(loaded["weights"], saved["weights"])
     assert_same_state(loaded["optimizer"], saved["optimizer"])
     assert_same_state(loaded["best"], saved["best"])
+
+
+def test_saving_an_optimizer_that_has_not_stepped_leaves_training_alone(tmp_path):
+    """No optimizer step in epoch 0, then a sharded save: DCP would initialise AdamW's state by stepping it with
+    zero gradients (step count 1, and the trainer's step moved); trainkit keeps such an optimizer out of the DCP
+    files, so the run ends exactly as the same run without checkpoints, and it resumes from that save."""
+    options = {"epochs": 2, "test": {"enable": False}, "step_from_epoch": 1}
+    (tmp_path / "plain").mkdir()  # a run without checkpoints makes no out_dir; the report goes there
+    trainkit.spawn(ShardTrainer, sharded_cfg(tmp_path / "plain", ckpt={"enable": False}, **options), 2)
+    trainkit.spawn(ShardTrainer, sharded_cfg(tmp_path / "saved", **options), 2)
+    plain, saved = torch.load(tmp_path / "plain" / "report2.pt"), torch.load(tmp_path / "saved" / "report2.pt")
+    assert_same_state(saved["weights"], plain["weights"])
+    assert_same_state(saved["optimizer"], plain["optimizer"])
+    assert [row["step"] for row in saved["pushed"]] == [row["step"] for row in plain["pushed"]]
+    resumed = tmp_path / "resumed"
+    with pytest.raises(Exception, match="injected failure on rank 0 at epoch 1"):
+        trainkit.spawn(ShardTrainer, sharded_cfg(resumed, fail_rank=0, fail_epoch=1, **options), 2)
+    trainkit.spawn(ShardTrainer, sharded_cfg(resumed, **options), 2)
+    assert_same_state(torch.load(resumed / "report2.pt")["weights"], plain["weights"])
+    assert_same_state(torch.load(resumed / "report2.pt")["optimizer"], plain["optimizer"])

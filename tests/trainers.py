@@ -301,6 +301,7 @@ class ShardConfig(Config):
     kill_in_save: str | None = None  # "before_publish" / "after_publish": rank 0 SIGKILLs itself there
     kill_at_save: int = 2  # ... in the n-th save of last.ckpt
     fail_write: int = 0  # rank 1's n-th DCP write of last.ckpt's shards raises OSError (0: never)
+    step_from_epoch: int = 0  # no optimizer step before this epoch (a checkpoint of an optimizer without state)
 
 
 def _kill_in_publish(where: str, at_save: int) -> None:
@@ -397,7 +398,8 @@ class ShardTrainer(BaseTrainer):
             loss.backward()
             self.log_param_grad_stats()
             self.clip_and_log_grad_norm()
-            self.optimizer.step()
+            if self.epoch >= self.cfg.step_from_epoch:
+                self.optimizer.step()
             total, count = total + loss.detach() * len(x), count + len(x)
         self.log({"train/loss": self.reduce_mean(total, count)})
         self.log_epoch_grad_norm()

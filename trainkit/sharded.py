@@ -30,7 +30,7 @@ import json
 import os
 import shutil
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -81,12 +81,20 @@ def previous_directory(path: Path) -> Path:
 
 
 def dcp_items(items: Mapping[str, Any]) -> dict[str, Any]:
-    """The registered items whose state goes through DCP: modules and optimizers.
+    """The registered items a save puts in the DCP files: modules, and optimizers that have a state.
+
+    An optimizer that has not stepped yet has no state, and ``get_optimizer_state_dict`` would make one by
+    stepping it with zero gradients (moving its step count, and the trainer's); such an optimizer's plain
+    ``state_dict()`` goes into ``trainkit.pt`` instead.
 
     :param items: The registry's name -> object mapping.
     :returns: The subset, in registration order.
     """
-    return {name: obj for name, obj in items.items() if isinstance(obj, nn.Module | torch.optim.Optimizer)}
+    return {
+        name: obj
+        for name, obj in items.items()
+        if isinstance(obj, nn.Module) or (isinstance(obj, torch.optim.Optimizer) and obj.state)
+    }
 
 
 def _modules(items: Mapping[str, Any]) -> nn.ModuleDict:
@@ -95,17 +103,14 @@ def _modules(items: Mapping[str, Any]) -> nn.ModuleDict:
     return nn.ModuleDict({name: dist_utils.unwrap(obj) for name, obj in items.items() if isinstance(obj, nn.Module)})
 
 
-def state_for_save(items: Mapping[str, Any]) -> dict[str, Any]:
-    """The DCP state dict of the registered modules and optimizers (sharded tensors stay sharded).
-
-    :param items: The registry's items.
-    :returns: ``{name: state}`` for each module and optimizer.
-    """
+def _states(items: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
+    """The DCP state dicts of the named modules and optimizers (sharded tensors stay sharded)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     container = _modules(items)
     state: dict[str, Any] = {}
-    for name, obj in dcp_items(items).items():
+    for name in names:
+        obj = items[name]
         if isinstance(obj, nn.Module):
             state[name] = get_model_state_dict(dist_utils.unwrap(obj))
         else:
@@ -113,15 +118,25 @@ def state_for_save(items: Mapping[str, Any]) -> dict[str, Any]:
     return state
 
 
-def load_items(items: Mapping[str, Any], directory: Path) -> dict[str, Any]:
-    """Read the modules' and optimizers' states from a checkpoint directory, resharded to this run's ranks.
+def state_for_save(items: Mapping[str, Any]) -> dict[str, Any]:
+    """The DCP state dict of the items :func:`dcp_items` selects (sharded tensors stay sharded).
 
-    :param items: The registry's items (their current states are the templates DCP fills).
+    :param items: The registry's items.
+    :returns: ``{name: state}``.
+    """
+    return _states(items, dcp_items(items))
+
+
+def load_items(items: Mapping[str, Any], directory: Path, names: Iterable[str]) -> dict[str, Any]:
+    """Read the named modules' and optimizers' states from a checkpoint directory, resharded to this run's ranks.
+
+    :param items: The registry's items (their current states shape the templates DCP fills).
     :param directory: The checkpoint directory.
+    :param names: The items its ``trainkit.pt`` marks as stored in the DCP files.
     :returns: ``{name: state}``, ready for :func:`apply_items`.
     :raises CheckpointCorruptError: When DCP cannot read an entry (a missing key, a shape that changed).
     """
-    return load_items_into(state_for_save(items), directory)
+    return load_items_into(_states(items, names), directory)
 
 
 def load_items_into(state: dict[str, Any], directory: Path, *, no_dist: bool = False) -> dict[str, Any]:
@@ -154,11 +169,12 @@ def apply_items(items: Mapping[str, Any], states: Mapping[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     container = _modules(items)
-    for name, obj in dcp_items(items).items():
+    for name, state in states.items():
+        obj = items[name]
         if isinstance(obj, nn.Module):
-            set_model_state_dict(dist_utils.unwrap(obj), states[name])
+            set_model_state_dict(dist_utils.unwrap(obj), state)
         else:
-            set_optimizer_state_dict(container, obj, states[name])
+            set_optimizer_state_dict(container, obj, state)
 
 
 def read_whole(directory: Path, key: str) -> dict[str, Any]:
@@ -211,12 +227,16 @@ def apply_whole_items(items: Mapping[str, Any], payload: Mapping[str, Any]) -> l
     container = _modules(items)
     names_of = {id(param): name for name, param in container.named_parameters()}
     loaded = []
-    for name, obj in dcp_items(items).items():
-        state = payload[name]
+    for name, obj in items.items():
+        state = payload.get(name)
+        if not isinstance(obj, nn.Module | torch.optim.Optimizer) or not isinstance(state, dict):
+            continue
         if isinstance(obj, nn.Module):
             if state and all(key.startswith("module.") for key in state):
                 state = {key.removeprefix("module."): value for key, value in state.items()}
             set_model_state_dict(dist_utils.unwrap(obj), state, options=whole)
+        elif not state.get("state"):  # saved before its first step: nothing to shard, nothing to name
+            obj.load_state_dict(state)
         else:
             params = [param for group in obj.param_groups for param in group["params"]]
             saved = [index for group in state["param_groups"] for index in group["params"]]

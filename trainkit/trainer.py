@@ -781,7 +781,8 @@ class BaseTrainer(abc.ABC):
     def _restore(self, ckpt: dict[str, Any], resume: _Resume) -> None:
         items = self._registry.items
         if resume.path.is_dir():  # a sharded checkpoint: read resharded to this run, into any wrap
-            sharded.apply_items(items, sharded.load_items(items, resume.path))
+            in_dcp = [name for name in items if isinstance(ckpt.get(name), str) and ckpt[name] == sharded.SHARDED]
+            sharded.apply_items(items, sharded.load_items(items, resume.path, in_dcp))
         elif any(sharding.is_sharded(obj) for obj in items.values() if isinstance(obj, nn.Module)):
             # a file checkpoint (a DDP or one-process run) into FSDP2 modules: whole states, sharded on load
             converted = sharded.apply_whole_items(items, ckpt)
