@@ -363,6 +363,9 @@ def _complete(
             manifest: dict[str, list[int]] = {}
             for files, _ in gathered:
                 manifest.update(files)
+            for path in sorted(temporary.iterdir()):  # a file no rank claimed (another DCP naming): rank 0 sums it
+                if path.name not in manifest and path.is_file():
+                    manifest[path.name] = list(_crc(path))
             ckpt_io.atomic_save(engine, temporary / ENGINE_FILE)
             manifest[ENGINE_FILE] = list(_crc(temporary / ENGINE_FILE))
             with open(temporary / MANIFEST_FILE, "w") as handle:
