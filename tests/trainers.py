@@ -302,6 +302,7 @@ class ShardConfig(Config):
     kill_at_save: int = 2  # ... in the n-th save of last.ckpt
     fail_write: int = 0  # rank 1's n-th DCP write of last.ckpt's shards raises OSError (0: never)
     step_from_epoch: int = 0  # no optimizer step before this epoch (a checkpoint of an optimizer without state)
+    best_on_rank0: bool = False  # save_if_best under a rank-0 guard (the API page allows it for file checkpoints)
 
 
 def _kill_in_publish(where: str, at_save: int) -> None:
@@ -416,7 +417,10 @@ class ShardTrainer(BaseTrainer):
     def val_epoch(self):
         score = self._mean_loss(self.val_loader)
         self.log({"val/loss": score})
-        improved = self.save_if_best(score)
+        if self.cfg.best_on_rank0:
+            improved = self.broadcast(self.save_if_best(score) if self.rank == 0 else None)
+        else:
+            improved = self.save_if_best(score)
         return self.step_patience(improved)
 
     def test_epoch(self):

@@ -1001,7 +1001,17 @@ class BaseTrainer(abc.ABC):
         self._finish_background()  # one save in flight: the previous one is published (or its failure raised) now
         self._sharded_saves += 1
         tag = f"{self._loop.epoch}-{self.step}-{self._sharded_saves}"
-        if self._best_dirty and self._best.state is not None and self._best_state is not None:
+        # best.ckpt is written by every rank together: the ranks must agree that it changed
+        dirty = self._best_dirty and self._best.state is not None and self._best_state is not None
+        if self.world_size > 1:
+            votes = dist_utils.all_gather_objects(dirty)
+            if any(votes) and not all(votes):
+                raise UsageError(
+                    f"save_if_best() recorded a new best on ranks {[r for r, v in enumerate(votes) if v]} only; with "
+                    "ckpt.format='sharded' every rank writes its shards of best.ckpt, so call save_if_best() on every "
+                    "rank with the same score (pool it with reduce_mean() or broadcast())"
+                )
+        if dirty:
             engine = None
             if self.is_main:
                 engine = best_payload(model={}, best=self._best_state, config=self._cfg_dict)
