@@ -500,12 +500,12 @@ class BaseTrainer(abc.ABC):
         none does.
         """
         every_rank = self.cfg.ckpt.format == "sharded"
-        if not self.cfg.ckpt.enable or self._best.state is None or self._best_state is None:
-            return
-        if not (self.is_main or every_rank):
+        tracked = self._best.state is not None and self._best_state is not None
+        # the sharded case decides on every rank alike (a rank without a best still joins the broadcast)
+        if not self.cfg.ckpt.enable or (not every_rank and not (self.is_main and tracked)):
             return
         lost = False
-        if self.is_main:
+        if self.is_main and tracked:
             self._files.wait()  # a background write may be about to put it there
             lost = not self._best_dirty and not self.best_ckpt_path.exists()
             if lost:
