@@ -193,6 +193,12 @@ def test_export_writes_the_whole_weights_of_a_sharded_or_file_checkpoint(tmp_pat
     net.load_state_dict(weights)
     assert export(out / "best.ckpt", tmp_path / "best.pt").returncode == 0
     assert torch.load(tmp_path / "best.pt").keys() == final.keys()
+    for kind in ("last", "best"):
+        shown = subprocess.run([sys.executable, "-m", "trainkit", "inspect", str(out / f"{kind}.ckpt")],
+                               capture_output=True, text=True, timeout=120)
+        assert shown.returncode == 0, shown.stderr
+        assert f"a sharded trainkit {kind} checkpoint, 5 files" in shown.stdout
+        assert "model: in the DCP shards (python -m trainkit export" in shown.stdout
     missing = export(out / "last.ckpt", tmp_path / "x.pt", "--item", "encoder")
     assert missing.returncode == 2 and "holds no sharded item 'encoder'" in missing.stderr
     (out / "last.ckpt" / "__0_0.distcp").write_bytes(b"torn")

@@ -343,16 +343,24 @@ def describe_checkpoint(path: str | Path, *, all_tensors: bool = False) -> list[
 
     Side effects: reads the file (``load_checkpoint``: CRCs verified, ``weights_only=True``, nothing runs).
 
-    :param path: A ``last.pt`` or ``best.pt``.
+    :param path: A ``last.pt`` or ``best.pt``, or a sharded checkpoint directory (``last.ckpt``, ``best.ckpt``:
+        its manifest is checked, and items stored in its DCP files are named, not listed).
     :param all_tensors: List every tensor of every item instead of the first few.
     :returns: The lines to print.
     :raises CheckpointError: When the file is damaged, unsafe, or not a trainkit checkpoint.
     """
+    from trainkit import sharded
     from trainkit.checkpoint import load_checkpoint
     from trainkit.errors import CheckpointCorruptError
     from trainkit.payload import validate_best, validate_last
 
-    path = Path(path)
+    source = Path(path)
+    path = source
+    if source.is_dir():  # a sharded checkpoint: its manifest first, then its engine payload
+        problem = sharded.verify_directory(source, rank=0, world_size=1)
+        if problem is not None:
+            raise CheckpointCorruptError(problem)
+        path = source / sharded.ENGINE_FILE
     payload = load_checkpoint(path)
     if "loop" in payload:
         kind = "last.pt"
@@ -365,9 +373,13 @@ def describe_checkpoint(path: str | Path, *, all_tensors: bool = False) -> list[
             f"checkpoint {path} is not a trainkit checkpoint (it has neither a 'loop' entry, as last.pt does, nor "
             "'model' and 'best', as best.pt does)"
         )
-    lines = [
-        f"checkpoint:   {path} ({_size(path.stat().st_size)}, a trainkit {kind}, schema {payload['schema_version']})"
-    ]
+    if source.is_dir():
+        files = [entry for entry in source.iterdir() if entry.is_file()]
+        size = sum(entry.stat().st_size for entry in files)
+        what = f"a sharded trainkit {kind.replace('.pt', '')} checkpoint, {len(files)} files"
+    else:
+        size, what = path.stat().st_size, f"a trainkit {kind}"
+    lines = [f"checkpoint:   {source} ({_size(size)}, {what}, schema {payload['schema_version']})"]
     best = payload.get("best")
     if kind == "last.pt":
         loop = payload["loop"]
@@ -425,6 +437,9 @@ def describe_checkpoint(path: str | Path, *, all_tensors: bool = False) -> list[
     items = {"model": payload["model"]} if kind == "best.pt" else {name: payload[name] for name in payload["items"]}
     lines.append("items:" if kind == "last.pt" else "weights:")
     for name, value in items.items():
+        if (isinstance(value, str) and value == sharded.SHARDED) or (source.is_dir() and kind == "best.pt"):
+            lines.append(f"  {name}: in the DCP shards (python -m trainkit export {source} OUT.pt --item {name})")
+            continue
         tensors = _tensors(value, "")
         total = sum(t.numel() * t.element_size() for _, t in tensors)
         lines.append(
@@ -510,7 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report_parser.add_argument("out_dir", help="the run's out_dir")
     report_parser.add_argument("--no-plot", action="store_true", help="skip curves.png")
     inspect_parser = commands.add_parser("inspect", help="show what a checkpoint holds, after the resume's checks")
-    inspect_parser.add_argument("checkpoint", help="a last.pt or best.pt")
+    inspect_parser.add_argument("checkpoint", help="a last.pt or best.pt, or a last.ckpt/best.ckpt directory")
     inspect_parser.add_argument("--all", action="store_true", help="list every tensor of every item")
     export_parser = commands.add_parser("export", help="write a checkpoint's weights as one plain state-dict file")
     export_parser.add_argument("checkpoint", help="a sharded checkpoint directory (last.ckpt, best.ckpt) or a .pt")
