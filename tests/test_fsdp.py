@@ -69,12 +69,15 @@ def assert_same_state(got, ref):
 def test_an_fsdp2_run_killed_mid_way_resumes_bit_identically_from_its_sharded_checkpoint(tmp_path, background):
     """A rank fails at epoch 2; the rerun resumes from last.ckpt (every rank's shards) and ends bit-identical to
     the uninterrupted run: weights, optimizer state, logged values, best epoch and test score. With
-    ckpt.async_save the shards are written in the background and published at the next save."""
+    ckpt.async_save the shards are written in the background and published at the next save; each write is
+    slowed so that the next epoch trains (changing the weights) while it runs, and what is published must still
+    be the weights of the save's moment."""
     ref_dir, out = tmp_path / "ref", tmp_path / "resumed"
     ckpt = {"format": "sharded", "async_save": background}
-    expected = trainkit.spawn(ShardTrainer, sharded_cfg(ref_dir, ckpt=ckpt), 2)
+    expected = trainkit.spawn(ShardTrainer, sharded_cfg(ref_dir, ckpt={"format": "sharded"}), 2)
+    slow = {"slow_write": 0.5} if background else {}
     with pytest.raises(Exception, match="injected failure on rank 1 at epoch 2"):
-        trainkit.spawn(ShardTrainer, sharded_cfg(out, ckpt=ckpt, fail_rank=1, fail_epoch=2), 2)
+        trainkit.spawn(ShardTrainer, sharded_cfg(out, ckpt=ckpt, fail_rank=1, fail_epoch=2, **slow), 2)
     written = {p.name for p in out.iterdir() if p.is_dir()}
     torn = [name for name in written if ".tmp-" in name]
     if background:  # epoch 1's save was in flight, never published: the resume starts from epoch 0's

@@ -303,6 +303,7 @@ class ShardConfig(Config):
     fail_write: int = 0  # rank 1's n-th DCP write of last.ckpt's shards raises OSError (0: never)
     step_from_epoch: int = 0  # no optimizer step before this epoch (a checkpoint of an optimizer without state)
     best_on_rank0: bool = False  # save_if_best under a rank-0 guard (the API page allows it for file checkpoints)
+    slow_write: float = 0.0  # seconds every DCP write of shards sleeps first (training goes on meanwhile)
 
 
 def _kill_in_publish(where: str, at_save: int) -> None:
@@ -345,6 +346,22 @@ def _fail_shard_write(at_write: int) -> None:
     FileSystemWriter.write_data = write_data
 
 
+def _slow_shard_writes(seconds: float) -> None:
+    """Make every DCP write of shards wait first, so a background save is still writing while training changes
+    the weights it was handed: what it writes must be what they were when the save started."""
+    import time
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    real = FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        time.sleep(seconds)
+        return real(self, plan, planner)
+
+    FileSystemWriter.write_data = write_data
+
+
 class ShardTrainer(BaseTrainer):
     """The same model, data and steps under ``make_ddp`` or ``make_fsdp``: what FSDP2 must reproduce."""
 
@@ -376,6 +393,8 @@ class ShardTrainer(BaseTrainer):
             _kill_in_publish(cfg.kill_in_save, cfg.kill_at_save)
         if cfg.fail_write and self.rank == 1:
             _fail_shard_write(cfg.fail_write)
+        if cfg.slow_write:
+            _slow_shard_writes(cfg.slow_write)
 
     def train(self):
         if self.cfg.dump_loaded:  # what the constructor restored, whole, instead of training
