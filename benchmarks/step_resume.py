@@ -561,11 +561,11 @@ class BlockTrainer(BaseTrainer):
 
     def _at_step_boundary(self, batches: Any) -> None:
         """The loop is blocked for exactly this call: time it, and tell the boundaries that saved from the rest."""
-        before = self._last_saved_step
+        before = self._step_checkpoint_at  # moves to the next multiple when a checkpoint is written
         start = time.perf_counter()
         super()._at_step_boundary(batches)
         seconds = time.perf_counter() - start
-        (self.saving if self._last_saved_step != before else self.plain).append(seconds)
+        (self.saving if self._step_checkpoint_at != before else self.plain).append(seconds)
 
 
 def block_config(s: Settings, out_dir: Path, async_save: bool) -> dict[str, Any]:

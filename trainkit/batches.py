@@ -29,7 +29,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from trainkit.rng import capture_rng, loader_generators, restore_rng
+from trainkit.rng import capture_rng, capture_torch_rng, loader_generators, restore_rng
 
 __all__ = [
     "SampleIndex",
@@ -156,7 +156,7 @@ def iterator_rng(loader: Any) -> dict[str, Any]:
     :returns: ``{"torch": ...}``, or everything :func:`~trainkit.rng.capture_rng` takes.
     """
     if draws_only_from_torch(loader):
-        return {"torch": torch.get_rng_state().numpy().tobytes()}
+        return {"torch": capture_torch_rng()}
     return capture_rng()
 
 

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 __all__ = [
     "seed_everything",
     "capture_rng",
+    "capture_torch_rng",
     "restore_rng",
     "start_persistent_workers",
     "GeneratorItem",
@@ -37,7 +38,7 @@ def capture_rng() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
         "python": [version, array.array("q", internal).tobytes(), gauss],
-        "torch": torch.get_rng_state().numpy().tobytes(),
+        "torch": capture_torch_rng(),
     }
     numpy = sys.modules.get("numpy")
     if numpy is not None:
@@ -46,6 +47,14 @@ def capture_rng() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def capture_torch_rng() -> bytes:
+    """Torch's CPU generator state alone, as :func:`capture_rng` keeps it under ``"torch"``.
+
+    :returns: The state as ``bytes``.
+    """
+    return torch.get_rng_state().numpy().tobytes()
 
 
 def restore_rng(state: dict[str, Any]) -> None:

@@ -187,7 +187,6 @@ class BaseTrainer(abc.ABC):
         self._in_train_epoch = False
         self._epoch_tracked = False
         self._pending_position: tuple[core.EpochPosition, RankPosition] | None = None
-        self._last_saved_step = 0
         self._step_checkpoint_at: float = math.inf  # the step from which one is due (this epoch's tracked loop)
         self._voting = False  # whether this epoch's step boundaries take part in the ranks' stop vote
         self._vote = dist_utils.DelayedVote(self.cfg.dist.timeout_s)
@@ -420,7 +419,7 @@ class BaseTrainer(abc.ABC):
             return  # one process, no signal, nothing due: what almost every step boundary is
         stop = self._vote.cast(signalled)
         seconds = None
-        if stop or core.step_checkpoint_due(self._last_saved_step, self.step, self.cfg.ckpt.every_n_steps):
+        if stop or self.step >= self._step_checkpoint_at:
             seconds = self._save_checkpoint(batches)
             self._mark_step_saved()
         if stop:
@@ -428,7 +427,6 @@ class BaseTrainer(abc.ABC):
 
     def _mark_step_saved(self) -> None:
         """Record that ``last.pt`` holds the current step (or that the tracked epoch starts here)."""
-        self._last_saved_step = self.step
         due_at = core.next_step_checkpoint(self.step, self.cfg.ckpt.every_n_steps)
         self._step_checkpoint_at = math.inf if due_at is None else due_at
 
