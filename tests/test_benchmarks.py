@@ -12,15 +12,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run a benchmark script from the repository root, its output captured, bounded by 300 s."""
+    return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
 def test_overhead_quick_mode_runs_and_checks_same_work(tmp_path):
     """benchmarks/overhead.py --quick runs every section and writes its JSON and Markdown tables."""
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/overhead.py", "--quick", "--no-lightning", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_script("benchmarks/overhead.py", "--quick", "--no-lightning", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "latest.md").is_file()
     assert json.loads((tmp_path / "latest.json").read_text())
@@ -28,13 +27,7 @@ def test_overhead_quick_mode_runs_and_checks_same_work(tmp_path):
 
 def test_gpu_check_cpu_smoke_runs(tmp_path):
     """benchmarks/gpu_check.py --cpu-smoke exercises the GPU check's code paths and reports the same work."""
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_script("benchmarks/gpu_check.py", "--cpu-smoke", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check_smoke.json").read_text())
     assert report["failures"] == []
@@ -46,13 +39,7 @@ def test_gpu_check_cpu_smoke_runs(tmp_path):
 
 def test_async_save_benchmark_runs(tmp_path):
     """benchmarks/async_save.py measures blocked and lost time (gates apply at ~600 MB, not at this size)."""
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/async_save.py", "--mb", "16", "--rounds", "1", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_script("benchmarks/async_save.py", "--mb", "16", "--rounds", "1", "--out", str(tmp_path))
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     report = json.loads((tmp_path / "async_save.json").read_text())
     assert report["median_s"]["sync_s"] > 0 and report["median_s"]["blocked_s"] > 0
@@ -64,13 +51,7 @@ def test_step_resume_quick_mode_runs_and_resumes_exactly(tmp_path):
     Lightning is left out (--no-lightning): the smoke run needs only trainkit; the README's table comes from a
     full run with Lightning installed.
     """
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/step_resume.py", "--quick", "--no-lightning", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_script("benchmarks/step_resume.py", "--quick", "--no-lightning", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "step_resume.md").is_file()
     report = json.loads((tmp_path / "step_resume.json").read_text())
@@ -96,13 +77,7 @@ def test_step_resume_quick_mode_runs_and_resumes_exactly(tmp_path):
 def test_sharded_save_quick_mode_runs(tmp_path):
     """benchmarks/sharded_save.py --quick: every variant saves through trainkit on 2 gloo ranks and reports blocked
     seconds, peak memory per rank and the disk's own speed (the goals apply at full size, not here)."""
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/sharded_save.py", "--quick", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_script("benchmarks/sharded_save.py", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "sharded_save_quick.json").read_text())
     (row,) = report["rows"]
