@@ -298,3 +298,67 @@ def test_saving_an_optimizer_that_has_not_stepped_leaves_training_alone(tmp_path
     trainkit.spawn(ShardTrainer, sharded_cfg(resumed, **options), 2)
     assert_same_state(torch.load(resumed / "report2.pt")["weights"], plain["weights"])
     assert_same_state(torch.load(resumed / "report2.pt")["optimizer"], plain["optimizer"])
+
+
+def test_a_background_save_reuses_its_host_copy_and_never_writes_a_stale_one(tmp_path, monkeypatch):
+    """Background sharded saves copy into the same host buffers from one save to the next. Each write is slowed
+    and the tensors change while it waits (as training goes on); a tensor is replaced by one of another size
+    between saves, and the copy is freed and made again: every published checkpoint holds exactly the values
+    of its own save's moment. Fails with a stager that aliases the live tensors, or one whose copy lags."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from trainkit import sharded
+
+    real_write = FileSystemWriter.write_data
+
+    def slow_write(self, plan, planner):
+        time.sleep(0.2)
+        return real_write(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", slow_write)
+    weights, moment = torch.zeros(64, 64), torch.zeros(100)
+    saver = sharded.BackgroundSave(timeout_s=60)
+    final = tmp_path / "last.ckpt"
+    for save, value in enumerate([1.0, 2.0, 3.0, 4.0]):
+        if save == 2:
+            moment = torch.zeros(300)  # a new storage of another size: a copy of its own, never the old one's
+        if save == 3:
+            saver.release()  # freed at a run's end; the next save makes a new copy
+        weights.fill_(value)
+        moment.fill_(-value)
+        saver.start(final, {"model": {"w": weights}, "opt": {"m": moment}}, {"epoch": save}, rank=0, world_size=1,
+                    tag=str(save))
+        weights.fill_(100.0)  # training changes the weights while the shards are written
+        moment.fill_(100.0)
+        saver.finish(rank=0, world_size=1)
+        assert sharded.verify_directory(final, rank=0, world_size=1) is None
+        read = {"model": {"w": torch.empty(64, 64)}, "opt": {"m": torch.empty(moment.numel())}}
+        dcp.load(read, checkpoint_id=str(final), no_dist=True)
+        assert torch.equal(read["model"]["w"], torch.full((64, 64), value)), save
+        assert torch.equal(read["opt"]["m"], torch.full((moment.numel(),), -value)), save
+    saver.release()
+    assert not saver.pending
+
+
+def test_publishing_keeps_the_previous_checkpoint_and_deletes_the_older_one_off_the_loop(tmp_path):
+    """Each publish keeps the checkpoint it replaces as last.prev.ckpt and deletes the one before in the
+    background; once that is waited for, only the two newest are left, each whole, and a directory a killed
+    run left half-deleted is removed by the next save."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainkit import sharded
+
+    final = tmp_path / "last.ckpt"
+    (tmp_path / ".last.ckpt.tmp-0-0-1-old").mkdir()  # a kill during an earlier run's background delete
+    (tmp_path / ".last.ckpt.tmp-0-0-1-old" / "__0_0.distcp").write_bytes(b"x" * 1000)
+    for save in range(4):
+        state = {"model": {"w": torch.full((32,), float(save))}}
+        sharded.save_directory(final, state, {"epoch": save}, rank=0, world_size=1, tag=f"{save}-0-{save}")
+    sharded.wait_discarded()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "last.prev.ckpt"]
+    for directory, save in ((final, 3), (tmp_path / "last.prev.ckpt", 2)):
+        assert sharded.verify_directory(directory, rank=0, world_size=1) is None
+        read = {"model": {"w": torch.empty(32)}}
+        dcp.load(read, checkpoint_id=str(directory), no_dist=True)
+        assert torch.equal(read["model"]["w"], torch.full((32,), float(save)))

@@ -60,6 +60,7 @@ __all__ = [
     "verify_directory",
     "read_engine",
     "remove_temporary",
+    "wait_discarded",
 ]
 
 LAST_DIR = "last.ckpt"
@@ -288,10 +289,12 @@ def _why(exc: BaseException) -> str:
 
 def _crc(path: Path) -> tuple[int, int]:
     crc, size = 0, 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
+    buffer = bytearray(_CHUNK)  # one buffer read into again and again: no allocation per chunk
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as handle:
+        while read := handle.readinto(buffer):
+            crc = zlib.crc32(view[:read], crc)
+            size += read
     return size, crc
 
 
@@ -312,12 +315,27 @@ def _fsync_file(path: Path) -> None:
 
 
 def _own_checksums(temporary: Path, rank: int) -> dict[str, list[int]]:
-    """fsync the files this rank wrote and return each one's ``[size, CRC-32]``, by name."""
-    checksums = {}
-    for path in _own_files(temporary, rank):
-        _fsync_file(path)
-        checksums[path.name] = list(_crc(path))
+    """fsync the files this rank wrote and return each one's ``[size, CRC-32]``, by name.
+
+    DCP writes them without fsync (:func:`_writer`): the fsyncs run in a thread, waiting on the disk, while
+    this thread computes the CRCs from the page cache, so the checksums cost next to nothing on top of the
+    flush every durable save waits for anyway. Both finish before this returns; an fsync's error raises here.
+    """
+    files = _own_files(temporary, rank)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainkit-fsync") as flusher:
+        flushed = [flusher.submit(_fsync_file, path) for path in files]
+        checksums = {path.name: list(_crc(path)) for path in files}
+        for done in flushed:
+            done.result()
     return checksums
+
+
+def _writer(temporary: Path) -> Any:
+    """DCP's file writer for ``temporary``, without its fsync per file: :func:`_own_checksums` fsyncs every
+    file before the checkpoint can be published (overlapped with the checksums)."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.FileSystemWriter(str(temporary), sync_files=False)
 
 
 def _prepare(final: Path, *, rank: int, world_size: int, tag: str) -> Path:
@@ -403,7 +421,7 @@ def save_directory(
     temporary = _prepare(final, rank=rank, world_size=world_size, tag=tag)
     error: BaseException | None = None
     try:
-        dcp.save(state, checkpoint_id=str(temporary))
+        dcp.save(state, storage_writer=_writer(temporary))
     except BaseException as exc:
         if not _is_write_error(exc):
             raise
@@ -445,6 +463,11 @@ class BackgroundSave:
     weights at once. Only one save is in flight: the trainer finishes the previous one before it starts the
     next, at the end of the run and before a signal's exit; a failed write raises there, on every rank.
 
+    The host copy is kept between saves and copied into again (DCP's ``DefaultStager``, its buffers pinned
+    when CUDA is there): a save after the first allocates nothing, and its staging is one copy at memory
+    speed. That is safe because the write that reads a copy always ends (:meth:`finish` or :meth:`abandon`)
+    before the next save copies into it. :meth:`release` frees the copy (the trainer calls it at the run's end).
+
     :param timeout_s: The bound on the save group's collectives (``dist.timeout_s``).
     """
 
@@ -453,6 +476,7 @@ class BackgroundSave:
         self._group: Any = None
         self._pending: tuple[Any, Path, Path, dict[str, Any] | None] | None = None
         self._checksummer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._stager: Any = None
 
     @property
     def pending(self) -> bool:
@@ -485,7 +509,11 @@ class BackgroundSave:
             # behind them or interleave with them (a shared group deadlocks on the loop's next barrier)
             timeout = datetime.timedelta(seconds=self._timeout_s)
             self._group = dist.new_group(backend="gloo", timeout=timeout)
-        future = dcp.async_save(state, checkpoint_id=str(temporary), process_group=self._group)
+        if self._stager is None:
+            self._stager = _stager()
+        future = dcp.async_save(
+            state, storage_writer=_writer(temporary), process_group=self._group, async_stager=self._stager
+        )
         future = getattr(future, "upload_completion", future)  # an AsyncSaveResponse wraps the one to wait on
         if self._checksummer is None:
             self._checksummer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainkit-checksum")
@@ -515,6 +543,17 @@ class BackgroundSave:
             error = _write_failed(final, rank, exc)
         _complete(temporary, final, engine, error, rank=rank, world_size=world_size, checksums=checksums)
 
+    def release(self) -> None:
+        """Free the host copy kept for the next save (finish or abandon the save in flight first).
+
+        :raises RuntimeError: When a save is still in flight (its write may be reading the copy).
+        """
+        if self._pending is not None:
+            raise RuntimeError("a sharded save is still in flight; finish() or abandon() it before release()")
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
     def abandon(self) -> None:
         """Let a save in flight end without publishing it (this rank is failing; the others may be gone).
 
@@ -532,15 +571,63 @@ class BackgroundSave:
                 raise
 
 
+def _stager() -> Any:
+    """DCP's stager for background saves: host buffers kept and reused from save to save, pinned (and filled by
+    non-blocking copies, synchronized before it returns) when an accelerator is there; staging finishes
+    before ``async_save`` returns (no staging thread: training may change the weights right after)."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:  # torch < 2.9: DCP's own staging, a fresh host copy each save
+        return None
+    cuda = torch.cuda.is_available()
+    return DefaultStager(
+        StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda)
+    )
+
+
 def _publish(temporary: Path, final: Path) -> None:
-    """Keep the published checkpoint as ``.prev``, rename the new one into place, make both renames durable."""
+    """Keep the published checkpoint as ``.prev``, rename the new one into place, make both renames durable.
+
+    The ``.prev`` it replaces is renamed out of the way (``<temporary>-old``) and deleted in the background:
+    unlinking a large checkpoint's files takes as long as a good part of writing them, and nothing needs to
+    wait for it but the end of the run (:func:`wait_discarded`). A kill before it is gone leaves a temporary
+    directory, which the next save removes.
+    """
     previous = previous_directory(final)
     if final.exists():
         if previous.exists():
-            shutil.rmtree(previous)  # a kill here leaves `final` published: nothing is lost
+            old = temporary.with_name(f"{temporary.name}-old")
+            os.replace(previous, old)  # a kill here leaves `final` published: nothing is lost
+            _discard(old)
         os.replace(final, previous)  # a kill here leaves `previous` published: a resume falls back to it
     os.replace(temporary, final)
     ckpt_io.fsync_directory(final.parent)
+
+
+_discarder: concurrent.futures.ThreadPoolExecutor | None = None
+_discarding: dict[Path, concurrent.futures.Future[None]] = {}
+
+
+def _discard(directory: Path) -> None:
+    """Delete ``directory`` (renamed out of every published name already) in a background thread."""
+    global _discarder
+    if _discarder is None:
+        _discarder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainkit-discard")
+    for path, deleting in list(_discarding.items()):
+        if deleting.done():
+            del _discarding[path]
+    _discarding[directory] = _discarder.submit(shutil.rmtree, directory, ignore_errors=True)
+
+
+def _being_discarded(directory: Path) -> bool:
+    deleting = _discarding.get(directory)
+    return deleting is not None and not deleting.done()
+
+
+def wait_discarded() -> None:
+    """Wait until the old checkpoint directories that publishing moved aside are deleted (the run's end)."""
+    while _discarding:
+        _discarding.popitem()[1].result()
 
 
 def remove_temporary(out_dir: Path, name: str) -> list[Path]:
@@ -552,7 +639,7 @@ def remove_temporary(out_dir: Path, name: str) -> list[Path]:
     """
     removed = []
     for path in out_dir.glob(f".{name}.tmp-*"):
-        if path.is_dir() and not path.is_symlink():
+        if path.is_dir() and not path.is_symlink() and not _being_discarded(path):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

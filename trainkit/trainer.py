@@ -476,6 +476,7 @@ class BaseTrainer(abc.ABC):
         self._restore_lost_best_file()
         self._save_checkpoint()
         self._finish_background()
+        self._release_background()
         if self.is_main:
             self._files.wait()
         self._close_sinks()
@@ -490,6 +491,14 @@ class BaseTrainer(abc.ABC):
         """Let a background sharded save end unpublished: this rank is failing, the others may not be there."""
         if self._background is not None:
             self._background.abandon()
+
+    def _release_background(self) -> None:
+        """Free the host copy background sharded saves reuse (no save is in flight any more), and wait for the
+        deletion of the checkpoint directories that publishing moved aside: nothing stray is left in out_dir."""
+        if self._background is not None:
+            self._background.release()
+        if self.cfg.ckpt.format == "sharded":
+            sharded.wait_discarded()
 
     def _restore_lost_best_file(self) -> None:
         """Say so at the end when ``best.pt`` went missing from disk during the run, and write it again.
@@ -1549,6 +1558,7 @@ class BaseTrainer(abc.ABC):
         if self.is_main and not self._failed:
             self._files.wait()
         self._abandon_background()  # train() finished or abandoned it; only a trainer never trained has one here
+        self._release_background()
         self._close_sinks()
         self._files.release()
         if self._owns_process_group and dist_utils.is_distributed():
