@@ -581,7 +581,9 @@ def _stager() -> Any:
         return None
     cuda = torch.cuda.is_available()
     return DefaultStager(
-        StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda)
+        StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+        )
     )
 
 
