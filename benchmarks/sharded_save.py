@@ -9,7 +9,9 @@ save path (``BaseTrainer._save_checkpoint``, what the loop calls at an epoch's e
 - ``file``: a DDP model, ``ckpt.format=file``: rank 0 gathers nothing (DDP replicas are whole) and writes
   ``last.pt`` with ``torch.save``, temp file + fsync + rename;
 - ``sharded``: an FSDP2 model (``make_fsdp``), ``ckpt.format=sharded``: every rank writes its half through DCP,
-  then checksums, manifest, publish;
+  then checksums, manifest, publish; the ``.prev`` directory a publish replaces is deleted in a background
+  thread, which a loop overlaps with training: here it is waited for after each save, untimed (``discard``),
+  so that it neither slows the next save nor the disk's measurement;
 - ``sharded async``: the same with ``ckpt.async_save``: the loop is blocked while the shards are staged in
   host memory; the write runs in the background and is published at the next save (timed apart: ``drain``);
 - ``bare dcp.save``: the same FSDP2 state saved by a plain ``dcp.save`` into a new directory, nothing of
@@ -117,7 +119,7 @@ class SaveTrainer(BaseTrainer):
 
         from trainkit import sharded
 
-        blocked, drains, peaks, disk = [], [], [], []
+        blocked, drains, discards, peaks, disk = [], [], [], [], []
         for index in range(self.cfg.rounds + 1):
             self.barrier()
             before = _reset_peak_rss()
@@ -135,9 +137,13 @@ class SaveTrainer(BaseTrainer):
             drain_begun = time.perf_counter()
             self._finish_background()  # what the next save would wait for (0 for synchronous saves)
             drain = time.perf_counter() - drain_begun
+            discard_begun = time.perf_counter()
+            sharded.wait_discarded()  # the replaced .prev deleted in the background: a loop trains meanwhile
+            discard = time.perf_counter() - discard_begun
             if index:
                 blocked.append(took)
                 drains.append(drain)
+                discards.append(discard)
                 peaks.append((_status_kib("VmHWM") - before) / 1024)
                 if self.cfg.pair_disk:
                     if self.is_main:
@@ -146,7 +152,8 @@ class SaveTrainer(BaseTrainer):
         # what background saves keep between saves: a host copy of this rank's shards of the state
         held = sum(_local(t).nbytes for t in tree_leaves(sharded.state_for_save(self._registry.items))
                    if isinstance(t, torch.Tensor)) / 2**20
-        return {"blocked": blocked, "drain": drains, "peak_mib": max(peaks), "held_mib": held, "disk": disk}
+        return {"blocked": blocked, "drain": drains, "discard": discards, "peak_mib": max(peaks), "held_mib": held,
+                "disk": disk}
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -182,6 +189,7 @@ def _worker(rank: int, world_size: int, cfg: dict[str, Any], port: int) -> None:
                 "blocked_s": statistics.median(blocked),
                 "blocked_each_s": blocked,
                 "drain_s": statistics.median(max(r["drain"][i] for r in every) for i in range(rounds)),
+                "discard_s": statistics.median(every[0]["discard"]),
                 "peak_mib_per_rank": [round(r["peak_mib"], 1) for r in every],
                 "held_mib_per_rank": [round(r["held_mib"], 1) for r in every],
                 "disk_each_s": mine["disk"],
@@ -250,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                 "sharded each_s": [round(t, 4) for t in syncs],
                 **{f"{name} blocked_s": round(r["blocked_s"], 4) for name, r in results.items()},
                 "sharded async drain_s": round(results["sharded async"]["drain_s"], 4),
+                "sharded discard_s": round(results["sharded"]["discard_s"], 4),
                 **{f"{name} peak_mib": r["peak_mib_per_rank"] for name, r in results.items()},
                 "sharded async held_mib": results["sharded async"]["held_mib_per_rank"],
                 "async / sync": round(background / sync, 3),

@@ -344,6 +344,7 @@ def _prepare(final: Path, *, rank: int, world_size: int, tag: str) -> Path:
     error: BaseException | None = None
     if rank == 0:
         try:
+            wait_discarded()  # one deletion in flight: done before this save writes (the loop was busy meanwhile)
             remove_temporary(final.parent, final.name)
             temporary.mkdir(parents=True)
         except Exception as exc:  # noqa: BLE001 - every rank hears of it below
@@ -592,8 +593,8 @@ def _publish(temporary: Path, final: Path) -> None:
 
     The ``.prev`` it replaces is renamed out of the way (``<temporary>-old``) and deleted in the background:
     unlinking a large checkpoint's files takes as long as a good part of writing them, and nothing needs to
-    wait for it but the end of the run (:func:`wait_discarded`). A kill before it is gone leaves a temporary
-    directory, which the next save removes.
+    wait for it but the next save and the end of the run (:func:`wait_discarded`). A kill before it is gone
+    leaves a temporary directory, which the next save removes.
     """
     previous = previous_directory(final)
     if final.exists():
@@ -607,7 +608,7 @@ def _publish(temporary: Path, final: Path) -> None:
 
 
 _discarder: concurrent.futures.ThreadPoolExecutor | None = None
-_discarding: dict[Path, concurrent.futures.Future[None]] = {}
+_discarding: list[concurrent.futures.Future[None]] = []
 
 
 def _discard(directory: Path) -> None:
@@ -615,21 +616,14 @@ def _discard(directory: Path) -> None:
     global _discarder
     if _discarder is None:
         _discarder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainkit-discard")
-    for path, deleting in list(_discarding.items()):
-        if deleting.done():
-            del _discarding[path]
-    _discarding[directory] = _discarder.submit(shutil.rmtree, directory, ignore_errors=True)
-
-
-def _being_discarded(directory: Path) -> bool:
-    deleting = _discarding.get(directory)
-    return deleting is not None and not deleting.done()
+    _discarding.append(_discarder.submit(shutil.rmtree, directory, ignore_errors=True))
 
 
 def wait_discarded() -> None:
-    """Wait until the old checkpoint directories that publishing moved aside are deleted (the run's end)."""
+    """Wait until the old checkpoint directories that publishing moved aside are deleted: before the next
+    save starts (a deletion never competes with a write for the disk) and at the end of the run."""
     while _discarding:
-        _discarding.popitem()[1].result()
+        _discarding.pop().result()
 
 
 def remove_temporary(out_dir: Path, name: str) -> list[Path]:
@@ -641,7 +635,7 @@ def remove_temporary(out_dir: Path, name: str) -> list[Path]:
     """
     removed = []
     for path in out_dir.glob(f".{name}.tmp-*"):
-        if path.is_dir() and not path.is_symlink() and not _being_discarded(path):
+        if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
