@@ -7,6 +7,7 @@ import signal
 import threading
 import warnings
 
+import attrs
 import pytest
 import torch
 
@@ -15,6 +16,8 @@ from trainkit.errors import CheckpointError, CheckpointMismatchError, OutDirErro
 from trainkit.payload import BEST_PT, LAST_PT, best_payload, last_payload, validate_best, validate_last
 from trainkit.rng import capture_rng
 from trainkit.run_files import RunFiles
+from trainkit.sharded import SHARDED
+from trainkit.sharded_files import ShardedFiles
 from trainkit.signals import StopSignals
 
 # ---------------------------------------------------------------------------------- signals
@@ -196,3 +199,44 @@ def test_a_handler_that_cannot_be_installed_puts_the_others_back():
     with pytest.raises(OSError), StopSignals(["SIGUSR1", "SIGKILL"]):
         pass
     assert signal.getsignal(signal.SIGUSR1) == before
+
+
+# ---------------------------------------------------------------------------------- sharded files
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_sharded_files_save_resume_fall_back_and_read_the_matching_best(tmp_path, async_save):
+    """ShardedFiles on one process: save() writes best.ckpt then last.ckpt (with async_save in the background,
+    published by the next save or wait()); load_resume() returns the newest whole checkpoint and falls back to
+    last.prev.ckpt, with a warning, when a shard of last.ckpt is damaged; read_best() reads the best.ckpt whose
+    record matches into a copy of the template, and says so when none does; release() leaves nothing stray."""
+    shards = ShardedFiles(tmp_path, enabled=True, rank=0, world_size=1, async_save=async_save, timeout_s=60)
+    best = BestState(minimize=True, score=0.5, epoch=0)
+    for epoch in (1, 2):
+        changed = epoch == 1
+        shards.save(
+            epoch=epoch,
+            step=10 * epoch,
+            last_state={"model": {"w": torch.full((64,), float(epoch))}},
+            last_engine=engine_payload(epoch=epoch, items={"model": SHARDED}),
+            best_state={"model": {"w": torch.full((64,), -1.0)}} if changed else None,
+            best_engine=best_payload(model={}, best=best, config={}) if changed else None,
+        )
+    shards.wait()
+    ckpt, path = shards.load_resume("auto")
+    assert path == shards.last_path and ckpt["epoch"] == 2
+    assert shards.load_resume("never") == (None, None)
+    shard = next(shards.last_path.glob("__0_*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.warns(RuntimeWarning, match="resuming from the previous checkpoint"):
+        ckpt, path = shards.load_resume("auto")
+    assert path == tmp_path / "last.prev.ckpt" and ckpt["epoch"] == 1
+    template = {"w": torch.zeros(64)}
+    loaded = shards.read_best(tmp_path, best, template)
+    assert torch.equal(loaded["w"], torch.full((64,), -1.0)) and torch.equal(template["w"], torch.zeros(64))
+    with pytest.warns(RuntimeWarning, match="no best checkpoint .* matches"):
+        assert shards.read_best(tmp_path, attrs.evolve(best, epoch=3), template) is None
+    shards.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.ckpt", "last.ckpt", "last.prev.ckpt"]

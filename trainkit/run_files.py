@@ -3,9 +3,9 @@
 Side effects: files in ``out_dir`` (``last.pt``, ``best.pt``, their ``.prev`` copies, temp files of
 unfinished saves, ``*.corrupt.pt`` kept for inspection) and, with ``ckpt.async_save``, a writer thread.
 :class:`RunFiles` is built from plain values and knows nothing of the trainer: the trainer hands it payloads
-(built by :func:`trainkit.payload.last_payload`) and engine records, and it returns loaded dicts. Another
-storage format (a directory per checkpoint, written by every rank) can sit beside it behind the same
-methods.
+(built by :func:`trainkit.payload.last_payload`) and engine records, and it returns loaded dicts. The other
+storage format (a directory per checkpoint, written by every rank) sits beside it behind the same method
+names: :class:`trainkit.sharded_files.ShardedFiles`.
 """
 
 from __future__ import annotations

@@ -83,9 +83,16 @@ def shard_module(
     :param mp_policy: A ``torch.distributed.fsdp.MixedPrecisionPolicy``, or None for full precision.
     :param reshard_after_forward: Free the gathered parameters after each unit's forward (FSDP2's default).
     :returns: ``module`` itself, sharded.
-    :raises UsageError: From :func:`units_to_shard`, or when ``mp_policy`` is not a ``MixedPrecisionPolicy``.
+    :raises UsageError: From :func:`units_to_shard`, when ``mp_policy`` is not a ``MixedPrecisionPolicy``, or
+        when this torch has no FSDP2 (before 2.6).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError as exc:
+        raise UsageError(
+            f"make_fsdp() needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6); this is torch "
+            f"{torch.__version__}: upgrade torch, or use make_ddp()"
+        ) from exc
 
     if mp_policy is None:
         mp_policy = MixedPrecisionPolicy()

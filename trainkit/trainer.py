@@ -32,7 +32,6 @@ from trainkit.batches import RankPosition, TrackedBatches, loader_shape, skippab
 from trainkit.config import Config, changed_on_resume, public_config, render_value, strip_secrets
 from trainkit.errors import (
     BookkeepingError,
-    CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     DistributedError,
@@ -44,7 +43,7 @@ from trainkit.errors import (
 from trainkit.logging import JsonlSink, LogBuffer, RunLog, new_run_id, open_run_log
 from trainkit.messages import say
 from trainkit.modules import load_module_state, module_state, restore_training_modes, training_modes
-from trainkit.payload import SCHEMA_VERSION, best_payload, last_payload, mid_epoch_state, validate_best, validate_last
+from trainkit.payload import SCHEMA_VERSION, best_payload, last_payload, mid_epoch_state
 from trainkit.progress import EpochBar, step_bar
 from trainkit.rng import (
     GeneratorItem,
@@ -55,6 +54,7 @@ from trainkit.rng import (
     start_persistent_workers,
 )
 from trainkit.run_files import RunFiles, same_directory
+from trainkit.sharded_files import ShardedFiles
 from trainkit.signals import StopSignals
 from trainkit.snapshot import WeightSnapshot, weights_swapped_in
 
@@ -199,11 +199,15 @@ class BaseTrainer(abc.ABC):
         self._files = RunFiles(
             self.out_dir, enabled=ckpt_cfg.enable, writer=self.is_main, async_save=ckpt_cfg.async_save and not in_shards
         )
-        # ckpt.async_save with sharded checkpoints: every rank's shards written by DCP in the background
-        self._background = (
-            sharded.BackgroundSave(self.cfg.dist.timeout_s) if in_shards and ckpt_cfg.async_save else None
+        # ckpt.format=sharded: every rank's shards in directories (also read, in a file run, to convert one)
+        self._shards = ShardedFiles(
+            self.out_dir,
+            enabled=ckpt_cfg.enable,
+            rank=rank,
+            world_size=world_size,
+            async_save=in_shards and ckpt_cfg.async_save,
+            timeout_s=self.cfg.dist.timeout_s,
         )
-        self._sharded_saves = 0
         self._run_log = RunLog()
         self._run_id: str | None = None
 
@@ -484,21 +488,15 @@ class BaseTrainer(abc.ABC):
 
     def _finish_background(self) -> None:
         """Wait for a background sharded save and publish it (every rank together); its failure raises here."""
-        if self._background is not None:
-            self._background.finish(rank=self.rank, world_size=self.world_size)
+        self._shards.wait()
 
     def _abandon_background(self) -> None:
         """Let a background sharded save end unpublished: this rank is failing, the others may not be there."""
-        if self._background is not None:
-            self._background.abandon()
+        self._shards.abandon()
 
     def _release_background(self) -> None:
-        """Free the host copy background sharded saves reuse (no save is in flight any more), and wait for the
-        deletion of the checkpoint directories that publishing moved aside: nothing stray is left in out_dir."""
-        if self._background is not None:
-            self._background.release()
-        if self.cfg.ckpt.format == "sharded":
-            sharded.wait_discarded()
+        """Free what sharded saves keep between saves; nothing stray is left in out_dir."""
+        self._shards.release()
 
     def _restore_lost_best_file(self) -> None:
         """Say so at the end when ``best.pt`` went missing from disk during the run, and write it again.
@@ -628,14 +626,14 @@ class BaseTrainer(abc.ABC):
     def last_ckpt_path(self) -> Path:
         """``out_dir/last.pt``; with ``ckpt.format="sharded"``, the directory ``out_dir/last.ckpt``."""
         if self.cfg.ckpt.format == "sharded":
-            return self.out_dir / sharded.LAST_DIR
+            return self._shards.last_path
         return self._files.last_path
 
     @property
     def best_ckpt_path(self) -> Path:
         """``out_dir/best.pt``; with ``ckpt.format="sharded"``, the directory ``out_dir/best.ckpt``."""
         if self.cfg.ckpt.format == "sharded":
-            return self.out_dir / sharded.BEST_DIR
+            return self._shards.best_path
         return self._files.best_path
 
     def _claim_out_dir(self) -> None:
@@ -664,7 +662,7 @@ class BaseTrainer(abc.ABC):
         # a named checkpoint is read in its own format, whatever this run writes: that is how a DDP run's
         # last.pt continues as an FSDP2 run with sharded checkpoints, and the other way round
         if (named and Path(resume).is_dir()) or (not named and self.cfg.ckpt.format == "sharded"):
-            ckpt, path = self._load_sharded_resume()
+            ckpt, path = self._shards.load_resume(resume)
         else:
             ckpt, path = self._files.load_resume(self.cfg.ckpt.resume, world_size=self.world_size)
         if ckpt is not None and path is not None:
@@ -675,8 +673,7 @@ class BaseTrainer(abc.ABC):
         """Refuse to start fresh over a run folder whose checkpoints are in the other ``ckpt.format``."""
         if self.cfg.ckpt.resume != "auto" or not self.cfg.ckpt.enable:
             return
-        last = self.out_dir / sharded.LAST_DIR
-        directories = [path for path in (last, sharded.previous_directory(last)) if path.is_dir()]
+        directories = self._shards.published(self._shards.last_path)
         file = self._files.last_path
         files = [path for path in (file, ckpt_io.previous_path(file)) if path.exists()]
         mine, other = (directories, files) if self.cfg.ckpt.format == "sharded" else (files, directories)
@@ -688,46 +685,6 @@ class BaseTrainer(abc.ABC):
                 f"ckpt.format={written!r}, convert it by naming it in another out_dir (ckpt.resume={other[0]}), "
                 "or start fresh (ckpt.resume=never)"
             )
-
-    def _load_sharded_resume(self) -> tuple[dict[str, Any] | None, Path | None]:
-        """``ckpt.format="sharded"``: the engine payload of the newest whole checkpoint directory (a collective).
-
-        With ``auto``, ``last.ckpt`` or, when it is damaged or incomplete, ``last.prev.ckpt``; a named
-        directory never falls back. The modules' and optimizers' shards are read after ``setup()``.
-        """
-        resume = self.cfg.ckpt.resume
-        if resume == "never" or (resume == "auto" and not self.cfg.ckpt.enable):
-            return None, None
-        if resume == "auto":
-            last = self.out_dir / sharded.LAST_DIR
-            candidates = [path for path in (last, sharded.previous_directory(last)) if path.is_dir()]
-            if not candidates:
-                return None, None
-        else:
-            candidates = [Path(resume)]
-        problems: list[str] = []
-        for candidate in candidates:
-            ckpt, problem = sharded.read_engine(
-                candidate, rank=self.rank, world_size=self.world_size, validate=validate_last
-            )
-            if ckpt is not None:
-                if problems and self.is_main:
-                    warnings.warn(
-                        f"{problems[-1]}; resuming from the previous checkpoint {candidate} instead",
-                        RuntimeWarning,
-                        stacklevel=4,
-                    )
-                saved = ckpt["world_size"]
-                if saved != self.world_size and ckpt.get("trainkit") is not None:
-                    raise CheckpointMismatchError(
-                        f"{candidate} was written inside an epoch by {saved} processes and this run has "
-                        f"{self.world_size}: the batches of a partly trained epoch are only known for the same "
-                        "number of processes; resume it with the same world size, or from a checkpoint written at "
-                        "an epoch's end (a sharded one reshards to any number of processes)"
-                    )
-                return ckpt, candidate
-            problems.append(problem)
-        raise CheckpointCorruptError("; ".join(problems))
 
     def _check_format(self) -> None:
         """Refuse what ``ckpt.format`` cannot save: a model sharded by :meth:`make_fsdp` in a single file."""
@@ -856,8 +813,13 @@ class BaseTrainer(abc.ABC):
         best = self._best_state
         if best is None or best.score is None:
             return
-        if (directory / sharded.BEST_DIR).is_dir() or sharded.previous_directory(directory / sharded.BEST_DIR).is_dir():
-            self._load_sharded_best(directory, best)
+        if self._shards.published(directory / sharded.BEST_DIR):
+            model = dist_utils.unwrap(self.model)
+            loaded = self._shards.read_best(directory, best, None if model is None else module_state(model))
+            if loaded is not None:
+                self._best.replace(loaded, private=True)
+                if not same_directory(directory, self.out_dir):
+                    self._best_dirty = True
             return
         saved = self._files.read_best(directory, best)
         if saved is None:
@@ -877,40 +839,6 @@ class BaseTrainer(abc.ABC):
         )
         if not same_directory(directory, self.out_dir):
             self._best_dirty = True
-
-    def _load_sharded_best(self, directory: Path, best: core.BestState) -> None:
-        """Read the best weights' shards from the ``best.ckpt`` (or ``best.prev.ckpt``) that matches ``best``."""
-        model = dist_utils.unwrap(self.model)
-        found = []
-        for candidate in (directory / sharded.BEST_DIR, sharded.previous_directory(directory / sharded.BEST_DIR)):
-            if not candidate.is_dir():
-                continue
-            engine, problem = sharded.read_engine(
-                candidate, rank=self.rank, world_size=self.world_size, validate=validate_best
-            )
-            if engine is None:
-                if self.is_main:
-                    warnings.warn(problem, RuntimeWarning, stacklevel=4)
-                continue
-            recorded = core.BestState.from_dict(engine["best"])
-            if attrs.evolve(recorded, min_delta=best.min_delta) != best or model is None:
-                found.append(f"{candidate.name}: epoch {recorded.epoch}")
-                continue
-            # a copy of the model's own state as the template: DCP fills it in place, the model is left alone
-            template = {key: value.detach().clone() for key, value in module_state(model).items()}
-            loaded = sharded.load_items_into({"model": template}, candidate)
-            self._best.replace(loaded["model"], private=True)
-            if not same_directory(directory, self.out_dir):
-                self._best_dirty = True
-            return
-        if self.is_main:
-            warnings.warn(
-                f"no best checkpoint in {directory} matches the best recorded in the resumed checkpoint (epoch "
-                f"{best.epoch}, score {best.score}; found {', '.join(found) or 'none'}); test() will use the current "
-                "weights until the next improvement",
-                RuntimeWarning,
-                stacklevel=4,
-            )
 
     def _save_checkpoint(self, batches: TrackedBatches | None = None) -> float | None:
         """Write best.pt (when the best changed) then last.pt on rank 0; every rank learns whether it worked.
@@ -1005,9 +933,7 @@ class BaseTrainer(abc.ABC):
         """``ckpt.format="sharded"``: every rank writes its shards of ``best.ckpt`` (when the best changed), then of
         ``last.ckpt``; rank 0 adds the engine's payload and publishes each (see :mod:`trainkit.sharded`)."""
         started = time.perf_counter()
-        self._finish_background()  # one save in flight: the previous one is published (or its failure raised) now
-        self._sharded_saves += 1
-        tag = f"{self._loop.epoch}-{self.step}-{self._sharded_saves}"
+        self._shards.wait()  # one save in flight: the previous one is published (or its failure raised) now
         # best.ckpt is written by every rank together: the ranks must agree that it changed
         dirty = self._best_dirty and self._best.state is not None and self._best_state is not None
         if self.world_size > 1:
@@ -1018,35 +944,29 @@ class BaseTrainer(abc.ABC):
                     "ckpt.format='sharded' every rank writes its shards of best.ckpt, so call save_if_best() on every "
                     "rank with the same score (pool it with reduce_mean() or broadcast())"
                 )
-        if dirty:
-            engine = None
-            if self.is_main:
-                engine = best_payload(model={}, best=self._best_state, config=self._cfg_dict)
-            sharded.save_directory(
-                self.out_dir / sharded.BEST_DIR,
-                {"model": self._best.state},
-                engine,
-                rank=self.rank,
-                world_size=self.world_size,
-                tag=tag,
-            )
-        self._best_dirty = False
+        best_engine = last_engine = None
         items = self._registry.items
-        engine = None
         if self.is_main:
+            if dirty:
+                best_engine = best_payload(model={}, best=self._best_state, config=self._cfg_dict)
             in_dcp = {id(obj) for obj in sharded.dcp_items(items).values()}
             states = core.collect_payload(
                 self._registry, state_of=lambda obj: sharded.SHARDED if id(obj) in in_dcp else _item_state(obj)
             )
-            engine = self._engine_payload(states, rng, loop, mid_epoch)
+            last_engine = self._engine_payload(states, rng, loop, mid_epoch)
             self._run_log.sync()  # the rows on disk before the checkpoint records the offset
-        last = self.out_dir / sharded.LAST_DIR
-        options = {"rank": self.rank, "world_size": self.world_size, "tag": tag}
-        if self._background is not None:
-            self._background.start(last, sharded.state_for_save(items), engine, **options)
+        self._best_dirty = False
+        self._shards.save(
+            epoch=self._loop.epoch,
+            step=self.step,
+            last_state=sharded.state_for_save(items),
+            last_engine=last_engine,
+            best_state={"model": self._best.state} if dirty else None,
+            best_engine=best_engine,
+        )
+        if self.cfg.ckpt.async_save or not self.is_main:
             return None
-        sharded.save_directory(last, sharded.state_for_save(items), engine, **options)
-        return time.perf_counter() - started if self.is_main else None
+        return time.perf_counter() - started
 
     # ------------------------------------------------------------------ best model and early stopping
 
@@ -1193,8 +1113,8 @@ class BaseTrainer(abc.ABC):
             more all-gather in backward), FSDP2's default.
         :param mesh: The ``DeviceMesh`` to shard over; None builds one over every rank on this device type.
         :returns: The sharded module (the same object), or the module itself on one process.
-        :raises UsageError: When a ``shard`` unit is not a submodule of ``module``, or ``mp_policy`` is not a
-            ``MixedPrecisionPolicy``.
+        :raises UsageError: When a ``shard`` unit is not a submodule of ``module``, ``mp_policy`` is not a
+            ``MixedPrecisionPolicy``, or this torch has no FSDP2 (before 2.6).
         """
         module = module.to(self.device)
         if self.world_size == 1:
