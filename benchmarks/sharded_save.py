@@ -2,7 +2,7 @@
 
     python benchmarks/sharded_save.py [--sizes 10,100,1000] [--rounds 5] [--quick] [--out benchmarks/results]
 
-For each checkpoint size (MB of weights plus AdamW's two moments, float32) four trainers of 2 processes
+For each checkpoint size (MB of weights plus AdamW's two moments, float32) five trainers of 2 processes
 each save the same state, ``rounds`` times after one warm-up save, the first three through trainkit's own
 save path (``BaseTrainer._save_checkpoint``, what the loop calls at an epoch's end):
 
@@ -14,9 +14,10 @@ save path (``BaseTrainer._save_checkpoint``, what the loop calls at an epoch's e
   so that it neither slows the next save nor the disk's measurement;
 - ``sharded async``: the same with ``ckpt.async_save``: the loop is blocked while the shards are staged in
   host memory; the write runs in the background and is published at the next save (timed apart: ``drain``);
-- ``bare dcp.save``: the same FSDP2 state saved by a plain ``dcp.save`` into a new directory, nothing of
-  trainkit's around it (no checksums, no ``trainkit.pt``, no publish): DCP's own cost on this machine, the
-  floor of any save built on it.
+- ``bare dcp.save`` and ``bare dcp.async_save``: the same FSDP2 state saved by a plain ``dcp.save`` /
+  ``dcp.async_save`` (its own gloo group, host buffers reused as trainkit's are) into a new directory,
+  nothing of trainkit's around it (no checksums, no ``trainkit.pt``, no publish): DCP's own cost on this
+  machine, the floor of any save built on it.
 
 Reported per variant: the seconds the loop is blocked per save (the slowest rank, median over rounds), the
 peak resident memory of each rank above its level just before a save (``VmHWM``; a fresh pair of
@@ -64,7 +65,8 @@ VARIANTS = {
     "file": {"wrap": "ddp", "ckpt": {"format": "file"}},
     "sharded": {"wrap": "fsdp", "ckpt": {"format": "sharded"}, "pair_disk": True},
     "sharded async": {"wrap": "fsdp", "ckpt": {"format": "sharded", "async_save": True}},
-    "bare dcp.save": {"wrap": "fsdp", "ckpt": {"format": "sharded"}, "bare": True},
+    "bare dcp.save": {"wrap": "fsdp", "ckpt": {"format": "sharded"}, "bare": "sync"},
+    "bare dcp.async_save": {"wrap": "fsdp", "ckpt": {"format": "sharded"}, "bare": "async"},
 }
 
 
@@ -77,7 +79,7 @@ class SaveConfig(Config):
     rounds: int = 3
     report: str = ""
     pair_disk: bool = False
-    bare: bool = False
+    bare: str = ""  # "sync" / "async": a plain dcp.save / dcp.async_save instead of trainkit's save
 
 
 class SaveTrainer(BaseTrainer):
@@ -114,29 +116,46 @@ class SaveTrainer(BaseTrainer):
         memory any save (with its background write) reached above the process's memory just before it.
         With ``pair_disk``, rank 0 measures the disk (:func:`disk_seconds`, the same bytes, the same folder) right
         after each timed save, while the other ranks wait: a pair side by side in time. With ``bare``, each save
-        is a plain ``dcp.save`` of the same state into a new directory, nothing of trainkit's around it."""
+        is a plain ``dcp.save`` (``sync``) or ``dcp.async_save`` (``async``: on a gloo group of its own, staged
+        into reused host buffers as trainkit's are) of the same state into a new directory, nothing of
+        trainkit's around it."""
+        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
         from trainkit import sharded
 
+        bare = self.cfg.bare
+        group = dist.new_group(backend="gloo") if bare == "async" else None
+        stager = sharded._stager() if bare == "async" else None
         blocked, drains, discards, peaks, disk = [], [], [], [], []
         for index in range(self.cfg.rounds + 1):
             self.barrier()
             before = _reset_peak_rss()
+            target = str(self.out_dir / f"bare{index}")
+            writing = None
             begun = time.perf_counter()
-            if self.cfg.bare:
-                dcp.save(sharded.state_for_save(self._registry.items), checkpoint_id=str(self.out_dir / f"bare{index}"))
+            if bare == "sync":
+                dcp.save(sharded.state_for_save(self._registry.items), checkpoint_id=target)
+            elif bare == "async":
+                writing = dcp.async_save(
+                    sharded.state_for_save(self._registry.items),
+                    checkpoint_id=target,
+                    process_group=group,
+                    async_stager=stager,
+                )
             else:
                 self._save_checkpoint()
             took = time.perf_counter() - begun
-            if self.cfg.bare:
-                self.barrier()
-                if self.is_main:
-                    shutil.rmtree(self.out_dir / f"bare{index}")
             self.barrier()
             drain_begun = time.perf_counter()
             self._finish_background()  # what the next save would wait for (0 for synchronous saves)
+            if writing is not None:
+                getattr(writing, "upload_completion", writing).result()
             drain = time.perf_counter() - drain_begun
+            if bare:
+                self.barrier()
+                if self.is_main:
+                    shutil.rmtree(target)
             discard_begun = time.perf_counter()
             sharded.wait_discarded()  # the replaced .prev deleted in the background: a loop trains meanwhile
             discard = time.perf_counter() - discard_begun
@@ -150,10 +169,22 @@ class SaveTrainer(BaseTrainer):
                         disk.append(disk_seconds(self.out_dir, self.payload_bytes))
                     self.barrier()
         # what background saves keep between saves: a host copy of this rank's shards of the state
-        held = sum(_local(t).nbytes for t in tree_leaves(sharded.state_for_save(self._registry.items))
-                   if isinstance(t, torch.Tensor)) / 2**20
-        return {"blocked": blocked, "drain": drains, "discard": discards, "peak_mib": max(peaks), "held_mib": held,
-                "disk": disk}
+        held = (
+            sum(
+                _local(t).nbytes
+                for t in tree_leaves(sharded.state_for_save(self._registry.items))
+                if isinstance(t, torch.Tensor)
+            )
+            / 2**20
+        )
+        return {
+            "blocked": blocked,
+            "drain": drains,
+            "discard": discards,
+            "peak_mib": max(peaks),
+            "held_mib": held,
+            "disk": disk,
+        }
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -225,8 +256,9 @@ def disk_seconds(folder: Path, nbytes: int) -> float:
     target = folder / "dd.bin"
     count = max(1, nbytes // (4 << 20))
     begun = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=4M", f"count={count}", "conv=fsync"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={target}", "bs=4M", f"count={count}", "conv=fsync"], check=True, capture_output=True
+    )
     took = time.perf_counter() - begun
     target.unlink()
     return took * nbytes / (count * (4 << 20))
@@ -263,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
                 "sharded async held_mib": results["sharded async"]["held_mib_per_rank"],
                 "async / sync": round(background / sync, 3),
                 "sync / bare dcp.save": round(sync / results["bare dcp.save"]["blocked_s"], 3),
+                "bare async / bare sync": round(
+                    results["bare dcp.async_save"]["blocked_s"] / results["bare dcp.save"]["blocked_s"], 3
+                ),
                 "sync throughput / disk": round(min(disks) / min(syncs), 3),
                 "sync throughput / disk, median of pairs": round(
                     statistics.median(d / t for d, t in zip(disks, syncs, strict=True)), 3
@@ -276,8 +311,12 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     name = "sharded_save_quick.json" if args.quick else "sharded_save.json"
-    meta = {"torch": torch.__version__, "cpus": os.cpu_count(), "rounds": rounds, "goals": {
-        "async / sync": f"<= {GATE_ASYNC}", "sync throughput / disk": f">= {GATE_THROUGHPUT}"}}
+    meta = {
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "rounds": rounds,
+        "goals": {"async / sync": f"<= {GATE_ASYNC}", "sync throughput / disk": f">= {GATE_THROUGHPUT}"},
+    }
     (Path(args.out) / name).write_text(json.dumps({"meta": meta, "rows": rows, "missed": missed}, indent=1))
     for line in missed:
         print(f"goal missed: {line}")

@@ -81,7 +81,7 @@ def test_sharded_save_quick_mode_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "sharded_save_quick.json").read_text())
     (row,) = report["rows"]
-    for name in ("file", "sharded", "sharded async", "bare dcp.save"):
+    for name in ("file", "sharded", "sharded async", "bare dcp.save", "bare dcp.async_save"):
         assert row[f"{name} blocked_s"] > 0 and len(row[f"{name} peak_mib"]) == 2
     assert len(row["disk_dd_s"]) == len(row["sharded each_s"]) == 1 and row["disk_dd_s"][0] > 0
     assert row["bytes"] > 9 * 2**20
