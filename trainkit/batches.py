@@ -13,6 +13,7 @@ process's RNG states when resuming.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -99,7 +100,8 @@ class _EpochBatch(list):
     __slots__ = ("epoch",)
 
     def __iter__(self) -> Iterator[int]:
-        return map(_index_type(self.epoch), list.__iter__(self))
+        # int.__new__ straight away: calling the type would also run object.__init__ (7.4 -> 5.4 us per 64)
+        return map(int.__new__, itertools.repeat(_index_type(self.epoch)), list.__iter__(self))
 
     def __reduce__(self) -> tuple[Any, tuple[list[int], int]]:
         return _epoch_batch, (list.__getitem__(self, slice(None)), self.epoch)
