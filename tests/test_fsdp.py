@@ -362,3 +362,14 @@ def test_publishing_keeps_the_previous_checkpoint_and_deletes_the_older_one_off_
         read = {"model": {"w": torch.empty(32)}}
         dcp.load(read, checkpoint_id=str(directory), no_dist=True)
         assert torch.equal(read["model"]["w"], torch.full((32,), float(save)))
+
+
+def test_make_fsdp_on_a_torch_without_fsdp2_says_which_torch_it_needs(monkeypatch):
+    """Before torch 2.6 there is no torch.distributed.fsdp.fully_shard: a UsageError names the version needed
+    and the way out, instead of an ImportError from inside trainkit."""
+    from trainkit import sharding
+    from trainkit.errors import UsageError
+
+    monkeypatch.setitem(sys.modules, "torch.distributed.fsdp", None)  # what an import of a missing module meets
+    with pytest.raises(UsageError, match=r"needs FSDP2 .*torch >= 2\.6.*this is torch .*make_ddp"):
+        sharding.shard_module(torch.nn.Linear(2, 2), mesh=None)
