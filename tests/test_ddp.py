@@ -81,3 +81,15 @@ def test_pooled_score_stops_both_ranks_at_the_same_epoch(tmp_path):
     got = reports(tmp_path)
     assert got[0]["epochs_trained"] == got[1]["epochs_trained"]
     assert got[0]["best"] == got[1]["best"]
+
+
+def test_spawn_reports_the_rank_that_failed_first_not_the_first_to_exit(tmp_path):
+    """Rank 1 fails and then takes a while to exit; rank 0, left waiting in a collective, fails at its timeout
+    and exits first. spawn raises rank 1's error, the cause, and names rank 0's after it."""
+    from tests.trainers import SlowToExitTrainer
+
+    with pytest.raises(Exception, match="injected failure on rank 1 at epoch 1") as raised:
+        trainkit.spawn(SlowToExitTrainer, cfg(tmp_path, fail_rank=1, fail_epoch=1, dist={"timeout_s": 3}), 2)
+    assert raised.value.error_index == 1
+    assert "rank 0 failed after it" in str(raised.value)
+    no_children_left()

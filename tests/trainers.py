@@ -123,6 +123,19 @@ def pid_marker() -> int:
     return os.getpid()
 
 
+class SlowToExitTrainer(TinyTrainer):
+    """TinyTrainer whose failing rank (``fail_rank``) lingers before it closes, past the collective timeout: the
+    other ranks, left waiting in a collective, fail after it but exit before it, as they would behind a rank
+    busy writing a crash dump or flushing a slow log."""
+
+    def close(self):
+        if self._failed and self.rank == self.cfg.fail_rank:
+            import time
+
+            time.sleep(self.cfg.dist.timeout_s + 4)
+        super().close()
+
+
 class ReportingTrainer(TinyTrainer):
     """TinyTrainer that writes what each rank saw to ``out_dir/rank<r>.json`` after training."""
 

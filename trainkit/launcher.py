@@ -6,8 +6,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import tempfile
+import time
+import traceback
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -19,13 +25,44 @@ from trainkit.errors import TrainingInterrupted
 __all__ = ["launch", "spawn"]
 
 
-def _run(trainer_class: type, cfg: Config | Mapping[str, Any], rank: int, world_size: int) -> Any:
-    trainer = trainer_class(cfg, rank, world_size)
+def _run(
+    trainer_class: type, cfg: Config | Mapping[str, Any], rank: int, world_size: int, failures: str | None = None
+) -> Any:
+    try:
+        trainer = trainer_class(cfg, rank, world_size)
+    except BaseException:
+        _record_failure(failures, rank)
+        raise
     try:
         result = trainer.train()
         return broadcast_object(result, src=0) if world_size > 1 else result
+    except BaseException:
+        _record_failure(failures, rank)  # before close() tears the process group down: before any rank it fails
+        raise
     finally:
         trainer.close()
+
+
+def _record_failure(folder: str | None, rank: int) -> None:
+    """Write when and how this rank failed into ``folder`` (``spawn``'s), for the parent to find the first."""
+    if folder is None:
+        return
+    record = {"at": time.time(), "rank": rank, "pid": os.getpid(), "traceback": traceback.format_exc()}
+    path = Path(folder, f"rank{rank}.json")
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(record))
+    os.replace(temporary, path)  # whole or absent, whatever kills this process next
+
+
+def _first_failure(folder: str) -> dict[str, Any] | None:
+    """The earliest failure the ranks recorded in ``folder``, or None."""
+    records = []
+    for path in Path(folder).glob("rank*.json"):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return min(records, key=lambda record: record["at"]) if records else None
 
 
 def launch(trainer_class: type, cfg: Config | Mapping[str, Any]) -> Any:
@@ -50,11 +87,11 @@ def launch(trainer_class: type, cfg: Config | Mapping[str, Any]) -> Any:
         raise SystemExit(exc.exit_code) from exc
 
 
-def _worker(rank: int, trainer_class: type, cfg: Any, world_size: int, results: Any) -> None:
+def _worker(rank: int, trainer_class: type, cfg: Any, world_size: int, results: Any, failures: str) -> None:
     os.environ["RANK"] = str(rank)
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
-    result = _run(trainer_class, cfg, rank, world_size)
+    result = _run(trainer_class, cfg, rank, world_size, failures)
     if rank == 0:
         results.put(result)
 
@@ -63,7 +100,9 @@ def spawn(trainer_class: type, cfg: Config | Mapping[str, Any], world_size: int)
     """Run a trainer in ``world_size`` local processes (spawn context), without torchrun.
 
     Picks a free port on 127.0.0.1 for the rendezvous. When any rank raises, the others are
-    terminated and the original traceback is raised here; no process is left behind.
+    terminated and the original traceback is raised here; no process is left behind. When several ranks
+    fail, the one that failed first is reported (the others' failures are usually its consequences, such as
+    a connection the failed rank closed), whichever process happened to exit first.
 
     :param trainer_class: A :class:`~trainkit.BaseTrainer` subclass, importable by module path (the
         children import it anew).
@@ -84,16 +123,29 @@ def spawn(trainer_class: type, cfg: Config | Mapping[str, Any], world_size: int)
     os.environ["MASTER_PORT"] = str(free_port())
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
+    failures = tempfile.mkdtemp(prefix="trainkit-spawn-")
     try:
         mp.start_processes(
             _worker,
-            args=(trainer_class, cfg_arg, world_size, results),
+            args=(trainer_class, cfg_arg, world_size, results, failures),
             nprocs=world_size,
             join=True,
             start_method="spawn",
         )
         return results.get() if not results.empty() else None
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+        first = _first_failure(failures)
+        if first is None or first["rank"] == exc.error_index:
+            raise
+        later = str(exc).strip().splitlines()
+        raise mp.ProcessRaisedException(
+            f"\n\n-- Process {first['rank']:d} terminated with the following error:\n{first['traceback']}\n"
+            f"(rank {exc.error_index} failed after it: {later[-1] if later else type(exc).__name__})",
+            first["rank"],
+            first["pid"],
+        ) from exc
     finally:
+        shutil.rmtree(failures, ignore_errors=True)
         for key, value in previous.items():
             if value is None:
                 os.environ.pop(key, None)
