@@ -148,7 +148,7 @@ class SaveTrainer(BaseTrainer):
             took = time.perf_counter() - begun
             self.barrier()
             drain_begun = time.perf_counter()
-            self._finish_background()  # what the next save would wait for (0 for synchronous saves)
+            self._shards.wait()  # what the next save would wait for (0 for synchronous saves)
             if writing is not None:
                 getattr(writing, "upload_completion", writing).result()
             drain = time.perf_counter() - drain_begun

@@ -332,7 +332,7 @@ class BaseTrainer(abc.ABC):
                     return self._finish()
                 except TrainingInterrupted as exc:
                     self._files.wait_quietly()
-                    self._abandon_background()  # _stop_for_signal published it already; a no-op then
+                    self._shards.abandon()  # a background sharded save: _stop_for_signal published it already
                     if self.is_main:
                         say(str(exc))
                     self._failed = True
@@ -342,7 +342,7 @@ class BaseTrainer(abc.ABC):
                 except BaseException:
                     self._failed = True
                     self._files.wait_quietly()
-                    self._abandon_background()
+                    self._shards.abandon()  # this rank is failing; the others may be gone
                     self._close_sinks(failed=True)
                     raise
         finally:
@@ -398,7 +398,7 @@ class BaseTrainer(abc.ABC):
             )
 
     def _stop_for_signal(self, save_seconds: float | None, batches: TrackedBatches | None = None) -> None:
-        self._finish_background()  # every rank is here: the save just started is published before the exit
+        self._shards.wait()  # every rank is here: a background save just started is published before the exit
         if self.is_main:
             self._files.wait()
             save_seconds = self._files.last_seconds
@@ -479,24 +479,12 @@ class BaseTrainer(abc.ABC):
         self._results = {**self._latest_metrics, **self.best_metrics}
         self._restore_lost_best_file()
         self._save_checkpoint()
-        self._finish_background()
-        self._release_background()
+        self._shards.wait()  # a background sharded save published (its failure raised) on every rank
+        self._shards.release()
         if self.is_main:
             self._files.wait()
         self._close_sinks()
         return dict(self._results) or None
-
-    def _finish_background(self) -> None:
-        """Wait for a background sharded save and publish it (every rank together); its failure raises here."""
-        self._shards.wait()
-
-    def _abandon_background(self) -> None:
-        """Let a background sharded save end unpublished: this rank is failing, the others may not be there."""
-        self._shards.abandon()
-
-    def _release_background(self) -> None:
-        """Free what sharded saves keep between saves; nothing stray is left in out_dir."""
-        self._shards.release()
 
     def _restore_lost_best_file(self) -> None:
         """Say so at the end when ``best.pt`` went missing from disk during the run, and write it again.
@@ -1477,8 +1465,8 @@ class BaseTrainer(abc.ABC):
         """
         if self.is_main and not self._failed:
             self._files.wait()
-        self._abandon_background()  # train() finished or abandoned it; only a trainer never trained has one here
-        self._release_background()
+        self._shards.abandon()  # train() finished or abandoned it; only a trainer never trained has one here
+        self._shards.release()
         self._close_sinks()
         self._files.release()
         if self._owns_process_group and dist_utils.is_distributed():
