@@ -93,3 +93,13 @@ def test_spawn_reports_the_rank_that_failed_first_not_the_first_to_exit(tmp_path
     assert raised.value.error_index == 1
     assert "rank 0 failed after it" in str(raised.value)
     no_children_left()
+
+
+def test_spawn_reports_a_killed_rank_even_when_another_rank_raised_after_it(tmp_path):
+    """Rank 1 is SIGKILLed (no traceback, no record of when); rank 0 fails later at its collective timeout. The
+    kill is the cause: spawn reports rank 1's death, not rank 0's recorded timeout."""
+    from tests.trainers import KilledTrainer
+
+    with pytest.raises(mp.ProcessExitedException, match="process 1 terminated with signal SIGKILL"):
+        trainkit.spawn(KilledTrainer, cfg(tmp_path, fail_rank=1, fail_epoch=1, dist={"timeout_s": 3}), 2)
+    no_children_left()

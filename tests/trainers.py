@@ -136,6 +136,18 @@ class SlowToExitTrainer(TinyTrainer):
         super().close()
 
 
+class KilledTrainer(TinyTrainer):
+    """TinyTrainer whose ``fail_rank`` SIGKILLs itself at ``fail_epoch``: it dies without a traceback, and the
+    other ranks fail later, at their collective timeout."""
+
+    def train_epoch(self):
+        if self.rank == self.cfg.fail_rank and self.epoch == self.cfg.fail_epoch:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().train_epoch()
+
+
 class ReportingTrainer(TinyTrainer):
     """TinyTrainer that writes what each rank saw to ``out_dir/rank<r>.json`` after training."""
 

@@ -54,15 +54,16 @@ def _record_failure(folder: str | None, rank: int) -> None:
     os.replace(temporary, path)  # whole or absent, whatever kills this process next
 
 
-def _first_failure(folder: str) -> dict[str, Any] | None:
-    """The earliest failure the ranks recorded in ``folder``, or None."""
-    records = []
+def _recorded_failures(folder: str) -> dict[int, dict[str, Any]]:
+    """The failures the ranks recorded in ``folder``, by rank."""
+    records = {}
     for path in Path(folder).glob("rank*.json"):
         try:
-            records.append(json.loads(path.read_text()))
+            record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-    return min(records, key=lambda record: record["at"]) if records else None
+        records[record["rank"]] = record
+    return records
 
 
 def launch(trainer_class: type, cfg: Config | Mapping[str, Any]) -> Any:
@@ -102,7 +103,8 @@ def spawn(trainer_class: type, cfg: Config | Mapping[str, Any], world_size: int)
     Picks a free port on 127.0.0.1 for the rendezvous. When any rank raises, the others are
     terminated and the original traceback is raised here; no process is left behind. When several ranks
     fail, the one that failed first is reported (the others' failures are usually its consequences, such as
-    a connection the failed rank closed), whichever process happened to exit first.
+    a connection the failed rank closed), whichever process happened to exit first; a rank that died without
+    an exception (killed by a signal) is reported as torch reports it.
 
     :param trainer_class: A :class:`~trainkit.BaseTrainer` subclass, importable by module path (the
         children import it anew).
@@ -134,8 +136,13 @@ def spawn(trainer_class: type, cfg: Config | Mapping[str, Any], world_size: int)
         )
         return results.get() if not results.empty() else None
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
-        first = _first_failure(failures)
-        if first is None or first["rank"] == exc.error_index:
+        records = _recorded_failures(failures)
+        # a rank that died without an exception (a signal, os._exit) recorded nothing: when it failed is
+        # unknown, and its death is the likelier cause of the others' errors, so torch's report stands
+        if exc.error_index not in records:
+            raise
+        first = min(records.values(), key=lambda record: record["at"])
+        if first["rank"] == exc.error_index:
             raise
         later = str(exc).strip().splitlines()
         raise mp.ProcessRaisedException(

@@ -574,11 +574,11 @@ class BackgroundSave:
 
 def _stager() -> Any:
     """DCP's stager for background saves: host buffers kept and reused from save to save, pinned (and filled by
-    non-blocking copies, synchronized before it returns) when an accelerator is there; staging finishes
-    before ``async_save`` returns (no staging thread: training may change the weights right after)."""
+    non-blocking copies, synchronized before it returns) when CUDA is there; staging finishes before
+    ``async_save`` returns (no staging thread: training may change the weights right after)."""
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    except ImportError:  # torch < 2.9: DCP's own staging, a fresh host copy each save
+    except ImportError:  # a torch without DefaultStager: DCP's own staging, a fresh host copy each save
         return None
     cuda = torch.cuda.is_available()
     return DefaultStager(
