@@ -15,9 +15,12 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 import trainkit
 from tests.faults.harness import ROOT, child_env
+from tests.test_trainer import Crash
 from tests.trainers import StepTrainer
 from trainkit.batches import SampleIndex, draws_only_from_torch, iterator_rng
 from trainkit.bookkeeping import EpochPosition, next_step_checkpoint, position_mismatch, step_checkpoint_due
@@ -328,3 +331,114 @@ def test_a_second_pass_over_the_same_batches_is_not_counted(tmp_path):
     trainer.close()
     assert trainer.step == 16
     assert torch.load(tmp_path / "last.pt", weights_only=True)["trainkit"] is None
+
+
+# --- which loaders are counted, and what reaches their datasets -------------------------------------------------
+
+
+class EchoIndices(torch.utils.data.Dataset):
+    """Gives back each index it is asked for and the epoch that index carries (-1: none)."""
+
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, index):
+        if isinstance(index, list):  # a whole batch at once: batch_size=None over a BatchSampler
+            return torch.tensor(index), torch.tensor([getattr(i, "epoch", -1) for i in index])
+        return torch.tensor(int(index)), torch.tensor(getattr(index, "epoch", -1))
+
+
+class LazyLoader(DataLoader):
+    """A DataLoader that makes its iterator only when the first batch is asked for: its __iter__ is a generator."""
+
+    def __iter__(self):
+        yield from super().__iter__()
+
+
+def echo_loader(kind: str) -> DataLoader:
+    data = EchoIndices()
+    return {
+        "batched": lambda: DataLoader(data, batch_size=3, shuffle=True),
+        "batched, persistent workers": lambda: DataLoader(
+            data, batch_size=3, shuffle=True, num_workers=2, persistent_workers=True
+        ),
+        "one index at a time": lambda: DataLoader(data, batch_size=None, shuffle=True),
+        "a list per batch": lambda: DataLoader(
+            data, batch_size=None, sampler=BatchSampler(RandomSampler(data), 3, False)
+        ),
+        "made lazily": lambda: LazyLoader(data, batch_size=3, shuffle=True),
+    }[kind]()
+
+
+class EchoTrainer(trainkit.BaseTrainer):
+    """Records, per epoch, the indices its dataset was given and their epochs; may crash at (epoch, batch)."""
+
+    kind = "batched"
+    crash_at: tuple[int, int] | None = None
+
+    def setup(self, ckpt):
+        self.model = nn.Linear(1, 1)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.loader = echo_loader(self.kind)
+        self.add_checkpoint_items(model=self.model, optimizer=self.optimizer)
+        self.seen = []
+
+    def train_epoch(self):
+        indices, epochs = [], []
+        for batch, (index, epoch) in enumerate(self.progress(self.loader), start=self.first_batch):
+            if (self.epoch, batch) == self.crash_at:
+                raise Crash
+            loss = self.model(index.float().reshape(-1, 1) / 20).square().mean()
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            indices += index.reshape(-1).tolist()
+            epochs += epoch.reshape(-1).tolist()
+        self.seen.append((indices, epochs))
+
+    def val_epoch(self):
+        return False
+
+
+def echo_run(out_dir, kind, ckpt, crash_at=None):
+    EchoTrainer.kind, EchoTrainer.crash_at = kind, crash_at
+    trainer = EchoTrainer({"epochs": 3, "out_dir": str(out_dir), "ckpt": ckpt, **QUIET}, 0, 1)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return trainer
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["batched", "batched, persistent workers", "one index at a time", "a list per batch"])
+def test_every_index_carries_its_epoch_and_counting_keeps_the_order(tmp_path, kind):
+    """Epoch after epoch (a persistent worker's too), every int index reaching the dataset is tagged with the epoch
+    it belongs to, and the order is the one the loader gives uncounted; a sampler that yields lists is left alone."""
+    plain = echo_run(tmp_path / "plain", kind, {"enable": False}).seen
+    counted = echo_run(tmp_path / "counted", kind, {"every_n_steps": 1000}).seen
+    tagged = kind != "a list per batch"
+    assert len(plain) == len(counted) == 3
+    for epoch, ((plain_order, plain_tags), (order, tags)) in enumerate(zip(plain, counted, strict=True)):
+        assert order == plain_order and sorted(order) == list(range(20))
+        assert plain_tags == [-1] * 20
+        assert tags == [epoch if tagged else -1] * 20
+
+
+def test_a_loader_that_makes_its_iterator_lazily_is_not_counted_and_resumes_at_the_epoch_start(tmp_path):
+    """Such a loader makes its DataLoader iterator after trainkit's index sampler was put back, so no batch could be
+    skipped: it warns once (at the loop), writes no step checkpoint, and a crash inside an epoch resumes exactly from
+    that epoch's first batch (before, its step checkpoints resumed by training the consumed batches again)."""
+    whole = echo_run(tmp_path / "whole", "made lazily", {"enable": False})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(Crash):
+            echo_run(tmp_path / "run", "made lazily", {"every_n_steps": 1}, crash_at=(1, 4))
+    lazy = [w for w in caught if "makes its DataLoader iterator only when its first batch" in str(w.message)]
+    assert len(lazy) == 1 and lazy[0].filename == __file__, [str(w.message) for w in caught]
+    assert torch.load(tmp_path / "run" / "last.pt", weights_only=True)["trainkit"] is None  # epoch 1's start
+    with pytest.warns(RuntimeWarning, match="cannot skip into it"):
+        resumed = echo_run(tmp_path / "run", "made lazily", {"every_n_steps": 1})
+    assert resumed.seen == whole.seen[1:]
+    weights = zip(resumed.model.state_dict().values(), whole.model.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in weights)

@@ -12,7 +12,7 @@ process's RNG states when resuming.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import itertools
 import warnings
 from collections.abc import Callable, Iterator
@@ -30,7 +30,8 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from trainkit.rng import capture_rng, capture_torch_rng, loader_generators, restore_rng
+from trainkit.errors import CheckpointMismatchError
+from trainkit.rng import capture_rng, loader_generators, restore_rng
 
 __all__ = [
     "SampleIndex",
@@ -40,6 +41,7 @@ __all__ = [
     "RankPosition",
     "draws_only_from_torch",
     "iterator_rng",
+    "rng_for_checkpoint",
 ]
 
 _END = object()
@@ -152,14 +154,28 @@ def iterator_rng(loader: Any) -> dict[str, Any]:
 
     :func:`~trainkit.rng.capture_rng` costs 50-170 us (numpy's state alone is ~40 us), once per epoch; when the
     iterator can only draw from torch (:func:`draws_only_from_torch`), torch's state is all it needs, and the
-    other generators are set to their save-point states right after the iterator is made anyway.
+    other generators are set to their save-point states right after the iterator is made anyway. Torch's state
+    is then the tensor ``torch.get_rng_state()`` returns (a copy): turning it into the ``bytes`` a checkpoint
+    keeps costs more than taking it, inside a training loop, and is left to :func:`rng_for_checkpoint`.
 
     :param loader: A loader :func:`skippable` accepts.
     :returns: ``{"torch": ...}``, or everything :func:`~trainkit.rng.capture_rng` takes.
     """
     if draws_only_from_torch(loader):
-        return {"torch": capture_torch_rng()}
+        return {"torch": torch.get_rng_state()}
     return capture_rng()
+
+
+def rng_for_checkpoint(states: dict[str, Any]) -> dict[str, Any]:
+    """RNG states from :func:`iterator_rng` in the form :func:`~trainkit.rng.capture_rng` gives them.
+
+    :param states: What :func:`iterator_rng` returned.
+    :returns: The same states, torch's as ``bytes``.
+    """
+    cpu = states["torch"]
+    if isinstance(cpu, torch.Tensor):
+        return {**states, "torch": cpu.numpy().tobytes()}
+    return states
 
 
 class RankPosition:
@@ -220,8 +236,18 @@ class _SkippingIndices:
         return self.stream
 
 
+def _tag_batch(epoch: int, indices: Any) -> Any:
+    # a batch of anything but ints (keys of a dict-like dataset, say) is handed over as it is
+    return _epoch_batch(indices, epoch) if set(map(type, indices)) == {int} else indices
+
+
+def _tag_index(index_type: type[SampleIndex], index: Any) -> Any:
+    return index_type(index) if type(index) is int else index
+
+
 class _IndexStream:
-    """The index iterator the loader's iterator reads; :meth:`prime` does the skip (and the first draw) now."""
+    """The index iterator the loader's iterator reads while it is made; :meth:`prime` does the skip (and the
+    first draw) now, and :meth:`rest` hands the loader's iterator what is left."""
 
     def __init__(self, inner: Iterator[Any], *, skip: int, epoch: int, batched: bool) -> None:
         self._inner = inner
@@ -229,6 +255,8 @@ class _IndexStream:
         self._epoch = epoch
         self._batched = batched
         self._ahead: list[Any] | None = None
+        tag_one = functools.partial(_tag_index, _index_type(epoch))
+        self._tag = functools.partial(_tag_batch, epoch) if batched else tag_one
 
     def __iter__(self) -> _IndexStream:
         return self
@@ -253,34 +281,57 @@ class _IndexStream:
         if self._ahead is None:
             self.prime()
         ahead = self._ahead
-        if ahead:
-            indices = ahead.pop()
-        else:
-            indices = next(self._inner)
-        if self._batched:
-            # a batch of anything but ints (keys of a dict-like dataset, say) is handed over as it is
-            return _epoch_batch(indices, self._epoch) if set(map(type, indices)) == {int} else indices
-        return _index_type(self._epoch)(indices) if type(indices) is int else indices
+        return self._tag(ahead.pop() if ahead else next(self._inner))
+
+    def rest(self) -> Iterator[Any]:
+        """What the stream has still to give, tagged as :meth:`__next__` tags it, as an iterator made of C parts.
+
+        The loader's iterator reads this instead of the stream for the rest of the epoch: no Python frame per
+        batch where nothing is tagged. A sampler whose first draw is not an int, unbatched (a list, as a
+        ``BatchSampler`` given as ``sampler`` yields; a key), is taken to draw no ints, and none is tagged.
+
+        :returns: The iterator; the stream itself must not be read after this.
+        """
+        self.prime()
+        ahead, self._ahead = self._ahead, []
+        items = itertools.chain(ahead, self._inner)
+        if not self._batched and (not ahead or type(ahead[0]) is not int):
+            return items
+        return map(self._tag, items)
 
 
-@contextlib.contextmanager
-def _index_sampler_swapped(loader: Any, replacement: _SkippingIndices) -> Iterator[None]:
-    """Make ``loader`` (and its persistent iterator, which keeps its own reference) read ``replacement``."""
+def _made_iterator(loader: Any, indices: _SkippingIndices) -> tuple[Iterator[Any], bool]:
+    """``iter(loader)`` with ``indices`` as its index sampler while the iterator is made, primed (the skip done).
+
+    ``loader`` (and its persistent iterator, which keeps its own reference) reads ``indices`` only while the
+    iterator is made: later epochs of a persistent iterator read the real sampler again.
+
+    :returns: The iterator, and whether it read ``indices``: False when the loader makes its DataLoader
+        iterator lazily (a subclass whose ``__iter__`` is a generator, say), at its first ``next()``, after
+        the swap; that iterator reads the real sampler, from the epoch's first batch, untagged.
+    """
     attribute = "batch_sampler" if loader._auto_collation else "sampler"
     real = getattr(loader, attribute)
     persistent = getattr(loader, "_iterator", None)
     # DataLoader refuses to set these after construction; the swap lasts only while the iterator is made
-    object.__setattr__(loader, attribute, replacement)
+    object.__setattr__(loader, attribute, indices)
     if persistent is not None:
-        persistent._index_sampler = replacement
+        persistent._index_sampler = indices
     try:
-        yield
+        iterator = iter(loader)
     finally:
         object.__setattr__(loader, attribute, real)
-        iterator = getattr(loader, "_iterator", None)
-        for made in (persistent, iterator):
-            if made is not None:
-                made._index_sampler = real  # later epochs of a persistent iterator read the real sampler
+        made = getattr(loader, "_iterator", None)
+        for each in (persistent, made):
+            if each is not None:
+                each._index_sampler = real
+    stream = indices.stream
+    if stream is None:
+        return iterator, False
+    stream.prime()
+    if getattr(iterator, "_sampler_iter", None) is stream:
+        iterator._sampler_iter = stream.rest()  # where DataLoader's iterators read their indices from
+    return iterator, True
 
 
 class TrackedBatches:
@@ -298,6 +349,9 @@ class TrackedBatches:
     :param step: Reads the trainer's optimizer step counter.
     :param at_step_boundary: Called at each step boundary, before the next batch is fetched.
     :param on_close: Called once when iteration ends, however it ends.
+    :param on_untracked: Called with the reason when step checkpoints were asked for but the loader turns out
+        not to be skippable (it makes its iterator lazily); the loop then runs uncounted, from its first batch.
+    :raises CheckpointMismatchError: When iterated to resume (``resume``) a loader that cannot be skipped into.
     """
 
     def __init__(
@@ -310,24 +364,35 @@ class TrackedBatches:
         step: Callable[[], int],
         at_step_boundary: Callable[[TrackedBatches], None] | None,
         on_close: Callable[[], None],
+        on_untracked: Callable[[str], None],
     ) -> None:
         self.loader = loader
         self.epoch = epoch
         self.skip = skip
         self.consumed = skip
         """Batches of this epoch trained on so far (counting the skipped ones)."""
-        self.rng_at_iter: dict[str, Any] | None = None
-        """The RNG states when the loader's iterator was created (what a resume puts back before creating it)."""
+        self._rng_at_iter: dict[str, Any] | None = None
         self.generators_at_iter: list[torch.Tensor] = []
         """The loader's own generators' states then."""
         self._resume = resume
         self._step = step
         self._at_step_boundary = at_step_boundary
         self._on_close = on_close
+        self._on_untracked = on_untracked
         self._started = False
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    @property
+    def rng_at_iter(self) -> dict[str, Any] | None:
+        """The RNG states when the loader's iterator was created (what a resume puts back before creating it),
+        as a checkpoint keeps them; None before it was."""
+        states = self._rng_at_iter
+        if states is None:
+            return None
+        self._rng_at_iter = states = rng_for_checkpoint(states)
+        return states
 
     def _start(self) -> Iterator[Any]:
         loader = self.loader
@@ -337,24 +402,43 @@ class TrackedBatches:
             restore_rng(resume.rng_at_iter)
             for generator, state in zip(generators, resume.generators_at_iter, strict=True):
                 generator.set_state(state)
-        self.rng_at_iter = iterator_rng(loader)
+        self._rng_at_iter = iterator_rng(loader)
         self.generators_at_iter = [generator.get_state() for generator in generators]
-        iterator = self._iterate(self.skip)
+        iterator, skippable = self._iterate(self.skip)
+        if not skippable:
+            if resume is not None:
+                raise CheckpointMismatchError(
+                    f"the checkpoint was written inside epoch {self.epoch}, after {self.skip} batches, but "
+                    f"{self._lazy_loader()}, so trainkit cannot skip into it; resume from an epoch-boundary "
+                    "checkpoint, or start fresh (ckpt.resume=never)"
+                )
+            if self._at_step_boundary is not None:
+                self._at_step_boundary = None
+                self._on_untracked(
+                    f"{self._lazy_loader()}, so trainkit cannot skip into it: this loop writes no step "
+                    "checkpoints and resumes at epoch boundaries; let its __iter__ call super().__iter__() before "
+                    "it returns (return a generator over the iterator that gives), or do the per-batch work in "
+                    "the loop"
+                )
+            return iterator
         if resume is not None:
             restore_rng(resume.rng_at_save)
             self._resume = None
         return iterator
 
-    def _iterate(self, skip: int) -> Iterator[Any]:
-        """The loader's iterator from batch ``skip`` on, its indices tagged with the epoch, the skip done now."""
+    def _lazy_loader(self) -> str:
+        return (
+            f"the {type(self.loader).__name__} given to progress() makes its DataLoader iterator only when its first "
+            "batch is asked for (its __iter__ is a generator, say)"
+        )
+
+    def _iterate(self, skip: int) -> tuple[Iterator[Any], bool]:
+        """The loader's iterator from batch ``skip`` on, its indices tagged with the epoch, the skip done now;
+        and whether it could be made so (see :func:`_made_iterator`)."""
         loader = self.loader
-        inner = loader.batch_sampler if loader._auto_collation else loader.sampler
-        indices = _SkippingIndices(inner, skip=skip, epoch=self.epoch, batched=loader._auto_collation)
-        with _index_sampler_swapped(loader, indices):
-            iterator = iter(loader)
-        if indices.stream is not None:
-            indices.stream.prime()
-        return iterator
+        batched = loader._auto_collation
+        inner = loader.batch_sampler if batched else loader.sampler
+        return _made_iterator(loader, _SkippingIndices(inner, skip=skip, epoch=self.epoch, batched=batched))
 
     def __iter__(self) -> Iterator[Any]:
         if self._started:
@@ -365,21 +449,20 @@ class TrackedBatches:
                 RuntimeWarning,
                 stacklevel=2,
             )
-            yield from self._iterate(skip=0)
+            yield from self._iterate(skip=0)[0]
             return
         self._started = True
         try:
             iterator = self._start()
             boundary = self._at_step_boundary
+            counted = enumerate(iterator, self.skip + 1)
             if boundary is None:
-                for batch in iterator:
-                    self.consumed += 1
+                for self.consumed, batch in counted:
                     yield batch
                 return
             step = self._step
             last_step = step()
-            for batch in iterator:
-                self.consumed += 1
+            for self.consumed, batch in counted:
                 yield batch
                 # the caller asked for the next batch: if an optimizer step ended since, this is a boundary
                 now = step()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import math
 import os
 import signal
@@ -1360,14 +1361,11 @@ class BaseTrainer(abc.ABC):
         if not self._in_train_epoch or not (stepping or pending is not None):
             return None
         if self._epoch_tracked:
-            if not self._untracked_warned:
-                self._untracked_warned = True
-                warnings.warn(
-                    "progress() was called a second time in one train_epoch(): only the first loop is counted, so "
-                    "no step checkpoint is written while this one runs",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+            self._warn_untracked(
+                "progress() was called a second time in one train_epoch(): only the first loop is counted, so "
+                "no step checkpoint is written while this one runs",
+                stacklevel=3,  # the line that called progress()
+            )
             return None
         if not skippable(loader):
             if pending is not None:
@@ -1376,14 +1374,11 @@ class BaseTrainer(abc.ABC):
                     f"but train_epoch() now iterates a {type(loader).__name__}, which trainkit cannot skip into; "
                     "resume from an epoch-boundary checkpoint, or start fresh (ckpt.resume=never)"
                 )
-            if not self._untracked_warned:
-                self._untracked_warned = True
-                warnings.warn(
-                    f"ckpt.every_n_steps needs progress() to be given a DataLoader over a map-style dataset, got a "
-                    f"{type(loader).__name__}: this loop writes no step checkpoints and resumes at epoch boundaries",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+            self._warn_untracked(
+                f"ckpt.every_n_steps needs progress() to be given a DataLoader over a map-style dataset, got a "
+                f"{type(loader).__name__}: this loop writes no step checkpoints and resumes at epoch boundaries",
+                stacklevel=3,
+            )
             return None
         position: core.EpochPosition | None = None
         resume: RankPosition | None = None
@@ -1408,10 +1403,17 @@ class BaseTrainer(abc.ABC):
             epoch=self.epoch,
             skip=position.batches if position is not None else 0,
             resume=resume,
-            step=lambda: self.step,
+            step=functools.partial(getattr, self, "step"),
             at_step_boundary=self._at_step_boundary if stepping else None,
             on_close=self._vote.finish,
+            on_untracked=functools.partial(self._warn_untracked, stacklevel=3),  # the loop over progress()
         )
+
+    def _warn_untracked(self, message: str, stacklevel: int) -> None:
+        """Say once per trainer that a loop runs without step checkpoints (``stacklevel`` as from the caller)."""
+        if not self._untracked_warned:
+            self._untracked_warned = True
+            warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
 
     def _check_loader(self, loader: Any) -> None:
         """Warn once per loader whose shuffle would repeat every epoch, or that a resume would not restore."""
