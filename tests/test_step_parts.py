@@ -348,6 +348,16 @@ class EchoIndices(torch.utils.data.Dataset):
         return torch.tensor(int(index)), torch.tensor(getattr(index, "epoch", -1))
 
 
+class ShuffleWithoutLength(torch.utils.data.Sampler):
+    """A sampler with no __len__: its DataLoader, and so its epoch, have no length."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n).tolist())
+
+
 class LazyLoader(DataLoader):
     """A DataLoader that makes its iterator only when the first batch is asked for: its __iter__ is a generator."""
 
@@ -367,6 +377,7 @@ def echo_loader(kind: str) -> DataLoader:
             data, batch_size=None, sampler=BatchSampler(RandomSampler(data), 3, False)
         ),
         "made lazily": lambda: LazyLoader(data, batch_size=3, shuffle=True),
+        "sampler without a length": lambda: DataLoader(data, batch_size=3, sampler=ShuffleWithoutLength(20)),
     }[kind]()
 
 
@@ -442,3 +453,15 @@ def test_a_loader_that_makes_its_iterator_lazily_is_not_counted_and_resumes_at_t
     assert resumed.seen == whole.seen[1:]
     weights = zip(resumed.model.state_dict().values(), whole.model.state_dict().values(), strict=True)
     assert all(torch.equal(a, b) for a, b in weights)
+
+
+def test_a_loader_whose_epoch_has_no_length_is_not_counted_and_trains_to_the_end(tmp_path):
+    """Its position inside the epoch could not be recorded (batches out of len(loader)): it warns once at the loop and
+    keeps epoch checkpoints, where the first due step checkpoint used to stop the run with a bare TypeError."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = echo_run(tmp_path, "sampler without a length", {"every_n_steps": 1})
+    said = [w for w in caught if "whose sampler has no length" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__, [str(w.message) for w in caught]
+    assert [sorted(order) for order, _ in trainer.seen] == [list(range(20))] * 3
+    assert torch.load(tmp_path / "last.pt", weights_only=True)["trainkit"] is None

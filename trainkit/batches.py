@@ -36,7 +36,7 @@ from trainkit.rng import capture_rng, loader_generators, restore_rng
 __all__ = [
     "SampleIndex",
     "TrackedBatches",
-    "skippable",
+    "unskippable_reason",
     "loader_shape",
     "RankPosition",
     "draws_only_from_torch",
@@ -134,7 +134,7 @@ def draws_only_from_torch(loader: Any) -> bool:
     shuffle with torch's global generator or their own, and the loader seeds its workers from torch's. A
     subclass, or a sampler of the user's own, may call ``random`` or numpy.
 
-    :param loader: A loader :func:`skippable` accepts.
+    :param loader: A loader :func:`unskippable_reason` accepts.
     :returns: Whether Python's and numpy's generators are out of the iterator's reach.
     """
     kind = type(loader)
@@ -158,7 +158,7 @@ def iterator_rng(loader: Any) -> dict[str, Any]:
     is then the tensor ``torch.get_rng_state()`` returns (a copy): turning it into the ``bytes`` a checkpoint
     keeps costs more than taking it, inside a training loop, and is left to :func:`rng_for_checkpoint`.
 
-    :param loader: A loader :func:`skippable` accepts.
+    :param loader: A loader :func:`unskippable_reason` accepts.
     :returns: ``{"torch": ...}``, or everything :func:`~trainkit.rng.capture_rng` takes.
     """
     if draws_only_from_torch(loader):
@@ -194,25 +194,37 @@ class RankPosition:
         self.rng_at_save = rng_at_save
 
 
-def skippable(loader: Any) -> bool:
-    """Tell whether trainkit can resume inside an epoch of ``loader``: a ``DataLoader`` over a map-style dataset.
+def unskippable_reason(loader: Any) -> str | None:
+    """Say why trainkit cannot resume inside an epoch of ``loader``, or None when it can.
+
+    It can for a ``DataLoader`` over a map-style dataset whose epoch has a length: a position inside the epoch
+    is a number of batches out of ``len(loader)``, and the skip draws the sampler's indices.
+
+    >>> unskippable_reason([1, 2, 3])
+    'a list, not a DataLoader'
 
     :param loader: What ``self.progress()`` was given.
-    :returns: True for a ``DataLoader`` whose dataset has a length and is indexed by a sampler.
+    :returns: None, or what the loader is, as in "got <reason>".
     """
-    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
-        return False
+    if not isinstance(loader, DataLoader):
+        return f"a {type(loader).__name__}, not a DataLoader"
+    if isinstance(loader.dataset, IterableDataset):
+        return f"a {type(loader).__name__} over an IterableDataset"
     try:
         len(loader.dataset)
     except TypeError:
-        return False
-    return True
+        return f"a {type(loader).__name__} whose dataset has no length"
+    try:
+        len(loader)
+    except TypeError:
+        return f"a {type(loader).__name__} whose sampler has no length, so its epoch has none"
+    return None
 
 
 def loader_shape(loader: Any) -> tuple[int | None, int, int]:
     """The facts a mid-epoch position depends on: ``(batch_size, len(dataset), len(loader))``.
 
-    :param loader: A loader :func:`skippable` accepts.
+    :param loader: A loader :func:`unskippable_reason` accepts.
     :returns: The three numbers.
     """
     return loader.batch_size, len(loader.dataset), len(loader)
@@ -342,7 +354,7 @@ class TrackedBatches:
     ``at_step_boundary(self)`` before fetching the next batch: that is where a step checkpoint is written and a
     stop signal acted on, with :attr:`consumed` batches fully trained on.
 
-    :param loader: A ``DataLoader`` :func:`skippable` accepts.
+    :param loader: A ``DataLoader`` :func:`unskippable_reason` accepts.
     :param epoch: The 0-based epoch.
     :param skip: Batches to skip (a resumed epoch's consumed batches), 0 otherwise.
     :param resume: What this rank puts back when resuming (with ``skip``), else None.

@@ -29,7 +29,7 @@ from trainkit import checkpoint as ckpt_io
 from trainkit import distributed as dist_utils
 from trainkit import optim as optim_utils
 from trainkit import sharded, sharding
-from trainkit.batches import RankPosition, TrackedBatches, loader_shape, skippable
+from trainkit.batches import RankPosition, TrackedBatches, loader_shape, unskippable_reason
 from trainkit.config import Config, changed_on_resume, public_config, render_value, strip_secrets
 from trainkit.errors import (
     BookkeepingError,
@@ -1367,16 +1367,17 @@ class BaseTrainer(abc.ABC):
                 stacklevel=3,  # the line that called progress()
             )
             return None
-        if not skippable(loader):
+        reason = unskippable_reason(loader)
+        if reason is not None:
             if pending is not None:
                 raise CheckpointMismatchError(
                     f"the checkpoint was written inside epoch {pending[0].epoch}, after {pending[0].batches} batches, "
-                    f"but train_epoch() now iterates a {type(loader).__name__}, which trainkit cannot skip into; "
+                    f"but train_epoch() now iterates {reason}, which trainkit cannot skip into; "
                     "resume from an epoch-boundary checkpoint, or start fresh (ckpt.resume=never)"
                 )
             self._warn_untracked(
-                f"ckpt.every_n_steps needs progress() to be given a DataLoader over a map-style dataset, got a "
-                f"{type(loader).__name__}: this loop writes no step checkpoints and resumes at epoch boundaries",
+                "ckpt.every_n_steps needs progress() to be given a DataLoader over a map-style dataset, with a "
+                f"length, got {reason}: this loop writes no step checkpoints and resumes at epoch boundaries",
                 stacklevel=3,
             )
             return None
