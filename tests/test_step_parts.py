@@ -373,6 +373,7 @@ def echo_loader(kind: str) -> DataLoader:
             data, batch_size=3, shuffle=True, num_workers=2, persistent_workers=True
         ),
         "one index at a time": lambda: DataLoader(data, batch_size=None, shuffle=True),
+        "one index at a time, workers": lambda: DataLoader(data, batch_size=None, shuffle=True, num_workers=2),
         "a list per batch": lambda: DataLoader(
             data, batch_size=None, sampler=BatchSampler(RandomSampler(data), 3, False)
         ),
@@ -422,7 +423,16 @@ def echo_run(out_dir, kind, ckpt, crash_at=None):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["batched", "batched, persistent workers", "one index at a time", "a list per batch"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "batched",
+        "batched, persistent workers",
+        "one index at a time",
+        "one index at a time, workers",
+        "a list per batch",
+    ],
+)
 def test_every_index_carries_its_epoch_and_counting_keeps_the_order(tmp_path, kind):
     """Epoch after epoch (a persistent worker's too), every int index reaching the dataset is tagged with the epoch
     it belongs to, and the order is the one the loader gives uncounted; a sampler that yields lists is left alone."""

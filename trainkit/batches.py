@@ -267,6 +267,7 @@ class _IndexStream:
         self._epoch = epoch
         self._batched = batched
         self._ahead: list[Any] | None = None
+        self._tags_none = False  # whether the sampler's first draw said it yields no int to tag (see rest())
         tag_one = functools.partial(_tag_index, _index_type(epoch))
         self._tag = functools.partial(_tag_batch, epoch) if batched else tag_one
 
@@ -288,6 +289,7 @@ class _IndexStream:
                 break
         first = next(inner, _END)
         self._ahead = [] if first is _END else [first]
+        self._tags_none = not self._batched and type(first) is not int
 
     def __next__(self) -> Any:
         if self._ahead is None:
@@ -307,9 +309,8 @@ class _IndexStream:
         self.prime()
         ahead, self._ahead = self._ahead, []
         items = itertools.chain(ahead, self._inner)
-        if not self._batched and (not ahead or type(ahead[0]) is not int):
-            return items
-        return map(self._tag, items)
+        # decided at the first draw: with workers the loader has read it (and more) by now
+        return items if self._tags_none else map(self._tag, items)
 
 
 def _made_iterator(loader: Any, indices: _SkippingIndices) -> tuple[Iterator[Any], bool]:
