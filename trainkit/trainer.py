@@ -1329,7 +1329,10 @@ class BaseTrainer(abc.ABC):
         ``ckpt.every_n_steps``, the ``DataLoader`` that :meth:`train_epoch` iterates through here is counted:
         at each step boundary (the first batch fetched after an optimizer step) a due step checkpoint is
         written and a stop signal acted on, and an epoch resumed from a step checkpoint skips the batches
-        trained before it at the index level (see :attr:`first_batch`). Pass a ``DataLoader`` itself: one with
+        trained before it at the index level (see :attr:`first_batch`). A loader that cannot be skipped into
+        (not a ``DataLoader``, no length, or one that makes its iterator lazily in a generator ``__iter__``) is
+        not counted: a ``RuntimeWarning`` says so once, and the run resumes at epoch boundaries. Pass a
+        ``DataLoader`` itself: one with
         ``persistent_workers`` has its workers started here in a way that keeps a resumed run's shuffles
         exact (see :func:`~trainkit.rng.start_persistent_workers`), and the first time a loader comes by,
         a ``RuntimeWarning`` says when its shuffle would not survive a resume (its own generator is not
@@ -1341,7 +1344,8 @@ class BaseTrainer(abc.ABC):
         :returns: An iterable over the same batches; the iterable itself when bars and step checkpoints are
             off.
         :raises CheckpointMismatchError: In an epoch resumed from a step checkpoint, when the loader's batch
-            size, dataset length or length differ from the checkpoint's, or it cannot be skipped into.
+            size, dataset length or length differ from the checkpoint's, or it cannot be skipped into (for a
+            loader that makes its iterator lazily, when the returned batches are first iterated).
         """
         start_persistent_workers(iterable)
         self._check_loader(iterable)
