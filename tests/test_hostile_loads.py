@@ -31,7 +31,7 @@ import trainkit.checkpoint as ckpt_io
 from tests.faults.harness import ROOT, child_env
 from tests.test_trainer import make_cfg
 from tests.trainers import TinyTrainer
-from trainkit import CheckpointCorruptError
+from trainkit import CheckpointCorruptError, CheckpointUnsafeError
 from trainkit.bookkeeping import RESERVED_NAMES
 from trainkit.checkpoint import load_checkpoint, verify_checkpoint
 from trainkit.payload import BEST_PT, LAST_PT, MAX_ITEM_DEPTH, SCHEMA_VERSION, validate_best, validate_last
@@ -469,11 +469,20 @@ def nested_pickle(depth: int, leaf: bytes = b"") -> bytes:
     return b"\x80\x02}X\x06\x00\x00\x00config}X\x01\x00\x00\x00a" + inner + b"ss."
 
 
-def test_a_pickle_nested_100000_deep_loads_and_is_refused_by_validation_not_by_recursion(tmp_path, real):
-    """A CRC-valid last.pt whose config is 100000 nested lists loads (torch's unpickler is iterative) and is then a
-    CheckpointCorruptError naming config, never a RecursionError."""
+def test_a_pickle_nested_100000_deep_is_refused_before_it_is_unpickled(tmp_path):
+    """A CRC-valid last.pt whose config is 100000 nested lists is refused by the pre-scan of its pickle, as unsafe
+    (it is what somebody wrote, not damage), before torch's unpickler builds anything."""
     path = tmp_path / "deep.pt"
     rewrite(small_checkpoint(tmp_path, {"config": 0}), path, data_pkl=nested_pickle(100_000))
+    with pytest.raises(CheckpointUnsafeError, match=r"before it was unpickled: its pickle nests values more than 1000"):
+        load_checkpoint(path)
+
+
+def test_a_pickle_nested_below_the_scan_limit_loads_and_is_refused_by_validation_not_by_recursion(tmp_path, real):
+    """A CRC-valid last.pt whose config is 900 nested lists passes the pre-scan, loads (torch's unpickler is
+    iterative) and is then a CheckpointCorruptError naming config, never a RecursionError."""
+    path = tmp_path / "deep.pt"
+    rewrite(small_checkpoint(tmp_path, {"config": 0}), path, data_pkl=nested_pickle(900))
     payload = load_checkpoint(path)
     last = {**real["last_payload"], "config": payload["config"]}
     with pytest.raises(
@@ -483,11 +492,15 @@ def test_a_pickle_nested_100000_deep_loads_and_is_refused_by_validation_not_by_r
     assert len(str(info.value)) < 1000
 
 
-def test_a_numpy_array_at_the_bottom_of_deep_nesting_is_corrupt_not_a_recursion_error(tmp_path):
-    """Putting numpy arrays back in place walks the payload recursively: too deep a payload is corrupt."""
+def test_a_numpy_array_at_the_bottom_of_deep_nesting_is_refused_not_a_recursion_error(tmp_path):
+    """A numpy array under 20000 nested lists is refused by the pickle's pre-scan; under 990 (below the scan's
+    limit, beyond Python's recursion limit for putting arrays back in place) it is corrupt, not a RecursionError."""
     array = pickle.dumps(np.zeros(2), protocol=2)[2:-1]  # without PROTO and STOP
     path = tmp_path / "deep_numpy.pt"
     rewrite(small_checkpoint(tmp_path, {"config": 0}), path, data_pkl=nested_pickle(20_000, array))
+    with pytest.raises(CheckpointUnsafeError, match="its pickle nests values more than 1000 deep"):
+        load_checkpoint(path)
+    rewrite(small_checkpoint(tmp_path, {"config": 0}), path, data_pkl=nested_pickle(990, array))
     refused(path, "could not be read: maximum recursion depth exceeded")
 
 

@@ -13,6 +13,7 @@ import enum
 import errno
 import functools
 import importlib.util
+import io
 import itertools
 import math
 import numbers
@@ -38,6 +39,7 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 
 from trainkit.errors import CheckpointCorruptError, CheckpointError, CheckpointUnsafeError
+from trainkit.pickle_scan import PickleRefused, PickleUnsafe, check_pickle
 
 # they lived here before trainkit.rng gathered every generator's seeding, capture and restore
 from trainkit.rng import capture_rng, restore_rng, seed_everything  # noqa: F401
@@ -46,6 +48,7 @@ __all__ = [
     "atomic_save",
     "previous_path",
     "load_checkpoint",
+    "load_archive",
     "verify_checkpoint",
     "check_loadable",
     "capture_rng",
@@ -55,6 +58,7 @@ __all__ = [
     "payload_nbytes",
     "warn_if_low_on_space",
     "fsync_directory",
+    "current_umask",
 ]
 
 TEMP_SUFFIX = ".tmp"
@@ -98,6 +102,26 @@ def _save_names(path: str) -> _SaveNames:
 
 def _temp_name(prefix: str) -> str:
     return f"{prefix}{os.getpid()}.{next(_TEMP_COUNTER)}{TEMP_SUFFIX}"
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it (``/proc/self/status`` where Linux has it).
+
+    Changing it to read it (``os.umask``) would let a file another thread creates meanwhile get mode 0666.
+
+    :returns: The umask, e.g. ``0o022``.
+    """
+    with suppress(OSError, ValueError), open("/proc/self/status", "rb") as status:
+        for line in status:
+            if line.startswith(b"Umask:"):
+                return int(line.split()[1], 8)
+    with _UMASK_LOCK:
+        mask = os.umask(0o077)  # the safest value for the moment it is set
+        os.umask(mask)
+    return mask
+
+
+_UMASK_LOCK = threading.Lock()
 
 
 def fsync_directory(directory: str | os.PathLike[str]) -> None:
@@ -913,8 +937,16 @@ _SEEK_DATA = getattr(os, "SEEK_DATA", None) if _HAS_PREAD else None
 _SEEK_HOLE = getattr(os, "SEEK_HOLE", None)
 
 
+class _InMemory(NamedTuple):
+    """An archive held in memory (an entry of a sharded checkpoint's ``.distcp`` file), read like an open file."""
+
+    data: bytes
+
+
 def _pread(file: Any, offset: int, size: int) -> bytes:
     """Up to ``size`` bytes at ``offset``: positional where the OS has pread, so seeks for holes cannot interfere."""
+    if type(file) is _InMemory:
+        return file.data[offset : offset + size]
     if not _HAS_PREAD:
         file.seek(offset)
         return file.read(size)
@@ -1167,11 +1199,34 @@ def _gf2_times(matrix: tuple[int, ...], vector: int) -> int:
     return result
 
 
-def _verify_open(path: Path, file: Any, info: os.stat_result) -> None:
+def _verify_open(path: Path, file: Any, info: os.stat_result) -> list[tuple[_Member, int]]:
     try:
-        _check_crcs(path, file, _member_data(path, file, info.st_size))
+        spans = _member_data(path, file, info.st_size)
+        _check_crcs(path, file, spans)
+        _check_data_pickle(path, file, spans)
     except OSError as exc:  # a read error (EIO on a bad sector)
         raise CheckpointCorruptError(f"checkpoint {path} could not be read: {_reason(exc)}") from exc
+    return spans
+
+
+def _check_data_pickle(path: Any, file: Any, spans: list[tuple[_Member, int]]) -> None:
+    """Bound the archive's pickle before torch unpickles it (:func:`trainkit.pickle_scan.check_pickle`).
+
+    A pickle that nests so deeply that unpickling it would crash the process (a segmentation fault, past any
+    fallback) is unsafe, not corrupt: the file is what somebody wrote, and an older copy is no answer to a
+    planted one. A pickle no pickler writes at all is corrupt, as torch would find it.
+    """
+    member, start = next((member, start) for member, start in spans if member.name.endswith("/data.pkl"))
+    try:
+        check_pickle(_read_at(path, file, start, member.size))
+    except PickleUnsafe as exc:
+        raise CheckpointUnsafeError(
+            f"checkpoint {path} was refused before it was unpickled: its pickle {exc}, which no torch.save writes "
+            "and which could crash Python while loading it; nothing from it was loaded",
+            "a pickle built to crash its reader",
+        ) from None
+    except PickleRefused as exc:
+        raise CheckpointCorruptError(f"checkpoint {path} was refused: its pickle {exc}; it was not loaded") from None
 
 
 def _check_unchanged(path: Path, file: Any, info: os.stat_result) -> None:
@@ -1228,21 +1283,57 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> 
     with file:
         _verify_open(path, file, info)
         file.seek(0)
-        _LOADING.arrays, _LOADING.refused = [], None
-        try:
-            with _load_allowlist():
-                payload = torch.load(file, map_location=map_location, weights_only=True, mmap=False)
-        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
-            _check_unchanged(path, file, info)  # a file changed under the load explains whatever went wrong
-            if isinstance(exc, pickle.UnpicklingError):
-                raise _refusal(path, str(exc), _LOADING.refused) from exc
-            # RecursionError is a RuntimeError
-            raise CheckpointCorruptError(f"checkpoint {path} could not be read: {_reason(exc)}") from exc
-        finally:
-            arrays, _LOADING.arrays, _LOADING.refused = _LOADING.arrays, None, None
+        payload = _safe_load(path, file, map_location, unchanged=lambda: _check_unchanged(path, file, info))
         _check_unchanged(path, file, info)
     if not isinstance(payload, dict):
         raise CheckpointCorruptError(f"checkpoint {path} holds a {type(payload).__name__}, not a dict")
+    return payload
+
+
+def load_archive(data: bytes, name: str, map_location: Any = "cpu") -> Any:
+    """Load one ``torch.save`` archive held in memory with the checks of :func:`load_checkpoint`, but its CRCs.
+
+    For the entries of a sharded checkpoint's ``.distcp`` files (each a ``torch.save`` of one tensor or one plain
+    value), whose whole file's CRC-32 the checkpoint's manifest already checked: the zip structure is checked
+    from its records, the pickle bounded, and the entry loaded with ``weights_only=True`` (trainkit's numpy and
+    slice builders included), so no code from it runs.
+
+    :param data: The archive's bytes.
+    :param name: What names it in an error, e.g. ``"last.ckpt/__0_0.distcp, entry 'optimizer.param_groups.0.lr'"``.
+    :param map_location: Where tensors go.
+    :returns: The loaded value (any type ``weights_only`` builds, not only a dict).
+    :raises CheckpointCorruptError: When the archive is not one ``torch.save`` writes, or cannot be read.
+    :raises CheckpointUnsafeError: When it holds a type trainkit does not load, or a pickle built to crash its
+        reader; also when it is not a zip archive at all (a legacy ``torch.save`` pickle, which trainkit never
+        writes there and which ``weights_only`` may not refuse in time).
+    """
+    if not data.startswith(b"PK\x03\x04"):
+        raise CheckpointUnsafeError(
+            f"{name} was refused: it is not a zip archive as torch.save writes one (it starts {data[:8]!r}), so it "
+            "was not unpickled; a legacy torch.save pickle there is what a planted entry looks like",
+            "a legacy torch.save pickle",
+        )
+    memory = _InMemory(data)
+    spans = _member_data(name, memory, len(data))  # type: ignore[arg-type]
+    _check_data_pickle(name, memory, spans)
+    return _safe_load(name, io.BytesIO(data), map_location, unchanged=lambda: None)
+
+
+def _safe_load(path: Any, file: Any, map_location: Any, *, unchanged: Any) -> Any:
+    """``torch.load(file, weights_only=True)`` with trainkit's allowlist, refusals turned into trainkit's errors
+    and numpy recipes put back in place; ``unchanged()`` refuses a file written into meanwhile."""
+    _LOADING.arrays, _LOADING.refused = [], None
+    try:
+        with _load_allowlist():
+            payload = torch.load(file, map_location=map_location, weights_only=True, mmap=False)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
+        unchanged()  # a file changed under the load explains whatever went wrong
+        if isinstance(exc, pickle.UnpicklingError):
+            raise _refusal(path, str(exc), _LOADING.refused) from exc
+        # RecursionError is a RuntimeError
+        raise CheckpointCorruptError(f"checkpoint {path} could not be read: {_reason(exc)}") from exc
+    finally:
+        arrays, _LOADING.arrays, _LOADING.refused = _LOADING.arrays, None, None
     if arrays:
         reached: set[int] = set()
         try:
