@@ -8,12 +8,15 @@ Layout of ``out_dir/last.ckpt/`` (and ``best.ckpt/``)::
                                      the other registered items), the same schema as a last.pt / best.pt
     manifest.json                    every file's size and CRC-32, written last: what makes the checkpoint whole
 
-A save writes into a temporary sibling (``.last.ckpt.tmp-<epoch>-<step>``); once every rank has finished its
-files, rank 0 writes ``trainkit.pt`` and the manifest, moves the published directory to ``last.prev.ckpt``
-and renames the temporary one into place, then fsyncs ``out_dir``. A run killed at any point leaves either
-the old ``last.ckpt`` or the new one (and ``last.prev.ckpt``), never a half-written one under a published
-name; the temporary directory is removed by the next save or run. A resume checks the manifest (every
-rank a share of the files) before it trusts a directory, and falls back to ``last.prev.ckpt``.
+A save writes into a temporary sibling (``.last.ckpt.tmp-<epoch>-<step>-<n>-<random>``, made by rank 0 with
+mode 0700 under a name nobody can guess, so nothing can be planted in it while the ranks write); once every
+rank has finished its files (each checked to be a regular file it wrote, not a link), rank 0 writes
+``trainkit.pt`` and the manifest, moves the published directory to ``last.prev.ckpt`` and renames the
+temporary one into place, then fsyncs ``out_dir``. A run killed at any point leaves either the old
+``last.ckpt`` or the new one (and ``last.prev.ckpt``), never a half-written one under a published name; the
+temporary directory is removed by the next save or run. A resume checks the manifest (every rank a share of
+the files) and reads every file as hostile input (:mod:`trainkit.sharded_read`) before it trusts a directory,
+and falls back to ``last.prev.ckpt``.
 
 Modules and optimizers go through ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict``,
 ``get_optimizer_state_dict`` over a ``ModuleDict`` of the registered modules), so a checkpoint written by N
@@ -26,10 +29,11 @@ Side effects: files in ``out_dir``; collectives (every rank must call :func:`sav
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import shutil
-import zlib
+import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -40,6 +44,8 @@ from torch import nn
 from trainkit import checkpoint as ckpt_io
 from trainkit import distributed as dist_utils
 from trainkit.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from trainkit.sharded_read import ENGINE_FILE, MANIFEST_FILE, checksum, entries_of, load_into, read_metadata
+from trainkit.sharded_read import verify_directory as verify_directory
 
 __all__ = [
     "LAST_DIR",
@@ -65,11 +71,8 @@ __all__ = [
 
 LAST_DIR = "last.ckpt"
 BEST_DIR = "best.ckpt"
-ENGINE_FILE = "trainkit.pt"
-MANIFEST_FILE = "manifest.json"
 SHARDED = "trainkit:sharded"
 """What ``trainkit.pt`` holds in place of an item whose state is in the DCP files."""
-_CHUNK = 8 << 20
 
 
 def previous_directory(path: Path) -> Path:
@@ -143,22 +146,17 @@ def load_items(items: Mapping[str, Any], directory: Path, names: Iterable[str]) 
 def load_items_into(state: dict[str, Any], directory: Path, *, no_dist: bool = False) -> dict[str, Any]:
     """Fill ``state`` (tensors and DTensors of this run's shapes and shards) from a checkpoint directory.
 
+    Read through :func:`trainkit.sharded_read.load_into`: nothing in the directory reaches an unpickler that
+    could run it.
+
     :param state: The template, filled in place.
     :param directory: The checkpoint directory.
     :param no_dist: Read in this process alone, even inside a process group.
     :returns: ``state``.
     :raises CheckpointCorruptError: When DCP cannot read an entry (a missing key, a shape that changed).
+    :raises CheckpointUnsafeError: When an entry holds what trainkit does not load, naming the file and entry.
     """
-    import torch.distributed.checkpoint as dcp
-
-    try:
-        dcp.load(state, checkpoint_id=str(directory), no_dist=no_dist)
-    except Exception as exc:  # noqa: BLE001 - DCP wraps reader errors in CheckpointException and others
-        raise CheckpointCorruptError(
-            f"{directory}: the sharded state could not be read into the registered items ({_why(exc)}); "
-            "register the same modules and optimizers as the run that wrote it"
-        ) from exc
-    return state
+    return load_into(state, directory, no_dist=no_dist)
 
 
 def apply_items(items: Mapping[str, Any], states: Mapping[str, Any]) -> None:
@@ -188,19 +186,12 @@ def read_whole(directory: Path, key: str) -> dict[str, Any]:
     :param key: The top-level entry.
     :returns: ``{name: tensor}`` with whole (unsharded) CPU tensors.
     :raises CheckpointCorruptError: When the entry is missing or cannot be read.
+    :raises CheckpointUnsafeError: When the directory holds what trainkit does not load.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    try:
-        metadata = dcp.FileSystemReader(str(directory)).read_metadata()
-    except Exception as exc:  # noqa: BLE001 - a damaged .metadata raises anything pickle can
-        raise CheckpointCorruptError(f"{directory}: its .metadata cannot be read ({_why(exc)})") from exc
-    prefix = f"{key}."
-    template: dict[str, Any] = {}
-    for name, entry in metadata.state_dict_metadata.items():
-        if name.startswith(prefix) and isinstance(entry, TensorStorageMetadata):
-            template[name[len(prefix) :]] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    metadata = read_metadata(directory)
+    template = {
+        name: torch.empty(entry.size, dtype=entry.properties.dtype) for name, entry in entries_of(metadata, key)
+    }
     if not template:
         raise CheckpointCorruptError(f"{directory} holds no tensors under {key!r}")
     return load_items_into({key: template}, directory, no_dist=True)[key]
@@ -287,17 +278,6 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[-1] if text else ''}"[:300]
 
 
-def _crc(path: Path) -> tuple[int, int]:
-    crc, size = 0, 0
-    buffer = bytearray(_CHUNK)  # one buffer read into again and again: no allocation per chunk
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as handle:
-        while read := handle.readinto(buffer):
-            crc = zlib.crc32(view[:read], crc)
-            size += read
-    return size, crc
-
-
 def _own_files(directory: Path, rank: int) -> list[Path]:
     """The DCP files ``rank`` wrote (``__<rank>_<n>.distcp``), and ``.metadata`` for rank 0."""
     own = sorted(directory.glob(f"__{rank}_*.distcp"))
@@ -307,7 +287,7 @@ def _own_files(directory: Path, rank: int) -> list[Path]:
 
 
 def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     try:
         os.fsync(fd)
     finally:
@@ -319,12 +299,13 @@ def _own_checksums(temporary: Path, rank: int) -> dict[str, list[int]]:
 
     DCP writes them without fsync (:func:`_writer`): the fsyncs run in a thread, waiting on the disk, while
     this thread computes the CRCs from the page cache, so the checksums cost next to nothing on top of the
-    flush every durable save waits for anyway. Both finish before this returns; an fsync's error raises here.
+    flush every durable save waits for anyway. Both finish before this returns; an fsync's error raises here,
+    and so does a file that is not a regular file (a link planted in the temporary directory).
     """
     files = _own_files(temporary, rank)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainkit-fsync") as flusher:
         flushed = [flusher.submit(_fsync_file, path) for path in files]
-        checksums = {path.name: list(_crc(path)) for path in files}
+        checksums = {path.name: list(checksum(path)) for path in files}  # a link in its place: refused here
         for done in flushed:
             done.result()
     return checksums
@@ -339,20 +320,28 @@ def _writer(temporary: Path) -> Any:
 
 
 def _prepare(final: Path, *, rank: int, world_size: int, tag: str) -> Path:
-    """Rank 0 clears torn temporary directories of ``final`` and makes this save's; every rank learns it worked."""
-    temporary = final.with_name(f".{final.name}.tmp-{tag}")
-    error: BaseException | None = None
+    """Rank 0 clears torn temporary directories of ``final`` and makes this save's; every rank learns its name.
+
+    The name ends in a random token and the directory is created exclusively with mode 0700 (``mkdtemp``), so
+    nothing planted under a predictable name can stop a save, and nobody else can plant a link in it while the
+    ranks write.
+    """
+    made: str | None = None
+    failed = False
     if rank == 0:
         try:
             wait_discarded()  # one deletion in flight: done before this save writes (the loop was busy meanwhile)
             remove_temporary(final.parent, final.name)
-            temporary.mkdir(parents=True)
+            made = tempfile.mkdtemp(prefix=f".{final.name}.tmp-{tag}-", dir=final.parent)
         except Exception as exc:  # noqa: BLE001 - every rank hears of it below
-            error = exc
-    dist_utils.raise_if_any_rank_failed(
-        error, lambda: RuntimeError(f"rank 0 could not prepare {temporary}"), world_size=world_size
-    )
-    return temporary
+            failed = True
+            error: BaseException = exc
+    answers = dist_utils.all_gather_objects((made, failed)) if world_size > 1 else [(made, failed)]
+    if failed:
+        raise error
+    if any(answer[1] for answer in answers):
+        raise RuntimeError(f"rank 0 could not prepare a temporary directory for {final}")
+    return Path(answers[0][0])
 
 
 def _complete(
@@ -372,7 +361,7 @@ def _complete(
         try:
             checksums = _own_checksums(temporary, rank)
         except Exception as exc:  # noqa: BLE001 - every rank hears of it below
-            error = exc
+            error = _write_failed(final, rank, exc)  # a link planted among the files: a failed write
     checksums = checksums if error is None and checksums is not None else {}
     gathered = dist_utils.all_gather_objects((checksums, error is not None))
     if error is None and any(failed for _, failed in gathered):
@@ -383,15 +372,16 @@ def _complete(
             for files, _ in gathered:
                 manifest.update(files)
             for path in sorted(temporary.iterdir()):  # a file no rank claimed (another DCP naming): rank 0 sums it
-                if path.name not in manifest and path.is_file():
-                    manifest[path.name] = list(_crc(path))
+                if path.name not in manifest:
+                    manifest[path.name] = list(checksum(path))  # anything but a regular file fails the save
             ckpt_io.atomic_save(engine, temporary / ENGINE_FILE)
-            manifest[ENGINE_FILE] = list(_crc(temporary / ENGINE_FILE))
+            manifest[ENGINE_FILE] = list(checksum(temporary / ENGINE_FILE))
             with open(temporary / MANIFEST_FILE, "w") as handle:
                 json.dump({"version": 1, "files": manifest}, handle, sort_keys=True)
                 handle.flush()
                 os.fsync(handle.fileno())
             ckpt_io.fsync_directory(temporary)
+            os.chmod(temporary, 0o777 & ~ckpt_io.current_umask())  # mkdtemp's 0700 kept others out while it was written
             _publish(temporary, final)
         except Exception as exc:  # noqa: BLE001 - every rank hears of it below
             error = exc
@@ -629,46 +619,20 @@ def wait_discarded() -> None:
 def remove_temporary(out_dir: Path, name: str) -> list[Path]:
     """Remove the temporary directories that killed saves of checkpoint ``name`` left in ``out_dir``.
 
+    A symbolic link under such a name (planted: trainkit makes none) is removed itself, never followed; a
+    directory is removed without following the links inside it.
+
     :param out_dir: The run folder.
     :param name: ``last.ckpt`` or ``best.ckpt``.
-    :returns: The removed directories.
+    :returns: The removed paths.
     """
     removed = []
     for path in out_dir.glob(f".{name}.tmp-*"):
-        if path.is_dir() and not path.is_symlink():
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.append(path)
+        elif path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
-
-
-def verify_directory(directory: Path, *, rank: int, world_size: int) -> str | None:
-    """Check a checkpoint directory against its manifest, every rank a share of the files (a collective).
-
-    :param directory: The checkpoint directory.
-    :param rank: This rank.
-    :param world_size: The number of ranks.
-    :returns: None when every file is there with its size and CRC-32; otherwise what is wrong (the same
-        answer on every rank).
-    """
-    problem: str | None = None
-    try:
-        with open(directory / MANIFEST_FILE) as handle:
-            manifest = json.load(handle)
-        files = manifest["files"]
-        if not isinstance(files, dict) or ENGINE_FILE not in files or ".metadata" not in files:
-            raise ValueError("the manifest does not list trainkit.pt and .metadata")
-        for index, (name, expected) in enumerate(sorted(files.items())):
-            if index % world_size != rank:
-                continue
-            if "/" in name or name.startswith("..") or not isinstance(expected, list):
-                raise ValueError(f"the manifest names {name!r}")
-            got = _crc(directory / name)
-            if list(got) != expected:
-                want = f"{expected[0]} bytes with CRC-32 {expected[1]:#010x}" if len(expected) == 2 else repr(expected)
-                problem = f"{name}: {got[0]} bytes with CRC-32 {got[1]:#010x}, the manifest says {want}"
-                break
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        problem = f"{type(exc).__name__}: {exc}"
-    answers = dist_utils.all_gather_objects(problem)
-    found = [answer for answer in answers if answer is not None]
-    return f"{directory} is damaged or incomplete: {found[0]}" if found else None
