@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import sys
 import tempfile
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from trainkit.config import Config, redact_argv
 from trainkit.errors import ConfigError
+from trainkit.metrics_file import read_metrics
 
 __all__ = [
     "config_from_argv",
@@ -106,40 +105,6 @@ def _merge(into: dict[str, Any], new: dict[str, Any]) -> None:
             into[key] = value
 
 
-def read_metrics(out_dir: str | Path) -> list[dict[str, float]]:
-    """Read every row of ``out_dir/metrics.jsonl``.
-
-    :param out_dir: The run folder.
-    :returns: The rows, in order.
-    :raises FileNotFoundError: When the run folder has no metrics file.
-    """
-    path = Path(out_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: is {out_dir} a trainkit run folder (with ckpt.enable=true)?")
-    rows = []
-    damaged = []
-    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:  # a row torn by a crash, or padding written after one (JSONDecodeError, UnicodeError)
-            damaged.append(number)
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-        else:
-            damaged.append(number)
-    if damaged:
-        warnings.warn(
-            f"{path}: skipped {len(damaged)} damaged line(s) ({', '.join(map(str, damaged[:5]))}"
-            f"{', ...' if len(damaged) > 5 else ''}), e.g. a row cut short by a crash",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    return rows
-
-
 def summarize_run(out_dir: str | Path) -> dict[str, Any]:
     """Summarize a run folder: best epoch and metrics, stop reason, epochs run, test metrics.
 
@@ -169,12 +134,13 @@ def summarize_run(out_dir: str | Path) -> dict[str, Any]:
     return summary
 
 
-def _series(rows: list[dict[str, float]], key: str) -> tuple[list[float], list[float]]:
+def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """The key's numeric values against their epochs (a row without a numeric epoch counts as the next one)."""
     xs, ys = [], []
     for row in rows:
-        value = row.get(key)
-        if value is not None and not (isinstance(value, float) and math.isnan(value)):
-            xs.append(row.get("trainer/epoch", len(xs)))
+        value, epoch = row.get(key), row.get("trainer/epoch")
+        if isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value):
+            xs.append(epoch if isinstance(epoch, int | float) and not isinstance(epoch, bool) else len(xs))
             ys.append(value)
     return xs, ys
 
@@ -257,12 +223,14 @@ def plot_curves(out_dir: str | Path, summary: dict[str, Any]) -> Path:
     fig.suptitle(f"{Path(out_dir).name}: stopped by {summary.get('stop_reason')}")
     fig.tight_layout()
     path = Path(out_dir) / "curves.png"
+    from trainkit.checkpoint import current_umask
+
     # drawn into a file of its own, then renamed over curves.png: a planted link is replaced, never written through
     fd, tmp = tempfile.mkstemp(prefix=".curves.", suffix=".png.tmp", dir=out_dir)
     try:
         with os.fdopen(fd, "wb") as handle:
             fig.savefig(handle, dpi=110, format="png")
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -271,12 +239,6 @@ def plot_curves(out_dir: str | Path, summary: dict[str, Any]) -> Path:
     finally:
         plt.close(fig)
     return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _format(value: Any) -> str:
@@ -568,8 +530,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print("\n".join(lines))
         return 0
+    from trainkit.errors import CheckpointError
+
     try:
         return report(args.out_dir, plot=not args.no_plot)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

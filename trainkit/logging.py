@@ -18,7 +18,7 @@ import sys
 import uuid
 import warnings
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,6 +29,7 @@ from trainkit.config import WandbConfig, redact_argv, redact_text, strip_secrets
 from trainkit.errors import OutDirError
 from trainkit.messages import say
 from trainkit.run_files import same_directory
+from trainkit.safe_read import UnreadableFile, load_json, open_regular
 
 __all__ = [
     "LogBuffer",
@@ -414,8 +415,8 @@ class JsonlSink:
             *complete, pending = (pending + chunk).split(b"\n")
             for text in complete:
                 if line >= first:
-                    with contextlib.suppress(ValueError):
-                        row = json.loads(text)
+                    with contextlib.suppress(ValueError):  # a torn row, or one nested deeper than any row
+                        row = load_json(text)
                         if isinstance(row, dict):
                             yield line, row
                 line += 1
@@ -460,27 +461,36 @@ _CHUNK_HEADER = struct.Struct("<IHB")  # checksum, length, kind
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 
 
-def _wandb_log_records(data: bytes) -> Iterator[bytes]:
-    """The records of a W&B transaction log (``run-<id>.wandb``), oldest first.
+def _wandb_log_records(read_block: Callable[[int], bytes]) -> Iterator[bytes]:
+    """The records of a W&B transaction log (``run-<id>.wandb``), oldest first, read one block at a time.
 
     The file is a 7-byte header then a LevelDB-style log: 32 KiB blocks of chunks, each with a CRC-32 of
     its kind and payload; a record spans one chunk or a first, middle and last. Reading stops at the first
-    chunk that is cut short or fails its checksum, the tail a killed process leaves.
+    chunk that is cut short or fails its checksum, the tail a killed process leaves, and at a block that
+    starts with zeros (W&B pads only a block's last bytes: a zeroed block is a sparse or preallocated tail,
+    which holds no record and is not read through). Memory is one block and the record being assembled.
+
+    :param read_block: Returns block ``n`` of the file (shorter at its end, empty past it).
     """
-    if data[:4] != b":W&B":
+    block, number = read_block(0), 0
+    if block[:4] != b":W&B":
         return
     position, pending = 7, None  # pending: the chunks so far of a record that spans several
-    while position + _CHUNK_HEADER.size <= len(data):
-        left = _WANDB_BLOCK - position % _WANDB_BLOCK
-        if left < _CHUNK_HEADER.size:  # a block's tail too short for a header is zero padding
-            position += left
+    while True:
+        if len(block) - position < _CHUNK_HEADER.size:  # a block's tail too short for a header is zero padding
+            if len(block) < _WANDB_BLOCK:
+                return
+            number += 1
+            block, position = read_block(number), 0
             continue
-        checksum, length, kind = _CHUNK_HEADER.unpack_from(data, position)
+        checksum, length, kind = _CHUNK_HEADER.unpack_from(block, position)
         if checksum == 0 and length == 0 and kind == 0:  # the rest of the block is padding
-            position += left
+            if position == 0:
+                return
+            position = len(block)
             continue
         start = position + _CHUNK_HEADER.size
-        payload = data[start : start + length]
+        payload = block[start : start + length]
         if len(payload) < length or zlib.crc32(payload, zlib.crc32(bytes((kind,)))) != checksum:
             return
         position = start + length
@@ -501,19 +511,30 @@ class WandbHistory(NamedTuple):
     """What the W&B run folders of one run id already hold."""
 
     next_step: int
-    """One past the highest step of any row (0 when there is none)."""
+    """The first step no row is held at (0 when there is none): W&B holds every step below it."""
     rows: dict[int, dict[str, Any]]
-    """The rows at steps from ``since`` on, by step, without W&B's own ``_`` keys."""
+    """The rows at steps from ``since`` up to ``next_step``, by step, without W&B's own ``_`` keys."""
     empty: tuple[Path, ...] = ()
     """The ``.wandb`` files without a run record (a kill took everything W&B had not written yet)."""
+
+
+class _Unusable(Exception):
+    """A ``.wandb`` file that is skipped: not a regular file, or holding records trainkit's runs never write."""
 
 
 def read_wandb_history(wandb_dirs: Iterable[Path], run_id: str, since: int = 0) -> WandbHistory:
     """Read the history rows of run ``run_id`` from the W&B folders under ``wandb_dirs``.
 
     Side effects: reads every ``*/run-<run_id>.wandb`` file there (a resumed offline run has one folder per
-    session), except in linked folders. A file whose tail a kill cut off counts up to its last complete
-    record; one that cannot be read counts as empty. Without wandb installed nothing is read.
+    session), except in linked folders; warns once per file it skips. A file whose tail a kill cut off counts up
+    to its last complete record. A file that is not a regular file (a FIFO, a link, a device), or that holds a
+    history record trainkit never writes (a value that is not JSON, or nested deeper than
+    :data:`~trainkit.safe_read.MAX_JSON_DEPTH`; a step that is not a non-negative int), is skipped whole, with a
+    ``RuntimeWarning`` naming it, and its rows are sent to W&B again (W&B keeps the first row it got at a step).
+    A row's W&B step is its line in ``metrics.jsonl``, and each session sends the steps W&B lacks in order, so
+    the steps a run holds have no gap: the history ends at the first step no file holds, and rows at steps
+    beyond it (a planted record at step 2**62, say) are ignored with a warning, never taken to mean that W&B
+    holds every row below them. Without wandb installed nothing is read.
 
     :param wandb_dirs: The ``wandb`` folders W&B wrote the run into (``out_dir/wandb``).
     :param run_id: The W&B run id.
@@ -524,34 +545,83 @@ def read_wandb_history(wandb_dirs: Iterable[Path], run_id: str, since: int = 0) 
         from wandb.proto import wandb_internal_pb2
     except ImportError:  # pragma: no cover - wandb is a dependency; a stripped install may lack it
         return WandbHistory(0, {})
-    next_step, rows, empty = 0, {}, []
+    holder: dict[int, Path] = {}  # every step held, and the first file holding it
+    rows: dict[int, dict[str, Any]] = {}
+    empty = []
     for folder in wandb_dirs:
         for path in sorted(folder.glob(f"*/run-{run_id}.wandb")):
             if path.parent.is_symlink():  # W&B's latest-run link: the folder is read under its own name
                 continue
             try:
-                data = path.read_bytes()
-            except OSError:
-                data = b""
-            has_run = False
-            for payload in _wandb_log_records(data):
-                record = wandb_internal_pb2.Record()
-                try:
-                    record.ParseFromString(payload)
-                except Exception:  # noqa: BLE001 - protobuf's DecodeError; a damaged record ends the file
-                    break
-                kind = record.WhichOneof("record_type")
-                has_run = has_run or kind == "run"
-                if kind != "history":
-                    continue
-                items = {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
-                step = record.history.step.num if record.history.HasField("step") else int(items.get("_step", 0))
-                next_step = max(next_step, step + 1)
-                if step >= since:
-                    rows[step] = {key: json.loads(value) for key, value in items.items() if not key.startswith("_")}
+                found, has_run = _read_datastore(path, wandb_internal_pb2, since)
+            except _Unusable as exc:
+                warnings.warn(
+                    f"{path} {exc}; it is skipped, and the rows it holds are sent to W&B again (W&B keeps the first "
+                    "row it got at a step)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                continue
+            for step, row in found.items():
+                if step not in holder:  # W&B keeps the first row it got at a step
+                    holder[step] = path
+                    if row is not None:
+                        rows[step] = row
             if not has_run:
                 empty.append(path)
-    return WandbHistory(next_step, rows, tuple(empty))
+    next_step = 0
+    while next_step in holder:
+        next_step += 1
+    beyond = sorted({str(path) for step, path in holder.items() if step > next_step})
+    if beyond:
+        warnings.warn(
+            f"{', '.join(beyond)} hold W&B rows past step {next_step}, which no file holds: trainkit sends every step "
+            "in order, so those rows are not this run's (a damaged or planted file); they are ignored, and the rows "
+            f"from step {next_step} on are sent to W&B",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return WandbHistory(next_step, {step: row for step, row in rows.items() if step < next_step}, tuple(empty))
+
+
+def _read_datastore(path: Path, protos: Any, since: int) -> tuple[dict[int, dict[str, Any] | None], bool]:
+    """The steps of one ``.wandb`` file with their rows from ``since`` on (None before), and whether it holds a run
+    record."""
+    try:
+        fd, _ = open_regular(path)
+    except UnreadableFile as exc:
+        raise _Unusable(f"cannot be read as a W&B file: {exc.reason}") from None
+    rows: dict[int, dict[str, Any] | None] = {}
+    has_run = False
+    try:
+        for payload in _wandb_log_records(lambda number: os.pread(fd, _WANDB_BLOCK, number * _WANDB_BLOCK)):
+            record = protos.Record()
+            try:
+                record.ParseFromString(payload)
+            except Exception:  # noqa: BLE001 - protobuf's DecodeError; a damaged record ends the file
+                break
+            kind = record.WhichOneof("record_type")
+            has_run = has_run or kind == "run"
+            if kind != "history":
+                continue
+            try:
+                items = {
+                    item.key or "/".join(item.nested_key): load_json(item.value_json) for item in record.history.item
+                }
+            except ValueError as exc:
+                raise _Unusable(f"holds a history value that is not the JSON trainkit logs ({exc})") from None
+            step = record.history.step.num if record.history.HasField("step") else items.get("_step", 0)
+            if type(step) is not int or step < 0:
+                raise _Unusable(f"holds a history record at step {str(step)[:50]!r}, not a step number")
+            if step not in rows:
+                rows[step] = (
+                    {key: value for key, value in items.items() if not key.startswith("_")} if step >= since else None
+                )
+    except OSError as exc:
+        raise _Unusable(f"could not be read to its end ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
+    return rows, has_run
 
 
 def mark_as_synced(datastore: Path) -> None:

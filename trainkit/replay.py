@@ -17,6 +17,7 @@ import attrs
 
 from trainkit.bookkeeping import BestState, PatienceState, is_real, save_if_best, step_patience
 from trainkit.config import ValConfig, apply_overrides
+from trainkit.metrics_file import read_metrics
 
 __all__ = ["Replay", "replay_scores", "validation_scores", "replay_run", "format_replay"]
 
@@ -92,7 +93,7 @@ def validation_scores(rows: Sequence[Mapping[str, Any]], metric: str) -> list[tu
 def replay_run(out_dir: str | Path, overrides: Sequence[str] = (), metric: str = "val/loss") -> tuple[Replay, Replay]:
     """Replay a run folder's ``metrics.jsonl``: what happened, and what the settings in ``overrides`` would do.
 
-    Side effects: reads ``out_dir/metrics.jsonl`` (through :func:`trainkit.cli.read_metrics`).
+    Side effects: reads ``out_dir/metrics.jsonl`` (through :func:`trainkit.metrics_file.read_metrics`).
 
     :param out_dir: The run folder.
     :param overrides: ``val.*=value`` words (``val.patience=5``, ``val.minimize=true``, ...); ``val.minimize``
@@ -103,8 +104,6 @@ def replay_run(out_dir: str | Path, overrides: Sequence[str] = (), metric: str =
     :raises ConfigError: On an unknown key or a bad value.
     :raises ValueError: When no row logged ``metric``.
     """
-    from trainkit.cli import read_metrics
-
     scores = validation_scores(read_metrics(out_dir), metric)
     if not scores:
         raise ValueError(f"{Path(out_dir) / 'metrics.jsonl'} holds no {metric!r} values; pick the score with --metric")

@@ -24,6 +24,7 @@ from trainkit.bookkeeping import BestState
 from trainkit.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, OutDirError
 from trainkit.payload import SCHEMA_VERSION, validate_best, validate_last
 from trainkit.run_lock import RunLock
+from trainkit.safe_read import UnreadableFile, open_regular
 
 __all__ = ["LAST_CKPT", "BEST_CKPT", "METRICS_FILE", "RunFiles", "same_directory"]
 
@@ -218,15 +219,20 @@ class RunFiles:
 
     @staticmethod
     def read_metrics_prefix(directory: Path, size: int) -> bytes:
-        """The first ``size`` bytes of another folder's ``metrics.jsonl`` (empty when it has none).
+        """The first ``size`` bytes of another folder's ``metrics.jsonl`` (empty when it has none, or it is not a
+        regular file: a FIFO there would block the read).
 
         :param directory: The folder a run resumes from.
         :param size: The size its checkpoint recorded.
         :returns: At most ``size`` bytes.
         """
         try:
-            with open(directory / METRICS_FILE, "rb") as handle:
-                return handle.read(min(size, os.fstat(handle.fileno()).st_size))  # a recorded size, not the real one
+            fd, info = open_regular(directory / METRICS_FILE, follow_links=True)
+        except UnreadableFile:
+            return b""
+        try:
+            with os.fdopen(fd, "rb") as handle:
+                return handle.read(min(size, info.st_size))  # a recorded size, not the real one
         except OSError:
             return b""
 

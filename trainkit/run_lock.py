@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from trainkit.errors import OutDirError
+from trainkit.safe_read import load_json
 
 try:
     import fcntl
@@ -153,7 +154,7 @@ class RunLock:
 
 def _read_holder(fd: int) -> dict[str, Any] | None:
     try:
-        data = json.loads(os.pread(fd, 4096, 0) or b"null")
+        data = load_json(os.pread(fd, 4096, 0) or b"null", max_depth=2)  # a planted deep one is no holder
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
