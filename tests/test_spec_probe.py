@@ -16,6 +16,7 @@ from torch import nn
 
 from tests.test_trainer import Crash, dying, make_cfg
 from tests.trainers import TinyConfig, TinyTrainer, param_digest
+from trainkit.metrics_file import read_metrics
 
 
 def load(path):
@@ -54,7 +55,8 @@ def test_resume_from_a_path_keeps_the_best_weights(tmp_path, capsys):
 
 
 def test_final_last_pt_holds_the_final_weights_with_test_enabled(tmp_path):
-    """With test.enable the final last.pt holds the last epoch's weights (not the best), and so does the model."""
+    """With test.enable the final last.pt holds the last epoch's weights (not the best), while the model is left
+    holding the best weights it was tested on (as Keras' restore_best_weights and HF's load_best_model_at_end do)."""
     seen = {}
 
     class Recording(TinyTrainer):
@@ -72,8 +74,9 @@ def test_final_last_pt_holds_the_final_weights_with_test_enabled(tmp_path):
     last = load(tmp_path / "last.pt")["model"]
     best = load(tmp_path / "best.pt")["model"]
     assert same_weights(last, seen["last"]) and not same_weights(last, best)
-    assert same_weights(trainer.model.state_dict(), seen["last"])
-    assert seen["tested"] != param_digest(trainer.model)  # test ran on the best weights
+    assert same_weights(trainer.model.state_dict(), best)
+    assert same_weights(trainer.best_model, best)
+    assert seen["tested"] == param_digest(trainer.model)  # test ran on the best weights, which stay loaded
 
 
 # ---------------------------------------------------------------------------------- 5. patience on resume
@@ -140,6 +143,33 @@ def test_raising_epochs_extends_a_finished_run(tmp_path, capsys):
     assert param_digest(extended.model) == param_digest(reference.model)
     assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == (tmp_path / "ref" / "metrics.jsonl").read_bytes()
     assert load(tmp_path / "run" / "last.pt")["loop"]["stop_reason"] == "max_epochs"
+
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_a_tested_run_that_is_extended_continues_from_the_last_epochs_weights(tmp_path, fmt):
+    """With test.enable, test() leaves the best weights in the model, yet a run extended from epochs=3 to 5 continues
+    from the last epoch's weights in last.pt: its weights and trained rows are bit-identical to a 5-epoch run's; a
+    rerun of the finished run, which only returns its results, leaves the best weights loaded too."""
+    scores = (2.0, 1.0, 3.0, 4.0, 5.0)  # the best is epoch 1: testing it puts other weights in the model
+    cfg = {"scripted_scores": scores, "test": {"enable": True}, "ckpt": {"format": fmt}}
+    reference = TinyTrainer(make_cfg(tmp_path / "ref", epochs=5, **cfg))
+    expected = reference.train()
+    TinyTrainer(make_cfg(tmp_path / "run", epochs=3, **cfg)).train()
+    extended = TinyTrainer(make_cfg(tmp_path / "run", epochs=5, **cfg))
+    assert extended.train() == expected
+    assert param_digest(extended.model) == param_digest(reference.model)  # both hold the best (epoch 1) weights
+    def trained_rows(out):  # the 3-epoch run was tested when it finished: its test row is the one difference
+        return [row for row in read_metrics(out) if not any(key.startswith("test/") for key in row)]
+
+    assert trained_rows(tmp_path / "run") == trained_rows(tmp_path / "ref")
+    if fmt == "file":
+        ref_last, run_last = load(tmp_path / "ref" / "last.pt"), load(tmp_path / "run" / "last.pt")
+        assert same_weights(run_last["model"], ref_last["model"])
+        assert not same_weights(run_last["model"], load(tmp_path / "run" / "best.pt")["model"])
+    again = TinyTrainer(make_cfg(tmp_path / "run", epochs=5, **cfg))
+    assert param_digest(again.model) != param_digest(reference.model)  # restored: the last epoch's weights
+    assert again.train() == expected
+    assert param_digest(again.model) == param_digest(reference.model)
 
 
 def test_early_stopped_run_continues_only_when_its_rule_allows(tmp_path, capsys):

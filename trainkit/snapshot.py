@@ -21,7 +21,7 @@ import torch
 
 from trainkit.modules import load_module_state, restore_training_modes, training_modes
 
-__all__ = ["WeightSnapshot", "weights_swapped_in"]
+__all__ = ["WeightSnapshot", "weights_swapped_in", "modes_kept"]
 
 _FOREACH_COPY_MAX_NUMEL = 1 << 20
 """Above this many elements a tensor is copied on its own: foreach kernels are tuned for many small
@@ -170,4 +170,26 @@ def weights_swapped_in(model: torch.nn.Module, state: dict[str, Any] | None) -> 
         yield
     finally:
         load_module_state(model, own)
+        restore_training_modes(model, modes)
+
+
+@contextlib.contextmanager
+def modes_kept(model: torch.nn.Module | None) -> Iterator[None]:
+    """Put back ``model``'s train/eval modes after the ``with`` block (an evaluation that calls ``eval()``, say).
+
+    >>> model = torch.nn.Linear(1, 1)
+    >>> with modes_kept(model):
+    ...     _ = model.eval()
+    >>> model.training
+    True
+
+    :param model: The module, or None (nothing to keep).
+    """
+    if model is None:
+        yield
+        return
+    modes = training_modes(model)
+    try:
+        yield
+    finally:
         restore_training_modes(model, modes)

@@ -57,7 +57,7 @@ from trainkit.rng import (
 from trainkit.run_files import RunFiles, same_directory
 from trainkit.sharded_files import ShardedFiles
 from trainkit.signals import StopSignals
-from trainkit.snapshot import WeightSnapshot, weights_swapped_in
+from trainkit.snapshot import WeightSnapshot, modes_kept, weights_swapped_in
 
 __all__ = ["BaseTrainer", "CHECKPOINT_SCHEMA_VERSION"]
 
@@ -319,6 +319,8 @@ class BaseTrainer(abc.ABC):
         """
         if self._results is not None:
             self._files.release()
+            if self.cfg.test.enable:  # as the run that finished left it: the tested (best) weights loaded
+                self._load_best_into_model()
             return dict(self._results) or None
         more = not self._loop.finished  # a resume already reconciled the loop with the config
         try:
@@ -474,12 +476,18 @@ class BaseTrainer(abc.ABC):
         return stop, any_signal
 
     def _finish(self) -> dict[str, float] | None:
+        model = dist_utils.unwrap(self.model)
+        trained = None
         if self.cfg.test.enable:
+            # test() leaves the best weights loaded; the final last.pt holds the last epoch's, as a resume needs
+            if model is not None and self._best.state is not None:
+                trained = WeightSnapshot().take(module_state(model))
             self.test()
         self.log_training_results()
         self._results = {**self._latest_metrics, **self.best_metrics}
         self._restore_lost_best_file()
-        self._save_checkpoint()
+        with weights_swapped_in(model, trained) if model is not None else contextlib.nullcontext():
+            self._save_checkpoint()  # a background save has copied the state before this returns
         self._shards.wait()  # a background sharded save published (its failure raised) on every rank
         self._shards.release()
         if self.is_main:
@@ -518,23 +526,25 @@ class BaseTrainer(abc.ABC):
         """Perform a test epoch.
 
         Called at the end of training if ``test.enable`` is True. Loads :attr:`best_model` into
-        ``self.model`` (the best weights, not the last), calls :meth:`test_epoch`, pushes the ``test/*``
-        metrics, and then puts the model's own weights and train/eval modes back, so the final
-        ``last.pt`` (and any training after this call) holds the last epoch's weights.
+        ``self.model`` (the best weights, not the last), calls :meth:`test_epoch` and pushes the ``test/*``
+        metrics. The best weights stay loaded afterwards, so the model in memory is the one that was tested
+        (to export it or keep evaluating it, as Keras' ``restore_best_weights`` and HF's
+        ``load_best_model_at_end`` leave it); its train/eval modes are put back. The final ``last.pt`` that
+        ``train()`` writes after this still holds the last epoch's weights, so a resume that extends the run
+        continues from them.
 
         :returns: The ``test/*`` metrics.
         :raises HookNotImplementedError: When the subclass has no :meth:`test_epoch`.
         """
         self._files.wait()
         model = dist_utils.unwrap(self.model)
-        best = self._best.state
-        if best is None and model is not None:
+        if not self._load_best_into_model() and model is not None:
             warnings.warn(
                 "test(): no best model was recorded (save_if_best never improved); testing the current weights",
                 RuntimeWarning,
                 stacklevel=2,
             )
-        with weights_swapped_in(model, best) if model is not None else contextlib.nullcontext():
+        with modes_kept(model):
             result = self.test_epoch()
         if result is not None:
             if not isinstance(result, Mapping):
@@ -542,6 +552,14 @@ class BaseTrainer(abc.ABC):
             self.log({key if key.startswith("test/") else f"test/{key}": value for key, value in result.items()})
         pushed = self.push_logs()
         return {key: value for key, value in pushed.items() if key.startswith("test/")}
+
+    def _load_best_into_model(self) -> bool:
+        """Load the best weights into ``self.model``; False (nothing loaded) when either is missing."""
+        model, best = dist_utils.unwrap(self.model), self._best.state
+        if model is None or best is None:
+            return False
+        load_module_state(model, best)  # a copy into the model's own tensors: the snapshot stays apart
+        return True
 
     def log_training_results(self) -> None:
         """Log the training results, at the end of training.
