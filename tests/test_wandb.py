@@ -530,3 +530,78 @@ def test_wandb_history_is_read_across_block_ends(tmp_path):
     assert history.rows[29]["trainer/step"] == 290
     datastore.write_bytes(data[: len(data) - 10])  # the last record torn
     assert read_wandb_history([tmp_path / "wandb"], "abcd1234").next_step == 29
+
+
+def planted_record(step: int | None, items: dict[str, str]) -> bytes:
+    """A serialized W&B history record with raw ``value_json`` strings (``step`` None: no step field)."""
+    from wandb.proto import wandb_internal_pb2
+
+    record = wandb_internal_pb2.Record()
+    if step is not None:
+        record.history.step.num = step
+    for key, value in items.items():
+        item = record.history.item.add()
+        item.key = key
+        item.value_json = value
+    return record.SerializeToString()
+
+
+PLANTED_WANDB = {
+    "unparsable": [planted_record(7, {"train/loss": "{"})],
+    "deep": [planted_record(8, {"train/loss": "[" * 20_000 + "]" * 20_000})],
+    "step-not-a-number": [planted_record(None, {"_step": '"abc"', "train/loss": "1.0"})],
+    "step-2**62": [planted_record(2**62, {"train/loss": "1.0"})],
+}
+"""W&B files that no trainkit run writes, each of which stopped or silenced a resume before."""
+
+
+def plant_wandb_files(out_dir: Path, run_id: str) -> dict[str, Path]:
+    """Plant one folder per hostile ``.wandb`` file next to the run's own: the FIFO, the /dev/zero link and the
+    files of PLANTED_WANDB."""
+    planted = {}
+    for second, name in enumerate(["fifo", "dev-zero", *PLANTED_WANDB]):
+        folder = out_dir / "wandb" / f"offline-run-20200101_0000{second:02d}-{run_id}"
+        folder.mkdir(parents=True)
+        path = folder / f"run-{run_id}.wandb"
+        if name == "fifo":
+            os.mkfifo(path)
+        elif name == "dev-zero":
+            path.symlink_to("/dev/zero")
+        else:
+            path.write_bytes(leveldb_log(PLANTED_WANDB[name]))
+        planted[name] = path
+    return planted
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo") or not os.path.exists("/dev/zero"), reason="needs FIFOs and /dev/zero")
+def test_hostile_wandb_files_are_skipped_with_a_warning_and_every_row_reaches_wandb(tmp_path):
+    """A FIFO as run-<id>.wandb, a link to /dev/zero, a value that is not JSON, 20000-deep JSON, a step that is not
+    a number and a record at step 2**62: each file is skipped with one warning naming it, the resume runs to its end
+    (none hangs, none raises), and W&B gets every row of metrics.jsonl (the 2**62 record silenced them all before)."""
+    from trainkit.logging import read_wandb_history
+
+    cfg = config(tmp_path)
+    with pytest.raises(RuntimeError, match="injected crash"):
+        run(CrashAt1(cfg))
+    run_id = torch.load(tmp_path / "last.pt", weights_only=True)["wandb_run_id"]
+    planted = plant_wandb_files(tmp_path, run_id)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = read_wandb_history([tmp_path / "wandb"], run_id)
+    assert history.next_step == 1 and sorted(history.rows) == [0]
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    for name, path in planted.items():
+        assert sum(str(path) in message for message in messages) == 1, (name, messages)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        run(CrashingTrainer(cfg))
+    parts = [OfflineRun.read(folder) for folder in sorted((tmp_path / "wandb").glob("offline-run-*"))
+             if not folder.name.startswith("offline-run-20200101_")]
+    deadline = time.monotonic() + 30
+    while any(part.exit_code is None for part in parts) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        parts = [OfflineRun.read(part.folder) for part in parts]
+    sent = [row for part in parts for row in part.history]
+    assert [row["_step"] for row in sent] == [0, 1, 2]
+    assert [without_wandb_keys(row) for row in sent] == journal_rows(tmp_path)
