@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,6 +30,7 @@ from torch.utils.data import (
 )
 
 from trainkit.errors import CheckpointMismatchError
+from trainkit.messages import warn_user
 from trainkit.rng import capture_rng, loader_generators, restore_rng
 
 __all__ = [
@@ -456,11 +456,9 @@ class TrackedBatches:
     def __iter__(self) -> Iterator[Any]:
         if self._started:
             # a second pass over the same object: its batches are not the epoch's position any more
-            warnings.warn(
+            warn_user(
                 "the batches progress() returned were iterated a second time: this pass is not counted, so no "
-                "step checkpoint is written while it runs; call progress() once per pass",
-                RuntimeWarning,
-                stacklevel=2,
+                "step checkpoint is written while it runs; call progress() once per pass"
             )
             yield from self._iterate(skip=0)[0]
             return

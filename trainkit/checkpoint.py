@@ -27,7 +27,6 @@ import sys
 import threading
 import time
 import types
-import warnings
 import zipfile
 import zlib
 from collections import Counter, OrderedDict
@@ -39,6 +38,7 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 
 from trainkit.errors import CheckpointCorruptError, CheckpointError, CheckpointUnsafeError
+from trainkit.messages import warn_user
 from trainkit.pickle_scan import PickleRefused, PickleUnsafe, check_pickle
 
 # they lived here before trainkit.rng gathered every generator's seeding, capture and restore
@@ -294,11 +294,9 @@ def warn_if_low_on_space(payload: Any, path: str | os.PathLike[str]) -> None:
     directory = Path(path).parent
     free = shutil.disk_usage(directory if directory.exists() else Path.cwd()).free
     if free < 2 * needed:
-        warnings.warn(
+        warn_user(
             f"{directory} has {free} bytes free, less than twice the checkpoint's ~{needed} bytes; "
-            "saves may fail with a full disk (the previous checkpoint stays intact if they do)",
-            RuntimeWarning,
-            stacklevel=3,
+            "saves may fail with a full disk (the previous checkpoint stays intact if they do)"
         )
 
 

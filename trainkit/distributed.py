@@ -13,7 +13,6 @@ import os
 import pickle
 import socket
 import time
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainkit.errors import DistributedError, UsageError
+from trainkit.messages import warn_user
 
 __all__ = [
     "init_process_group",
@@ -400,11 +400,9 @@ def teardown(timeout_s: float, *, meet: bool = True) -> None:
         barrier(timeout_s)
         wait_s = min(timeout_s, _RELEASE_WAIT_CAP_S)
         if not _wait_until_backend_lets_go(wait_s):
-            warnings.warn(
+            warn_user(
                 f"torch.distributed still held the tensors of a finished collective after {wait_s} s; "
-                "the process may abort at exit",
-                RuntimeWarning,
-                stacklevel=2,
+                "the process may abort at exit"
             )
     dist.destroy_process_group()
 

@@ -16,7 +16,6 @@ import stat
 import struct
 import sys
 import uuid
-import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -27,12 +26,13 @@ import torch
 from trainkit.bookkeeping import is_real
 from trainkit.config import WandbConfig, redact_argv, redact_text, strip_secrets
 from trainkit.errors import OutDirError
-from trainkit.messages import say
+from trainkit.messages import say, warn_user
 from trainkit.run_files import same_directory
 from trainkit.safe_read import UnreadableFile, load_json, open_regular
 
 __all__ = [
     "LogBuffer",
+    "TrainerMetrics",
     "WandbSink",
     "NullSink",
     "JsonlSink",
@@ -187,6 +187,41 @@ class LogBuffer:
         return result
 
 
+class TrainerMetrics:
+    """The trainer's metrics between pushes: what waits for the next push, what was pushed last, and the
+    epoch's grad-norm mean.
+
+    :ivar buffer: The :class:`LogBuffer` of metrics logged since the last push.
+    :ivar latest: The last pushed value of every key (the final metrics ``train()`` returns).
+    :ivar grad_norm: The running mean of the epoch's grad norms (``log_epoch_grad_norm``).
+    """
+
+    __slots__ = ("buffer", "latest", "grad_norm")
+
+    def __init__(self) -> None:
+        from trainkit.optim import RunningMean
+
+        self.buffer = LogBuffer()
+        self.latest: dict[str, float] = {}
+        self.grad_norm = RunningMean()
+
+    def state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What a step checkpoint keeps of this rank's metrics: the unpushed buffer and the grad-norm mean.
+
+        :returns: ``(buffer state, grad-norm state)``.
+        """
+        return self.buffer.state_dict(), self.grad_norm.state_dict()
+
+    def load_state_dict(self, logs: Mapping[str, Any], grad_norm: dict[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned.
+
+        :param logs: The buffer's state.
+        :param grad_norm: The grad-norm mean's state.
+        """
+        self.buffer.load_state_dict(logs)
+        self.grad_norm.load_state_dict(grad_norm)
+
+
 class NullSink:
     """A sink that drops everything: W&B off, or a rank other than 0."""
 
@@ -265,11 +300,9 @@ class WandbSink:
             if mode == "offline":
                 raise
             reason = redact_text(f"{type(exc).__name__}: {exc}")  # an error may quote a URL with its password
-            warnings.warn(
+            warn_user(
                 f"W&B could not start in {mode!r} mode ({reason}); logging offline to "
-                f"{directory} instead, sync it later with `wandb sync`",
-                RuntimeWarning,
-                stacklevel=3,
+                f"{directory} instead, sync it later with `wandb sync`"
             )
             with _masked_argv(config_class):
                 self._run = wandb.init(mode="offline", settings=wandb.Settings(silent=True), **kwargs)
@@ -360,12 +393,10 @@ class JsonlSink:
             elif truncate_to is not None and size < truncate_to:
                 missing = truncate_to - size
                 _write_all(fd, b" " * (missing - 1) + b"\n")
-                warnings.warn(
+                warn_user(
                     f"{path} is {missing} bytes shorter than the checkpoint recorded (a crash cut its tail before "
                     "it reached the disk); the rows in those bytes are lost, and the file was padded to the "
-                    "recorded size so the next rows start on a line of their own",
-                    RuntimeWarning,
-                    stacklevel=3,
+                    "recorded size so the next rows start on a line of their own"
                 )
                 size = truncate_to
             rows = _count_lines(fd, size)
@@ -555,11 +586,9 @@ def read_wandb_history(wandb_dirs: Iterable[Path], run_id: str, since: int = 0) 
             try:
                 found, has_run = _read_datastore(path, wandb_internal_pb2, since)
             except _Unusable as exc:
-                warnings.warn(
+                warn_user(
                     f"{path} {exc}; it is skipped, and the rows it holds are sent to W&B again (W&B keeps the first "
-                    "row it got at a step)",
-                    RuntimeWarning,
-                    stacklevel=3,
+                    "row it got at a step)"
                 )
                 continue
             for step, row in found.items():
@@ -574,12 +603,10 @@ def read_wandb_history(wandb_dirs: Iterable[Path], run_id: str, since: int = 0) 
         next_step += 1
     beyond = sorted({str(path) for step, path in holder.items() if step > next_step})
     if beyond:
-        warnings.warn(
+        warn_user(
             f"{', '.join(beyond)} hold W&B rows past step {next_step}, which no file holds: trainkit sends every step "
             "in order, so those rows are not this run's (a damaged or planted file); they are ignored, and the rows "
-            f"from step {next_step} on are sent to W&B",
-            RuntimeWarning,
-            stacklevel=2,
+            f"from step {next_step} on are sent to W&B"
         )
     return WandbHistory(next_step, {step: row for step, row in rows.items() if step < next_step}, tuple(empty))
 
@@ -662,6 +689,8 @@ class RunLog:
     :param wandb: The W&B run, or a :class:`NullSink`.
     :param wandb_history: What W&B's folders of this run already hold (offline); the W&B run's own next
         step counts as well (online).
+    :param run_id: The run's W&B id, kept in checkpoints also while W&B is off (so a later run with W&B on
+        continues the same run); the W&B run's own id when None.
     """
 
     def __init__(
@@ -669,9 +698,11 @@ class RunLog:
         journal: JsonlSink | None = None,
         wandb: WandbSink | NullSink | None = None,
         wandb_history: WandbHistory | None = None,
+        run_id: str | None = None,
     ) -> None:
         self._journal = journal
         self._wandb = wandb if wandb is not None else NullSink()
+        self._run_id = run_id if run_id is not None else self._wandb.run_id
         history = wandb_history or WandbHistory(0, {})
         self._next_row = journal.rows if journal is not None else 0
         self._first_new = max(history.next_step, self._wandb.next_step)  # W&B holds the steps below this
@@ -686,8 +717,8 @@ class RunLog:
 
     @property
     def run_id(self) -> str | None:
-        """The W&B run id; None without a W&B run."""
-        return self._wandb.run_id
+        """The W&B run id; None when neither given nor a W&B run."""
+        return self._run_id
 
     def offset(self) -> int | None:
         """The size of ``metrics.jsonl`` for the checkpoint; None without the file."""
@@ -772,7 +803,7 @@ def open_run_log(
     :returns: The run log.
     """
     if wandb is None:
-        return RunLog(journal)
+        return RunLog(journal, run_id=run_id)
     try:
         history = None
         if resumed_from is not None:  # read before this session's folder exists
@@ -798,4 +829,4 @@ def open_run_log(
         if journal is not None:
             journal.finish()
         raise
-    return RunLog(journal, sink, history)
+    return RunLog(journal, sink, history, run_id=run_id)

@@ -7,10 +7,14 @@ rank 0 only (the callers check the rank).
 
 from __future__ import annotations
 
+import os
 import sys
+import warnings
 from typing import TextIO
 
-__all__ = ["say"]
+__all__ = ["say", "warn_user"]
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def say(text: str, *, stream: TextIO | None = None) -> None:
@@ -23,3 +27,17 @@ def say(text: str, *, stream: TextIO | None = None) -> None:
     :param stream: Where to print; stderr by default (the final summary goes to stdout).
     """
     print(f"trainkit: {text}", file=stream if stream is not None else sys.stderr, flush=True)
+
+
+def warn_user(message: str) -> None:
+    """Warn (a ``RuntimeWarning``) pointing at the first line outside trainkit: the user's code that led here.
+
+    However deep inside trainkit's parts the problem is found, the warning names the line the user can change
+    (the ``progress()`` call, the loop over it), and filters keyed on that module match it.
+
+    :param message: What is wrong and what to do.
+    """
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, RuntimeWarning, stacklevel=level)

@@ -10,10 +10,10 @@ is not a JSON object is skipped with one warning for the file.
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
+from trainkit.messages import warn_user
 from trainkit.safe_read import UnreadableFile, load_json, open_regular
 
 __all__ = ["METRICS_FILE", "read_metrics"]
@@ -54,10 +54,8 @@ def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:
             else:
                 damaged.append(number)
     if damaged:
-        warnings.warn(
+        warn_user(
             f"{path}: skipped {len(damaged)} damaged line(s) ({', '.join(map(str, damaged[:5]))}"
-            f"{', ...' if len(damaged) > 5 else ''}), e.g. a row cut short by a crash",
-            RuntimeWarning,
-            stacklevel=2,
+            f"{', ...' if len(damaged) > 5 else ''}), e.g. a row cut short by a crash"
         )
     return rows

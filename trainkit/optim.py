@@ -5,7 +5,7 @@ Side effects: only what each function's docstring states; nothing here syncs wit
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ __all__ = [
     "named_trainable_parameters",
     "trainable_parameters",
     "make_param_groups",
+    "learning_rates",
     "total_grad_norm",
     "clip_grads_",
     "param_stats",
@@ -75,6 +76,24 @@ def trainable_parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
                 seen.add(id(param))
                 params.append(param)
     return params
+
+
+def learning_rates(optimizers: Mapping[str, torch.optim.Optimizer]) -> dict[str, float]:
+    """The learning rate of every parameter group, as ``lr/<optimizer>/<group>`` keys.
+
+    :param optimizers: Name to optimizer.
+    :returns: Key to learning rate; a group's part of the key is its ``name`` entry, or its index.
+
+    >>> net = torch.nn.Linear(1, 1)
+    >>> opt = torch.optim.SGD([{"params": [net.weight], "name": "w"}, {"params": [net.bias]}], lr=0.1)
+    >>> learning_rates({"opt": opt})
+    {'lr/opt/w': 0.1, 'lr/opt/1': 0.1}
+    """
+    return {
+        f"lr/{name}/{group.get('name', index)}": group["lr"]
+        for name, optimizer in optimizers.items()
+        for index, group in enumerate(optimizer.param_groups)
+    }
 
 
 def make_param_groups(

@@ -11,7 +11,6 @@ names: :class:`trainkit.sharded_files.ShardedFiles`.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from trainkit import checkpoint as ckpt_io
 from trainkit.async_save import AsyncCheckpointWriter, StagingBuffers, SyncCheckpointWriter
 from trainkit.bookkeeping import BestState
 from trainkit.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, OutDirError
+from trainkit.messages import warn_user
 from trainkit.payload import SCHEMA_VERSION, validate_best, validate_last
 from trainkit.run_lock import RunLock
 from trainkit.safe_read import UnreadableFile, open_regular
@@ -157,10 +157,8 @@ class RunFiles:
             kept = path.with_name(f"{path.stem}.corrupt{path.suffix}")
             if self.writer:
                 os.replace(path, kept)  # kept for inspection, and so the next save cannot rotate it into .prev
-            warnings.warn(
-                f"{exc}; resuming from the previous checkpoint {previous} instead (the refused file is kept as {kept})",
-                RuntimeWarning,
-                stacklevel=4,
+            warn_user(
+                f"{exc}; resuming from the previous checkpoint {previous} instead (the refused file is kept as {kept})"
             )
             path = previous
         _check_compatible(ckpt, path, world_size)
@@ -193,27 +191,23 @@ class RunFiles:
                 payload = ckpt_io.load_checkpoint(candidate)
                 validate_best(payload, path=candidate)
             except CheckpointCorruptError as exc:
-                warnings.warn(str(exc), RuntimeWarning, stacklevel=4)
+                warn_user(str(exc))
                 continue
             recorded = BestState.from_dict(payload["best"])
             if attrs.evolve(recorded, min_delta=best.min_delta) == best:  # a resume may have changed min_delta
                 if candidate != path and repair:
                     # best.pt was written, last.pt was not: put the matching best back in place
                     ckpt_io.atomic_save(payload, path)
-                    warnings.warn(
+                    warn_user(
                         f"{path} did not match the best recorded in {self.last_path} (epoch "
-                        f"{best.epoch}); repaired it from {candidate}",
-                        RuntimeWarning,
-                        stacklevel=4,
+                        f"{best.epoch}); repaired it from {candidate}"
                     )
                 return payload
             found.append(f"{candidate.name}: epoch {payload['best'].get('epoch')}")
-        warnings.warn(
+        warn_user(
             f"no best checkpoint matches the best recorded in {self.last_path} (epoch {best.epoch}, score "
             f"{best.score}; found {', '.join(found) or 'none'}); test() will use the current weights until the "
-            "next improvement",
-            RuntimeWarning,
-            stacklevel=4,
+            "next improvement"
         )
         return None
 
@@ -286,7 +280,7 @@ class RunFiles:
         try:
             self._writer.wait()
         except Exception as exc:  # noqa: BLE001 - the exception being raised matters more
-            warnings.warn(f"a background checkpoint write also failed: {exc!r}", RuntimeWarning, stacklevel=3)
+            warn_user(f"a background checkpoint write also failed: {exc!r}")
 
 
 def _check_compatible(ckpt: Mapping[str, Any], path: Path, world_size: int) -> None:

@@ -12,7 +12,6 @@ loaded dicts. The directory format itself is :mod:`trainkit.sharded`.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import attrs
 from trainkit import sharded
 from trainkit.bookkeeping import BestState
 from trainkit.errors import CheckpointCorruptError, CheckpointMismatchError
+from trainkit.messages import warn_user
 from trainkit.payload import validate_best, validate_last
 
 __all__ = ["ShardedFiles"]
@@ -92,11 +92,7 @@ class ShardedFiles:
             )
             if ckpt is not None:
                 if problems and self.rank == 0:
-                    warnings.warn(
-                        f"{problems[-1]}; resuming from the previous checkpoint {candidate} instead",
-                        RuntimeWarning,
-                        stacklevel=4,
-                    )
+                    warn_user(f"{problems[-1]}; resuming from the previous checkpoint {candidate} instead")
                 saved = ckpt["world_size"]
                 if saved != self.world_size and ckpt.get("trainkit") is not None:
                     raise CheckpointMismatchError(
@@ -126,7 +122,7 @@ class ShardedFiles:
             )
             if engine is None:
                 if self.rank == 0:
-                    warnings.warn(problem, RuntimeWarning, stacklevel=5)
+                    warn_user(problem)
                 continue
             recorded = BestState.from_dict(engine["best"])
             if attrs.evolve(recorded, min_delta=best.min_delta) != best or template is None:
@@ -136,12 +132,10 @@ class ShardedFiles:
             copy = {key: value.detach().clone() for key, value in template.items()}
             return sharded.load_items_into({"model": copy}, candidate)["model"]
         if self.rank == 0:
-            warnings.warn(
+            warn_user(
                 f"no best checkpoint in {directory} matches the best recorded in the resumed checkpoint (epoch "
                 f"{best.epoch}, score {best.score}; found {', '.join(found) or 'none'}); test() will use the current "
-                "weights until the next improvement",
-                RuntimeWarning,
-                stacklevel=4,
+                "weights until the next improvement"
             )
         return None
 

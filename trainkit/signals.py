@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
 
+from trainkit.errors import TrainingInterrupted
+
 __all__ = ["StopSignals"]
 
 
@@ -56,6 +58,21 @@ class StopSignals:
     def name(self) -> str | None:
         """The received signal's name (``"SIGTERM"``), or None."""
         return signal.Signals(self.received).name if self.received is not None else None
+
+    def interrupted(
+        self, epoch: int, save_seconds: float | None, *, step: int | None = None, batches: tuple[int, int] | None = None
+    ) -> TrainingInterrupted:
+        """The error that stops the run for the received signal (SIGTERM when none was recorded).
+
+        :param epoch: The epoch that finished, or that was stopped inside.
+        :param save_seconds: How long the last save took (None: checkpoints are off).
+        :param step: The optimizer step it stopped after, inside an epoch.
+        :param batches: ``(consumed, per epoch)`` batches, inside an epoch.
+        :returns: The :class:`~trainkit.TrainingInterrupted` to raise.
+        """
+        number = self.received if self.received is not None else signal.SIGTERM
+        name = self.name or "SIGTERM"
+        return TrainingInterrupted(name, int(number), epoch, save_seconds, step=step, batches=batches)
 
     def _record(self, number: int, frame: Any) -> None:
         if self.received is not None and number == signal.SIGINT:
