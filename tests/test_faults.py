@@ -385,7 +385,7 @@ def limit_writes(monkeypatch, limit: int, after_saves: int = 0) -> None:
         count["saves"] += 1
         return LimitedFile(handle, limit) if count["saves"] > after_saves else handle
 
-    monkeypatch.setattr(ckpt_io.os, "fdopen", fdopen)
+    monkeypatch.setattr(os, "fdopen", fdopen)
 
 
 ENOSPC_MESSAGE = re.compile(r"no space left after (\d+) bytes; about (\d+) bytes are needed and (\d+) bytes are free")
@@ -474,7 +474,7 @@ def test_real_full_tmpfs(small_tmpfs):
 def test_low_space_warns_once_before_the_first_save(tmp_path, monkeypatch):
     """With less than twice a checkpoint's size free the trainer warns once, naming the directory, and still saves."""
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(ckpt_io.shutil, "disk_usage", lambda _: usage._replace(free=1000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=1000))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         TinyTrainer(make_cfg(tmp_path, epochs=3)).train()

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-import trainkit.checkpoint as ckpt_io
+import trainkit.safe_load as safe_load
 from tests.faults.harness import ROOT, child_env
 from tests.test_trainer import make_cfg
 from tests.trainers import TinyTrainer
@@ -218,7 +218,7 @@ def test_a_fifo_swapped_in_after_the_stat_is_refused_without_blocking(tmp_path, 
             os.mkfifo(path)
         return result
 
-    monkeypatch.setattr(ckpt_io.os, "stat", stat_then_swap)
+    monkeypatch.setattr(os, "stat", stat_then_swap)
     error = load_in_thread(path)
     assert isinstance(error, CheckpointCorruptError) and "is a FIFO (named pipe), not a regular file" in str(error)
 
@@ -432,20 +432,20 @@ def test_a_file_swapped_at_the_path_after_verification_is_not_the_one_loaded(tmp
     torch.save({"which": "verified"}, path)
     other = tmp_path / "other.pt"
     torch.save({"which": "swapped in"}, other)
-    verify = ckpt_io._verify_open
+    verify = safe_load.verify_open
 
     def verify_then_swap(*args):
         verify(*args)
         os.replace(other, path)
 
-    monkeypatch.setattr(ckpt_io, "_verify_open", verify_then_swap)
+    monkeypatch.setattr(safe_load, "verify_open", verify_then_swap)
     assert load_checkpoint(path) == {"which": "verified"}
 
 
 def test_a_file_written_into_while_it_is_read_is_refused(tmp_path, monkeypatch):
     """A checkpoint changed in place between verification and load (size or mtime) is refused as corrupt."""
     path = small_checkpoint(tmp_path)
-    verify = ckpt_io._verify_open
+    verify = safe_load.verify_open
 
     def verify_then_write(*args):
         verify(*args)
@@ -456,7 +456,7 @@ def test_a_file_written_into_while_it_is_read_is_refused(tmp_path, monkeypatch):
         info = path.stat()
         os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns + 10**9))
 
-    monkeypatch.setattr(ckpt_io, "_verify_open", verify_then_write)
+    monkeypatch.setattr(safe_load, "verify_open", verify_then_write)
     refused(path, "was written into while it was being read")
 
 

@@ -6,10 +6,10 @@ rank calls :meth:`Checkpointer.claim`, :meth:`~Checkpointer.load`, :meth:`~Check
 warnings and the ``trainkit: resuming ...`` line on rank 0.
 
 Built from plain values (the run folder, the ``ckpt`` section, rank flags, the device, the saved config), never
-from the trainer, as torchtitan's ``CheckpointManager`` is: the constructor of the trainer calls :meth:`claim`,
-:meth:`load` and :meth:`restore`; the loop calls :meth:`save`; the end of the run calls :meth:`finish`. The
-storage format is picked once, here (``ckpt.format``); reading takes whichever format a checkpoint is in, which
-is how a checkpoint converts by being named in ``ckpt.resume``.
+from the trainer, as torchtitan's ``CheckpointManager`` is: the trainer's constructor calls ``claim``, ``load``
+and ``restore``; the loop calls ``save``; the end of the run calls ``finish``. The storage format is picked
+once, here (``ckpt.format``); reading takes whichever format a checkpoint is in, which is how a checkpoint
+converts by being named in ``ckpt.resume``.
 """
 
 from __future__ import annotations
