@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import pickle
+import re
 import shutil
 import struct
 import subprocess
@@ -523,3 +524,173 @@ def test_two_ranks_refuse_a_planted_directory_together_and_fall_back_past_a_fifo
     recompute_manifest(last)
     with pytest.raises(Exception, match=r"CheckpointUnsafeError|\.metadata was refused"):
         trainkit.spawn(ShardTrainer, cfg(out, epochs=4), 2)
+
+
+# ---------------------------------------------------------------------------------- the second attack round
+
+
+def long1(n: int) -> bytes:
+    """Pickle's LONG1 opcode for ``n``."""
+    raw = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(raw)]) + raw
+
+
+def unicode(text: str) -> bytes:
+    raw = text.encode()
+    return b"X" + struct.pack("<I", len(raw)) + raw
+
+
+STALLING_PICKLES = {
+    # torch's allowlist has _codecs.encode: punycode is quadratic in distinct characters (~10 s a call on 8000)
+    "punycode": b"\x80\x02}q\x00X\x01\x00\x00\x00w](c_codecs\nencode\nq\x01"
+    + unicode("".join(chr(0x100 + i) for i in range(8000)))
+    + b"q\x02"
+    + unicode("punycode")
+    + b"q\x03\x86R"
+    + b"h\x01h\x02h\x03\x86R" * 99
+    + b"es.",
+    # and builtins.bytearray: bytearray(10**15) from a few bytes
+    "bytearray": b"\x80\x02}X\x01\x00\x00\x00wc__builtin__\nbytearray\n" + long1(10**15) + b"\x85Rs.",
+    # ints that differ by multiples of 2**61 - 1 hash alike: building the dict is quadratic
+    "colliding keys": b"\x80\x02}(" + b"".join(long1(k * (2**61 - 1)) + b"N" for k in range(1, 30_001)) + b"u.",
+}
+
+
+@pytest.mark.parametrize("name", sorted(STALLING_PICKLES))
+def test_pickles_that_make_allowlisted_functions_stall_are_refused_at_once(tmp_path, name):
+    """Pickles that call functions on torch's own allowlist with arguments no pickler writes (a quadratic codec, a
+    huge bytearray), or whose dict keys' hashes collide, are refused by the pre-scan as unsafe, in seconds."""
+    path = tmp_path / "last.pt"
+    rewrite(small_checkpoint(tmp_path, {"config": 0}), path, data_pkl=STALLING_PICKLES[name])
+    done = cli("inspect", str(path), timeout=60)
+    assert done.returncode == 2 and "before it was unpickled" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_pickle_that_raises_inside_torchs_unpickler_is_corrupt_and_the_resume_falls_back(pristine, tmp_path):
+    """A last.pt whose pickle makes torch's unpickler raise TypeError ({[]: None}) is corrupt: load_checkpoint says
+    so, and an automatic resume falls back to last.prev.pt instead of dying."""
+    run = Path(shutil.copytree(pristine / "file", tmp_path / "run"))
+    rewrite(small_checkpoint(tmp_path, {"config": 0}), run / "last.pt", data_pkl=b"\x80\x02}]Ns.")
+    with pytest.raises(CheckpointCorruptError, match="could not be read: TypeError"):
+        trainkit.checkpoint.load_checkpoint(run / "last.pt")
+    with pytest.warns(RuntimeWarning, match="resuming from the previous checkpoint"):
+        TinyTrainer(make_cfg(run, epochs=3))
+
+
+def test_a_sparse_tensor_with_an_index_out_of_bounds_is_refused(pristine, tmp_path):
+    """A sparse tensor whose indices lie outside its size (torch does not check by default; using it segfaults)
+    is refused when the checkpoint loads."""
+    bad = torch.sparse_coo_tensor(torch.tensor([[0, 10**9]]), torch.tensor([1.0, 2.0]), (2,), check_invariants=False)
+    path = tmp_path / "sparse.pt"
+    torch.save({"item": {"s": bad}}, path)
+    with pytest.raises(CheckpointCorruptError, match="size is inconsistent with indices"):
+        trainkit.checkpoint.load_checkpoint(path)
+
+
+def rewrite_metadata(directory: Path, change) -> None:
+    """Change the unpickled .metadata with ``change`` and write it back (manifest recomputed)."""
+    metadata = read_metadata(directory)
+    change(metadata)
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata, protocol=4))
+    recompute_manifest(directory)
+
+
+def add_entries(metadata, count, make):
+    for i in range(count):
+        metadata.state_dict_metadata[f"model.x{i}"] = make(metadata)
+
+
+def huge_uncovered(metadata):
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+
+    return TensorStorageMetadata(TensorProperties(dtype=torch.uint8), torch.Size([64 << 20]), [])
+
+
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        (lambda m: m.__dict__.__setitem__(5, {1}), "unexpected attribute '5'"),
+        (lambda m: setattr(m, "storage_meta", 5), "storage_meta is a int"),
+        (lambda m: add_entries(m, 300, lambda m: m.state_dict_metadata["model.0.weight"]), "shares its record"),
+        (lambda m: add_entries(m, 8, huge_uncovered), "its chunks hold 0 of the 67108864 elements"),
+    ],
+    ids=["int-attribute", "storage-meta-int", "shared-entries", "uncovered-tensors"],
+)
+def test_metadata_built_to_stall_or_amplify_is_refused(run_dir, change, fragment):
+    """A .metadata whose fields are of a kind DCP never writes (an int attribute, a storage_meta that is not one),
+    that shares one entry between many keys (checking them cost M x N), or that declares tensors no chunk stores
+    (an export wrote 512 MB of uninitialised memory from them) is refused by read_metadata, at once."""
+    rewrite_metadata(run_dir / "last.ckpt", change)
+    with pytest.raises((CheckpointCorruptError, CheckpointUnsafeError), match=re.escape(fragment)):
+        read_metadata(run_dir / "last.ckpt")
+
+
+def test_report_and_replay_skip_a_row_with_an_int_no_float_holds(pristine, tmp_path):
+    """A metrics.jsonl row with a 400-digit int (float() overflows on it) is a damaged line to report and replay."""
+    run = Path(shutil.copytree(pristine / "file", tmp_path / "run"))
+    with open(run / "metrics.jsonl", "a") as journal:
+        journal.write('{"trainer/epoch": 5, "val/loss": 1' + "0" * 400 + "}\n")
+    for command in (["report", str(run), "--no-plot"], ["replay", str(run), "val.patience=1"]):
+        done = cli(*command)
+        assert done.returncode == 0 and "skipped 1 damaged line(s)" in done.stderr, done.stderr[-2000:]
+
+
+def test_report_of_a_last_pt_that_is_not_trainkits_is_one_line(pristine, tmp_path, capsys):
+    """report validates last.pt as a resume does: a torch.save of {"loop": [1]} is one error line, status 2."""
+    run = Path(shutil.copytree(pristine / "file", tmp_path / "run"))
+    torch.save({"loop": [1]}, run / "last.pt")
+    assert cli_main(["report", str(run), "--no-plot"]) == 2
+    assert "is not a valid trainkit last.pt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", [".trainkit.lock", "metrics.jsonl"])
+def test_a_hard_link_planted_as_the_lock_or_the_journal_is_refused_and_its_target_kept(pristine, tmp_path, name):
+    """.trainkit.lock or metrics.jsonl planted as a hard link to another file (last.pt, or a file outside the run)
+    is refused before anything is written into it: the linked file keeps every byte."""
+    run = Path(shutil.copytree(pristine / "file", tmp_path / "run"))
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"mine" * 1000)
+    (run / name).unlink()
+    os.link(victim, run / name)
+    with pytest.raises(trainkit.OutDirError, match=rf"{re.escape(name)} has 2 hard links"):
+        TinyTrainer(make_cfg(run, epochs=3))
+    assert victim.read_bytes() == b"mine" * 1000
+
+
+def test_a_wandb_file_with_history_but_no_run_record_is_not_taken_as_sent(tmp_path):
+    """A planted .wandb file holding history at steps 0..999 but no run record (W&B writes that first) is warned
+    about and not counted: the history still ends where the real files end, so later rows are sent."""
+    from tests.test_wandb import history_record, leveldb_log
+    from trainkit.logging import read_wandb_history
+
+    folder = tmp_path / "wandb" / "offline-run-20200101_000000-abcd1234"
+    folder.mkdir(parents=True)
+    planted = folder / "run-abcd1234.wandb"
+    planted.write_bytes(leveldb_log([history_record(step, 1) for step in range(1000)]))
+    with pytest.warns(RuntimeWarning, match="holds W&B history but no run record"):
+        history = read_wandb_history([tmp_path / "wandb"], "abcd1234")
+    assert history.next_step == 0 and history.empty == (planted,)
+
+
+def test_item_states_nested_through_shared_containers_are_measured_whole(tmp_path):
+    """Three 200-deep chains that end in one another (each container reached first at a shallow depth) nest 600
+    deep: validation counts the whole depth and refuses it, naming the way in."""
+    from trainkit.payload import validate_last
+
+    def chain(depth, bottom):
+        root = current = []
+        for _ in range(depth - 1):
+            current.append([])
+            current = current[0]
+        current.append(bottom)
+        return root
+
+    c = chain(200, 0)
+    b = chain(200, c)
+    a = chain(200, b)
+    real = torch.load(sharded_run(tmp_path / "r", epochs=1) / "last.ckpt" / "trainkit.pt", weights_only=True)
+    payload = {**real, "items": [*real["items"], "extra"], "extra": {"a": a, "b": b, "c": c}}
+    with pytest.raises(
+        CheckpointCorruptError, match=r"extra\['[ab]'\]\[0\]\[0\]\[0\]\[0\]\[0\]\.\.\. must be nested at most 256"
+    ):
+        validate_last(payload, path="last.pt")

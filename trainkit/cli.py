@@ -116,8 +116,10 @@ def summarize_run(out_dir: str | Path) -> dict[str, Any]:
     last_path = Path(out_dir) / "last.pt"
     if last_path.is_file():
         from trainkit.checkpoint import load_checkpoint
+        from trainkit.payload import validate_last
 
         ckpt = load_checkpoint(last_path)
+        validate_last(ckpt, path=last_path)
         loop = ckpt.get("loop") or {}
         best = ckpt.get("best") or {}
         summary.update(

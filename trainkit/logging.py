@@ -380,8 +380,14 @@ class JsonlSink:
         except OSError as exc:
             raise OutDirError(_unusable_journal(path, exc)) from exc
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
                 raise OutDirError(f"{path} is not a regular file; move it away so the run can keep its metrics")
+            if info.st_nlink != 1:  # cutting it back or appending would change the file it shares a name with
+                raise OutDirError(
+                    f"{path} has {info.st_nlink} hard links: another file shares it, and trainkit does not write into "
+                    "a file with other names; move it away so the run can keep its metrics"
+                )
             os.set_blocking(fd, True)
             if history is not None:
                 os.ftruncate(fd, 0)
@@ -561,7 +567,8 @@ def read_wandb_history(wandb_dirs: Iterable[Path], run_id: str, since: int = 0) 
     to its last complete record. A file that is not a regular file (a FIFO, a link, a device), or that holds a
     history record trainkit never writes (a value that is not JSON, or nested deeper than
     :data:`~trainkit.safe_read.MAX_JSON_DEPTH`; a step that is not a non-negative int), is skipped whole, with a
-    ``RuntimeWarning`` naming it, and its rows are sent to W&B again (W&B keeps the first row it got at a step).
+    ``RuntimeWarning`` naming it, and its rows are sent to W&B again (W&B keeps the first row it got at a step);
+    so are the rows of a file without a run record (W&B writes that record first).
     A row's W&B step is its line in ``metrics.jsonl``, and each session sends the steps W&B lacks in order, so
     the steps a run holds have no gap: the history ends at the first step no file holds, and rows at steps
     beyond it (a planted record at step 2**62, say) are ignored with a warning, never taken to mean that W&B
@@ -591,13 +598,19 @@ def read_wandb_history(wandb_dirs: Iterable[Path], run_id: str, since: int = 0) 
                     "row it got at a step)"
                 )
                 continue
+            if not has_run:  # W&B writes the run record first: without it, nothing here was ever uploaded
+                empty.append(path)
+                if found:
+                    warn_user(
+                        f"{path} holds W&B history but no run record, which W&B always writes first: it is not this "
+                        "run's W&B file, and its rows are not taken as sent"
+                    )
+                continue
             for step, row in found.items():
                 if step not in holder:  # W&B keeps the first row it got at a step
                     holder[step] = path
                     if row is not None:
                         rows[step] = row
-            if not has_run:
-                empty.append(path)
     next_step = 0
     while next_step in holder:
         next_step += 1

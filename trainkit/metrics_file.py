@@ -49,9 +49,9 @@ def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:
             except ValueError:  # a row torn by a crash, padding written after one, or nested deeper than any row
                 damaged.append(number)
                 continue
-            if isinstance(row, dict):
+            if isinstance(row, dict) and not any(_out_of_range(value) for value in row.values()):
                 rows.append(row)
-            else:
+            else:  # not an object, or an int no row holds (one that converts to no float, say)
                 damaged.append(number)
     if damaged:
         warn_user(
@@ -59,3 +59,7 @@ def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:
             f"{', ...' if len(damaged) > 5 else ''}), e.g. a row cut short by a crash"
         )
     return rows
+
+
+def _out_of_range(value: Any) -> bool:
+    return type(value) is int and not -(2**63) <= value < 2**63

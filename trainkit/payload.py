@@ -340,33 +340,79 @@ def _check_model(value: Any, where: str) -> None:
 
 
 def _check_nesting(value: Any, where: str, limit: int) -> None:
-    """Refuse containers nested deeper than ``limit``, walking each container once (shared ones and cycles end)."""
+    """Refuse containers nested deeper than ``limit``, counting the deepest path through shared containers.
+
+    Each container is walked once, and its height (one more than its deepest child's) is computed from its
+    children's; a container reached again on its own path (a cycle) adds nothing. So containers shared at several
+    depths cannot hide how deep the structure really is.
+    """
     if not isinstance(value, _CONTAINERS):
         return
-    seen: set[int] = set()
-    stack: list[tuple[Any, tuple[Any, ...], int]] = [(value, (), 1)]
+    height: dict[int, int] = {}
+    kids: dict[int, list[tuple[Any, Any]]] = {}
+    parent: dict[int, tuple[Any, Any]] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(value, False)]
     while stack:
-        obj, crumbs, depth = stack.pop()
-        if id(obj) in seen:
+        obj, expanded = stack.pop()
+        key = id(obj)
+        if expanded:
+            on_path.discard(key)
+            height[key] = 1 + max((height.get(id(child), 0) for _, child in kids[key]), default=0)
+            if height[key] > limit:
+                raise _Bad(
+                    _deep_path(where, value, obj, parent, kids, height),
+                    f"nested at most {limit} deep",
+                    obj,
+                    "it is nested deeper",
+                )
             continue
-        seen.add(id(obj))
-        if depth > limit:
-            shown = "".join(f"[{_short(step)}]" for step in crumbs[:6]) + ("..." if len(crumbs) > 6 else "")
-            raise _Bad(f"{where}{shown}", f"nested at most {limit} deep", obj, "it is nested deeper")
-        attributes = getattr(obj, "__dict__", None) or {}  # an OrderedDict's: a module state dict's _metadata
-        members = obj.values() if isinstance(obj, dict) else obj
-        if not attributes and _LEAVES.issuperset(map(type, members)):
-            continue  # nothing nested here: the common case of a state dict's tensors, checked at C speed
-        children: Iterable[tuple[Any, Any]]
-        if isinstance(obj, dict):
-            children = itertools.chain(obj.items(), attributes.items())
-        elif isinstance(obj, set | frozenset):
-            children = (("<member>", member) for member in obj)
-        else:
-            children = enumerate(obj)
-        for key, child in children:
-            if type(child) not in _LEAVES and isinstance(child, _CONTAINERS):
-                stack.append((child, crumbs if len(crumbs) > 6 else (*crumbs, key), depth + 1))
+        if key in height or key in on_path:
+            continue
+        on_path.add(key)
+        kids[key] = list(_container_children(obj))
+        stack.append((obj, True))
+        for name, child in kids[key]:
+            if id(child) not in height and id(child) not in on_path:
+                parent.setdefault(id(child), (name, obj))
+                stack.append((child, False))
+
+
+def _container_children(obj: Any) -> Iterable[tuple[Any, Any]]:
+    attributes = getattr(obj, "__dict__", None) or {}  # an OrderedDict's: a module state dict's _metadata
+    members = obj.values() if isinstance(obj, dict) else obj
+    if not attributes and _LEAVES.issuperset(map(type, members)):
+        return ()  # nothing nested here: the common case of a state dict's tensors, checked at C speed
+    children: Iterable[tuple[Any, Any]]
+    if isinstance(obj, dict):
+        children = itertools.chain(obj.items(), attributes.items())
+    elif isinstance(obj, set | frozenset):
+        children = (("<member>", member) for member in obj)
+    else:
+        children = enumerate(obj)
+    return [(key, child) for key, child in children if type(child) not in _LEAVES and isinstance(child, _CONTAINERS)]
+
+
+def _deep_path(
+    where: str,
+    root: Any,
+    deep: Any,
+    parent: dict[int, tuple[Any, Any]],
+    kids: dict[int, list[tuple[Any, Any]]],
+    height: dict[int, int],
+) -> str:
+    """``where[k1][k2]...``: the way from the root to ``deep``, then down its deepest children (the first steps)."""
+    steps: list[Any] = []
+    node = deep
+    while node is not root and id(node) in parent:  # the parents form a tree: this ends at the root
+        name, node = parent[id(node)]
+        steps.append(name)
+    steps.reverse()
+    node = deep
+    while len(steps) < 7 and kids.get(id(node)):
+        name, node = max(kids[id(node)], key=lambda kid: height.get(id(kid[1]), 0))
+        steps.append(name)
+    return f"{where}" + "".join(f"[{_short(step)}]" for step in steps[:6]) + ("..." if len(steps) > 6 else "")
 
 
 # --- the schemas ------------------------------------------------------------------------------------------------

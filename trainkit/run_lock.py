@@ -85,6 +85,13 @@ class RunLock:
             fd = os.open(self.path, _OPEN_FLAGS, 0o666)
         except OSError as exc:
             raise OutDirError(self._unusable(exc)) from exc
+        links = os.fstat(fd).st_nlink
+        if links != 1:  # another name shares the file: writing the lock record would write into it too
+            os.close(fd)
+            raise OutDirError(
+                f"{self.path} has {links} hard links: another file shares it, and trainkit does not write into a file "
+                "with other names; remove it (the next run creates its own)"
+            )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

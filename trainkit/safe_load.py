@@ -358,14 +358,19 @@ def _safe_load(path: Any, file: Any, map_location: Any, *, unchanged: Any) -> An
     and numpy recipes put back in place; ``unchanged()`` refuses a file written into meanwhile."""
     _LOADING.arrays, _LOADING.refused = [], None
     try:
-        with _load_allowlist():
+        # sparse tensors are checked as they are built: an index out of bounds loads otherwise, and crashes later
+        with _load_allowlist(), torch.sparse.check_sparse_tensor_invariants(True):
             payload = torch.load(file, map_location=map_location, weights_only=True, mmap=False)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a crafted pickle makes torch's unpickler raise anything a builder can
         unchanged()  # a file changed under the load explains whatever went wrong
         if isinstance(exc, pickle.UnpicklingError):
             raise _refusal(path, str(exc), _LOADING.refused) from exc
-        # RecursionError is a RuntimeError
-        raise CheckpointCorruptError(f"checkpoint {path} could not be read: {reason(exc)}") from exc
+        # RecursionError is a RuntimeError; TypeError, KeyError, MemoryError: what no torch.save writes
+        raise CheckpointCorruptError(
+            f"checkpoint {path} could not be read: {type(exc).__name__}: {reason(exc)}"[:2000]
+        ) from exc
     finally:
         arrays, _LOADING.arrays, _LOADING.refused = _LOADING.arrays, None, None
     if arrays:

@@ -190,7 +190,7 @@ def read_whole(directory: Path, key: str) -> dict[str, Any]:
     """
     metadata = read_metadata(directory)
     template = {
-        name: torch.empty(entry.size, dtype=entry.properties.dtype) for name, entry in entries_of(metadata, key)
+        name: torch.zeros(entry.size, dtype=entry.properties.dtype) for name, entry in entries_of(metadata, key)
     }
     if not template:
         raise CheckpointCorruptError(f"{directory} holds no tensors under {key!r}")
