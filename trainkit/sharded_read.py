@@ -14,7 +14,7 @@ byte to such an unpickler:
   admits only DCP's own metadata records (and the torch values inside them), then checked field by field:
   every entry names a file of the manifest inside the directory, every chunk lies inside its tensor, and the
   tensors fit in the bytes the files hold (so reading one allocates no more than the disk holds);
-- DCP reads through :class:`SafeReader` and :class:`SafeLoadPlanner`: each entry of a ``.distcp`` file (a
+- DCP reads through ``SafeReader`` and ``SafeLoadPlanner``: each entry of a ``.distcp`` file (a
   ``torch.save`` archive of one tensor or one plain value) is read within its file and loaded by
   :func:`trainkit.checkpoint.load_archive` (zip structure checked, pickle bounded, ``weights_only=True``).
 
@@ -55,8 +55,8 @@ __all__ = [
     "checksum",
     "verify_directory",
     "read_metadata",
-    "SafeReader",
-    "SafeLoadPlanner",
+    "SafeReader",  # noqa: F822 - made at first use (module __getattr__)
+    "SafeLoadPlanner",  # noqa: F822
     "load_into",
 ]
 
@@ -494,117 +494,122 @@ def _plain(value: Any, depth: int) -> bool:
 # --- DCP's reader and planner ------------------------------------------------------------------------------------
 
 
-def _reader_class() -> type:
-    from torch.distributed.checkpoint import FileSystemReader
+@functools.cache
+def _dcp_classes() -> tuple[type, type]:
+    """``SafeReader`` and ``SafeLoadPlanner``, made at first use: they subclass DCP's reader and planner,
+    and importing ``torch.distributed.checkpoint`` costs every process that imports trainkit about a second."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
-    return FileSystemReader
+    class SafeLoadPlanner(DefaultLoadPlanner):  # type: ignore[misc]
+        """DCP's default load planner, with every non-tensor entry loaded by :func:`trainkit.checkpoint.load_archive`
+        (``weights_only=True``, pickle bounded) instead of ``torch.load(weights_only=False)``."""
 
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            """Load a non-tensor entry safely and put it where the default planner would.
 
-def _planner_class() -> type:
-    from torch.distributed.checkpoint import DefaultLoadPlanner
+            :param read_item: DCP's read item.
+            :param value: The entry's bytes.
+            """
+            self.set_value(read_item, ckpt_io.load_archive(value.getvalue(), f"entry {read_item.dest_index.fqn!r}"))
 
-    return DefaultLoadPlanner
+        def set_value(self, read_item: Any, value: Any) -> None:
+            """Put an entry's loaded value into the state dict being filled.
 
+            :param read_item: DCP's read item.
+            :param value: The loaded value.
+            """
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._traverse import set_element
 
-class SafeLoadPlanner(_planner_class()):  # type: ignore[misc]
-    """DCP's default load planner, with every non-tensor entry loaded by :func:`trainkit.checkpoint.load_archive`
-    (``weights_only=True``, pickle bounded) instead of ``torch.load(weights_only=False)``."""
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = value
 
-    def load_bytes(self, read_item: Any, value: Any) -> None:
-        """Load a non-tensor entry safely and put it where the default planner would.
+    class SafeReader(FileSystemReader):  # type: ignore[misc]
+        """DCP's file reader for one checkpoint directory, reading nothing the way DCP's own reader trusts it.
 
-        :param read_item: DCP's read item.
-        :param value: The entry's bytes.
+        ``.metadata`` through :func:`read_metadata`; each entry of a ``.distcp`` file read within its file (a regular
+        file, opened through no link) and loaded by :func:`trainkit.checkpoint.load_archive`.
+
+        :param directory: The checkpoint directory (verified with :func:`verify_directory` first).
         """
-        self.set_value(read_item, ckpt_io.load_archive(value.getvalue(), f"entry {read_item.dest_index.fqn!r}"))
 
-    def set_value(self, read_item: Any, value: Any) -> None:
-        """Put an entry's loaded value into the state dict being filled.
+        def __init__(self, directory: Path) -> None:
+            super().__init__(str(directory))
+            self.directory = Path(directory)
 
-        :param read_item: DCP's read item.
-        :param value: The loaded value.
-        """
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
+        def read_metadata(self) -> Any:  # no **kwargs: DCP would then try a rank's own __<rank>.metadata too
+            """Read ``.metadata`` with :func:`read_metadata`.
 
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = value
+            :returns: DCP's ``Metadata``.
+            """
+            metadata = read_metadata(self.directory)
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            """Read the entries of ``plan`` into ``planner``'s state dict.
+
+            :param plan: DCP's load plan for this rank.
+            :param planner: A ``SafeLoadPlanner``.
+            :returns: A completed future.
+            :raises CheckpointError: When an entry cannot be read, or holds what trainkit does not load.
+            """
+            from torch.distributed._shard._utils import narrow_tensor_by_index
+            from torch.distributed.checkpoint.planner import LoadItemType
+            from torch.futures import Future
+
+            if not isinstance(planner, _dcp_classes()[1]):
+                raise TypeError("SafeReader reads for a SafeLoadPlanner only")
+            per_file: dict[str, list[Any]] = {}
+            for item in plan.items:
+                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            for name, items in per_file.items():
+                path = self.directory / name
+                try:
+                    fd, info = open_regular(path)
+                except UnreadableFile as exc:
+                    raise CheckpointCorruptError(str(exc)) from None
+                try:
+                    for item in sorted(items, key=lambda item: self.storage_data[item.storage_index].offset):
+                        stored = self.storage_data[item.storage_index]
+                        what = f"{path}, entry {item.storage_index.fqn!r}"
+                        data = _read_span(fd, info.st_size, stored.offset, stored.length, what)
+                        value = ckpt_io.load_archive(data, what)
+                        if item.type == LoadItemType.BYTE_IO:
+                            planner.set_value(item, value)
+                            continue
+                        if type(value) is not torch.Tensor:
+                            raise CheckpointCorruptError(
+                                f"{what} holds a {type(value).__name__} where a tensor is stored"
+                            )
+                        tensor = narrow_tensor_by_index(value, item.storage_offsets, item.lengths)
+                        target = planner.resolve_tensor(item).detach()
+                        if target.size() != tensor.size():
+                            raise CheckpointCorruptError(
+                                f"{what} holds a {tuple(tensor.size())} slice where {tuple(target.size())} is read"
+                            )
+                        target.copy_(tensor)
+                        planner.commit_tensor(item, target)
+                finally:
+                    os.close(fd)
+            done: Future = Future()
+            done.set_result(None)
+            return done
+
+    SafeReader.__qualname__, SafeLoadPlanner.__qualname__ = "SafeReader", "SafeLoadPlanner"
+    return SafeReader, SafeLoadPlanner
 
 
-class SafeReader(_reader_class()):  # type: ignore[misc]
-    """DCP's file reader for one checkpoint directory, reading nothing the way DCP's own reader trusts it.
-
-    ``.metadata`` through :func:`read_metadata`; each entry of a ``.distcp`` file read within its file (a regular
-    file, opened through no link) and loaded by :func:`trainkit.checkpoint.load_archive`.
-
-    :param directory: The checkpoint directory (verified with :func:`verify_directory` first).
-    """
-
-    def __init__(self, directory: Path) -> None:
-        super().__init__(str(directory))
-        self.directory = Path(directory)
-
-    def read_metadata(self) -> Any:  # no **kwargs: DCP would then try a rank's own __<rank>.metadata too
-        """Read ``.metadata`` with :func:`read_metadata`.
-
-        :returns: DCP's ``Metadata``.
-        """
-        metadata = read_metadata(self.directory)
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-    def read_data(self, plan: Any, planner: Any) -> Any:
-        """Read the entries of ``plan`` into ``planner``'s state dict.
-
-        :param plan: DCP's load plan for this rank.
-        :param planner: A :class:`SafeLoadPlanner`.
-        :returns: A completed future.
-        :raises CheckpointError: When an entry cannot be read, or holds what trainkit does not load.
-        """
-        from torch.distributed._shard._utils import narrow_tensor_by_index
-        from torch.distributed.checkpoint.planner import LoadItemType
-        from torch.futures import Future
-
-        if not isinstance(planner, SafeLoadPlanner):
-            raise TypeError("SafeReader reads for a SafeLoadPlanner only")
-        per_file: dict[str, list[Any]] = {}
-        for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for name, items in per_file.items():
-            path = self.directory / name
-            try:
-                fd, info = open_regular(path)
-            except UnreadableFile as exc:
-                raise CheckpointCorruptError(str(exc)) from None
-            try:
-                for item in sorted(items, key=lambda item: self.storage_data[item.storage_index].offset):
-                    stored = self.storage_data[item.storage_index]
-                    what = f"{path}, entry {item.storage_index.fqn!r}"
-                    data = _read_span(fd, info.st_size, stored.offset, stored.length, what)
-                    value = ckpt_io.load_archive(data, what)
-                    if item.type == LoadItemType.BYTE_IO:
-                        planner.set_value(item, value)
-                        continue
-                    if type(value) is not torch.Tensor:
-                        raise CheckpointCorruptError(f"{what} holds a {type(value).__name__} where a tensor is stored")
-                    tensor = narrow_tensor_by_index(value, item.storage_offsets, item.lengths)
-                    target = planner.resolve_tensor(item).detach()
-                    if target.size() != tensor.size():
-                        raise CheckpointCorruptError(
-                            f"{what} holds a {tuple(tensor.size())} slice where {tuple(target.size())} is read"
-                        )
-                    target.copy_(tensor)
-                    planner.commit_tensor(item, target)
-            finally:
-                os.close(fd)
-        done: Future = Future()
-        done.set_result(None)
-        return done
+def __getattr__(name: str) -> Any:
+    if name in ("SafeReader", "SafeLoadPlanner"):
+        reader, planner = _dcp_classes()
+        return reader if name == "SafeReader" else planner
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _read_span(fd: int, file_size: int, offset: int, length: int, what: str) -> bytes:
@@ -621,7 +626,7 @@ def _read_span(fd: int, file_size: int, offset: int, length: int, what: str) -> 
 
 
 def load_into(state: dict[str, Any], directory: Path, *, no_dist: bool = False) -> dict[str, Any]:
-    """``dcp.load`` of ``state`` from ``directory`` through :class:`SafeReader` and :class:`SafeLoadPlanner`.
+    """``dcp.load`` of ``state`` from ``directory`` through ``SafeReader`` and ``SafeLoadPlanner``.
 
     Side effects: reads the directory's files; DCP's collectives unless ``no_dist``.
 
@@ -636,6 +641,7 @@ def load_into(state: dict[str, Any], directory: Path, *, no_dist: bool = False) 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    SafeReader, SafeLoadPlanner = _dcp_classes()  # noqa: N806 - the classes, made at first use
     try:
         dcp.load(state, storage_reader=SafeReader(directory), planner=SafeLoadPlanner(), no_dist=no_dist)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
