@@ -487,67 +487,69 @@ def check_resume(device: torch.device, smoke: bool) -> dict:
     return {**result, "failures": failures}
 
 
-class ShardSaveTrainer(trainkit.BaseTrainer):
-    """Square Linear layers with AdamW's moments on the device, only saved (``ckpt.format=sharded``)."""
-
-    width = 64
-    layers = 4
-
-    def setup(self, ckpt):
-        torch.manual_seed(0)
-        net = nn.Sequential(*[nn.Linear(self.width, self.width, bias=False) for _ in range(self.layers)])
-        self.model = net.to(self.device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        self.model(torch.randn(2, self.width, device=self.device)).sum().backward()
-        self.optimizer.step()  # the moments exist: the checkpoint has its full size
-        self.add_checkpoint_items(model=self.model, optimizer=self.optimizer)
-
-    def train_epoch(self):  # pragma: no cover - never trained
-        raise NotImplementedError
-
-    def val_epoch(self):  # pragma: no cover - never validated
-        raise NotImplementedError
+def sharded_state(device: torch.device, width: int, layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Square Linear layers with AdamW's moments on the device (the checkpoint has its full size)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)]).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, width, device=device)).sum().backward()
+    optimizer.step()
+    return model, optimizer
 
 
 def check_sharded(device: torch.device, smoke: bool, rounds: int) -> dict:
     """``ckpt.format=sharded`` on one process, sync and async (staged into reused host buffers, pinned and
     filled by non-blocking copies on a GPU): the seconds the loop is blocked per save, and whether each
     published ``last.ckpt`` holds the weights of its save's moment although they change on the device right
-    after the save returns (a staging copy not finished by then would publish the changed ones)."""
-    from trainkit import sharded
+    after the save returns (a staging copy not finished by then would publish the changed ones).
 
-    ShardSaveTrainer.width, ShardSaveTrainer.layers = (64, 4) if smoke else (2048, 16)
+    The saves go through the checkpointer part itself (``trainkit.checkpointer.Checkpointer``, what the
+    trainer's loop calls at an epoch's end), built from plain values as the trainer builds it."""
+    from trainkit import bookkeeping as core
+    from trainkit import sharded
+    from trainkit.checkpointer import Checkpointer, SaveRecord
+    from trainkit.config import Config, public_config
+
+    width, layers = (64, 4) if smoke else (2048, 16)
+    model, optimizer = sharded_state(device, width, layers)
+    registry, _ = core.register_items(core.CkptRegistry(), {"model": model, "optimizer": optimizer})
+    record = SaveRecord(
+        loop=core.LoopState(), best=None, patience=None, latest_metrics={}, results=None, run_id=None,
+        metrics_offset=None,
+    )
     result: dict[str, Any] = {}
     failures = []
     for variant in ("sync", "async"):
         with tempfile.TemporaryDirectory() as out:
-            cfg = {"epochs": 1, "out_dir": out, "wandb": {"mode": "disabled"}, "progress": {"enable": False},
-                   "ckpt": {"format": "sharded", "async_save": variant == "async"}}
-            trainer = ShardSaveTrainer(cfg)
+            cfg = Config.from_mapping({"epochs": 1, "out_dir": out, "ckpt": {"format": "sharded",
+                                                                            "async_save": variant == "async"}})
+            checkpointer = Checkpointer(Path(out), cfg.ckpt, rank=0, world_size=1, timeout_s=60.0, device=device,
+                                        config=public_config(cfg))
+            checkpointer.claim()
             try:
-                trainer._save_checkpoint()  # warm-up: the host copy is made here
-                trainer._shards.wait()
+                checkpointer.save(record, registry, best_weights=None, before=lambda: None)  # warm-up: the host copy
+                checkpointer.wait()
                 blocked, exact = [], True
                 for _ in range(max(rounds, 3)):
-                    expected = {key: value.detach().cpu().clone() for key, value in trainer.model.state_dict().items()}
+                    expected = {key: value.detach().cpu().clone() for key, value in model.state_dict().items()}
                     synchronize(device)
                     begun = time.perf_counter()
-                    trainer._save_checkpoint()
+                    checkpointer.save(record, registry, best_weights=None, before=lambda: None)
                     blocked.append(time.perf_counter() - begun)
                     with torch.no_grad():  # the next steps change the weights while the shards are written
-                        for parameter in trainer.model.parameters():
+                        for parameter in model.parameters():
                             parameter.add_(1.0)
-                    trainer._shards.wait()
-                    published = sharded.read_whole(trainer.last_ckpt_path, "model")
+                    checkpointer.wait()
+                    published = sharded.read_whole(checkpointer.last_path, "model")
                     exact = exact and all(torch.equal(published[key], value) for key, value in expected.items())
-                trainer._shards.release()
+                checkpointer.finish()
             finally:
-                trainer.close()
+                checkpointer.close(failed=False, before_release=lambda: None)
         result[f"{variant} blocked_s"] = round(statistics.median(blocked), 4)
         result[f"{variant} published the save's weights"] = exact
         if not exact:
             failures.append(f"{variant}: a published last.ckpt differs from the weights at its save")
-    result["checkpoint MiB"] = round(3 * ShardSaveTrainer.layers * ShardSaveTrainer.width**2 * 4 / 2**20, 1)
+    result["checkpoint MiB"] = round(3 * layers * width**2 * 4 / 2**20, 1)
     result["async / sync"] = round(result["async blocked_s"] / result["sync blocked_s"], 3)
     if not smoke and result["async / sync"] > 0.1:
         failures.append(f"async blocked {result['async / sync']} of a sync save (goal <= 0.1)")

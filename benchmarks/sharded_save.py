@@ -4,7 +4,7 @@
 
 For each checkpoint size (MB of weights plus AdamW's two moments, float32) five trainers of 2 processes
 each save the same state, ``rounds`` times after one warm-up save, the first three through trainkit's own
-save path (``BaseTrainer._save_checkpoint``, what the loop calls at an epoch's end):
+save path (the trainer's checkpointer, ``trainer.checkpointer.save``, what the loop calls at an epoch's end):
 
 - ``file``: a DDP model, ``ckpt.format=file``: rank 0 gathers nothing (DDP replicas are whole) and writes
   ``last.pt`` with ``torch.save``, temp file + fsync + rename;
@@ -122,11 +122,19 @@ class SaveTrainer(BaseTrainer):
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
+        from trainkit import bookkeeping as core
         from trainkit import sharded
+        from trainkit.checkpointer import SaveRecord
 
         bare = self.cfg.bare
         group = dist.new_group(backend="gloo") if bare == "async" else None
-        stager = sharded._stager() if bare == "async" else None
+        stager = _stager() if bare == "async" else None
+        items = dict(self.checkpoint_items)
+        registry, _ = core.register_items(core.CkptRegistry(), items)
+        record = SaveRecord(
+            loop=core.LoopState(), best=None, patience=None, latest_metrics={}, results=None, run_id=None,
+            metrics_offset=None,
+        )
         blocked, drains, discards, peaks, disk = [], [], [], [], []
         for index in range(self.cfg.rounds + 1):
             self.barrier()
@@ -135,20 +143,20 @@ class SaveTrainer(BaseTrainer):
             writing = None
             begun = time.perf_counter()
             if bare == "sync":
-                dcp.save(sharded.state_for_save(self._registry.items), checkpoint_id=target)
+                dcp.save(sharded.state_for_save(items), checkpoint_id=target)
             elif bare == "async":
                 writing = dcp.async_save(
-                    sharded.state_for_save(self._registry.items),
+                    sharded.state_for_save(items),
                     checkpoint_id=target,
                     process_group=group,
                     async_stager=stager,
                 )
             else:
-                self._save_checkpoint()
+                self.checkpointer.save(record, registry, best_weights=None, before=lambda: None)
             took = time.perf_counter() - begun
             self.barrier()
             drain_begun = time.perf_counter()
-            self._shards.wait()  # what the next save would wait for (0 for synchronous saves)
+            self.checkpointer.wait()  # what the next save would wait for (0 for synchronous saves)
             if writing is not None:
                 getattr(writing, "upload_completion", writing).result()
             drain = time.perf_counter() - drain_begun
@@ -172,7 +180,7 @@ class SaveTrainer(BaseTrainer):
         held = (
             sum(
                 _local(t).nbytes
-                for t in tree_leaves(sharded.state_for_save(self._registry.items))
+                for t in tree_leaves(sharded.state_for_save(items))
                 if isinstance(t, torch.Tensor)
             )
             / 2**20
@@ -185,6 +193,18 @@ class SaveTrainer(BaseTrainer):
             "held_mib": held,
             "disk": disk,
         }
+
+
+def _stager() -> Any:
+    """DCP's stager configured as trainkit's background saves configure theirs: host buffers kept from save to save,
+    pinned (with non-blocking copies) when CUDA is there, staging finished before ``async_save`` returns."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = torch.cuda.is_available()
+    options = StagingOptions(
+        use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+    )
+    return DefaultStager(options)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

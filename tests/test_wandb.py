@@ -488,6 +488,15 @@ def leveldb_log(records: list[bytes], header: bytes = b":W&B\x00\x00\x01") -> by
     return bytes(out)
 
 
+def run_record(run_id: str) -> bytes:
+    """A serialized W&B run record, the first record W&B writes to a ``.wandb`` file."""
+    from wandb.proto import wandb_internal_pb2
+
+    record = wandb_internal_pb2.Record()
+    record.run.run_id = run_id
+    return record.SerializeToString()
+
+
 def history_record(step: int, padding: int) -> bytes:
     """A serialized W&B history record at ``step`` with a ``padding``-character string item (to size it)."""
     from wandb.proto import wandb_internal_pb2
@@ -504,23 +513,25 @@ def history_record(step: int, padding: int) -> bytes:
 def test_wandb_history_is_read_across_block_ends(tmp_path):
     """Records that span blocks, and a first chunk with no byte of its record at a block's end, are all read.
 
-    A hand-framed ``.wandb`` file (W&B's writer's layout): the first record is sized so that exactly one
-    chunk header fits after it, so the next record starts with an empty first chunk; then records of up to
-    three blocks. A torn tail gives the records before it and nothing made up.
+    A hand-framed ``.wandb`` file (W&B's writer's layout, a run record first): the first history record is sized
+    so that exactly one chunk header fits after it, so the next record starts with an empty first chunk; then
+    records of up to three blocks. A torn tail gives the records before it and nothing made up.
     """
     import random
 
     from trainkit.logging import read_wandb_history
 
     rng = random.Random(1)
-    target = BLOCK - 7 - 7 - 7  # file header, its chunk header, and exactly one chunk header's room after it
+    # file header, the run record (W&B writes it first) and its chunk header, the first record's chunk header,
+    # and exactly one chunk header's room after it
+    target = BLOCK - 7 - (7 + len(run_record("abcd1234"))) - 7 - 7
     padding = target
     for _ in range(8):  # protobuf's length prefixes grow with the padding: settle on the exact size
         first = history_record(0, padding)
         padding += target - len(first)
     assert len(first) == target
     records = [first] + [history_record(step, rng.randrange(1, 3 * BLOCK)) for step in range(1, 30)]
-    data = leveldb_log(records)
+    data = leveldb_log([run_record("abcd1234"), *records])
     folder = tmp_path / "wandb" / "offline-run-20260101_000000-abcd1234"
     folder.mkdir(parents=True)
     datastore = folder / "run-abcd1234.wandb"

@@ -536,6 +536,11 @@ class BaseTrainer(abc.ABC):
         self._position.add_samplers(samplers)
 
     @property
+    def checkpointer(self) -> Checkpointer:
+        """The checkpointer part: this run's checkpoint files (:class:`~trainkit.checkpointer.Checkpointer`)."""
+        return self._checkpointer
+
+    @property
     def last_ckpt_path(self) -> Path:
         """``out_dir/last.pt``; with ``ckpt.format="sharded"``, the directory ``out_dir/last.ckpt``."""
         return self._checkpointer.last_path
@@ -697,10 +702,7 @@ class BaseTrainer(abc.ABC):
         )
 
     def barrier(self) -> None:
-        """Synchronize all processes in the distributed group (bounded by ``dist.timeout_s``).
-
-        :raises RuntimeError: From torch.distributed, when a rank does not arrive within ``dist.timeout_s``.
-        """
+        """Synchronize all processes in the distributed group (a rank late by ``dist.timeout_s`` fails them)."""
         if self.world_size > 1:
             dist_utils.barrier(self.cfg.dist.timeout_s)
 
@@ -812,9 +814,7 @@ class BaseTrainer(abc.ABC):
         return self.cfg.progress.enable and self.is_main
 
     def log(self, metrics: Mapping[str, Any] | None = None, **named: Any) -> None:
-        """Buffer metrics for the next :meth:`push_logs`; nothing leaves the device here.
-
-        Floats, ints or 1-element tensors; a key logged twice before a push keeps its last value.
+        """Buffer metrics (numbers, 1-element tensors) for the next :meth:`push_logs`; nothing leaves the device.
 
         :param metrics: Name to value.
         :param named: More metrics as keyword arguments (for names that are identifiers).
