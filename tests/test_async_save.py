@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import trainkit.async_save
-from tests.test_trainer import Crash, dying, make_cfg
-from tests.trainers import TinyTrainer
+from tests.trainers import Crash, TinyTrainer, dying, make_cfg
 from trainkit.async_save import AsyncCheckpointWriter, StagingBuffers
 
 

@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.test_trainer import make_cfg
-from tests.trainers import TinyTrainer
+from tests.trainers import TinyTrainer, make_cfg
 from trainkit import BookkeepingError, DistributedError, RegistryError, UsageError
 from trainkit import distributed as dist_utils
 from trainkit.trainer import BaseTrainer
@@ -144,4 +143,4 @@ def test_nccl_with_one_process_per_gpu_passes_the_check(monkeypatch):
     """Four ranks on two nodes of two GPUs each (LOCAL_WORLD_SIZE=2) are not refused by the GPU count."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    dist_utils._check_one_gpu_per_process(world_size=4)
+    dist_utils.check_one_gpu_per_process(world_size=4)

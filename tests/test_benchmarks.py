@@ -22,7 +22,16 @@ def test_overhead_quick_mode_runs_and_checks_same_work(tmp_path):
     proc = run_script("benchmarks/overhead.py", "--quick", "--no-lightning", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "latest.md").is_file()
-    assert json.loads((tmp_path / "latest.json").read_text())
+    report = json.loads((tmp_path / "latest.json").read_text())
+    # the engine section: a row per feature, the noise floor in the same units, every gate with a verdict
+    rows = {(r["feature"], r["contestant"], r["baseline"]) for r in report["engine"]["rows"]}
+    for feature, baseline in (("off", "raw"), ("steps", "raw"), ("tqdm", "raw_tqdm"), ("wandb", "raw_wandb")):
+        assert any(f == feature and b == baseline and c.startswith("trainkit") for f, c, b in rows), (feature, rows)
+    assert ("off", "raw (again)", "raw") in rows
+    assert ("ckpt", "trainkit", "raw_ckpt") in rows
+    verdicts = {g["gate"]: g["verdict"] for g in report["gates"]}
+    assert {"engine/off/step", "engine/steps/step", "engine/wandb/step", "tiny/off"} <= set(verdicts)
+    assert set(verdicts.values()) <= {"PASS", "FAIL", "UNDECIDED"}
 
 
 def test_gpu_check_cpu_smoke_runs(tmp_path):
@@ -86,3 +95,111 @@ def test_sharded_save_quick_mode_runs(tmp_path):
     assert len(row["disk_dd_s"]) == len(row["sharded each_s"]) == 1 and row["disk_dd_s"][0] > 0
     assert row["bytes"] > 9 * 2**20
     assert all(4.5 < held < 5.5 for held in row["sharded async held_mib"])  # its half of 10 MB
+
+
+# ------------------------------------------------------------------ the confidence rule and the engine section
+
+
+def _confidence_module():
+    """benchmarks/confidence.py, imported from its file (benchmarks/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_confidence", ROOT / "benchmarks" / "confidence.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_confidence_doctests_pass():
+    """The examples in benchmarks/confidence.py's docstrings hold (pytest's doctest run does not reach benchmarks/)."""
+    import doctest
+
+    result = doctest.testmod(_confidence_module(), optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 10 and result.failed == 0, result
+
+
+def test_a_straddling_interval_is_undecided_not_pass():
+    """On synthetic paired ratios: a median under the limit whose 95 % interval reaches over it is UNDECIDED (the
+    old median rule passed it), with a pair count that would decide it; clear cases PASS and FAIL."""
+    import numpy as np
+
+    conf = _confidence_module()
+    rng = np.random.default_rng(3)
+    limit = 1.02
+    straddling = 1.015 + rng.normal(0.0, 0.03, size=40)  # median ~1.015, spread far wider than the margin
+    med, lo, hi = conf.bootstrap_median(straddling, resamples=2000)
+    assert med < limit < hi and lo < limit  # what the old rule (median <= limit) called a PASS
+    assert conf.judge(lo, hi, limit, pairs=40) == "UNDECIDED"
+    decide = conf.pairs_to_decide(med, lo, hi, limit, 40)
+    assert decide is not None and decide > 40
+
+    under = 1.000 + rng.normal(0.0, 0.005, size=40)
+    assert conf.judge(*conf.bootstrap_median(under, resamples=2000)[1:], limit, pairs=40) == "PASS"
+    over = 1.040 + rng.normal(0.0, 0.005, size=40)
+    assert conf.judge(*conf.bootstrap_median(over, resamples=2000)[1:], limit, pairs=40) == "FAIL"
+    # the same tight interval, from three pairs only, decides nothing
+    assert conf.judge(*conf.bootstrap_median(over[:3], resamples=2000)[1:], limit, pairs=3) == "UNDECIDED"
+
+
+def test_cost_fit_recovers_planted_costs_exactly():
+    """The least-squares fit over run lengths separates per-run, per-epoch and per-step costs planted in noiseless
+    samples, and its bootstrap interval holds the truth when noise is added."""
+    import numpy as np
+
+    conf = _confidence_module()
+    shapes = [(1, 10), (1, 200), (10, 10)]
+    design = conf.design_matrix(shapes)
+    truth = np.array([2e-3, 40e-6, 5e-6])  # 2 ms per run, 40 us per epoch, 5 us per step
+    clean = np.repeat((design @ truth)[:, None], 30, axis=1)
+    assert np.allclose(conf.fit_costs(clean, design), truth)
+    noisy = clean + np.random.default_rng(0).normal(0.0, 2e-4, size=clean.shape)
+    est, lo, hi = conf.bootstrap_costs(noisy, design, resamples=2000)
+    assert np.all(lo <= truth) and np.all(truth <= hi), (lo, est, hi)
+
+
+_PLANTED = """
+import json, sys
+sys.path.insert(0, "benchmarks")
+import overhead as ov
+import torch
+
+torch.set_num_threads(1)
+shapes = [(1, 10), (1, 200), (10, 10)]
+workloads = {sh: ov.null_workload(*sh) for sh in shapes}
+contestants = [
+    ov.Contestant("raw", lambda wl, tmp: ov.raw_run(wl, tmp, "off"), "raw"),
+    ov.Contestant("raw (again)", lambda wl, tmp: ov.raw_run(wl, tmp, "off"), "raw"),
+    ov.Contestant("planted", lambda wl, tmp: ov.raw_run(wl, tmp, "off", spin_s=5e-6), "raw"),
+]
+res = ov.run_grid("planted", workloads, contestants, rounds=20, reps=3)
+print(json.dumps({name: ov.fitted_costs(res, name, "raw", shapes, 4000) for name in ("raw (again)", "planted")}))
+"""
+
+
+def _engine_fit() -> dict:
+    proc = subprocess.run([sys.executable, "-c", _PLANTED], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_engine_section_separates_a_planted_5us_per_step_cost_from_nothing():
+    """The engine section's harness and fit, on the null workload: a raw loop with a 5 us busy-wait planted after
+    every optimizer step reads about 5 us per step, its interval clear of 0; the raw loop against itself reads
+    nothing, its interval around 0, and neither shows a per-run or per-epoch cost it does not have.
+
+    A 95 % interval misses the truth one time in twenty by design, so the "nothing" side gets one fresh run
+    before it counts as a failure; a fit that mixed up its columns or a harness that paired the wrong runs fails
+    both.
+    """
+    fit = _engine_fit()
+    planted = fit["planted"]["step"]
+    assert 3.0 < planted["us"] < 9.0, planted
+    assert planted["low"] > 0.0, planted
+    nothing = fit["raw (again)"]["step"]
+    if not nothing["low"] <= 0.0 <= nothing["high"]:
+        nothing = _engine_fit()["raw (again)"]["step"]
+    assert nothing["low"] <= 0.0 <= nothing["high"], nothing
+    assert abs(nothing["us"]) < 1.5, nothing
+    # the busy-wait is per step: it does not leak into the per-epoch or per-run columns beyond their noise
+    assert abs(fit["planted"]["epoch"]["us"]) < 100.0, fit["planted"]["epoch"]
+    assert abs(fit["planted"]["run"]["us"]) < 500.0, fit["planted"]["run"]

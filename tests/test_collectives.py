@@ -30,7 +30,7 @@ def _collectives(rank: int, out_dir: str) -> None:
     report["gathered"] = [(item["rank"], len(item["blob"])) for item in gathered]
     report["mean"] = dist_utils.reduce_mean(torch.tensor(float(rank + 1)), 1)
     report["any_all"] = dist_utils.any_all([rank == 0, True])
-    held = [weakref.ref(ref()) for ref in dist_utils._held_by_backend if ref() is not None]
+    held = [weakref.ref(ref()) for ref in dist_utils.held_by_backend() if ref() is not None]
     dist_utils.teardown(30)
     report["held_after_teardown"] = sum(ref() is not None for ref in held)
     report["still_distributed"] = dist_utils.is_distributed()
@@ -59,7 +59,7 @@ class SlowBackend:
 
     def __init__(self, delay_s: float | None) -> None:
         self.tensor: torch.Tensor | None = torch.zeros(4)
-        dist_utils._handed_to_backend(self.tensor)
+        dist_utils.handed_to_backend(self.tensor)
         if delay_s is not None:
             threading.Timer(delay_s, self.release).start()
 
@@ -69,16 +69,16 @@ class SlowBackend:
 
 def test_wait_for_the_backend_returns_once_it_lets_go_and_gives_up_at_the_bound():
     """The teardown wait ends when the last handed-over tensor is freed, and returns False at its bound."""
-    dist_utils._held_by_backend.clear()
+    dist_utils.held_by_backend().clear()
     SlowBackend(0.2)
     start = time.monotonic()
-    assert dist_utils._wait_until_backend_lets_go(10) is True
+    assert dist_utils.wait_until_backend_lets_go(10) is True
     assert 0.15 <= time.monotonic() - start < 5
-    assert dist_utils._held_by_backend == []
+    assert dist_utils.held_by_backend() == []
 
     stuck = SlowBackend(None)
     start = time.monotonic()
-    assert dist_utils._wait_until_backend_lets_go(0.3) is False
+    assert dist_utils.wait_until_backend_lets_go(0.3) is False
     assert time.monotonic() - start >= 0.3
     stuck.release()
-    assert dist_utils._wait_until_backend_lets_go(0.3) is True
+    assert dist_utils.wait_until_backend_lets_go(0.3) is True

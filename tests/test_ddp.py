@@ -10,8 +10,7 @@ import pytest
 import torch.multiprocessing as mp
 
 import trainkit
-from tests.test_trainer import make_cfg
-from tests.trainers import ReportingTrainer
+from tests.trainers import ReportingTrainer, make_cfg
 
 pytestmark = pytest.mark.ddp
 

@@ -25,8 +25,7 @@ import torch
 
 import trainkit.checkpoint as ckpt_io
 from tests.faults.harness import SIGTERM_CODE, assert_equal_state, assert_same_training, load, train, write_run
-from tests.test_trainer import Crash, dying, flip_bit_in_tensor_data, make_cfg
-from tests.trainers import TinyTrainer, param_digest
+from tests.trainers import Crash, TinyTrainer, dying, flip_bit_in_tensor_data, make_cfg, param_digest
 from trainkit import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, RegistryError
 
 SLOW = os.environ.get("TRAINKIT_SLOW") == "1"

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import trainkit
-from tests.test_trainer import make_cfg
-from tests.trainers import ShardTrainer
+from tests.trainers import ShardTrainer, make_cfg
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(300)]
 

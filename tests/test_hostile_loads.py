@@ -29,8 +29,7 @@ import torch
 
 import trainkit.safe_load as safe_load
 from tests.faults.harness import ROOT, child_env
-from tests.test_trainer import make_cfg
-from tests.trainers import TinyTrainer
+from tests.trainers import TinyTrainer, make_cfg
 from trainkit import CheckpointCorruptError, CheckpointUnsafeError
 from trainkit.bookkeeping import RESERVED_NAMES
 from trainkit.checkpoint import load_checkpoint, verify_checkpoint

@@ -28,8 +28,7 @@ import trainkit
 from tests.faults.harness import ROOT, child_env
 from tests.faults.hostile import Reduces
 from tests.test_hostile_loads import rewrite, small_checkpoint
-from tests.test_trainer import make_cfg
-from tests.trainers import ShardTrainer, TinyTrainer
+from tests.trainers import ShardTrainer, TinyTrainer, make_cfg
 from trainkit import CheckpointCorruptError, CheckpointUnsafeError
 from trainkit.cli import main as cli_main
 from trainkit.sharded_read import read_metadata
@@ -161,7 +160,7 @@ def cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
 
 RESUME = (
     "import sys, warnings; warnings.simplefilter('ignore')\n"
-    "from tests.trainers import TinyTrainer\nfrom tests.test_trainer import make_cfg\n"
+    "from tests.trainers import TinyTrainer\nfrom tests.trainers import make_cfg\n"
     "try:\n    TinyTrainer(make_cfg({out!r}, epochs=3, ckpt={ckpt!r})).train()\n"
     "except Exception as exc:\n    print(type(exc).__name__, exc)\n    sys.exit(2)\n"
     "print('resumed')\n"

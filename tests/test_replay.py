@@ -11,8 +11,7 @@ import sys
 
 import pytest
 
-from tests.test_trainer import make_cfg
-from tests.trainers import TinyTrainer
+from tests.trainers import TinyTrainer, make_cfg
 from trainkit.replay import replay_run
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tests.faults.harness import Run, assert_same_training, write_run
-from tests.test_trainer import make_cfg
+from tests.trainers import make_cfg
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(240)]
 

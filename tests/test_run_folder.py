@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from tests.faults.harness import train, write_run
-from tests.test_trainer import make_cfg
-from tests.trainers import TinyTrainer, param_digest
+from tests.trainers import TinyTrainer, make_cfg, param_digest
 from trainkit import OutDirError
 from trainkit import checkpoint as ckpt_io
 from trainkit.run_lock import LOCK_FILE, RunLock

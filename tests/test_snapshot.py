@@ -11,8 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.test_trainer import make_cfg
-from tests.trainers import TinyTrainer
+from tests.trainers import TinyTrainer, make_cfg
 from trainkit.snapshot import WeightSnapshot
 
 

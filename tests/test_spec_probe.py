@@ -14,8 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.test_trainer import Crash, dying, make_cfg
-from tests.trainers import TinyConfig, TinyTrainer, param_digest
+from tests.trainers import Crash, TinyConfig, TinyTrainer, dying, make_cfg, param_digest
 from trainkit.metrics_file import read_metrics
 
 

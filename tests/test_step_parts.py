@@ -20,8 +20,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 import trainkit
 from tests.faults.harness import ROOT, child_env
-from tests.test_trainer import Crash
-from tests.trainers import StepTrainer
+from tests.trainers import Crash, StepTrainer
 from trainkit.batches import SampleIndex, draws_only_from_torch, iterator_rng
 from trainkit.bookkeeping import EpochPosition, next_step_checkpoint, position_mismatch, step_checkpoint_due
 from trainkit.errors import BookkeepingError, CheckpointCorruptError, CheckpointMismatchError, TrainingInterrupted

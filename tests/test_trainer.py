@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.trainers import TinyTrainer, param_digest
+from tests.trainers import Crash, TinyTrainer, dying, flip_bit_in_tensor_data, make_cfg, param_digest
 from trainkit import (
     CheckpointCorruptError,
     CheckpointError,
@@ -22,44 +22,6 @@ from trainkit import (
 )
 from trainkit.bookkeeping import RESERVED_NAMES
 from trainkit.trainer import BaseTrainer
-
-
-def make_cfg(tmp_path, **overrides):
-    """A quiet config in tmp_path: W&B disabled, no bars."""
-    cfg = {
-        "epochs": 4,
-        "out_dir": str(tmp_path),
-        "wandb": {"mode": "disabled"},
-        "progress": {"enable": False},
-        "val": {"minimize": True},
-    }
-    for key, value in overrides.items():
-        if isinstance(value, dict):
-            cfg[key] = {**cfg.get(key, {}), **value}
-        else:
-            cfg[key] = value
-    return cfg
-
-
-class Crash(Exception):
-    """Stands in for a kill: raised from inside the loop."""
-
-
-def dying(epoch: int, where: str = "train_epoch"):
-    """A TinyTrainer subclass that raises Crash when it reaches ``where`` in ``epoch``."""
-
-    class Dying(TinyTrainer):
-        def train_epoch(self):
-            if where == "train_epoch" and self.epoch == epoch:
-                raise Crash
-            super().train_epoch()
-
-        def test_epoch(self):
-            if where == "test_epoch":
-                raise Crash
-            return super().test_epoch()
-
-    return Dying
 
 
 def test_validation_schedule_every_3_of_10(tmp_path):
@@ -284,21 +246,6 @@ def test_failing_checkpoint_write_leaves_previous_intact(tmp_path):
     assert torch.load(tmp_path / "last.pt", weights_only=True)["epoch"] == 2
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
     assert {"best.pt", "last.pt", "last.prev.pt", "metrics.jsonl"} <= {p.name for p in tmp_path.iterdir()}
-
-
-def flip_bit_in_tensor_data(path, offset_in_member=7):
-    """Flip one bit inside the first tensor storage of a torch zip checkpoint."""
-    import zipfile
-
-    with zipfile.ZipFile(path) as archive:
-        info = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size > 16)
-    raw = bytearray(path.read_bytes())
-    header = info.header_offset
-    name_len = int.from_bytes(raw[header + 26 : header + 28], "little")
-    extra_len = int.from_bytes(raw[header + 28 : header + 30], "little")
-    data_start = header + 30 + name_len + extra_len
-    raw[data_start + offset_in_member] ^= 0x10
-    path.write_bytes(bytes(raw))
 
 
 def test_corrupted_last_pt_is_a_clear_error_and_nothing_is_overwritten(tmp_path):

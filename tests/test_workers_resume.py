@@ -14,8 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.test_trainer import Crash, make_cfg
-from tests.trainers import TinyTrainer, param_digest
+from tests.trainers import Crash, TinyTrainer, make_cfg, param_digest
 
 
 class LoaderTrainer(TinyTrainer):

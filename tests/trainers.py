@@ -128,8 +128,15 @@ class SlowToExitTrainer(TinyTrainer):
     other ranks, left waiting in a collective, fail after it but exit before it, as they would behind a rank
     busy writing a crash dump or flushing a slow log."""
 
+    def train(self):
+        try:
+            return super().train()
+        except BaseException:
+            self.failed_here = True
+            raise
+
     def close(self):
-        if self._failed and self.rank == self.cfg.fail_rank:
+        if getattr(self, "failed_here", False) and self.rank == self.cfg.fail_rank:
             import time
 
             time.sleep(self.cfg.dist.timeout_s + 4)
@@ -333,25 +340,27 @@ class ShardConfig(Config):
 
 def _kill_in_publish(where: str, at_save: int) -> None:
     """Make this process SIGKILL itself in the ``at_save``-th publish of last.ckpt: every rank's shards and the
-    manifest are written, and the rename into place has not happened (``before_publish``) or has
-    (``after_publish``)."""
+    manifest are written, and the renames into place have not begun (``before_publish``) or are done
+    (``after_publish``). Found through ``os.replace``, which the publish renames with."""
     import signal
 
-    from trainkit import sharded
+    real = os.replace
+    published = []
+    published_names = ("last.ckpt", "last.prev.ckpt")
 
-    real = sharded._publish
-    saves = []
-
-    def publish(temporary, final):
-        if final.name == sharded.LAST_DIR:
-            saves.append(final)
-            if len(saves) == at_save:
-                if where == "after_publish":
-                    real(temporary, final)
+    def replace(src, dst, *args, **kwargs):
+        source, target = os.path.basename(os.fspath(src)), os.path.basename(os.fspath(dst))
+        touches = source in published_names or target in published_names
+        if where == "before_publish" and touches and len(published) == at_save - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        result = real(src, dst, *args, **kwargs)
+        if target == "last.ckpt" and source.startswith(".last.ckpt.tmp-"):
+            published.append(dst)
+            if where == "after_publish" and len(published) == at_save:
                 os.kill(os.getpid(), signal.SIGKILL)
-        return real(temporary, final)
+        return result
 
-    sharded._publish = publish
+    os.replace = replace
 
 
 def _fail_shard_write(at_write: int) -> None:
@@ -515,3 +524,59 @@ def whole_best(trainer: BaseTrainer) -> dict:
     best = trainer.best_model or {}
     return {name.removeprefix("module."): (value.full_tensor() if hasattr(value, "full_tensor") else value).clone()
             for name, value in best.items()}
+
+
+# ---------------------------------------------------------------------------------- helpers of the tests
+
+
+def make_cfg(tmp_path, **overrides):
+    """A quiet config in tmp_path: W&B disabled, no bars."""
+    cfg = {
+        "epochs": 4,
+        "out_dir": str(tmp_path),
+        "wandb": {"mode": "disabled"},
+        "progress": {"enable": False},
+        "val": {"minimize": True},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            cfg[key] = {**cfg.get(key, {}), **value}
+        else:
+            cfg[key] = value
+    return cfg
+
+
+class Crash(Exception):
+    """Stands in for a kill: raised from inside the loop."""
+
+
+def dying(epoch: int, where: str = "train_epoch"):
+    """A TinyTrainer subclass that raises Crash when it reaches ``where`` in ``epoch``."""
+
+    class Dying(TinyTrainer):
+        def train_epoch(self):
+            if where == "train_epoch" and self.epoch == epoch:
+                raise Crash
+            super().train_epoch()
+
+        def test_epoch(self):
+            if where == "test_epoch":
+                raise Crash
+            return super().test_epoch()
+
+    return Dying
+
+
+def flip_bit_in_tensor_data(path, offset_in_member=7):
+    """Flip one bit inside the first tensor storage of a torch zip checkpoint."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size > 16)
+    raw = bytearray(path.read_bytes())
+    header = info.header_offset
+    name_len = int.from_bytes(raw[header + 26 : header + 28], "little")
+    extra_len = int.from_bytes(raw[header + 28 : header + 30], "little")
+    data_start = header + 30 + name_len + extra_len
+    raw[data_start + offset_in_member] ^= 0x10
+    path.write_bytes(bytes(raw))

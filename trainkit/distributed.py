@@ -88,7 +88,7 @@ def init_process_group(rank: int, world_size: int, *, backend: str, timeout_s: f
         backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
-        _check_one_gpu_per_process(world_size)
+        check_one_gpu_per_process(world_size)
         kwargs["device_id"] = device
     store = _elastic_attempt_store(world_size, datetime.timedelta(seconds=timeout_s))
     if store is not None:
@@ -103,8 +103,12 @@ def init_process_group(rank: int, world_size: int, *, backend: str, timeout_s: f
     return True
 
 
-def _check_one_gpu_per_process(world_size: int) -> None:
-    """Refuse, before NCCL does so cryptically ("Duplicate GPU detected"), more processes than GPUs on a node."""
+def check_one_gpu_per_process(world_size: int) -> None:
+    """Refuse, before NCCL does so cryptically ("Duplicate GPU detected"), more processes than GPUs on a node.
+
+    :param world_size: The number of processes (``LOCAL_WORLD_SIZE``, as torchrun sets it, wins: one node's).
+    :raises DistributedError: Naming the counts and the fix.
+    """
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # torchrun sets it; spawn is one node
     gpus = torch.cuda.device_count()
     if local_world_size > gpus:
@@ -148,13 +152,29 @@ _RELEASE_WAIT_CAP_S = 10.0
 """The longest teardown waits for the backend to free them: it takes milliseconds when all is well."""
 
 
-def _handed_to_backend(*tensors: torch.Tensor) -> None:
+def held_by_backend() -> list[weakref.ref[torch.Tensor]]:
+    """The weak references to the tensors trainkit handed to its collectives (the list itself, pruned as they go).
+
+    :returns: The list.
+    """
+    return _held_by_backend
+
+
+def handed_to_backend(*tensors: torch.Tensor) -> None:
+    """Note tensors given to a collective, which the backend may hold a little past the call (see ``teardown``).
+
+    :param tensors: The tensors.
+    """
     _held_by_backend[:] = [ref for ref in _held_by_backend if ref() is not None]
     _held_by_backend.extend(weakref.ref(tensor) for tensor in tensors)
 
 
-def _wait_until_backend_lets_go(timeout_s: float) -> bool:
-    """Sleep (the GIL released) until every tensor of trainkit's collectives is freed; False on timeout."""
+def wait_until_backend_lets_go(timeout_s: float) -> bool:
+    """Sleep (the GIL released) until every tensor of trainkit's collectives is freed.
+
+    :param timeout_s: The longest wait.
+    :returns: True when they are all freed; False on timeout.
+    """
     deadline = time.monotonic() + timeout_s
     while True:
         _held_by_backend[:] = [ref for ref in _held_by_backend if ref() is not None]
@@ -196,7 +216,7 @@ def reduce_mean(total: Any, count: Any) -> float:
             ]
         )
         dist.all_reduce(pair, op=dist.ReduceOp.SUM)
-        _handed_to_backend(pair)
+        handed_to_backend(pair)
         total_sum, count_sum = pair.tolist()
     else:
         total_sum, count_sum = float(total), float(count)
@@ -240,7 +260,7 @@ def broadcast_object(value: Any, src: int = 0) -> Any:
     if payload is None:
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(payload, src=src)
-    _handed_to_backend(size, payload)
+    handed_to_backend(size, payload)
     return value if is_src else _unpickled(payload)
 
 
@@ -263,7 +283,7 @@ def all_gather_objects(value: Any) -> list[Any]:
     padded[: payload.numel()] = payload
     gathered = [torch.empty_like(padded) for _ in range(world_size)]
     dist.all_gather(gathered, padded)
-    _handed_to_backend(size, *sizes, padded, *gathered)
+    handed_to_backend(size, *sizes, padded, *gathered)
     out = [_unpickled(data[:length]) for data, length in zip(gathered, lengths)]
     return out
 
@@ -279,7 +299,7 @@ def any_all(flags: list[bool]) -> tuple[list[bool], list[bool]]:
     device = _collective_device()
     values = torch.tensor([int(f) for f in flags] + [int(not f) for f in flags], dtype=torch.int32, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    _handed_to_backend(values)
+    handed_to_backend(values)
     got = values.tolist()
     n = len(flags)
     return [bool(v) for v in got[:n]], [not bool(v) for v in got[n:]]
@@ -323,7 +343,7 @@ class DelayedVote:
         value = torch.tensor([int(bool(flag))], dtype=torch.int32)
         self._work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         self._value = value
-        _handed_to_backend(value)
+        handed_to_backend(value)
         return previous
 
     def finish(self) -> bool:
@@ -399,7 +419,7 @@ def teardown(timeout_s: float, *, meet: bool = True) -> None:
     if meet:
         barrier(timeout_s)
         wait_s = min(timeout_s, _RELEASE_WAIT_CAP_S)
-        if not _wait_until_backend_lets_go(wait_s):
+        if not wait_until_backend_lets_go(wait_s):
             warn_user(
                 f"torch.distributed still held the tensors of a finished collective after {wait_s} s; "
                 "the process may abort at exit"

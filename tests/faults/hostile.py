@@ -115,8 +115,7 @@ CODE_RUNNING = (
 
 def try_all(corpus: Path, out: Path) -> list[dict[str, str]]:
     """Try to load and to resume from every file in ``corpus``; report what each attempt raised."""
-    from tests.test_trainer import make_cfg
-    from tests.trainers import TinyTrainer
+    from tests.trainers import TinyTrainer, make_cfg
     from trainkit.checkpoint import load_checkpoint
 
     results = []
