@@ -6,6 +6,12 @@ Run from the repository root::
     .venv/bin/python benchmarks/overhead.py            # full run (~10 min on 2 cores), gates enforced
     .venv/bin/python benchmarks/overhead.py --quick    # smoke run (< 1 min), gates advisory
 
+The engine section (``--only engine``) runs the loop with the model's work taken out (a null workload) at
+three run lengths and fits what each contestant adds to its baseline, in CPU microseconds per optimizer step,
+per epoch and per run, with bootstrap 95 % intervals. Every gate, ratio or microseconds, is judged on its
+interval (``confidence.py``): PASS when it lies under the limit, FAIL when it lies over it, UNDECIDED (exit 0,
+printed with the pairs that would decide it) when it straddles the limit.
+
 Everything runs in one process (the import gate aside, which needs fresh interpreters), single-threaded
 (``torch.set_num_threads(1)``). Contestants of a group run interleaved, in a shuffled order, for one
 discarded warm-up round and then ``--rounds`` measured rounds of ``reps`` repetitions; every ratio is
@@ -17,7 +23,7 @@ bitwise identical (a contestant that cannot match bitwise is compared to a tight
 reason printed).
 
 Results go to ``--out`` (default ``benchmarks/results/``) as ``latest.json`` and ``latest.md``. The exit
-status is 0 when every gate passes, 1 when a gate is missed (full mode, or ``--enforce-gates``), 2 when
+status is 0 when no gate FAILs (PASS or UNDECIDED), 1 when one does (full mode, or ``--enforce-gates``), 2 when
 contestants did different work. See ``benchmarks/README.md`` for what each gate means.
 """
 
@@ -31,6 +37,7 @@ import datetime
 import functools
 import gc
 import hashlib
+import io
 import json
 import logging
 import os
@@ -54,6 +61,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run from a checkout: measure this working tree's trainkit
     sys.path.insert(0, str(REPO))
+if str(REPO / "benchmarks") not in sys.path:  # confidence.py beside this file, also when imported from elsewhere
+    sys.path.insert(0, str(REPO / "benchmarks"))
 
 # Everything W&B writes goes to a throwaway folder; set before wandb is imported (by anything).
 _SESSION_TMP = Path(tempfile.mkdtemp(prefix="trainkit-bench-"))
@@ -73,6 +82,7 @@ os.environ.pop("WANDB_MODE", None)  # every contestant states its mode explicitl
 # a CPU benchmark, also on a machine with a GPU (the trainer would move its model there, the raw loop not)
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+import confidence  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -112,6 +122,10 @@ class Settings:
     save_params: int  # model parameters of the checkpoint-save micro-benchmark (Adam state doubles it)
     save_rounds: int
     save_reps: int
+    engine_shapes: tuple[tuple[int, int], ...]  # the null workload's run lengths: (epochs, batches per epoch)
+    engine_rounds: int  # measured rounds of the engine section
+    engine_reps: int  # runs per contestant and run length per round
+    engine_wandb_reps: int  # the same for the W&B group, whose every run starts a W&B run (~0.15 s)
 
 
 FULL = Settings(
@@ -131,6 +145,12 @@ FULL = Settings(
     save_params=50_000_000,
     save_rounds=7,
     save_reps=2,
+    # short runs: this host's speed wanders in phases of tens of milliseconds or more, so two runs of 10 ms
+    # back to back differ by ~7 %, two of 50 ms or more by 11-18 %: many short pairs resolve a step finer
+    engine_shapes=((1, 10), (1, 200), (10, 10)),
+    engine_rounds=15,
+    engine_reps=6,
+    engine_wandb_reps=2,
 )
 QUICK = Settings(
     mode="quick",
@@ -149,21 +169,43 @@ QUICK = Settings(
     save_params=5_000_000,
     save_rounds=3,
     save_reps=1,
+    engine_shapes=((1, 5), (1, 50), (5, 5)),
+    engine_rounds=1,
+    engine_reps=1,
+    engine_wandb_reps=1,
 )
 
+# ratio gates, judged on the 95 % bootstrap interval of the median paired ratio (confidence.judge). tiny/wandb
+# and tiny/steps are information now: what trainkit adds per W&B row and per tracked step is gated in the
+# engine section (ENGINE_GATES), where W&B's start and the model's work do not drown it
 GATES = {
     "tiny/off": 1.02,
     "medium/off": 1.01,
     "tiny/tqdm": 1.02,
-    "tiny/wandb": 1.02,
     "tiny/ckpt": 1.03,
-    "tiny/steps": 1.02,
     "medium/steps": 1.01,
     "import/trainkit": 1.10,
     "import/BaseTrainer": 1.10,
     "micro/snapshot": 1.30,
     "micro/grad_norm": 1.05,
     "micro/ckpt_save": 1.10,
+}
+
+# the engine section's gates: added CPU microseconds per optimizer step / epoch / run (construction to the end
+# of train()), judged on the fit's 95 % bootstrap interval. W&B's per-run gate leaves out wandb.init and
+# Run.finish (timed apart); steps' per-epoch gate is against trainkit with the same epoch-end writes
+ENGINE_GATES = {
+    "engine/off/step": 2.0,
+    "engine/off/epoch": 150.0,
+    "engine/off/run": 5000.0,
+    "engine/steps/step": 3.0,
+    "engine/steps/epoch": 150.0,
+    "engine/tqdm/step": 5.0,
+    "engine/tqdm/epoch": 150.0,
+    "engine/tqdm/run": 5000.0,
+    "engine/wandb/step": 10.0,
+    "engine/wandb/epoch": 150.0,
+    "engine/wandb/run": 5000.0,
 }
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -173,10 +215,31 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
+class _NullTerminal(io.TextIOBase):
+    """An output that drops what it is given and says it is a terminal, so progress bars draw as on one."""
+
+    def isatty(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+
 @contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """Send stdout and stderr (tqdm bars, trainkit's summary line, Lightning chatter) to /dev/null."""
-    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+def quiet(terminal: bool = False) -> Iterator[None]:
+    """Send stdout and stderr (tqdm bars, trainkit's summary line, Lightning chatter) to /dev/null.
+
+    :param terminal: Send them to a :class:`_NullTerminal` instead: trainkit draws its step bar only on a
+        terminal, so its per-step cost shows only there.
+    """
+    with (
+        _NullTerminal() if terminal else open(os.devnull, "w") as sink,
+        contextlib.redirect_stdout(sink),
+        contextlib.redirect_stderr(sink),
+    ):
         yield
 
 
@@ -281,6 +344,11 @@ class Workload:
     epochs: int
     make_net: Callable[[], nn.Module]
     init_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the loss of a batch from the model's output; every contestant's loop calls it (bound to a local first)
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy
+    make_dataset: Callable[[torch.Tensor, torch.Tensor], Dataset] = _Batches
+    samples_per_epoch: int | None = None  # the sampler's num_samples; None: every training sample once
+    backward: bool = True  # False: the loss needs no backward (the null workload), every loop skips it
 
     def __post_init__(self) -> None:
         torch.manual_seed(SEED)
@@ -298,19 +366,20 @@ class Workload:
     def train_loader(self) -> DataLoader:
         """A real DataLoader with its own seeded generator: the same batch order for every contestant."""
         generator = torch.Generator().manual_seed(SEED)
-        sampler = BatchSampler(RandomSampler(range(len(self.x_train)), generator=generator), self.batch_size, False)
-        return DataLoader(_Batches(self.x_train, self.y_train), batch_size=None, sampler=sampler)
+        indices = RandomSampler(range(len(self.x_train)), num_samples=self.samples_per_epoch, generator=generator)
+        sampler = BatchSampler(indices, self.batch_size, False)
+        return DataLoader(self.make_dataset(self.x_train, self.y_train), batch_size=None, sampler=sampler)
 
     def val_loss(self, model: nn.Module) -> float:
         model.eval()
         with torch.no_grad():
-            value = F.cross_entropy(model(self.x_val), self.y_val).item()
+            value = self.loss_fn(model(self.x_val), self.y_val).item()
         model.train()
         return value
 
     @property
     def steps(self) -> int:
-        return self.epochs * -(-len(self.x_train) // self.batch_size)
+        return self.epochs * -(-(self.samples_per_epoch or len(self.x_train)) // self.batch_size)
 
 
 def tiny_workload(s: Settings) -> Workload:
@@ -362,6 +431,85 @@ def medium_workload(s: Settings) -> Workload:
     )
 
 
+class _NoWork(nn.Module):
+    """The null workload's model: one parameter (for the optimizer to hold), and a forward that returns its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def _output_is_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The null workload's loss: the model's (0-dim) output itself, so no loss function runs."""
+    return out
+
+
+class _OneSample(Dataset):
+    """Batches of one sample each, kept as 0-dim tensors in lists: a batch costs a list lookup, no gather."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = list(x.unbind()), list(y.unbind())
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        (i,) = index
+        return self.x[i], self.y[i]
+
+
+@dataclass
+class NullWorkload(Workload):
+    """The training loop with the model's work taken out: a batch of one, no forward, no backward.
+
+    What is left per step is what every loop pays around the model: the ``DataLoader``'s next batch, the
+    model's call (it returns its input, the "loss"), ``zero_grad`` and an ``optimizer.step()`` of SGD over one
+    parameter without a gradient (the call, its hooks and trainkit's step counter, no arithmetic): about
+    40 us on this 2-core host, a few tens of microseconds anywhere. This host's speed wanders by 10-20 % from
+    one run to the next, so the noise on a per-step estimate is a share of the raw step's own cost: the
+    smaller that cost, the finer the engine's cost can be resolved.
+    """
+
+    @staticmethod
+    def make_optimizer(module: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(module.parameters(), lr=LR)
+
+
+def null_workload(epochs: int, batches: int) -> NullWorkload:
+    """The null workload at one run length.
+
+    Each epoch draws ``batches`` of ``batches + 1`` training samples (``RandomSampler(num_samples=...)``): the
+    sampler then draws its one permutation at the epoch's first batch and nothing after its last. With every
+    sample once and batches of one, ``RandomSampler`` draws a second, unused permutation when it is asked for a
+    batch past the last one, which a hand-written loop does and Lightning does only every other epoch: the
+    batch orders would part ways from the second epoch on.
+
+    :param epochs: Epochs per run.
+    :param batches: Batches (optimizer steps) per epoch.
+    :returns: The workload; its name carries the shape (the config caches are keyed by name).
+    """
+    gen = torch.Generator().manual_seed(SEED)
+    x = torch.rand(batches + 2, generator=gen)
+    y = torch.zeros(batches + 2, dtype=torch.int64)
+    return NullWorkload(
+        name=f"null-{epochs}x{batches}",
+        x_train=x[: batches + 1].contiguous(),
+        y_train=y[: batches + 1].contiguous(),
+        x_val=x[batches + 1],
+        y_val=y[batches + 1],
+        batch_size=1,
+        epochs=epochs,
+        make_net=_NoWork,
+        loss_fn=_output_is_loss,
+        make_dataset=_OneSample,
+        samples_per_epoch=batches,
+        backward=False,
+    )
+
+
 @dataclass
 class Outcome:
     """What a contestant computed: compared across contestants to prove they did the same work."""
@@ -379,8 +527,21 @@ class Outcome:
 # ---------------------------------------------------------------------------------------------- raw loops
 
 
-def raw_run(wl: Workload, tmp: Path, feature: str) -> tuple[nn.Module, Any]:
+def spin(seconds: float) -> None:
+    """Busy-wait ``seconds`` of wall time on the CPU (a planted cost: the tests check the engine section finds it).
+
+    :param seconds: How long to spin.
+    """
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def raw_run(wl: Workload, tmp: Path, feature: str, spin_s: float = 0.0) -> tuple[nn.Module, Any]:
     """The hand-written loop; ``feature`` adds exactly what the matching trainkit variant does per step/epoch.
+
+    ``spin_s`` busy-waits that long after every optimizer step: a known cost planted into a contestant, which
+    the tests use to check that the engine section measures a per-step cost it is given (0: nothing planted).
 
     ``ckpt`` writes the checkpoints trainkit writes, by hand: the same content in ``last.pt`` (weights,
     optimizer, counters, config, loop/best/patience records, every generator's state) and ``best.pt``,
@@ -413,9 +574,12 @@ def raw_run(wl: Workload, tmp: Path, feature: str) -> tuple[nn.Module, Any]:
     if feature == "tqdm":
         from tqdm.auto import tqdm
 
-        # the step bar with trainkit's settings (not a TTY here: redraw at most every 30 s, like trainkit)
+        # the step bar with trainkit's settings (trainkit.progress: redraw at most every 0.5 s on a terminal, every
+        # 30 s elsewhere; the training section runs into /dev/null, the engine section's tqdm group on a terminal)
+        interval = 0.5 if sys.stderr.isatty() else 30.0
+
         def batches(epoch: int) -> Any:
-            return tqdm(loader, desc=f"epoch {epoch}", leave=False, mininterval=30.0, dynamic_ncols=True)
+            return tqdm(loader, desc=f"epoch {epoch}", leave=False, mininterval=interval, dynamic_ncols=True)
     else:
 
         def batches(epoch: int) -> Any:
@@ -429,14 +593,18 @@ def raw_run(wl: Workload, tmp: Path, feature: str) -> tuple[nn.Module, Any]:
     step = 0
     val = float("nan")
     loss = torch.zeros(())
+    loss_of, backward = wl.loss_fn, wl.backward
     for epoch in range(wl.epochs):
         model.train()
         for x, y in batches(epoch):
-            loss = F.cross_entropy(model(x), y)
+            loss = loss_of(model(x), y)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            if backward:
+                loss.backward()
             optimizer.step()
             step += 1
+            if spin_s:
+                spin(spin_s)
             if run is not None:
                 run.log({"trainer/step": step, "trainer/epoch": epoch, "train/loss": loss.item()})
         val = wl.val_loss(model)
@@ -493,10 +661,11 @@ def raw_run(wl: Workload, tmp: Path, feature: str) -> tuple[nn.Module, Any]:
 class BenchTrainer(BaseTrainer):
     """The same model, data and loop through trainkit. Set ``workload``/``feature`` before constructing.
 
-    Feature ``steps`` turns step checkpoints on (``ckpt.every_n_steps``, a period longer than the run) and
-    leaves out the checkpoint writes at epoch ends (see :meth:`_save_checkpoint`), so what it adds to
-    ``off`` is the per-step work of step checkpoints alone: the counted batch iteration and the step-boundary
-    check (stop-signal vote, due check) after every optimizer step.
+    Feature ``steps`` turns step checkpoints on (``ckpt.every_n_steps``, a period longer than the run, so none
+    comes due): every step goes through the counted batch iteration and the step-boundary check. Step
+    checkpoints need ``ckpt.enable``, which also writes ``last.pt`` at every epoch end; ``ckpt_last`` is
+    ``ckpt.enable`` alone (the same writes, no step checkpoints, no best-model tracking), the baseline that
+    leaves the tracked loop's own cost. Only trainkit's public API is used: nothing of the engine is stubbed.
     """
 
     workload: Workload
@@ -522,11 +691,13 @@ class BenchTrainer(BaseTrainer):
         model, optimizer = self.model, self.optimizer
         model.train()
         loss = self.last_loss
+        loss_of, backward = self.workload.loss_fn, self.workload.backward
         batches = self.progress(self.loader)
         for x, y in batches:
-            loss = F.cross_entropy(model(x), y)
+            loss = loss_of(model(x), y)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            if backward:
+                loss.backward()
             optimizer.step()
             if self.log_steps:
                 self.log({"train/loss": loss})
@@ -534,17 +705,6 @@ class BenchTrainer(BaseTrainer):
         self.last_loss = loss
         # the batches trainkit counted (step checkpoints on): proof that `steps` measured the tracked loop
         self.tracked = getattr(batches, "consumed", None)
-
-    def _save_checkpoint(self, batches: Any = None) -> float | None:
-        """Feature ``steps``: write nothing. Step checkpoints need ``ckpt.enable``, which also writes ``last.pt``
-        at every epoch end and at the end of the run; those writes are the ``ckpt`` feature (gated by
-        ``tiny/ckpt`` against the same files written by hand), not the per-step cost measured here. No step
-        checkpoint may come due (the period is longer than the run): one would be a mistake in the setup."""
-        if self.feature != "steps":
-            return super()._save_checkpoint(batches)
-        if batches is not None:
-            raise AssertionError("a step checkpoint came due in the `steps` variant: every_n_steps is too small")
-        return None
 
     def val_epoch(self) -> bool:
         self.last_val = self.workload.val_loss(self.model)
@@ -579,10 +739,10 @@ def checkpoint_config(wl: Workload) -> dict[str, Any]:
 
 
 def trainkit_config(wl: Workload, tmp: Path, feature: str) -> dict[str, Any]:
-    ckpt: dict[str, Any] = {"enable": feature in ("ckpt", "steps")}
+    ckpt: dict[str, Any] = {"enable": feature in ("ckpt", "steps", "ckpt_last")}
     if feature == "steps":
         # every step runs the tracked iteration and the boundary check; the period is past the run's last
-        # step, so none is written (the variant's _save_checkpoint asserts it)
+        # step, so no step checkpoint is written (trainkit_run checks the files)
         ckpt["every_n_steps"] = wl.steps + 1
     return {
         "epochs": wl.epochs,
@@ -603,11 +763,13 @@ def trainkit_run(wl: Workload, tmp: Path, feature: str) -> tuple[nn.Module, Any]
     trainer.close()
     if feature == "steps" and (trainer.tracked != len(trainer.loader) or trainer.step != wl.steps):
         raise SystemExit(
-            f"the `steps` variant did not run the tracked loop: {trainer.tracked} batches counted in the last epoch "
-            f"(expected {len(trainer.loader)}), {trainer.step} steps counted (expected {wl.steps})"
+            f"the `{feature}` variant did not run the tracked loop: {trainer.tracked} batches counted in the last "
+            f"epoch (expected {len(trainer.loader)}), {trainer.step} steps counted (expected {wl.steps})"
         )
-    if feature == "steps" and any(tmp.glob("*.pt")):  # BaseTrainer._save_checkpoint renamed: the stub is bypassed
-        raise SystemExit(f"the `steps` variant wrote checkpoint files: {sorted(p.name for p in tmp.glob('*.pt'))}")
+    written = {p.name for p in tmp.glob("*.pt")}
+    if feature == "steps" and not ("last.pt" in written and written <= {"last.pt", "last.prev.pt"}):
+        # the epoch-end last.pt (and its .prev) only: a step checkpoint would be a mistake in the setup
+        raise SystemExit(f"the `steps` variant wrote other files: {sorted(p.name for p in tmp.glob('*.pt'))}")
     return trainer.model, (trainer.last_loss, trainer.last_val, trainer.improvements if feature == "ckpt" else None)
 
 
@@ -646,13 +808,20 @@ def lightning_available() -> str | None:
             self.net = wl.build_model()
             self.last_loss = torch.zeros(())
             self.last_val = float("nan")
+            # a loss without backward (the null workload) cannot go through Lightning's automatic optimization,
+            # which calls backward itself: the step goes through Lightning's optimizer wrapper by hand instead
+            self.automatic_optimization = wl.backward
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.net(x)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
-            loss = F.cross_entropy(self.net(x), y)
+            loss = self.wl.loss_fn(self.net(x), y)
+            if not self.automatic_optimization:
+                optimizer = self.optimizers()
+                optimizer.zero_grad(set_to_none=True)
+                optimizer.step()
             if self.feature == "wandb":
                 self.log("train/loss", loss, on_step=True, on_epoch=False)
             self.last_loss = loss
@@ -660,7 +829,7 @@ def lightning_available() -> str | None:
 
         def validation_step(self, batch: Any, batch_idx: int) -> None:
             x, y = batch
-            loss = F.cross_entropy(self.net(x), y)
+            loss = self.wl.loss_fn(self.net(x), y)
             self.last_val = loss.item()
             if self.feature == "ckpt":
                 self.log("val/loss", loss)
@@ -705,7 +874,9 @@ def lightning_run(wl: Workload, tmp: Path, feature: str) -> tuple[nn.Module, Any
     if feature == "wandb":
         from lightning.pytorch.loggers import WandbLogger
 
-        logger = WandbLogger(offline=True, save_dir=str(tmp), project="trainkit-bench")
+        # mode="offline" reaches wandb.init itself: Lightning's offline=True only sets WANDB_MODE, which W&B reads
+        # once per process, so after another contestant's run W&B would start this one online (and ask to log in)
+        logger = WandbLogger(offline=True, mode="offline", save_dir=str(tmp), project="trainkit-bench")
         kwargs.update(logger=logger, log_every_n_steps=1)
     if feature == "ckpt":
         from lightning.pytorch.callbacks import ModelCheckpoint
@@ -725,6 +896,7 @@ def lightning_run(wl: Workload, tmp: Path, feature: str) -> tuple[nn.Module, Any
     trainer.fit(module, train_dataloaders=wl.train_loader(), val_dataloaders=_OneBatch(wl.x_val, wl.y_val))
     if logger is not None:
         logger.experiment.finish()
+        os.environ.pop("WANDB_MODE", None)  # set by offline=True; the other contestants state their mode themselves
     return module.net, (module.last_loss, module.last_val, None)
 
 
@@ -848,12 +1020,174 @@ def interleave(fns: dict[str, Callable[[], Any]], rounds: int, reps: int, seed: 
     return times
 
 
+APART = ("start", "log")
+"""What the engine section times apart from the runs: W&B's ``wandb.init`` + ``Run.finish``, and its ``Run.log``."""
+
+
+@dataclass
+class _Apart:
+    """CPU and wall seconds spent inside W&B's own calls since the last :meth:`take`, by :data:`APART` category."""
+
+    cpu: dict[str, float] = field(default_factory=lambda: dict.fromkeys(APART, 0.0))
+    wall: dict[str, float] = field(default_factory=lambda: dict.fromkeys(APART, 0.0))
+    depth: int = 0  # a call inside a timed call (W&B logging from inside finish, say) is not counted twice
+
+    def take(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Return ``(cpu, wall)`` by category so far and start again from zero."""
+        taken = (self.cpu, self.wall)
+        self.cpu, self.wall = dict.fromkeys(APART, 0.0), dict.fromkeys(APART, 0.0)
+        return taken
+
+
+_APART = _Apart()
+
+
+def _timed_apart(fn: Callable[..., Any], category: str) -> Callable[..., Any]:
+    """Wrap ``fn`` so the time spent in it goes to ``_APART[category]`` (the caller subtracts it from the run)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _APART.depth += 1
+        w0, c0 = time.perf_counter(), time.process_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _APART.depth -= 1
+            if _APART.depth == 0:
+                _APART.cpu[category] += time.process_time() - c0
+                _APART.wall[category] += time.perf_counter() - w0
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def wandb_calls_apart() -> Iterator[None]:
+    """Time W&B's own calls apart from the run around them, for every contestant alike.
+
+    ``wandb.init`` and ``Run.finish`` (category ``start``): W&B's start reads every installed package's
+    metadata and talks to its service, tens of milliseconds that swing by more than everything trainkit does
+    in a run. ``Run.log`` (category ``log``): W&B's own work per row, about 0.5 ms on this host, the same call
+    in the raw loop, trainkit and Lightning; its run-to-run wander (10-20 % here, like everything's) would bury
+    the few microseconds trainkit adds around it. Inside this context those calls are timed on their own, so
+    the engine section fits trainkit's per-row cost without them and reports W&B's beside it. Every contestant
+    looks them up at call time (``wandb.init``, ``run.log``, ``run.finish``), so patching W&B's module and
+    ``Run`` class reaches them all without touching trainkit.
+    """
+    import wandb
+
+    init, log_row, finish = wandb.init, wandb.Run.log, wandb.Run.finish
+    wandb.init = _timed_apart(init, "start")
+    wandb.Run.log = _timed_apart(log_row, "log")
+    wandb.Run.finish = _timed_apart(finish, "start")
+    try:
+        yield
+    finally:
+        wandb.init, wandb.Run.log, wandb.Run.finish = init, log_row, finish
+
+
+Shape = tuple[int, int]
+"""A run length of the engine section: ``(epochs, batches per epoch)``."""
+
+
+@dataclass
+class GridResult:
+    """The engine section's samples: one series per contestant and run length, repetition i of each a pair."""
+
+    times: dict[tuple[str, Shape], Timings]  # the run, less the time in W&B's own calls (APART)
+    apart: dict[str, dict[tuple[str, Shape], Timings]]  # the time in W&B's calls by category (zero without W&B)
+    outcomes: dict[tuple[str, Shape], Outcome]
+    warnings: dict[str, list[str]]
+
+
+def run_grid(
+    title: str,
+    workloads: dict[Shape, Workload],
+    contestants: list[Contestant],
+    rounds: int,
+    reps: int,
+    terminal: bool = False,
+) -> GridResult:
+    """``run_group`` over several run lengths at once: every repetition runs each contestant at each length.
+
+    In a repetition the lengths come in a freshly shuffled order and, at each length, the contestants run back
+    to back in a freshly shuffled order: the runs that are compared (two contestants at one length) are as
+    close in time as they can be, drift hits every contestant alike, and repetition i of any two series pairs up.
+    The time spent inside W&B's own calls (when :func:`wandb_calls_apart` is active) is taken out of each run
+    and kept beside it.
+
+    :param title: The group's name, for messages.
+    :param workloads: One workload per run length.
+    :param contestants: The contestants.
+    :param rounds: Measured rounds, after one discarded warm-up round.
+    :param reps: Repetitions per measured round.
+    :param terminal: Run with stdout and stderr on a terminal that drops its output (see :func:`quiet`).
+    :returns: The samples, the outcomes (checked deterministic per contestant and length) and the warnings
+        trainkit contestants raised in the warm-up round.
+    """
+    keys = [(c, shape) for shape in workloads for c in contestants]
+    times = {(c.name, shape): Timings() for c, shape in keys}
+    apart = {category: {(c.name, shape): Timings() for c, shape in keys} for category in APART}
+    outcomes: dict[tuple[str, Shape], Outcome] = {}
+    caught: dict[str, set[str]] = {}
+    shuffler = random.Random(6000)
+    # these runs take milliseconds: a full collection before each one must not scan the ~500k objects torch,
+    # W&B and Lightning left (0.1 s each), so they are frozen now, and what the warm-up leaves after it
+    settle_heap()
+    for rnd in range(rounds + 1):
+        for _ in range(reps if rnd else 1):
+            lengths = list(workloads)
+            shuffler.shuffle(lengths)
+            order = []
+            for shape in lengths:
+                at_length = list(contestants)
+                shuffler.shuffle(at_length)
+                order += [(c, shape) for c in at_length]
+            for c, shape in order:
+                wl = workloads[shape]
+                tmp = new_tmp(f"{wl.name}-{c.name}-")
+                gc.collect()
+                _APART.take()
+                with warnings.catch_warnings(record=True) as seen, quiet(terminal):
+                    warnings.simplefilter("always" if rnd == 0 else "ignore")
+                    w0, c0 = time.perf_counter(), time.process_time()
+                    model, extra = c.run(wl, tmp)
+                    w1, c1 = time.perf_counter(), time.process_time()
+                cpu_apart, wall_apart = _APART.take()
+                out = _outcome(model, extra, tmp)
+                key = (c.name, shape)
+                if key in outcomes and outcomes[key].key() != out.key():
+                    raise SystemExit(f"{title}: {c.name} at {shape} is not deterministic: {outcomes[key]} vs {out}")
+                outcomes[key] = out
+                if rnd == 0 and c.family == "trainkit":
+                    caught.setdefault(c.name, set()).update(f"{w.category.__name__}: {w.message}" for w in seen)
+                del model, extra
+                shutil.rmtree(tmp, ignore_errors=True)
+                if torch.get_num_threads() != 1:
+                    raise SystemExit(f"{c.name} changed torch's thread count to {torch.get_num_threads()}")
+                if rnd > 0:
+                    times[key].wall.append(w1 - w0 - sum(wall_apart.values()))
+                    times[key].cpu.append(c1 - c0 - sum(cpu_apart.values()))
+                    for category in APART:
+                        apart[category][key].wall.append(wall_apart[category])
+                        apart[category][key].cpu.append(cpu_apart[category])
+        if rnd == 0:
+            settle_heap()
+    gc.unfreeze()
+    return GridResult(times, apart, outcomes, {name: sorted(msgs) for name, msgs in caught.items()})
+
+
 @dataclass
 class Report:
     settings: Settings
     enforce: bool
     clock_mode: str
+    resamples: int = confidence.DEFAULT_RESAMPLES
     rows: list[dict[str, Any]] = field(default_factory=list)
+    costs: list[dict[str, Any]] = field(default_factory=list)  # the engine section's rows
+    own_costs: list[dict[str, Any]] = field(default_factory=list)  # each engine baseline's own fitted cost
+    engine_samples: dict[str, Any] = field(default_factory=dict)  # group -> contestant -> shape -> cpu/wall/apart
+    wandb_apart: dict[str, Any] = field(default_factory=dict)  # wandb.init + finish per run, timed apart
+    gates: list[dict[str, Any]] = field(default_factory=list)  # every gate judged, ratio and engine alike
     checks: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     work_mismatch: bool = False
@@ -861,6 +1195,34 @@ class Report:
     def pick(self, natural: str) -> str:
         """The clock a gate uses: its natural one (``auto``), or the one forced with ``--clock``."""
         return natural if self.clock_mode == "auto" else self.clock_mode
+
+    def judge_gate(self, gate: str, limit: float, unit: str, estimate: float, lo: float, hi: float, pairs: int) -> str:
+        """Judge one gate on its interval (:func:`confidence.judge`) and record it.
+
+        :param gate: The gate's name.
+        :param limit: Its limit, in ``unit``.
+        :param unit: ``"ratio"`` or ``"us"``.
+        :param estimate: The point estimate (median ratio, fitted cost).
+        :param lo: The 95 % interval's lower end.
+        :param hi: Its upper end.
+        :param pairs: The pairs behind the interval.
+        :returns: ``"PASS"``, ``"FAIL"`` or ``"UNDECIDED"``.
+        """
+        verdict = confidence.judge(lo, hi, limit, pairs)
+        self.gates.append(
+            {
+                "gate": gate,
+                "limit": limit,
+                "unit": unit,
+                "estimate": estimate,
+                "ci_low": lo,
+                "ci_high": hi,
+                "pairs": pairs,
+                "verdict": verdict,
+                "pairs_to_decide": confidence.pairs_to_decide(estimate, lo, hi, limit, pairs),
+            }
+        )
+        return verdict
 
     def add_row(
         self,
@@ -875,8 +1237,13 @@ class Report:
     ) -> dict[str, Any]:
         stats = {c: ratio_stats(ours_t.on(c), base_t.on(c)) for c in CLOCKS}
         main = stats[clock]
+        median, lo, hi = confidence.bootstrap_median(main["ratios"], self.resamples)
         limit = GATES.get(gate) if gate else None
         other = "wall" if clock == "cpu" else "cpu"
+        pairs = len(ours_t.wall)
+        verdict = (
+            None if gate is None or limit is None else self.judge_gate(gate, limit, "ratio", median, lo, hi, pairs)
+        )
         row = {
             "benchmark": bench,
             "variant": variant,
@@ -886,6 +1253,8 @@ class Report:
             "contestant_median_s": statistics.median(ours_t.on(clock)),
             "baseline_median_s": statistics.median(base_t.on(clock)),
             "ratio_median": main["median"],
+            "ratio_ci_low": lo,
+            "ratio_ci_high": hi,
             "ratio_q1": main["q1"],
             "ratio_q3": main["q3"],
             "ratio_min": main["min"],
@@ -894,16 +1263,20 @@ class Report:
             "other_clock": other,
             "other_ratio_median": stats[other]["median"],
             "other_ratios": stats[other]["ratios"],
-            "pairs": len(ours_t.wall),
-            "gate": gate,
+            "pairs": pairs,
+            "gate": gate if limit is not None else None,
             "gate_limit": limit,
-            "passed": None if limit is None else main["median"] <= limit,
+            "verdict": verdict,
+            "passed": None if verdict is None else verdict != "FAIL",
         }
         self.rows.append(row)
-        verdict = "" if limit is None else ("PASS" if row["passed"] else "FAIL") + f" (gate <= {limit:.2f})"
+        shown = "" if verdict is None else f"{verdict} (gate <= {limit:.2f})"
+        if verdict == "UNDECIDED":
+            shown += f", ~{self.gates[-1]['pairs_to_decide'] or 'no number of'} pairs would decide it"
         log(
-            f"  {bench + '/' + variant:<16} {ours:>15} / {base:<15} {clock:<4} {main['median']:.4f} "
-            f"[q1-q3 {main['q1']:.4f}-{main['q3']:.4f}]  ({other} {stats[other]['median']:.4f})  {verdict}"
+            f"  {bench + '/' + variant:<16} {ours:>15} / {base:<15} {clock:<4} {median:.4f} "
+            f"[95% {lo:.4f}-{hi:.4f}; q1-q3 {main['q1']:.4f}-{main['q3']:.4f}]  ({other} "
+            f"{stats[other]['median']:.4f})  {shown}"
         )
         return row
 
@@ -991,12 +1364,14 @@ def bench_training(report: Report, s: Settings, use_lightning: bool) -> None:
         if use_lightning:
             report.add_row("tiny", feature, "trainkit", "lightning", t["trainkit"], t["lightning"], clock, None)
 
-    # step checkpoints' per-step work (ckpt.every_n_steps, none written): against the raw loop, as tiny/off;
-    # trainkit (off) beside it shows what the steps variant adds to trainkit alone
+    # step checkpoints (ckpt.every_n_steps, none due) with the epoch-end last.pt writes ckpt.enable brings:
+    # against trainkit writing the same files without step checkpoints (ckpt last), the tracked loop alone;
+    # against the raw loop and trainkit (off), what turning them on costs in all (information)
     contestants = [
         Contestant("raw", lambda wl, tmp: raw_run(wl, tmp, "off"), "raw"),
         Contestant("trainkit", lambda wl, tmp: trainkit_run(wl, tmp, "steps"), "trainkit"),
         Contestant("trainkit (off)", lambda wl, tmp: trainkit_run(wl, tmp, "off"), "trainkit"),
+        Contestant("trainkit (ckpt last)", lambda wl, tmp: trainkit_run(wl, tmp, "ckpt_last"), "trainkit"),
     ]
     res = run_group("tiny/steps", tiny, contestants, s.rounds, s.tiny_reps)
     report.check_work("tiny/steps", res.outcomes, "raw", {c.name: c.family for c in contestants})
@@ -1004,6 +1379,9 @@ def bench_training(report: Report, s: Settings, use_lightning: bool) -> None:
     t = res.times
     report.add_row("tiny", "steps", "trainkit", "raw", t["trainkit"], t["raw"], clock, "tiny/steps")
     report.add_row("tiny", "steps", "trainkit", "trainkit (off)", t["trainkit"], t["trainkit (off)"], clock, None)
+    report.add_row(
+        "tiny", "steps", "trainkit", "trainkit (ckpt last)", t["trainkit"], t["trainkit (ckpt last)"], clock, None
+    )
 
     medium = medium_workload(s)
     log(
@@ -1015,6 +1393,7 @@ def bench_training(report: Report, s: Settings, use_lightning: bool) -> None:
         Contestant("trainkit", lambda wl, tmp: trainkit_run(wl, tmp, "off"), "trainkit"),
         Contestant("raw (again)", lambda wl, tmp: raw_run(wl, tmp, "off"), "raw"),
         Contestant("trainkit (steps)", lambda wl, tmp: trainkit_run(wl, tmp, "steps"), "trainkit"),
+        Contestant("trainkit (ckpt last)", lambda wl, tmp: trainkit_run(wl, tmp, "ckpt_last"), "trainkit"),
     ]
     if use_lightning:
         contestants.append(Contestant("lightning", lambda wl, tmp: lightning_run(wl, tmp, "off"), "lightning"))
@@ -1024,8 +1403,11 @@ def bench_training(report: Report, s: Settings, use_lightning: bool) -> None:
     t = res.times
     report.add_row("medium", "off", "trainkit", "raw", t["trainkit"], t["raw"], clock, "medium/off")
     report.add_row("medium", "off", "raw (again)", "raw", t["raw (again)"], t["raw"], clock, None)
-    report.add_row("medium", "steps", "trainkit (steps)", "raw", t["trainkit (steps)"], t["raw"], clock, "medium/steps")
+    # the gate: step checkpoints against trainkit writing the same last.pt without them (both write it once)
+    report.add_row("medium", "steps", "trainkit (steps)", "raw", t["trainkit (steps)"], t["raw"], clock, None)
     report.add_row("medium", "steps", "trainkit (steps)", "trainkit", t["trainkit (steps)"], t["trainkit"], clock, None)
+    steps, last = t["trainkit (steps)"], t["trainkit (ckpt last)"]
+    report.add_row("medium", "steps", "trainkit (steps)", "trainkit (ckpt last)", steps, last, clock, "medium/steps")
     if use_lightning:
         report.add_row("medium", "off", "trainkit", "lightning", t["trainkit"], t["lightning"], clock, None)
 
@@ -1265,6 +1647,317 @@ def bench_micro(report: Report, s: Settings) -> None:
     bench_ckpt_save(report, s, model)
 
 
+# ---------------------------------------------------------------------------------------------- engine
+
+_UNITS = ("run", "epoch", "step")  # the order of confidence.design_matrix's columns
+
+
+def _deltas(res: GridResult, ours: str, base: str, shapes: list[Shape], clock: str) -> np.ndarray:
+    """``(shapes, pairs)``: ours minus base, seconds, repetition by repetition."""
+    return np.array([np.subtract(res.times[(ours, sh)].on(clock), res.times[(base, sh)].on(clock)) for sh in shapes])
+
+
+def fitted_costs(
+    res: GridResult, ours: str, base: str, shapes: list[Shape], resamples: int
+) -> dict[str, dict[str, float]]:
+    """What ``ours`` adds to ``base`` per run, per epoch and per step, in CPU microseconds, with 95 % intervals.
+
+    :param res: The engine group's samples.
+    :param ours: The contestant.
+    :param base: Its baseline.
+    :param shapes: The run lengths, in the order of the design.
+    :param resamples: Bootstrap resamples.
+    :returns: ``{unit: {"us", "low", "high", "wall_us"}}`` for ``run``, ``epoch`` and ``step``.
+    """
+    design = confidence.design_matrix(shapes)
+    est, lo, hi = confidence.bootstrap_costs(_deltas(res, ours, base, shapes, "cpu"), design, resamples)
+    wall = confidence.fit_costs(_deltas(res, ours, base, shapes, "wall"), design)
+    return {
+        unit: {"us": est[i] * 1e6, "low": lo[i] * 1e6, "high": hi[i] * 1e6, "wall_us": wall[i] * 1e6}
+        for i, unit in enumerate(_UNITS)
+    }
+
+
+def _fmt_cost(c: dict[str, float]) -> str:
+    return f"{c['us']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]"
+
+
+def add_cost_row(
+    report: Report,
+    res: GridResult,
+    shapes: list[Shape],
+    feature: str,
+    ours: str,
+    base: str,
+    gates: dict[str, str],
+    anchor: str | None = None,
+    note: str = "",
+) -> dict[str, Any]:
+    """Fit, judge and record one engine row: what ``ours`` adds to ``base``.
+
+    :param report: Where the row and its verdicts go.
+    :param res: The group's samples.
+    :param shapes: The run lengths.
+    :param feature: The feature (the row's label).
+    :param ours: The contestant.
+    :param base: Its baseline.
+    :param gates: Unit (``step``, ``epoch``, ``run``) to the name of the gate in :data:`ENGINE_GATES` it is judged by.
+    :param anchor: A contestant (Lightning) whose per-step cost against the same baseline is shown beside the row.
+    :param note: What the row measures, for the table.
+    :returns: The row.
+    """
+    costs = fitted_costs(res, ours, base, shapes, report.resamples)
+    pairs = len(res.times[(ours, shapes[0])].cpu)
+    row: dict[str, Any] = {
+        "feature": feature,
+        "contestant": ours,
+        "baseline": base,
+        "clock": "cpu",
+        "pairs": pairs,
+        "note": note,
+        **{f"per_{unit}": costs[unit] for unit in _UNITS},
+        "gates": {},
+        "anchor": None,
+    }
+    parts = []
+    for unit in ("step", "epoch", "run"):
+        text = f"{unit} {_fmt_cost(costs[unit])}"
+        gate = gates.get(unit)
+        if gate is not None:
+            limit = ENGINE_GATES[gate]
+            c = costs[unit]
+            verdict = report.judge_gate(gate, limit, "us", c["us"], c["low"], c["high"], pairs)
+            row["gates"][unit] = {"gate": gate, "limit": limit, "verdict": verdict}
+            text += f" {verdict} (<= {limit:g})"
+        parts.append(text)
+    if anchor is not None and (anchor, shapes[0]) in res.times:
+        row["anchor"] = {"contestant": anchor, **fitted_costs(res, anchor, base, shapes, report.resamples)["step"]}
+        parts.append(f"{anchor} step {_fmt_cost(row['anchor'])}")
+    report.costs.append(row)
+    log(f"  engine/{feature:<6} {ours:>20} - {base:<20} us, 95%: " + " | ".join(parts))
+    return row
+
+
+def bench_engine(report: Report, s: Settings, use_lightning: bool) -> None:
+    """The engine's own cost: the null workload at several run lengths, contestants side by side.
+
+    Every contestant runs at every run length in every repetition; the paired differences to the baseline
+    at each length are fitted to ``run + epoch * epochs + step * steps`` (least squares over the per-length
+    medians) with a bootstrap over repetitions for the intervals. All on CPU time; W&B's own calls
+    (``wandb.init``, ``Run.finish``, ``Run.log``) are timed apart and reported beside the rows.
+
+    :param report: Where the rows, verdicts and samples go.
+    :param s: The run mode's sizes.
+    :param use_lightning: Whether Lightning contestants run (the per-step anchor beside each row).
+    """
+    shapes = [tuple(sh) for sh in s.engine_shapes]
+    workloads = {sh: null_workload(*sh) for sh in shapes}
+    for wl in workloads.values():  # built here, not inside a timed run
+        wandb_config(wl)
+        checkpoint_config(wl)
+    lengths = ", ".join(f"{e} epochs x {b} steps" for e, b in shapes)
+    log(
+        f"engine: the null workload (a batch of one, no forward, no backward) at {lengths}; "
+        f"{s.engine_rounds} rounds x {s.engine_reps} interleaved runs per contestant and length ({s.engine_wandb_reps} "
+        "for W&B), CPU time"
+    )
+
+    def raw(feature: str) -> Callable[[Workload, Path], tuple[nn.Module, Any]]:
+        return lambda wl, tmp: raw_run(wl, tmp, feature)
+
+    def ours(feature: str) -> Callable[[Workload, Path], tuple[nn.Module, Any]]:
+        return lambda wl, tmp: trainkit_run(wl, tmp, feature)
+
+    groups: dict[str, tuple[str, list[Contestant]]] = {
+        "off": (
+            "raw",
+            [
+                Contestant("raw", raw("off"), "raw"),
+                Contestant("raw (again)", raw("off"), "raw"),
+                Contestant("trainkit", ours("off"), "trainkit"),
+                Contestant("trainkit (steps)", ours("steps"), "trainkit"),
+                Contestant("trainkit (ckpt last)", ours("ckpt_last"), "trainkit"),
+            ],
+        ),
+        "tqdm": (
+            "raw_tqdm",
+            [Contestant("raw_tqdm", raw("tqdm"), "raw"), Contestant("trainkit", ours("tqdm"), "trainkit")],
+        ),
+        "wandb": (
+            "raw_wandb",
+            [Contestant("raw_wandb", raw("wandb"), "raw"), Contestant("trainkit", ours("wandb"), "trainkit")],
+        ),
+        "ckpt": (
+            "raw_ckpt",
+            [Contestant("raw_ckpt", raw("ckpt"), "raw"), Contestant("trainkit", ours("ckpt"), "trainkit")],
+        ),
+    }
+    lightning = "lightning" if use_lightning else None
+    with wandb_calls_apart():
+        for feature, (base, contestants) in groups.items():
+            if use_lightning:
+                contestants.append(
+                    Contestant("lightning", lambda wl, tmp, f=feature: lightning_run(wl, tmp, f), "lightning")
+                )
+            # the tqdm group on a terminal: trainkit draws its step bar only there (elsewhere it costs nothing)
+            t0 = time.perf_counter()
+            reps = s.engine_wandb_reps if feature == "wandb" else s.engine_reps
+            res = run_grid(
+                f"engine/{feature}", workloads, contestants, s.engine_rounds, reps, terminal=feature == "tqdm"
+            )
+            report.engine_samples[feature] = {
+                c.name: {
+                    f"{e}x{b}": {
+                        "cpu": res.times[(c.name, (e, b))].cpu,
+                        "wall": res.times[(c.name, (e, b))].wall,
+                        **{f"{cat}_cpu": res.apart[cat][(c.name, (e, b))].cpu for cat in APART},
+                    }
+                    for e, b in shapes
+                }
+                for c in contestants
+            }
+            log(f"  engine/{feature}: {len(contestants)} contestants in {time.perf_counter() - t0:.1f} s")
+            families = {c.name: c.family for c in contestants}
+            for sh in shapes:
+                outcomes = {c.name: res.outcomes[(c.name, sh)] for c in contestants}
+                report.check_work(f"engine/{feature} {sh[0]}x{sh[1]}", outcomes, base, families)
+            for name, msgs in res.warnings.items():
+                report.notes.extend(f"engine/{feature}: {name} warned: {msg}" for msg in msgs)
+            own = confidence.fit_costs(
+                np.array([res.times[(base, sh)].cpu for sh in shapes]), confidence.design_matrix(shapes)
+            )
+            log(
+                f"  engine/{feature:<6} {base} itself: {own[2] * 1e6:.1f} us per step, {own[1] * 1e6:.0f} us per "
+                f"epoch, {own[0] * 1e6:.0f} us per run (CPU, fitted)"
+            )
+            report.own_costs.append(
+                {"feature": feature, "contestant": base, **{f"per_{u}_us": own[i] * 1e6 for i, u in enumerate(_UNITS)}}
+            )
+            if feature == "off":
+                add_cost_row(
+                    report, res, shapes, "off", "raw (again)", "raw", {}, note="noise floor: raw against itself"
+                )
+                add_cost_row(
+                    report,
+                    res,
+                    shapes,
+                    "off",
+                    "trainkit",
+                    "raw",
+                    {u: f"engine/off/{u}" for u in ("step", "epoch", "run")},
+                    lightning,
+                    "the epoch loop, config, seeding, run setup; progress and W&B off, no checkpoints",
+                )
+                add_cost_row(
+                    report,
+                    res,
+                    shapes,
+                    "steps",
+                    "trainkit (steps)",
+                    "raw",
+                    {"step": "engine/steps/step"},
+                    lightning,
+                    "ckpt.every_n_steps past the run's end: the tracked loop and the step-boundary check, none due "
+                    "(its epoch and run columns include the epoch-end last.pt writes)",
+                )
+                add_cost_row(
+                    report,
+                    res,
+                    shapes,
+                    "steps",
+                    "trainkit (steps)",
+                    "trainkit (ckpt last)",
+                    {"epoch": "engine/steps/epoch"},
+                    note="the tracked loop alone: against trainkit writing the same last.pt at every epoch end",
+                )
+            else:
+                trainkit_gates = {
+                    "tqdm": {u: f"engine/tqdm/{u}" for u in ("step", "epoch", "run")},
+                    "wandb": {u: f"engine/wandb/{u}" for u in ("step", "epoch", "run")},
+                    "ckpt": {},
+                }[feature]
+                notes = {
+                    "tqdm": "trainkit's bars (progress.enable, on a terminal) against a tqdm bar over the batches",
+                    "wandb": "trainkit's work per row (log + push_logs: buffer, drain, the row, RunLog) against the "
+                    "raw loop's (.item(), the row); W&B's own Run.log, wandb.init and finish timed apart (below)",
+                    "ckpt": "durable last.pt and best.pt (save_if_best) against the same files written by hand; "
+                    "disk-bound, judged on wall time by tiny/ckpt, information here",
+                }
+                add_cost_row(report, res, shapes, feature, "trainkit", base, trainkit_gates, lightning, notes[feature])
+            if feature == "wandb":
+                add_cost_row(
+                    report,
+                    with_apart(res, "log"),
+                    shapes,
+                    "wandb, Run.log in",
+                    "trainkit",
+                    base,
+                    {},
+                    lightning,
+                    "the same rows with W&B's own Run.log put back in (wandb.init and finish still apart): "
+                    "information, W&B's wander buries microseconds here",
+                )
+                wandb_apart(report, res, shapes, [c.name for c in contestants], base)
+
+
+def with_apart(res: GridResult, category: str) -> GridResult:
+    """``res`` with the time its runs spent in one category of W&B's calls put back into them.
+
+    :param res: The samples.
+    :param category: One of :data:`APART`.
+    :returns: A copy whose ``times`` include that category.
+    """
+    added = res.apart[category]
+    times = {
+        key: Timings(
+            wall=[a + b for a, b in zip(t.wall, added[key].wall)], cpu=[a + b for a, b in zip(t.cpu, added[key].cpu)]
+        )
+        for key, t in res.times.items()
+    }
+    return GridResult(times, res.apart, res.outcomes, res.warnings)
+
+
+def wandb_apart(report: Report, res: GridResult, shapes: list[Shape], names: list[str], base: str) -> None:
+    """Report W&B's own calls, timed apart: ``wandb.init`` + ``Run.finish`` per run, ``Run.log`` per row.
+
+    :param report: Where the rows go.
+    :param res: The W&B group's samples.
+    :param shapes: The run lengths (pooled for the start: it does not depend on the run's length).
+    :param names: The contestants.
+    :param base: The raw W&B loop.
+    """
+    design = confidence.design_matrix(shapes)
+    entry: dict[str, Any] = {"start_per_run": {}, "log_per_row": {}}
+    for name in names:
+        start = res.apart["start"]
+        cpu = [v * 1e3 for sh in shapes for v in start[(name, sh)].cpu]
+        wall = [v * 1e3 for sh in shapes for v in start[(name, sh)].wall]
+        med, lo, hi = confidence.bootstrap_median(cpu, report.resamples)
+        entry["start_per_run"][name] = {"cpu_ms": med, "low": lo, "high": hi, "wall_ms": statistics.median(wall)}
+        rows = np.array([res.apart["log"][(name, sh)].cpu for sh in shapes])
+        est, lo_r, hi_r = confidence.bootstrap_costs(rows, design, report.resamples)
+        entry["log_per_row"][name] = {"us": est[2] * 1e6, "low": lo_r[2] * 1e6, "high": hi_r[2] * 1e6}
+        log(
+            f"  engine/wandb  {name:>20} W&B's own calls: wandb.init + finish CPU {med:.1f} ms per run [95% {lo:.1f}, "
+            f"{hi:.1f}] (wall {statistics.median(wall):.0f} ms); Run.log CPU {est[2] * 1e6:.0f} us per row "
+            f"[{lo_r[2] * 1e6:.0f}, {hi_r[2] * 1e6:.0f}]"
+        )
+    if "trainkit" in names:
+        start = res.apart["start"]
+        diffs = [(a - b) * 1e3 for sh in shapes for a, b in zip(start[("trainkit", sh)].cpu, start[(base, sh)].cpu)]
+        med, lo, hi = confidence.bootstrap_median(diffs, report.resamples)
+        entry["start_trainkit_minus_raw"] = {"cpu_ms": med, "low": lo, "high": hi}
+        logs = res.apart["log"]
+        deltas = np.array([np.subtract(logs[("trainkit", sh)].cpu, logs[(base, sh)].cpu) for sh in shapes])
+        est, lo_r, hi_r = confidence.bootstrap_costs(deltas, design, report.resamples)
+        entry["log_trainkit_minus_raw"] = {"us": est[2] * 1e6, "low": lo_r[2] * 1e6, "high": hi_r[2] * 1e6}
+        log(
+            f"  engine/wandb  trainkit - {base} in W&B's own calls: start {med:+.2f} ms per run [95% {lo:+.2f}, "
+            f"{hi:+.2f}]; Run.log {est[2] * 1e6:+.1f} us per row [{lo_r[2] * 1e6:+.1f}, {hi_r[2] * 1e6:+.1f}]"
+        )
+    report.wandb_apart = entry
+
+
 # ---------------------------------------------------------------------------------------------- output
 
 
@@ -1275,35 +1968,142 @@ def _git(*args: str) -> str:
         return ""
 
 
-def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
+def _verdict_text(verdict: str | None, pairs_to_decide: int | None = None) -> str:
+    if verdict is None:
+        return "info"
+    if verdict == "FAIL":
+        return "**FAIL**"
+    if verdict == "UNDECIDED":
+        return f"**UNDECIDED** (~{pairs_to_decide} pairs)" if pairs_to_decide else "**UNDECIDED**"
+    return verdict
+
+
+def markdown_table(rows: list[dict[str, Any]], gates: dict[str, dict[str, Any]]) -> list[str]:
+    """The ratio rows as a Markdown table.
+
+    :param rows: :attr:`Report.rows`.
+    :param gates: Gate name to its record in :attr:`Report.gates`.
+    :returns: The table's lines.
+    """
     lines = [
-        "| benchmark | contestant / baseline | clock | contestant s | baseline s | ratio (median) | q1-q3 "
-        "| other clock | gate | result |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| benchmark | contestant / baseline | clock | contestant s | baseline s | ratio (median) | 95% interval "
+        "| q1-q3 | other clock | pairs | gate | result |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         gate = f"<= {r['gate_limit']:.2f}" if r["gate_limit"] is not None else "-"
-        result = "info" if r["passed"] is None else ("PASS" if r["passed"] else "**FAIL**")
+        record = gates.get(r["gate"]) if r["gate"] else None
+        result = _verdict_text(r["verdict"], record["pairs_to_decide"] if record else None)
         lines.append(
             f"| {r['benchmark']}/{r['variant']} | {r['contestant']} / {r['baseline']} | {r['clock']} "
             f"| {r['contestant_median_s']:.4f} | {r['baseline_median_s']:.4f} | {r['ratio_median']:.4f} "
+            f"| {r['ratio_ci_low']:.4f}-{r['ratio_ci_high']:.4f} "
             f"| {r['ratio_q1']:.4f}-{r['ratio_q3']:.4f} | {r['other_clock']} {r['other_ratio_median']:.4f} "
-            f"| {gate} | {result} |"
+            f"| {r['pairs']} | {gate} | {result} |"
+        )
+    return lines
+
+
+def engine_table(report: Report) -> list[str]:
+    """The engine section's rows as a Markdown table: added CPU us per step, epoch and run, with intervals.
+
+    :param report: The report.
+    :returns: The table's lines (none when the section did not run).
+    """
+    if not report.costs:
+        return []
+    gates = {g["gate"]: g for g in report.gates}
+
+    def cell(row: dict[str, Any], unit: str) -> str:
+        c = row[f"per_{unit}"]
+        text = (
+            f"{c['us']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]"
+            if unit != "run"
+            else (f"{c['us']:+.0f} [{c['low']:+.0f}, {c['high']:+.0f}]")
+        )
+        judged = row["gates"].get(unit)
+        if judged is not None:
+            record = gates[judged["gate"]]
+            text += f" <= {judged['limit']:g}: {_verdict_text(judged['verdict'], record['pairs_to_decide'])}"
+        return text
+
+    lines = [
+        "| feature | contestant - baseline | pairs | per step (us) | per epoch (us) | per run (us) "
+        "| Lightning - same baseline, per step (us) | what it measures |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report.costs:
+        anchor = r["anchor"]
+        anchor_text = f"{anchor['us']:+.1f} [{anchor['low']:+.1f}, {anchor['high']:+.1f}]" if anchor else "-"
+        lines.append(
+            f"| {r['feature']} | {r['contestant']} - {r['baseline']} | {r['pairs']} | {cell(r, 'step')} "
+            f"| {cell(r, 'epoch')} | {cell(r, 'run')} | {anchor_text} | {r['note']} |"
+        )
+    if report.own_costs:
+        lines += ["", "The baselines' own cost (CPU, fitted the same way):", ""]
+        lines += [
+            f"- {o['contestant']}: {o['per_step_us']:.1f} us per step, {o['per_epoch_us']:.0f} us per epoch, "
+            f"{o['per_run_us']:.0f} us per run"
+            for o in report.own_costs
+        ]
+    if report.wandb_apart:
+        apart = report.wandb_apart
+        lines += ["", "W&B's own calls, timed apart from the rows above (CPU; median or fit, 95% interval):", ""]
+        for name, c in apart["start_per_run"].items():
+            row = apart["log_per_row"][name]
+            lines.append(
+                f"- {name}: `wandb.init` + `Run.finish` {c['cpu_ms']:.1f} ms per run [{c['low']:.1f}, "
+                f"{c['high']:.1f}] (wall {c['wall_ms']:.0f} ms); `Run.log` {row['us']:.0f} us per row "
+                f"[{row['low']:.0f}, {row['high']:.0f}]"
+            )
+        if "start_trainkit_minus_raw" in apart:
+            d, r = apart["start_trainkit_minus_raw"], apart["log_trainkit_minus_raw"]
+            lines.append(
+                f"- trainkit - raw_wandb: start {d['cpu_ms']:+.2f} ms per run [{d['low']:+.2f}, {d['high']:+.2f}]; "
+                f"`Run.log` {r['us']:+.1f} us per row [{r['low']:+.1f}, {r['high']:+.1f}]"
+            )
+    return lines
+
+
+def gate_summary(report: Report) -> list[str]:
+    """Every gate with its verdict, as a Markdown table.
+
+    :param report: The report.
+    :returns: The table's lines.
+    """
+    lines = ["| gate | limit | estimate | 95% interval | pairs | result |", "|---|---|---|---|---|---|"]
+    for g in report.gates:
+        digits = ".4f" if g["unit"] == "ratio" else ".2f"
+        unit = "" if g["unit"] == "ratio" else " us"
+        lines.append(
+            f"| {g['gate']} | <= {g['limit']:g}{unit} | {g['estimate']:{digits}} "
+            f"| [{g['ci_low']:{digits}}, {g['ci_high']:{digits}}] | {g['pairs']} "
+            f"| {_verdict_text(g['verdict'], g['pairs_to_decide'])} |"
         )
     return lines
 
 
 def write_outputs(report: Report, out_dir: Path, meta: dict[str, Any]) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    gates = [r for r in report.rows if r["gate"]]
+    verdicts = [g["verdict"] for g in report.gates]
     doc = {
         "meta": meta,
         "settings": report.settings.__dict__,
         "clock_mode": report.clock_mode,
+        "confidence_level": confidence.LEVEL,
+        "bootstrap_resamples": report.resamples,
         "gates_enforced": report.enforce,
-        "all_gates_passed": all(r["passed"] for r in gates),
+        "all_gates_passed": all(v == "PASS" for v in verdicts),
+        "no_gate_failed": "FAIL" not in verdicts,
         "work_identical": not report.work_mismatch,
+        "gates": report.gates,
         "rows": report.rows,
+        "engine": {
+            "rows": report.costs,
+            "baselines": report.own_costs,
+            "wandb_apart": report.wandb_apart,
+            "samples_s": report.engine_samples,
+        },
         "work_checks": report.checks,
         "notes": report.notes,
     }
@@ -1322,13 +2122,36 @@ def write_outputs(report: Report, out_dir: Path, meta: dict[str, Any]) -> tuple[
         "",
         f"Load average at start / end: {meta['loadavg_start']} / {meta['loadavg_end']}.",
         "",
+        "Gates are judged on 95% bootstrap intervals: PASS when the interval's upper end is under the limit, "
+        "FAIL when its lower end is over it, UNDECIDED (exit 0) when it straddles the limit, with about the "
+        "pairs that would decide it.",
+        "",
+        *gate_summary(report),
+        "",
+        *(
+            [
+                "## Engine cost (null workload)",
+                "",
+                "Added CPU microseconds, contestant minus baseline, fitted over the run lengths "
+                f"{', '.join(f'{e}x{b}' for e, b in s.engine_shapes)} (epochs x steps per epoch) to "
+                "`run + epoch * epochs + step * steps`; median of the paired differences at each length, 95% "
+                "bootstrap interval over repetitions in brackets. `raw (again) - raw` is the noise floor.",
+                "",
+                *engine_table(report),
+                "",
+            ]
+            if report.costs
+            else []
+        ),
+        "## Ratios",
+        "",
         "Ratio = contestant / baseline, paired per repetition (in every repetition each contestant runs once, "
         "back to back, in a shuffled order); the table shows the median of the paired ratios over all "
-        "repetitions of all measured rounds and their quartiles, on the "
+        "repetitions of all measured rounds, its 95% bootstrap interval and the quartiles, on the "
         f"clock the gate uses (`--clock {report.clock_mode}`), with the other clock's median beside it. Rows "
         "`raw (again) / raw` run the raw loop against itself: their spread is the measurement noise floor.",
         "",
-        *markdown_table(report.rows),
+        *markdown_table(report.rows, {g["gate"]: g for g in report.gates}),
         "",
         "## Same work",
         "",
@@ -1358,7 +2181,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="trainkit overhead benchmarks (see benchmarks/README.md)")
     parser.add_argument("--quick", action="store_true", help="smoke mode: small sizes, 3 rounds, gates advisory")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="output folder")
-    parser.add_argument("--rounds", type=int, default=None, help="measured rounds (default 9, --quick 3); >= 7")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="measured rounds of every section (default 15, --quick 3 / engine 1)"
+    )
     parser.add_argument(
         "--clock",
         choices=("auto", "wall", "cpu"),
@@ -1368,24 +2193,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-lightning", action="store_true", help="skip the Lightning contestants")
     parser.add_argument(
         "--only",
-        default="training,import,micro",
-        help="comma-separated sections: training, import, micro (default: all)",
+        default="engine,training,import,micro",
+        help="comma-separated sections: engine, training, import, micro (default: all)",
+    )
+    parser.add_argument(
+        "--resamples",
+        type=int,
+        default=confidence.DEFAULT_RESAMPLES,
+        help=f"bootstrap resamples of every 95%% interval (default {confidence.DEFAULT_RESAMPLES})",
     )
     parser.add_argument("--enforce-gates", action="store_true", help="exit 1 on a missed gate in --quick mode too")
     args = parser.parse_args(argv)
 
     s = QUICK if args.quick else FULL
     if args.rounds is not None:
-        s = Settings(**{**s.__dict__, "rounds": args.rounds})
+        s = Settings(**{**s.__dict__, "rounds": args.rounds, "engine_rounds": args.rounds})
     sections = {x.strip() for x in args.only.split(",") if x.strip()}
-    unknown = sections - {"training", "import", "micro"}
+    unknown = sections - {"engine", "training", "import", "micro"}
     if unknown:
         parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
     enforce = args.enforce_gates or not args.quick
     torch.set_num_threads(1)
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
-    report = Report(settings=s, enforce=enforce, clock_mode=args.clock)
+    if args.resamples < 100:
+        parser.error("--resamples must be at least 100")
+    report = Report(settings=s, enforce=enforce, clock_mode=args.clock, resamples=args.resamples)
     start = time.perf_counter()
     meta: dict[str, Any] = {
         "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -1402,7 +2235,7 @@ def main(argv: list[str] | None = None) -> int:
         report.notes.append(f"only {s.rounds} measured rounds (--rounds); the gates are meant for 7 or more")
 
     use_lightning = False
-    if "training" in sections and not args.no_lightning:
+    if sections & {"engine", "training"} and not args.no_lightning:
         why = lightning_available()
         if why is None:
             use_lightning = True
@@ -1420,6 +2253,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         runners: dict[str, Callable[[Report, Settings], None]] = {
+            "engine": functools.partial(bench_engine, use_lightning=use_lightning),
             "training": functools.partial(bench_training, use_lightning=use_lightning),
             "import": bench_import,
             "micro": bench_micro,
@@ -1450,11 +2284,24 @@ def main(argv: list[str] | None = None) -> int:
     if report.work_mismatch:
         log("FAILED: contestants did different work (see 'Same work')")
         return 2
-    failed = [r["gate"] for r in report.rows if r["gate"] and not r["passed"]]
+    undecided = [g for g in report.gates if g["verdict"] == "UNDECIDED"]
+    for g in undecided:  # loud, but not a failure: this run cannot tell, more pairs would
+        decide = g["pairs_to_decide"]
+        log(
+            f"UNDECIDED: {g['gate']}: estimate {g['estimate']:.4g}, 95% interval [{g['ci_low']:.4g}, "
+            f"{g['ci_high']:.4g}] straddles the limit {g['limit']:g}; "
+            + (
+                f"about {decide} pairs (this run had {g['pairs']}) would decide it"
+                if decide
+                else "the estimate sits on the limit: no number of pairs decides it"
+            )
+        )
+    failed = [g["gate"] for g in report.gates if g["verdict"] == "FAIL"]
     if failed:
-        log(f"gates missed: {', '.join(failed)}" + ("" if enforce else " (advisory in --quick mode)"))
+        log(f"gates failed: {', '.join(failed)}" + ("" if enforce else " (advisory in --quick mode)"))
         return 1 if enforce else 0
-    log("all gates passed")
+    passed = sum(g["verdict"] == "PASS" for g in report.gates)
+    log(f"no gate failed: {passed} PASS, {len(undecided)} UNDECIDED")
     return 0
 
 
