@@ -405,10 +405,11 @@ def teardown(timeout_s: float, *, meet: bool = True) -> None:
     """Leave the default process group: optionally meet the other ranks, then destroy it.
 
     Side effects: a :func:`barrier` when ``meet`` (so that no rank tears down what a slower one still
-    uses: the store lives in rank 0); then waits, the GIL released, until the backend has freed the
-    tensors of trainkit's collectives; then ``destroy_process_group``. Without that wait, a backend
-    thread that frees them while the interpreter is finalizing aborts the process (SIGABRT,
-    "terminate called without an active exception"), typically on a loaded machine.
+    uses: the store lives in rank 0); then, met or not, waits (the GIL released, up to 10 s) until the
+    backend has freed the tensors of trainkit's collectives; then ``destroy_process_group``. Without that
+    wait, a backend thread that frees them while the interpreter is finalizing aborts the process
+    (SIGABRT, "terminate called without an active exception"), and one that frees them while the group's
+    destructor joins it deadlocks the process; both typically on a loaded machine.
 
     :param timeout_s: The bound on the barrier, in seconds (and on the wait, up to 10 s).
     :param meet: Meet the other ranks first; pass False after a failure (the others may be gone).
@@ -418,12 +419,14 @@ def teardown(timeout_s: float, *, meet: bool = True) -> None:
         return
     if meet:
         barrier(timeout_s)
-        wait_s = min(timeout_s, _RELEASE_WAIT_CAP_S)
-        if not wait_until_backend_lets_go(wait_s):
-            warn_user(
-                f"torch.distributed still held the tensors of a finished collective after {wait_s} s; "
-                "the process may abort at exit"
-            )
+    # after a failure too: the wait needs no other rank, and a backend thread that frees a tensor while this
+    # thread holds the GIL in the group's destructor (which joins that thread) deadlocks the process
+    wait_s = min(timeout_s, _RELEASE_WAIT_CAP_S)
+    if not wait_until_backend_lets_go(wait_s):
+        warn_user(
+            f"torch.distributed still held the tensors of a finished collective after {wait_s} s; "
+            "the process may abort at exit"
+        )
     dist.destroy_process_group()
 
 

@@ -31,12 +31,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._dynamo  # noqa: F401 - what a first optimizer imports (2-3 s): once here, not in every forked attempt
+import torch.distributed  # noqa: F401
+import torch.nn.parallel  # noqa: F401
 
 import trainkit
 from tests import trainers
 from trainkit.distributed import free_port
 
-TIMEOUT_S = 180.0
+TIMEOUT_S = float(os.environ.get("STEP_KILLS_TIMEOUT_S", "180"))
 
 
 def _digest(state: Any) -> str:
