@@ -10,7 +10,7 @@ import pytest
 import torch.multiprocessing as mp
 
 import trainkit
-from tests.trainers import ReportingTrainer, make_cfg
+from tests.trainers import EchoTrainer, ReportingTrainer, make_cfg
 
 pytestmark = pytest.mark.ddp
 
@@ -29,11 +29,25 @@ def reports(out_dir):
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.fixture(autouse=True)
+def children_before():
+    """The child processes this pytest process had before the test (a W&B service an earlier test started)."""
+    global _CHILDREN_BEFORE
+    _CHILDREN_BEFORE = {child.pid for child in psutil.Process().children(recursive=True)}
+    yield
+
+
+_CHILDREN_BEFORE: set[int] = set()
+
+
 def no_children_left():
-    """Assert this process has no live child processes (spawned ranks all reaped)."""
+    """Assert that no child process started during the test lives on (spawned ranks and their server reaped)."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        alive = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+        alive = [
+            c for c in psutil.Process().children(recursive=True)
+            if c.pid not in _CHILDREN_BEFORE and c.status() != psutil.STATUS_ZOMBIE
+        ]
         # the resource tracker of multiprocessing may linger briefly; ranks must not
         ranks = [c for c in alive if "resource_tracker" not in " ".join(c.cmdline())]
         if not ranks:
@@ -101,4 +115,16 @@ def test_spawn_reports_a_killed_rank_even_when_another_rank_raised_after_it(tmp_
 
     with pytest.raises(mp.ProcessExitedException, match="process 1 terminated with signal SIGKILL"):
         trainkit.spawn(KilledTrainer, cfg(tmp_path, fail_rank=1, fail_epoch=1, dist={"timeout_s": 3}), 2)
+    no_children_left()
+
+
+def test_one_fork_server_serves_every_spawn_with_the_callers_environment_and_output(tmp_path, capfd, monkeypatch):
+    """Inside fork_server() the ranks of every spawn are forked by one server, started before the calls: each
+    rank still sees the environment and writes to the output its caller has at that call; then nothing is left."""
+    with trainkit.fork_server():
+        for mark in ("first", "second"):
+            monkeypatch.setenv("TRAINKIT_TEST_MARK", mark)
+            trainkit.spawn(EchoTrainer, cfg(tmp_path / mark, epochs=1), 2)
+            out = capfd.readouterr().out
+            assert f"rank 0 saw {mark}" in out and f"rank 1 saw {mark}" in out, out
     no_children_left()

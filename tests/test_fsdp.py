@@ -16,6 +16,13 @@ from tests.trainers import ShardTrainer, make_cfg
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(300)]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_fork_server():
+    """One fork server for the module's ~30 spawns: torch imported once, not once per call (~4 s of CPU each)."""
+    with trainkit.fork_server(preload=["torch.distributed.checkpoint", "torch.distributed.fsdp", "tests.trainers"]):
+        yield
+
+
 def run(out_dir, world_size=2, **overrides):
     """Train a ShardTrainer; return (result, every push_logs() result on rank 0, the final whole weights)."""
     cfg = make_cfg(out_dir, **{"epochs": 3, "dist": {"timeout_s": 60}, "grad_clip": 0.5, "log_grad_stats": True,

@@ -182,6 +182,17 @@ class ReportingTrainer(TinyTrainer):
         return result
 
 
+class EchoTrainer(TinyTrainer):
+    """TinyTrainer whose every rank prints, after training, the value of ``TRAINKIT_TEST_MARK`` it was started with."""
+
+    def train(self):
+        import os
+
+        result = super().train()
+        print(f"rank {self.rank} saw {os.environ.get('TRAINKIT_TEST_MARK')}", flush=True)
+        return result
+
+
 @attrs.frozen(kw_only=True)
 class StepConfig(Config):
     """A run whose epochs are cut by step checkpoints: accumulation, workers, a sampler of choice, augmentation."""

@@ -52,7 +52,7 @@ from trainkit.errors import (
 
 if TYPE_CHECKING:
     from trainkit.batches import SampleIndex
-    from trainkit.launcher import launch, spawn
+    from trainkit.launcher import fork_server, launch, spawn
     from trainkit.optim import RunningMean
     from trainkit.rng import sample_generator, sample_seed
     from trainkit.trainer import BaseTrainer
@@ -63,6 +63,7 @@ _LAZY = {
     "BaseTrainer": "trainkit.trainer",
     "launch": "trainkit.launcher",
     "spawn": "trainkit.launcher",
+    "fork_server": "trainkit.launcher",
     "RunningMean": "trainkit.optim",
     "sample_generator": "trainkit.rng",
     "sample_seed": "trainkit.rng",
@@ -73,6 +74,7 @@ __all__ = [
     "BaseTrainer",
     "launch",
     "spawn",
+    "fork_server",
     "RunningMean",
     "sample_generator",
     "sample_seed",
