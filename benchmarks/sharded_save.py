@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainkit import BaseTrainer, Config  # noqa: E402
+from trainkit import BaseTrainer, Config, fork_server  # noqa: E402
 from trainkit.distributed import all_gather_objects, free_port  # noqa: E402
 
 GATE_ASYNC = 0.1
@@ -251,7 +251,7 @@ def _worker(rank: int, world_size: int, cfg: dict[str, Any], port: int) -> None:
 
 
 def run_variant(name: str, mb: int, rounds: int, folder: Path) -> dict[str, Any]:
-    """One variant at one size, in a fresh pair of processes; returns rank 0's report."""
+    """One variant at one size, in a fresh pair of processes (forked by the fork server); returns rank 0's report."""
     out = folder / name.replace(" ", "_")
     report = folder / f"{name.replace(' ', '_')}.json"
     cfg = {
@@ -265,7 +265,7 @@ def run_variant(name: str, mb: int, rounds: int, folder: Path) -> dict[str, Any]
         "report": str(report),
         **VARIANTS[name],
     }
-    mp.start_processes(_worker, args=(2, cfg, free_port()), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(2, cfg, free_port()), nprocs=2, join=True, start_method="forkserver")
     result = json.loads(report.read_text())
     shutil.rmtree(out, ignore_errors=True)
     return result
@@ -296,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds = 1 if args.quick else args.rounds
     rows = []
     missed = []
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+    # every variant's pair of ranks forks from one server that imported torch once (fork_server)
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp, fork_server(["torch.distributed.checkpoint"]):
         folder = Path(tmp)
         for mb in sizes:
             results = {name: run_variant(name, mb, rounds, folder) for name in VARIANTS}
