@@ -56,3 +56,26 @@ def test_every_readme_python_block_runs_unchanged(tmp_path):
             [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
         )
         assert proc.returncode == 0, f"README block {index} failed:\n{block}\n{proc.stderr[-3000:]}"
+
+
+def test_the_trainer_class_stays_thin():
+    """BaseTrainer is the API and the loop (issue "The facade, for real"): at most 700 lines with its docstrings,
+    at most 20 attributes set in __init__, no method over 40 lines, and no branch on ckpt.format."""
+    import ast
+
+    source = (ROOT / "trainkit" / "trainer.py").read_text()
+    (cls,) = [node for node in ast.parse(source).body if isinstance(node, ast.ClassDef) and node.name == "BaseTrainer"]
+    assert cls.end_lineno - cls.lineno + 1 <= 700
+    methods = [node for node in cls.body if isinstance(node, ast.FunctionDef)]
+    too_long = {m.name: m.end_lineno - m.lineno + 1 for m in methods if m.end_lineno - m.lineno + 1 > 40}
+    assert not too_long, too_long
+    (init,) = [m for m in methods if m.name == "__init__"]
+    attributes = {
+        target.attr
+        for node in ast.walk(init)
+        for target in (node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)])
+        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
+    }
+    assert len(attributes) <= 20, sorted(attributes)
+    reads_format = [node.lineno for node in ast.walk(cls) if isinstance(node, ast.Attribute) and node.attr == "format"]
+    assert not reads_format, f"BaseTrainer reads ckpt.format at lines {reads_format}: the checkpointer picks the format"
