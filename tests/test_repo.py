@@ -71,10 +71,10 @@ def test_the_trainer_class_stays_thin():
     assert not too_long, too_long
     (init,) = [m for m in methods if m.name == "__init__"]
     attributes = {
-        target.attr
+        node.attr
         for node in ast.walk(init)
-        for target in (node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)])
-        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+        and isinstance(node.value, ast.Name) and node.value.id == "self"
     }
     assert len(attributes) <= 20, sorted(attributes)
     reads_format = [node.lineno for node in ast.walk(cls) if isinstance(node, ast.Attribute) and node.attr == "format"]
