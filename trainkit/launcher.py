@@ -188,7 +188,7 @@ def _worker(
     os.environ.clear()
     os.environ.update(environ)
     for stream, fd, target in ((sys.stdout, stdio[0], 1), (sys.stderr, stdio[1], 2)):
-        if fd is None:
+        if fd is None or fd == target:
             continue
         stream.flush()
         os.dup2(fd, target)
