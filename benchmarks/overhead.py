@@ -1738,7 +1738,11 @@ def add_cost_row(
     return row
 
 
-def bench_engine(report: Report, s: Settings, use_lightning: bool) -> None:
+ENGINE_GROUPS = ("off", "tqdm", "wandb", "ckpt")
+"""The engine section's groups, each a baseline and the trainkit variants measured against it."""
+
+
+def bench_engine(report: Report, s: Settings, use_lightning: bool, only: tuple[str, ...] = ENGINE_GROUPS) -> None:
     """The engine's own cost: the null workload at several run lengths, contestants side by side.
 
     Every contestant runs at every run length in every repetition; the paired differences to the baseline
@@ -1749,6 +1753,7 @@ def bench_engine(report: Report, s: Settings, use_lightning: bool) -> None:
     :param report: Where the rows, verdicts and samples go.
     :param s: The run mode's sizes.
     :param use_lightning: Whether Lightning contestants run (the per-step anchor beside each row).
+    :param only: The groups to run (``--engine-groups``), in :data:`ENGINE_GROUPS` order.
     """
     shapes = [tuple(sh) for sh in s.engine_shapes]
     workloads = {sh: null_workload(*sh) for sh in shapes}
@@ -1792,6 +1797,7 @@ def bench_engine(report: Report, s: Settings, use_lightning: bool) -> None:
             [Contestant("raw_ckpt", raw("ckpt"), "raw"), Contestant("trainkit", ours("ckpt"), "trainkit")],
         ),
     }
+    groups = {feature: group for feature, group in groups.items() if feature in only}
     lightning = "lightning" if use_lightning else None
     with wandb_calls_apart():
         for feature, (base, contestants) in groups.items():
@@ -2202,6 +2208,11 @@ def main(argv: list[str] | None = None) -> int:
         default=confidence.DEFAULT_RESAMPLES,
         help=f"bootstrap resamples of every 95%% interval (default {confidence.DEFAULT_RESAMPLES})",
     )
+    parser.add_argument(
+        "--engine-groups",
+        default=",".join(ENGINE_GROUPS),
+        help=f"comma-separated groups of the engine section: {', '.join(ENGINE_GROUPS)} (default: all)",
+    )
     parser.add_argument("--enforce-gates", action="store_true", help="exit 1 on a missed gate in --quick mode too")
     args = parser.parse_args(argv)
 
@@ -2212,6 +2223,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sections - {"engine", "training", "import", "micro"}
     if unknown:
         parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
+    engine_groups = tuple(g for g in ENGINE_GROUPS if g in {x.strip() for x in args.engine_groups.split(",")})
+    unknown_groups = {x.strip() for x in args.engine_groups.split(",") if x.strip()} - set(ENGINE_GROUPS)
+    if unknown_groups or not engine_groups:
+        parser.error(
+            f"--engine-groups: unknown or no groups in {args.engine_groups!r} (choose from {', '.join(ENGINE_GROUPS)})"
+        )
     enforce = args.enforce_gates or not args.quick
     torch.set_num_threads(1)
     with contextlib.suppress(RuntimeError):
@@ -2253,7 +2270,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         runners: dict[str, Callable[[Report, Settings], None]] = {
-            "engine": functools.partial(bench_engine, use_lightning=use_lightning),
+            "engine": functools.partial(bench_engine, use_lightning=use_lightning, only=engine_groups),
             "training": functools.partial(bench_training, use_lightning=use_lightning),
             "import": bench_import,
             "micro": bench_micro,

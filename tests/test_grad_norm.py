@@ -12,6 +12,7 @@ from torch import nn
 
 from tests.host_syncs import HOST_SYNCS, count_host_syncs
 from trainkit import BaseTrainer
+from trainkit.logging import LogBuffer
 
 
 class Net(nn.Module):
@@ -153,7 +154,11 @@ def test_grad_norm_is_buffered_until_push(make_trainer):
 
 @pytest.mark.parametrize("grad_clip", [None, 0.25])
 def test_clip_and_log_grad_norm_does_not_sync_with_the_host(make_trainer, monkeypatch, grad_clip):
-    """Measuring, clipping and logging the norm (and the epoch mean) call no tensor-to-host method."""
+    """Measuring, clipping and logging the norm (and the epoch mean) call no tensor-to-host method.
+
+    The norm takes the accelerator's path (``LogBuffer.read_cpu_at_log`` off: a CPU tensor is read at log time).
+    """
+    monkeypatch.setattr(LogBuffer, "read_cpu_at_log", False)
     trainer = make_trainer(grad_clip=grad_clip)
     backward(trainer.model, scale=10.0)
     with count_host_syncs() as counts:

@@ -11,6 +11,7 @@ from torch import nn
 import trainkit
 from tests.host_syncs import count_host_syncs
 from tests.trainers import TinyConfig, TinyTrainer
+from trainkit.logging import LogBuffer
 
 TRAINKIT_DIR = str(Path(trainkit.__file__).parent)
 
@@ -48,11 +49,27 @@ class CountingTrainer(TinyTrainer):
         self.syncs = getattr(self, "syncs", Counter()) + counts
 
 
-def test_no_host_sync_per_step(tmp_path):
-    """Over two epochs of steps with every per-step helper on, trainkit code calls no syncing tensor method."""
+def test_no_host_sync_per_step(tmp_path, monkeypatch):
+    """Over two epochs of steps with every per-step helper on, trainkit code calls no syncing tensor method.
+
+    The logged tensors take the accelerator's path (kept on their device until the push), which a CPU tensor
+    takes with ``LogBuffer.read_cpu_at_log`` off.
+    """
+    monkeypatch.setattr(LogBuffer, "read_cpu_at_log", False)
     cfg = {"epochs": 2, "out_dir": str(tmp_path), "wandb": {"mode": "disabled"}, "progress": {"enable": True},
            "grad_clip": 0.5, "val": {"minimize": True}}
     trainer = CountingTrainer(cfg)
     trainer.train()
     assert trainer.step > 10
     assert trainer.syncs == Counter()
+
+
+def test_cpu_tensors_are_read_once_each_at_log_time(tmp_path):
+    """On the CPU, the per-step helpers read each logged CPU tensor once with item() (nothing to wait for), no more."""
+    cfg = {"epochs": 1, "out_dir": str(tmp_path), "wandb": {"mode": "disabled"}, "progress": {"enable": True},
+           "grad_clip": 0.5, "val": {"minimize": True}}
+    trainer = CountingTrainer(cfg)
+    trainer.train()
+    # per step: the loss and the grad norm (clip_and_log_grad_norm); the lr is a float, the statistics a vector
+    assert set(trainer.syncs) <= {key for key in trainer.syncs if key.startswith("item from logging.py:")}
+    assert sum(trainer.syncs.values()) == 2 * trainer.step

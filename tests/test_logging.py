@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from tests.host_syncs import count_host_syncs
 from tests.trainers import TinyTrainer
+from trainkit.logging import LogBuffer
 
 
 def config(tmp_path, **overrides):
@@ -39,18 +40,53 @@ def read_rows(path):
 # ---------------------------------------------------------------------------------- the buffer
 
 
-def test_log_buffers_without_a_host_sync(trainer, monkeypatch):
-    """log() of floats, ints and tensors (mapping or keywords) touches no tensor-to-host method."""
+def test_log_waits_for_no_device(trainer):
+    """log() of floats, ints and CPU tensors (mapping or keywords) reads each CPU tensor once, at log time.
+
+    A CPU tensor is on the host already: its one ``item()`` waits for nothing and is the snapshot of its value.
+    Numbers and the per-parameter vectors touch no tensor-to-host method.
+    """
     loss = torch.tensor(0.25) * 2
     with count_host_syncs() as counts:
         trainer.log({"train/loss": loss, "train/acc": 0.75, "train/count": 3})
         trainer.log(extra=torch.tensor([4.0]))
         trainer.log_param_grad_stats()
+    assert counts == Counter({"item": 2})
+
+
+def test_log_keeps_an_accelerator_tensor_on_its_device(trainer, monkeypatch):
+    """A tensor that is not read at log time stays on its device until the push: log() reads nothing from it.
+
+    ``LogBuffer.read_cpu_at_log = False`` runs the accelerator path with CPU tensors; the ``meta`` device (it
+    holds no data, so nothing could be read from it) takes that path with the default too.
+    """
+    monkeypatch.setattr(LogBuffer, "read_cpu_at_log", False)
+    running = torch.tensor(0.25, requires_grad=True) * 2
+    with count_host_syncs() as counts:
+        trainer.log({"train/loss": running, "train/acc": 0.75, "train/count": 3})
+        trainer.log(extra=torch.tensor([4.0]))
+        trainer.log_param_grad_stats()
     assert counts == Counter()
+    with torch.no_grad():
+        running.zero_()  # the buffer holds a copy, not the tensor
+    with count_host_syncs() as counts:
+        pushed = trainer.push_logs()
+    assert counts == Counter({"tolist": 1})  # every tensor of the one device in one transfer
+    assert pushed["train/loss"] == 0.5 and pushed["extra"] == 4.0 and pushed["train/count"] == 3.0
+    monkeypatch.undo()
+    buffer = LogBuffer()
+    with count_host_syncs() as counts:
+        buffer.add({"train/loss": torch.tensor(0.5, device="meta") * 2, "train/acc": 0.75})
+    assert counts == Counter() and len(buffer) == 2
+    with pytest.raises(TypeError, match="train/matrix"):
+        buffer.add({"train/matrix": torch.ones(2, 2, device="meta")})
 
 
 def test_push_moves_everything_in_one_transfer_and_clears(trainer, monkeypatch):
-    """push_logs() turns every buffered tensor into a float with one tolist() and empties the buffer."""
+    """push_logs() turns every buffered tensor into a float with one tolist() and empties the buffer.
+
+    The scalars logged from the CPU were read at log time; the vector of weight norms is the one transfer.
+    """
     device = trainer.device  # every tensor on the model's device: one transfer in all
     trainer.log({"train/loss": torch.tensor(0.5, device=device), "train/acc": 0.75, "train/count": 3})
     trainer.log(extra=torch.tensor([4.0], dtype=torch.float16, device=device), n=torch.tensor(7, device=device))
@@ -73,8 +109,8 @@ def test_push_moves_everything_in_one_transfer_and_clears(trainer, monkeypatch):
 )
 def test_a_push_of_one_metric_is_one_transfer_and_exact(trainer, value, expected):
     """The one-metric push (a push per step) returns the same float as the general path, in one transfer."""
-    trainer.log({"train/loss": value})
     with count_host_syncs() as counts:
+        trainer.log({"train/loss": value})
         pushed = trainer.push_logs()
     assert pushed == {"train/loss": expected} and type(pushed["train/loss"]) is float
     assert sum(counts.values()) == (1 if isinstance(value, torch.Tensor) else 0)

@@ -69,9 +69,15 @@ def _masked_argv(config_class: Any) -> Iterator[None]:
 class LogBuffer:
     """Metrics waiting for the next push, kept on their device until then.
 
-    ``add`` keeps a device-side copy of each tensor (no host sync); ``drain`` moves every tensor to the
-    host in one transfer per device. A key logged twice before a push keeps its last value.
+    ``add`` keeps a device-side copy of each accelerator tensor (no host sync) and reads a CPU tensor at once
+    (it is on the host: nothing to wait for); ``drain`` moves every tensor to the host in one transfer per
+    device. A key logged twice before a push keeps its last value; later in-place changes to a logged tensor
+    stay out of it.
     """
+
+    read_cpu_at_log: bool = True
+    """Read a CPU tensor at ``add`` (the default); False keeps it on the CPU until the push, as an accelerator's
+    tensor is kept (the tests set it to run the accelerator path on a machine without one)."""
 
     def __init__(self) -> None:
         self._scalars: dict[str, Any] = {}
@@ -84,7 +90,7 @@ class LogBuffer:
         return len(self._scalars) + sum(len(keys) for keys in self._vectors)
 
     def add(self, metrics: Mapping[str, Any]) -> None:
-        """Buffer scalar metrics: floats, ints, or 1-element tensors (kept on their device).
+        """Buffer scalar metrics: floats, ints, or 1-element tensors (an accelerator's kept on it).
 
         :param metrics: Name to value.
         :raises TypeError: When a value is not a number or a 1-element tensor.
@@ -92,7 +98,17 @@ class LogBuffer:
         slots = self._slots
         for key, value in metrics.items():
             key = str(key)
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and value.is_cpu and self.read_cpu_at_log:
+                # a CPU tensor is on the host already: reading it now waits for nothing, is the snapshot, and is the
+                # one tensor call a logged row needs (a device-side copy costs a few times more on a cold cache)
+                try:
+                    value = float(value.item())
+                except (RuntimeError, TypeError, ValueError):
+                    raise TypeError(
+                        f"logged metric {key!r} must be a real 1-element tensor, got shape {tuple(value.shape)} "
+                        f"and dtype {value.dtype}"
+                    ) from None
+            elif isinstance(value, torch.Tensor):
                 if value.numel() != 1:
                     raise TypeError(f"logged metric {key!r} must be a 1-element tensor, got shape {tuple(value.shape)}")
                 value = value.detach()

@@ -814,7 +814,7 @@ class BaseTrainer(abc.ABC):
         return self.cfg.progress.enable and self.is_main
 
     def log(self, metrics: Mapping[str, Any] | None = None, **named: Any) -> None:
-        """Buffer metrics (numbers, 1-element tensors) for the next :meth:`push_logs`; nothing leaves the device.
+        """Buffer numbers and 1-element tensors for :meth:`push_logs`; an accelerator's stay on it (CPU's: read now).
 
         :param metrics: Name to value.
         :param named: More metrics as keyword arguments (for names that are identifiers).
