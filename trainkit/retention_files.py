@@ -135,12 +135,12 @@ def _describe(entry: Any, step: int) -> core.Checkpoint | None:
         return None
 
 
-def read_index(directory: Path) -> tuple[dict[int, core.Checkpoint], bool | None]:
-    """Read ``checkpoints/index.json`` as hostile input: the entries that check out, and the run's direction.
+def read_index(directory: Path) -> tuple[dict[int, core.Checkpoint], bool | None, tuple[str, ...] | None]:
+    """Read ``checkpoints/index.json`` as hostile input: the entries that check out, the run's direction and rules.
 
     :param directory: ``out_dir/checkpoints``.
-    :returns: ``({step: description}, minimize)``; ``({}, None)`` when there is no usable index (warned unless
-        it is missing).
+    :returns: ``({step: description}, minimize, keep)``; ``({}, None, None)`` when there is no usable index
+        (warned unless it is missing); ``keep`` is None when the recorded rules do not parse.
     """
     path = directory / INDEX_FILE
     try:
@@ -148,13 +148,13 @@ def read_index(directory: Path) -> tuple[dict[int, core.Checkpoint], bool | None
     except UnreadableFile as exc:
         if exc.reason != "missing":
             warn_user(f"{exc}; the kept checkpoints are judged by their steps alone")
-        return {}, None
+        return {}, None, None
     except ValueError as exc:
         warn_user(f"{path} is not JSON ({exc}); the kept checkpoints are judged by their steps alone")
-        return {}, None
+        return {}, None, None
     if not isinstance(data, dict) or data.get("format") != INDEX_FORMAT or not isinstance(data.get("kept"), dict):
         warn_user(f"{path} is not a trainkit index of kept checkpoints; they are judged by their steps alone")
-        return {}, None
+        return {}, None, None
     found: dict[int, core.Checkpoint] = {}
     bad = 0
     for key, entry in data["kept"].items():
@@ -167,23 +167,29 @@ def read_index(directory: Path) -> tuple[dict[int, core.Checkpoint], bool | None
     if bad:
         warn_user(f"{path}: {bad} entries do not check out and are ignored")
     minimize = data.get("minimize")
-    return found, minimize if isinstance(minimize, bool) else None
+    keep = data.get("keep")
+    try:
+        rules = tuple(keep) if isinstance(keep, list) and core.parse_keep(keep) is not None else None
+    except BookkeepingError:
+        rules = None
+    return found, minimize if isinstance(minimize, bool) else None, rules
 
 
-def read_kept(directory: Path) -> tuple[list[core.Checkpoint], list[str], bool | None]:
+def read_kept(directory: Path) -> tuple[list[core.Checkpoint], list[str], bool | None, tuple[str, ...] | None]:
     """Describe the kept checkpoints in ``directory``: regular files named ``step-<int>.pt`` only.
 
     :param directory: ``out_dir/checkpoints``.
     :returns: The descriptions (from the index, else from the name and the file's time), the names of the
-        entries refused (links and other kinds under a kept name), and the direction the index recorded.
+        entries refused (links and other kinds under a kept name), and the direction and rules the index
+        recorded.
     """
-    index, minimize = read_index(directory)
+    index, minimize, keep = read_index(directory)
     described: list[core.Checkpoint] = []
     refused: list[str] = []
     try:
         entries = list(os.scandir(directory))
     except OSError:
-        return [], [], minimize
+        return [], [], minimize, keep
     for entry in entries:
         step = kept_step(entry.name)
         if step is None:
@@ -199,7 +205,7 @@ def read_kept(directory: Path) -> tuple[list[core.Checkpoint], list[str], bool |
         time_ = info.st_mtime if math.isfinite(info.st_mtime) else 0.0
         described.append(known if known is not None else core.Checkpoint(step=step, epoch_end=False, time=time_))
     described.sort(key=lambda c: c.step)
-    return described, refused, minimize
+    return described, refused, minimize, keep
 
 
 def _index_entry(c: core.Checkpoint) -> dict[str, Any]:
@@ -211,16 +217,20 @@ def _index_entry(c: core.Checkpoint) -> dict[str, Any]:
     }
 
 
-def write_index(directory: Path, kept: Iterable[core.Checkpoint], minimize: bool | None) -> None:
+def write_index(
+    directory: Path, kept: Iterable[core.Checkpoint], minimize: bool | None, keep: tuple[str, ...] | None
+) -> None:
     """Write ``checkpoints/index.json`` atomically and durably (a temp file of its own, renamed into place).
 
     :param directory: ``out_dir/checkpoints``.
     :param kept: The descriptions to record.
     :param minimize: The run's direction (for ``best`` rules without one, read by ``trainkit retain``).
+    :param keep: The run's ``ckpt.keep`` (what ``trainkit inspect`` explains the kept ones by).
     """
     data = {
         "format": INDEX_FORMAT,
         "minimize": minimize,
+        "keep": list(keep) if keep is not None else None,
         "kept": {str(c.step): _index_entry(c) for c in sorted(kept, key=lambda c: c.step)},
     }
     text = json.dumps(data, indent=1, allow_nan=False).encode()
@@ -292,7 +302,7 @@ class KeptCheckpoints:
         self.directory.mkdir(exist_ok=True)
         if self._known is None:
             self._remove_stale_temp_files()
-            found, _, _ = read_kept(self.directory)
+            found = read_kept(self.directory)[0]
             self._known = {c.step: c for c in found}
         target = self.directory / kept_name(description.step)
         try:
@@ -305,7 +315,7 @@ class KeptCheckpoints:
             return
         self._link(source, target)
         self._known[description.step] = description
-        write_index(self.directory, self._known.values(), minimize)
+        write_index(self.directory, self._known.values(), minimize, self._keep)
         keep = core.retain(self.policy(minimize), self._known.values())
         doomed = sorted(step for step in self._known if step not in keep)
         if doomed:
@@ -337,7 +347,7 @@ class KeptCheckpoints:
                 remove_kept(self.directory / kept_name(step))
                 known.pop(step, None)
             fsync_directory(self.directory)
-            write_index(self.directory, known.values(), minimize)
+            write_index(self.directory, known.values(), minimize, self._keep)
         except Exception as exc:  # noqa: BLE001 - a checkpoint not deleted is no reason to stop training
             warn_user(f"deleting kept checkpoints in {self.directory} failed: {exc!r}; they are left in place")
 
