@@ -215,7 +215,7 @@ class KeepBest:
     the earlier step ranks first (a tie never improves, as in :func:`~trainkit.bookkeeping.save_if_best`).
 
     :ivar n: How many (>= 1).
-    :ivar metric: The score's name in :attr:`Checkpoint.scores` (``"score"``: the selection score).
+    :ivar metric: The score's name in a :class:`Checkpoint`'s ``scores`` (``"score"``: the selection score).
     :ivar minimize: True when a lower score is better.
 
     >>> KeepBest(2).spec, KeepBest(1, "val/acc", minimize=False).spec
@@ -301,7 +301,7 @@ def keep_reasons(policy: Policy, checkpoints: Iterable[Checkpoint]) -> dict[int,
     """Say, for every checkpoint, which rules keep it (none: it may be deleted).
 
     Pure. The rules are the policy's items as ``ckpt.keep`` spells them (``"latest:3"``), in the policy's
-    order, after :data:`NEWEST` for the newest checkpoint and :data:`WRITING` for one being written.
+    order, after ``"newest"`` for the newest checkpoint and ``"being written"`` for one a background save writes.
 
     :param policy: The policy.
     :param checkpoints: The checkpoints, in any order.
