@@ -104,6 +104,9 @@ def test_resume_from_a_kept_checkpoint(tmp_path):
         assert trainer.epochs_trained == [4, 5]
     finally:
         trainer.close()
+    offset = load_checkpoint(kept)["metrics_offset"]  # the run folder's history up to it came along
+    history = (first / "metrics.jsonl").read_bytes()[:offset]
+    assert offset > 0 and (tmp_path / "second" / "metrics.jsonl").read_bytes().startswith(history)
 
 
 def test_planted_links_and_foreign_files_are_left_alone(tmp_path):
@@ -220,3 +223,30 @@ def test_bad_keep_values_name_the_key_the_rule_and_the_value(tmp_path, value, ru
         TinyTrainer.config_class.from_mapping({"epochs": 1, "ckpt": {"keep": [value]}})
     with pytest.raises(ConfigError, match="ckpt.keep is not supported with ckpt.format='sharded'"):
         TinyTrainer.config_class.from_mapping({"epochs": 1, "ckpt": {"keep": "latest:2", "format": "sharded"}})
+
+
+def test_a_hostile_index_is_read_entry_by_entry(tmp_path):
+    """index.json is untrusted: an entry that does not check out (a bool epoch, a NaN time, a name with leading
+    zeros) is dropped with a warning and its file judged by its step alone; a symlinked index is not followed."""
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    for step in (6, 12, 18):
+        (directory / f"step-{step}.pt").write_bytes(b"x")
+    (directory / "index.json").write_text(
+        '{"format": 1, "minimize": true, "keep": ["latest:1"], "kept": {'
+        '"6": {"epoch": true}, "012": {"epoch": 2}, "18": {"epoch": 3, "epoch_end": true, "time": NaN},'
+        '"12": {"epoch": 2, "epoch_end": true, "time": 5.0, "scores": {"score": 0.5}}}}'
+    )
+    with pytest.warns(RuntimeWarning, match="3 entries do not check out"):
+        described, refused, minimize, keep = read_kept(directory)
+    by_step = {c.step: c for c in described}
+    assert sorted(by_step) == [6, 12, 18] and not refused
+    assert by_step[12].scores["score"] == 0.5 and by_step[12].epoch_end
+    assert not by_step[6].epoch_end and not by_step[18].scores  # judged by their steps alone
+    assert (minimize, keep) == (True, ("latest:1",))
+    (tmp_path / "elsewhere.json").write_text((directory / "index.json").read_text())
+    (directory / "index.json").unlink()
+    (directory / "index.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.warns(RuntimeWarning, match="symbolic link"):
+        described, _, minimize, _ = read_kept(directory)
+    assert minimize is None and all(not c.scores for c in described)

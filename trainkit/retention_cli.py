@@ -21,13 +21,16 @@ __all__ = ["describe_run_folder", "retain_run", "is_run_folder"]
 
 
 def is_run_folder(path: Path) -> bool:
-    """Whether ``path`` is a run folder rather than a sharded checkpoint directory (which has a manifest).
+    """Whether ``path`` is a run folder rather than a sharded checkpoint directory (``*.ckpt``, or one holding a
+    manifest or an engine payload, even a damaged one).
 
     :param path: What ``inspect`` was given.
     """
     from trainkit.sharded import ENGINE_FILE, MANIFEST_FILE
 
-    return path.is_dir() and not (path / MANIFEST_FILE).exists() and not (path / ENGINE_FILE).exists()
+    if not path.is_dir() or path.suffix == ".ckpt":
+        return False
+    return not (path / MANIFEST_FILE).exists() and not (path / ENGINE_FILE).exists()
 
 
 def _size(path: Path) -> str:

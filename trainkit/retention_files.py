@@ -184,12 +184,24 @@ def read_kept(directory: Path) -> tuple[list[core.Checkpoint], list[str], bool |
         recorded.
     """
     index, minimize, keep = read_index(directory)
+    described, refused = on_disk(directory, index)
+    return described, refused, minimize, keep
+
+
+def on_disk(directory: Path, known: Mapping[int, core.Checkpoint]) -> tuple[list[core.Checkpoint], list[str]]:
+    """The kept checkpoint files in ``directory`` (regular files named ``step-<int>.pt``), described by ``known``
+    or, for one it lacks, by its name and modification time; and the entries refused under a kept name.
+
+    :param directory: ``out_dir/checkpoints``.
+    :param known: Descriptions by step (the index's, or the ones this run recorded).
+    :returns: The descriptions in step order, and the refused entries' names with their kinds.
+    """
     described: list[core.Checkpoint] = []
     refused: list[str] = []
     try:
         entries = list(os.scandir(directory))
     except OSError:
-        return [], [], minimize, keep
+        return [], []
     for entry in entries:
         step = kept_step(entry.name)
         if step is None:
@@ -201,11 +213,11 @@ def read_kept(directory: Path) -> tuple[list[core.Checkpoint], list[str], bool |
         if not stat.S_ISREG(info.st_mode):
             refused.append(f"{entry.name} ({_kind(info.st_mode)})")
             continue
-        known = index.get(step)
-        time_ = info.st_mtime if math.isfinite(info.st_mtime) else 0.0
-        described.append(known if known is not None else core.Checkpoint(step=step, epoch_end=False, time=time_))
+        found = known.get(step)
+        mtime = info.st_mtime if math.isfinite(info.st_mtime) else 0.0
+        described.append(found if found is not None else core.Checkpoint(step=step, epoch_end=False, time=mtime))
     described.sort(key=lambda c: c.step)
-    return described, refused, minimize, keep
+    return described, refused
 
 
 def _index_entry(c: core.Checkpoint) -> dict[str, Any]:
@@ -315,6 +327,8 @@ class KeptCheckpoints:
             return
         self._link(source, target)
         self._known[description.step] = description
+        # what is on disk now (a file removed or added by hand meanwhile counts as it is)
+        self._known = {c.step: c for c in on_disk(self.directory, self._known)[0]}
         write_index(self.directory, self._known.values(), minimize, self._keep)
         keep = core.retain(self.policy(minimize), self._known.values())
         doomed = sorted(step for step in self._known if step not in keep)
