@@ -322,8 +322,10 @@ class KeptCheckpoints:
         except FileNotFoundError:
             info = None
         if info is not None and not stat.S_ISREG(info.st_mode):
-            warn_user(f"{target} is {_kind(info.st_mode)}, not a file trainkit wrote; it is left alone, step "
-                      f"{description.step} is not kept")
+            warn_user(
+                f"{target} is {_kind(info.st_mode)}, not a file trainkit wrote; it is left alone, step "
+                f"{description.step} is not kept"
+            )
             return
         self._link(source, target)
         self._known[description.step] = description
