@@ -93,17 +93,26 @@ class SyncCheckpointWriter:
     def __init__(self) -> None:
         self.last_seconds: float | None = None
 
-    def submit(self, writes: list[tuple[Any, Path]], *, before: Callable[[], None] | None = None) -> None:
+    def submit(
+        self,
+        writes: list[tuple[Any, Path]],
+        *,
+        before: Callable[[], None] | None = None,
+        after: Callable[[], None] | None = None,
+    ) -> None:
         """Write ``writes`` in order with ``atomic_save(keep_previous=True)``.
 
         :param writes: ``(payload, path)`` pairs.
         :param before: Called before the first write (e.g. to make the metrics journal durable).
+        :param after: Called after the last write (e.g. to keep the checkpoint just published).
         :raises BaseException: A write's failure.
         """
         if before is not None:
             before()
         # looked up at each call, as the trainer's own synchronous saves always were
         self.last_seconds = sum(checkpoint.atomic_save(payload, path, keep_previous=True) for payload, path in writes)
+        if after is not None:
+            after()
 
     def wait(self) -> None:
         """Nothing is in flight."""
@@ -119,12 +128,20 @@ class AsyncCheckpointWriter:
         self._error: BaseException | None = None
         self.last_seconds: float | None = None
 
-    def submit(self, writes: list[tuple[Any, Path]], *, before: Callable[[], None] | None = None) -> None:
+    def submit(
+        self,
+        writes: list[tuple[Any, Path]],
+        *,
+        before: Callable[[], None] | None = None,
+        after: Callable[[], None] | None = None,
+    ) -> None:
         """Wait for the previous job, then start writing ``writes`` in order in the background.
 
         :param writes: ``(staged payload, path)`` pairs; each is written with ``atomic_save(keep_previous=True)``.
         :param before: Called in the writer thread before the first write (e.g. to make the metrics journal
             durable before the checkpoint that records its size); its failure fails the job.
+        :param after: Called in the writer thread after the last write (to keep the checkpoint just published);
+            its failure fails the job.
         :raises BaseException: The previous job's failure, unchanged.
         """
         self.wait()
@@ -136,6 +153,8 @@ class AsyncCheckpointWriter:
                     before()
                 for payload, path in writes:
                     total += atomic_save(payload, path, keep_previous=True)
+                if after is not None:
+                    after()
             except BaseException as exc:  # noqa: BLE001 - surfaced by the next wait()
                 self._error = exc
                 return

@@ -32,6 +32,7 @@ from trainkit.logging import JsonlSink
 from trainkit.messages import say, warn_user
 from trainkit.modules import load_module_state, restore_training_modes, training_modes
 from trainkit.payload import last_payload, mid_epoch_state
+from trainkit.retention_files import KeptCheckpoints, describe_save, run_folder_of
 from trainkit.rng import capture_rng, restore_rng
 from trainkit.run_files import RunFiles, same_directory
 from trainkit.sharded_files import ShardedFiles
@@ -147,6 +148,10 @@ class Checkpointer:
         }
         self._storage = self._readers[ckpt.format]
         self._best_changed = False
+        self._kept = KeptCheckpoints(out_dir, ckpt.keep, writes=ckpt.enable and rank == 0)
+        self._minimize = bool((config.get("val") or {}).get("minimize", False))
+        self._score: tuple[int, float] | None = None  # (epoch, score) of the last save_if_best call
+        self._resumed: Path | None = None
 
     @property
     def last_path(self) -> Path:
@@ -203,6 +208,7 @@ class Checkpointer:
         if ckpt is None or path is None:
             return None
         self._check_config(ckpt, path, cfg)
+        self._resumed = path
         val = cfg.val
         records = core.reconcile(
             core.LoopState.from_dict(ckpt["loop"]),
@@ -311,6 +317,8 @@ class Checkpointer:
         :param model: The run's model (unwrapped).
         :returns: The weights, or None (warned) when none match.
         """
+        if self._resumed is not None and directory == self._resumed.parent:
+            directory = run_folder_of(self._resumed)  # a kept checkpoint's best.pt is in its run folder
         in_shards = bool(ShardedFiles.published(directory / sharded.BEST_DIR))
         loaded = self._readers["sharded" if in_shards else "file"].read_best(directory, best, model)
         if loaded is not None and loaded.rewrite:
@@ -320,6 +328,21 @@ class Checkpointer:
     def best_changed(self) -> None:
         """Record that the best weights changed: the next :meth:`save` writes the best checkpoint first."""
         self._best_changed = True
+
+    def scored(self, score: Any, *, epoch: int, improved: bool, minimize: bool) -> None:
+        """Record a ``save_if_best`` result: the epoch's score (for ``ckpt.keep``'s ``best`` rules) and, when it
+        improved, that the best weights changed.
+
+        :param score: The score given to ``save_if_best``.
+        :param epoch: The 0-based epoch it belongs to.
+        :param improved: Whether it improved (the weights were snapshotted).
+        :param minimize: The direction of the best record.
+        """
+        if improved:
+            self._best_changed = True
+        self._minimize = minimize
+        if self._kept.active:
+            self._score = (epoch, float(score))  # save_if_best checked that it converts
 
     def open_journal(self, resume: Resume | None) -> JsonlSink | None:
         """Open ``metrics.jsonl`` (rank 0 of a run with checkpoints; None elsewhere), cut back to the checkpoint.
@@ -338,9 +361,9 @@ class Checkpointer:
         if (
             resume is not None
             and isinstance(offset, int)
-            and not same_directory(resume.path.parent, self._files.out_dir)
+            and not same_directory(run_folder_of(resume.path), self._files.out_dir)
         ):
-            history = self._files.read_metrics_prefix(resume.path.parent, offset)
+            history = self._files.read_metrics_prefix(run_folder_of(resume.path), offset)
         return JsonlSink(self._files.metrics_path, truncate_to=offset, history=history)
 
     # ------------------------------------------------------------------ saving
@@ -383,8 +406,24 @@ class Checkpointer:
             epoch=record.loop.epoch,
             step=record.loop.step,
             before=before,
+            after=self._keep_after(record),
         )
         return self._storage.save(request)
+
+    def _keep_after(self, record: SaveRecord) -> Callable[[], None] | None:
+        """What keeps this save's ``last.pt`` under ``checkpoints/`` (``ckpt.keep``; rank 0), or None."""
+        if not self._kept.active:
+            return None
+        description = describe_save(
+            step=record.loop.step,
+            epoch=record.loop.epoch,
+            epoch_end=record.position is None,
+            validated=record.loop.last_validated,
+            score=self._score,
+            latest_metrics=record.latest_metrics,
+        )
+        minimize = record.best.minimize if record.best is not None else self._minimize
+        return functools.partial(self._kept.publish, self.last_path, description, minimize=minimize)
 
     def _payload(
         self,
@@ -453,6 +492,7 @@ class Checkpointer:
         """At the end of a run: publish a background save (every rank) and free what saves kept between them."""
         self._storage.wait()
         self._storage.release()
+        self._kept.join()
 
     def release_folder(self) -> None:
         """Let the folder go (idempotent): the next run on it may start."""
@@ -466,6 +506,7 @@ class Checkpointer:
         """
         if not failed:
             self._readers["file"].wait()
+        self._kept.join()  # a deletion in flight only removes whole files: waiting for it is always safe
         self._readers["sharded"].abandon()  # train() finished or abandoned it; only a trainer never trained has one
         self._readers["sharded"].release()
         before_release()

@@ -488,13 +488,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     report_parser = commands.add_parser("report", help="summarize a run folder and draw its curves")
     report_parser.add_argument("out_dir", help="the run's out_dir")
     report_parser.add_argument("--no-plot", action="store_true", help="skip curves.png")
-    inspect_parser = commands.add_parser("inspect", help="show what a checkpoint holds, after the resume's checks")
-    inspect_parser.add_argument("checkpoint", help="a last.pt or best.pt, or a last.ckpt/best.ckpt directory")
+    inspect_parser = commands.add_parser(
+        "inspect", help="show what a checkpoint holds (after the resume's checks), or a run folder's kept checkpoints"
+    )
+    inspect_parser.add_argument(
+        "checkpoint", help="a last.pt or best.pt, a last.ckpt/best.ckpt directory, or a run folder (out_dir)"
+    )
     inspect_parser.add_argument("--all", action="store_true", help="list every tensor of every item")
     export_parser = commands.add_parser("export", help="write a checkpoint's weights as one plain state-dict file")
     export_parser.add_argument("checkpoint", help="a sharded checkpoint directory (last.ckpt, best.ckpt) or a .pt")
     export_parser.add_argument("out", help="the file to write, e.g. model.pt")
     export_parser.add_argument("--item", default="model", help="the registered item to export (model)")
+    retain_parser = commands.add_parser("retain", help="apply retention rules to a run folder's kept checkpoints")
+    retain_parser.add_argument("out_dir", help="the run's out_dir (not while a run uses it)")
+    retain_parser.add_argument("--keep", required=True, help="rules as ckpt.keep spells them: latest:3,best:2,...")
+    retain_parser.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     replay_parser = commands.add_parser(
         "replay", help="replay a run's validation scores under other early-stopping settings (no torch)"
     )
@@ -522,11 +530,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print("\n".join(lines))
         return 0
-    if args.command == "inspect":
-        from trainkit.errors import CheckpointError
+    if args.command == "retain":
+        from trainkit.errors import OutDirError
+        from trainkit.retention_cli import retain_run
 
         try:
-            lines = describe_checkpoint(args.checkpoint, all_tensors=args.all)
+            lines = retain_run(args.out_dir, args.keep, dry_run=args.dry_run)
+        except (ConfigError, OutDirError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print("\n".join(lines))
+        return 0
+    if args.command == "inspect":
+        from trainkit.errors import CheckpointError
+        from trainkit.retention_cli import describe_run_folder, is_run_folder
+
+        try:
+            if is_run_folder(Path(args.checkpoint)):
+                lines = describe_run_folder(args.checkpoint)
+            else:
+                lines = describe_checkpoint(args.checkpoint, all_tensors=args.all)
         except CheckpointError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -29,8 +29,8 @@ from typing import Any, TypeVar
 
 import attrs
 
-from trainkit.bookkeeping import is_int, is_real
-from trainkit.errors import ConfigError
+from trainkit.bookkeeping import is_int, is_real, parse_keep
+from trainkit.errors import BookkeepingError, ConfigError
 
 __all__ = [
     "Config",
@@ -150,6 +150,31 @@ def _patience_rule(instance: Any, attribute: attrs.Attribute, value: Any) -> Non
             value,
             hint="use 1 to stop at the first counted miss, or null to disable early stopping",
         )
+
+
+def _keep_items(value: Any) -> Any:
+    """``ckpt.keep``: a comma-separated string, or a list of them, as one tuple of items."""
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, Sequence) and not isinstance(value, bytes):
+        if not all(isinstance(item, str) for item in value):
+            return tuple(value)  # the type check names it
+        return tuple(part.strip() for item in value for part in item.split(",") if part.strip())
+    return value
+
+
+def _keep_rules(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, tuple) or not all(isinstance(item, str) for item in value):
+        return  # the type check names it
+    try:
+        parse_keep(value)
+    except BookkeepingError as exc:
+        raise ConfigError(
+            attribute.name,
+            "must be comma-separated retention rules",
+            ",".join(value),
+            hint=str(exc),
+        ) from None
 
 
 def _to_tuple(value: Any) -> Any:
@@ -865,6 +890,10 @@ class CkptConfig(_Section):
     (``last.ckpt/``/``best.ckpt/`` directories in which every rank writes its own shards through
     ``torch.distributed.checkpoint``; needed for a model wrapped by ``make_fsdp``, and resumable on another
     number of processes at an epoch boundary). See :mod:`trainkit.sharded`.
+    ``keep`` also keeps checkpoints under ``checkpoints/step-<step>.pt``, deleting the older ones no rule keeps:
+    rules such as ``"latest:3,every_steps:1000,best:2"`` (a string or a list; see
+    :func:`~trainkit.bookkeeping.parse_keep`). Empty (the default) keeps only ``last.pt`` and ``best.pt`` and
+    their ``.prev`` copies. Not yet with ``format="sharded"``.
     """
 
     enable: bool = True
@@ -873,6 +902,17 @@ class CkptConfig(_Section):
     async_save: bool = False
     every_n_steps: int | None = attrs.field(default=None, validator=_optional(_at_least(1)))
     format: str = attrs.field(default="file", validator=_one_of("file", "sharded"))
+    keep: tuple[str, ...] = attrs.field(default=(), converter=_keep_items, validator=_keep_rules)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if self.keep and self.format == "sharded":
+            raise ConfigError(
+                "keep",
+                "is not supported with ckpt.format='sharded' yet",
+                ",".join(self.keep),
+                hint="use ckpt.format='file', or leave ckpt.keep empty",
+            )
 
 
 @attrs.frozen(kw_only=True)

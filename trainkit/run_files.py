@@ -237,6 +237,7 @@ class RunFiles:
         last: dict[str, Any],
         best: dict[str, Any] | None = None,
         before: Callable[[], None] | None = None,
+        after: Callable[[], None] | None = None,
     ) -> float | None:
         """Write ``best.pt`` (when given) then ``last.pt``, each atomically and durably, keeping ``.prev``.
 
@@ -247,6 +248,7 @@ class RunFiles:
         :param best: The ``best.pt`` payload, when the best changed since the last save.
         :param before: Called before the first write (to make ``metrics.jsonl`` durable before ``last.pt``
             records its size).
+        :param after: Called after ``last.pt`` is published (to keep it under ``checkpoints/``).
         :returns: The seconds the writes took (both files), or None when they run in the background.
         :raises CheckpointError: From a write, or a payload that would not load.
         """
@@ -260,7 +262,7 @@ class RunFiles:
         if self._staging is not None:  # named slots: best's buffers stay best's whether or not it is saved
             payloads = self._staging.stage(payloads)
         paths = {"best": self.best_path, "last": self.last_path}
-        self._writer.submit([(data, paths[name]) for name, data in payloads.items()], before=before)
+        self._writer.submit([(data, paths[name]) for name, data in payloads.items()], before=before, after=after)
         return None if self._writer.background else self._writer.last_seconds
 
     @property

@@ -54,6 +54,8 @@ class SaveRequest:
     :ivar step: The optimizer step (the same).
     :ivar before: Called before the first write (makes ``metrics.jsonl`` durable before ``last`` records its
         size).
+    :ivar after: Called once ``last`` is published, where the writes run (keeps it under ``checkpoints/``);
+        None for nothing (only the file format takes one).
     """
 
     registry: core.CkptRegistry
@@ -64,6 +66,7 @@ class SaveRequest:
     epoch: int
     step: int
     before: Callable[[], None]
+    after: Callable[[], None] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -190,7 +193,7 @@ class FileStorage:
                 if request.best_weights is not None and request.best is not None:
                     best = best_payload(model=request.best_weights, best=request.best, config=request.config)
                 last = request.engine(core.collect_payload(request.registry, state_of=item_state))
-                seconds = self._files.save(last, best, before=request.before)
+                seconds = self._files.save(last, best, before=request.before, after=request.after)
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
                 error = exc
         dist_utils.raise_if_any_rank_failed(

@@ -620,8 +620,8 @@ class BaseTrainer(abc.ABC):
             if model is None:
                 raise UsageError("save_if_best() snapshots self.model, which is not set; assign it in setup()")
             self._best.take(module_state(model))  # written (best.pt) at the end of the epoch, before last.pt
-            self._checkpointer.best_changed()
         self._records = self._records._replace(best=state)  # after the snapshot: a failed one leaves the record
+        self._checkpointer.scored(score, epoch=self.epoch, improved=improved, minimize=state.minimize)
         return improved
 
     def step_patience(self, improved: bool) -> bool:

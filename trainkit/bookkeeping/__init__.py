@@ -16,6 +16,18 @@ from trainkit.bookkeeping.registry import (
     register_items,
 )
 from trainkit.bookkeeping.resume import Resumed, reconcile
+from trainkit.bookkeeping.retention import (
+    Checkpoint,
+    KeepAny,
+    KeepBest,
+    KeepEvery,
+    KeepEverySeconds,
+    KeepLatest,
+    Policy,
+    keep_reasons,
+    parse_keep,
+    retain,
+)
 from trainkit.bookkeeping.schedule import (
     STOP_EARLY,
     STOP_MAX_EPOCHS,
@@ -54,4 +66,14 @@ __all__ = [
     "step_checkpoint_due",
     "next_step_checkpoint",
     "position_mismatch",
+    "Checkpoint",
+    "KeepLatest",
+    "KeepEvery",
+    "KeepEverySeconds",
+    "KeepBest",
+    "KeepAny",
+    "Policy",
+    "retain",
+    "keep_reasons",
+    "parse_keep",
 ]

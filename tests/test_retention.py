@@ -1,0 +1,252 @@
+"""Kept checkpoints (``ckpt.keep``) in real runs: the files on disk, resuming from one, planted links and foreign
+files, a SIGKILL during the background deletion, and the ``inspect``/``retain`` commands."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from tests.trainers import TinyTrainer, make_cfg
+from trainkit import ConfigError
+from trainkit.checkpoint import load_checkpoint
+from trainkit.cli import main
+from trainkit.payload import validate_last
+from trainkit.retention_files import read_kept
+from trainkit.run_lock import RunLock
+
+STEPS_PER_EPOCH = 6
+"""TinyTrainer's 192 training samples in batches of 32."""
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(out: Path, **overrides) -> TinyTrainer:
+    """Train a TinyTrainer in ``out`` to the end and close it."""
+    trainer = TinyTrainer(make_cfg(out, **overrides))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return trainer
+
+
+def kept_steps(out: Path) -> list[int]:
+    """The steps of the kept checkpoint files in ``out/checkpoints`` (regular files named step-<int>.pt)."""
+    return [c.step for c in read_kept(out / "checkpoints")[0]]
+
+
+def assert_loads(path: Path, step: int) -> dict:
+    """Assert ``path`` passes the resume's checks and holds ``step``; return its payload."""
+    payload = load_checkpoint(path)
+    validate_last(payload, path=path, world_size=1)
+    assert payload["step"] == step
+    return payload
+
+
+def test_default_writes_no_checkpoints_folder(tmp_path):
+    """Without ckpt.keep a run writes last.pt and best.pt as before, and no checkpoints/ folder."""
+    run(tmp_path, epochs=2)
+    assert (tmp_path / "last.pt").is_file()
+    assert not (tmp_path / "checkpoints").exists()
+
+
+SCORES = (0.9, 0.5, 0.7, 0.3, 0.6, 0.8)
+"""Scripted validation scores (minimized): the best two are epochs 3 and 1, the best is epoch 3."""
+
+
+def test_kept_checkpoints_follow_the_policy_and_each_loads(tmp_path):
+    """latest:2 and best:2 keep the two newest epoch ends and the two best-scored ones, each a whole checkpoint of
+    its step, the best one holding the best record; the index explains each."""
+    run(tmp_path, epochs=6, scripted_scores=SCORES, ckpt={"keep": "latest:2,best:2"})
+    epoch_steps = [STEPS_PER_EPOCH * (e + 1) for e in range(6)]
+    best_two = [epoch_steps[3], epoch_steps[1]]
+    assert kept_steps(tmp_path) == sorted({*epoch_steps[-2:], *best_two})
+    for step in kept_steps(tmp_path):
+        assert_loads(tmp_path / "checkpoints" / f"step-{step}.pt", step)
+    best = assert_loads(tmp_path / "checkpoints" / f"step-{epoch_steps[3]}.pt", epoch_steps[3])
+    assert best["best"]["epoch"] == 3 and best["best"]["score"] == 0.3
+    described = {c.step: c for c in read_kept(tmp_path / "checkpoints")[0]}
+    assert described[epoch_steps[1]].scores["score"] == 0.5
+    assert described[epoch_steps[1]].epoch == 2 and described[epoch_steps[1]].epoch_end
+
+
+def test_step_checkpoints_are_kept_with_async_saves(tmp_path):
+    """With ckpt.every_n_steps and async saves, step checkpoints inside an epoch are kept too (no scores), and
+    every_steps:4 keeps the multiples of 4 (plus the newest)."""
+    run(tmp_path, epochs=2, ckpt={"keep": "every_steps:4", "every_n_steps": 2, "async_save": True})
+    assert kept_steps(tmp_path) == [4, 8, 12]
+    inside = {c.step: c for c in read_kept(tmp_path / "checkpoints")[0]}[4]
+    assert not inside.epoch_end and not inside.scores
+    assert_loads(tmp_path / "checkpoints" / "step-4.pt", 4)
+
+
+def test_resume_from_a_kept_checkpoint(tmp_path):
+    """ckpt.resume names a kept checkpoint: the run continues from its epoch with the best.pt of its run folder."""
+    first = tmp_path / "first"
+    run(first, epochs=5, scripted_scores=SCORES, ckpt={"keep": "every_epochs:1"})
+    kept = first / "checkpoints" / f"step-{STEPS_PER_EPOCH * 4}.pt"  # after epoch 3, the best so far
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "no best checkpoint matches" warning: best.pt is found beside it
+        trainer = TinyTrainer(
+            make_cfg(tmp_path / "second", epochs=6, scripted_scores=SCORES, ckpt={"resume": str(kept)})
+        )
+    try:
+        assert trainer.best_model is not None
+        trainer.train()
+        assert trainer.epochs_trained == [4, 5]
+    finally:
+        trainer.close()
+    offset = load_checkpoint(kept)["metrics_offset"]  # the run folder's history up to it came along
+    history = (first / "metrics.jsonl").read_bytes()[:offset]
+    assert offset > 0 and (tmp_path / "second" / "metrics.jsonl").read_bytes().startswith(history)
+
+
+def test_planted_links_and_foreign_files_are_left_alone(tmp_path):
+    """A symlink under a kept name (one older than every checkpoint, one at a step the run writes) is neither
+    followed, replaced nor deleted, its target unchanged; names trainkit does not write are untouched."""
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (out / "checkpoints").mkdir(parents=True)
+    target = elsewhere / "precious.pt"
+    target.write_bytes(b"not yours")
+    (out / "checkpoints" / "step-5.pt").symlink_to(target)
+    (out / "checkpoints" / "step-12.pt").symlink_to(target)
+    foreign = ["step-007.pt", "step-1.pt.bak", "notes.txt", "step-3.ckpt"]
+    for name in foreign:
+        (out / "checkpoints" / name).write_text(name)
+    with pytest.warns(RuntimeWarning, match="step-12.pt is a symbolic link"):
+        run(out, epochs=3, ckpt={"keep": "latest:1"})
+    for name in ("step-5.pt", "step-12.pt"):
+        assert (out / "checkpoints" / name).is_symlink()
+        assert os.readlink(out / "checkpoints" / name) == str(target)
+    assert target.read_bytes() == b"not yours"
+    assert all((out / "checkpoints" / name).read_text() == name for name in foreign)
+    assert kept_steps(out) == [18]
+
+
+KILLED_CHILD = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    import trainkit.retention_files as files
+    from tests.trainers import TinyTrainer, make_cfg
+
+    out, marker = Path(sys.argv[1]), Path(sys.argv[2])
+    real = files.remove_kept
+    def remove_then_hang(path):
+        real(path)
+        marker.write_text(path.name)
+        time.sleep(60)  # killed here, between two deletions
+    files.remove_kept = remove_then_hang
+    trainer = TinyTrainer(make_cfg(out, epochs=8, ckpt={"keep": "latest:1"}))
+    trainer.train()
+    """
+)
+
+
+def test_a_kill_during_background_deletion_leaves_a_resumable_folder(tmp_path):
+    """SIGKILL between two deletions: every kept checkpoint left is whole, and the run resumes and finishes,
+    its next save deleting what the policy lets go."""
+    out = tmp_path / "run"
+    run(out, epochs=5, ckpt={"keep": "every_epochs:1"})
+    assert len(kept_steps(out)) == 5
+    marker = tmp_path / "deleted-one"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_CHILD, str(out), str(marker)], cwd=ROOT, env=env, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert marker.exists(), child.stderr.read().decode() if child.poll() is not None else "timed out"
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+        child.stderr.close()
+    left = kept_steps(out)
+    assert 1 < len(left) < 6  # one deleted, the rest (and the new step 36) still there
+    for step in left:
+        assert_loads(out / "checkpoints" / f"step-{step}.pt", step)
+    trainer = run(out, epochs=8, ckpt={"keep": "latest:1"})
+    assert trainer.epochs_trained[-1] == 7  # resumed where the killed run's last.pt stood, and finished
+    assert kept_steps(out) == [48]
+
+
+def test_cli_inspect_and_retain_dry_run_then_apply(tmp_path, capsys):
+    """inspect lists each kept checkpoint with the rule keeping it; retain --dry-run deletes nothing, retain
+    deletes what its rules do not keep, refuses a folder a live run holds, and names --keep in a bad rule."""
+    run(tmp_path, epochs=4, scripted_scores=SCORES, ckpt={"keep": "every_epochs:1"})
+    assert main(["inspect", str(tmp_path)]) == 0
+    listing = capsys.readouterr().out
+    assert "4 kept checkpoints" in listing and "newest, every_epochs:1" in listing
+    assert main(["retain", str(tmp_path), "--keep", "best:1", "--dry-run"]) == 0
+    assert "would delete step-6.pt" in capsys.readouterr().out
+    assert kept_steps(tmp_path) == [6, 12, 18, 24]
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    try:
+        assert main(["retain", str(tmp_path), "--keep", "best:1"]) == 2
+        assert "is in use by another trainer in this process" in capsys.readouterr().err
+    finally:
+        lock.release()
+    assert kept_steps(tmp_path) == [6, 12, 18, 24]
+    assert main(["retain", str(tmp_path), "--keep", "best:2"]) == 0  # minimize comes from the index
+    assert kept_steps(tmp_path) == [12, 24]  # the best two: epoch 3 (0.3, the newest too) and epoch 1 (0.5)
+    assert main(["retain", str(tmp_path), "--keep", "latest:0"]) == 2
+    assert "--keep must be comma-separated retention rules" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("value", "rule"),
+    [
+        ("latest:0", "'latest:0': the count must be an int >= 1"),
+        ("every_seconds:soon", "must be a number of seconds > 0"),
+        ("keep_everything", "'keep_everything' is not a retention rule"),
+    ],
+)
+def test_bad_keep_values_name_the_key_the_rule_and_the_value(tmp_path, value, rule):
+    """A bad ckpt.keep, on the dotted CLI or in a mapping, is refused naming ckpt.keep, the rule and the value."""
+    with pytest.raises(ConfigError, match=f"ckpt.keep must be comma-separated retention rules, got '{value}'") as exc:
+        TinyTrainer.config_class(epochs=1).with_overrides([f"ckpt.keep={value}"])
+    assert rule in str(exc.value)
+    with pytest.raises(ConfigError, match="ckpt.keep"):
+        TinyTrainer.config_class.from_mapping({"epochs": 1, "ckpt": {"keep": [value]}})
+    with pytest.raises(ConfigError, match="ckpt.keep is not supported with ckpt.format='sharded'"):
+        TinyTrainer.config_class.from_mapping({"epochs": 1, "ckpt": {"keep": "latest:2", "format": "sharded"}})
+
+
+def test_a_hostile_index_is_read_entry_by_entry(tmp_path):
+    """index.json is untrusted: an entry that does not check out (a bool epoch, a NaN time, a name with leading
+    zeros) is dropped with a warning and its file judged by its step alone; a symlinked index is not followed."""
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    for step in (6, 12, 18):
+        (directory / f"step-{step}.pt").write_bytes(b"x")
+    (directory / "index.json").write_text(
+        '{"format": 1, "minimize": true, "keep": ["latest:1"], "kept": {'
+        '"6": {"epoch": true}, "012": {"epoch": 2}, "18": {"epoch": 3, "epoch_end": true, "time": NaN},'
+        '"12": {"epoch": 2, "epoch_end": true, "time": 5.0, "scores": {"score": 0.5}}}}'
+    )
+    with pytest.warns(RuntimeWarning, match="3 entries do not check out"):
+        described, refused, minimize, keep = read_kept(directory)
+    by_step = {c.step: c for c in described}
+    assert sorted(by_step) == [6, 12, 18] and not refused
+    assert by_step[12].scores["score"] == 0.5 and by_step[12].epoch_end
+    assert not by_step[6].epoch_end and not by_step[18].scores  # judged by their steps alone
+    assert (minimize, keep) == (True, ("latest:1",))
+    (tmp_path / "elsewhere.json").write_text((directory / "index.json").read_text())
+    (directory / "index.json").unlink()
+    (directory / "index.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.warns(RuntimeWarning, match="symbolic link"):
+        described, _, minimize, _ = read_kept(directory)
+    assert minimize is None and all(not c.scores for c in described)
