@@ -151,8 +151,9 @@ def curve_panels(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
     """Decide the panels of ``curves.png``: one per metric name, its train/val curves and test point together.
 
     Pure. ``train/loss``, ``val/loss`` and ``test/loss`` share the ``loss`` panel; every ``lr/...`` key goes on
-    the ``lr`` panel; grad norms are left out. A panel whose values are all positive and span more than a
-    decade (a loss, a decaying learning rate) gets a log axis.
+    the ``lr`` panel; each ``perf/...`` rate (``log_throughput``) gets a panel of its own, before ``lr``; grad
+    norms are left out. A panel whose values are all positive and span more than a decade (a loss, a decaying
+    learning rate) gets a log axis.
 
     :param rows: The rows of ``metrics.jsonl``.
     :returns: Panel name to ``{"keys": [...], "log": bool}``, in drawing order (loss first, lr last).
@@ -161,6 +162,8 @@ def curve_panels(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
     ...                        "test/loss": 0.7, "lr/opt/0": 0.1}])
     >>> panels["loss"], panels["lr"]
     ({'keys': ['test/loss', 'train/loss', 'val/loss'], 'log': True}, {'keys': ['lr/opt/0'], 'log': False})
+    >>> list(curve_panels([{"train/loss": 1.0, "perf/samples_per_s": 900.0, "perf/steps_per_s": 14.0, "lr/o/0": 1}]))
+    ['loss', 'samples_per_s', 'steps_per_s', 'lr']
     """
     keys = sorted({key for row in rows for key in row})
     groups: dict[str, list[str]] = {}
@@ -169,6 +172,8 @@ def curve_panels(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
             groups.setdefault(key.split("/", 1)[1], []).append(key)
         elif key.startswith("lr/"):
             groups.setdefault("lr", []).append(key)
+        elif key.startswith("perf/") and key.endswith("_per_s"):
+            groups[key.split("/", 1)[1]] = [key]
     order = sorted(groups, key=lambda name: (name != "loss", name == "lr", name))
     panels: dict[str, dict[str, Any]] = {}
     for name in order:

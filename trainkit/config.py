@@ -964,6 +964,7 @@ class Config(_Section):
     log_stats_every_n_steps: int = attrs.field(default=100, validator=_at_least(1))
     log_weight_stats: bool = False
     log_grad_stats: bool = False
+    log_throughput: bool = False
     wandb: WandbConfig = _section(WandbConfig)
     progress: ProgressConfig = _section(ProgressConfig)
     dist: DistConfig = _section(DistConfig)
@@ -983,7 +984,7 @@ RESUME_SAFE_KEYS = frozenset(
     key
     for key in all_keys(Config)
     if key.split(".")[0] in ("epochs", "out_dir", "ckpt", "wandb", "progress", "dist", "test")
-    or key in ("log_stats_every_n_steps", "log_weight_stats", "log_grad_stats")
+    or key in ("log_stats_every_n_steps", "log_weight_stats", "log_grad_stats", "log_throughput")
 )
 """The engine's config keys that may change between a run and its resume without changing what it computes.
 

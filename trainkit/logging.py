@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import math
 import os
@@ -210,16 +211,24 @@ class TrainerMetrics:
     :ivar buffer: The :class:`LogBuffer` of metrics logged since the last push.
     :ivar latest: The last pushed value of every key (the final metrics ``train()`` returns).
     :ivar grad_norm: The running mean of the epoch's grad norms (``log_epoch_grad_norm``).
+    :ivar throughput: The ``perf/*`` counters (a :class:`trainkit.throughput.Throughput`) with
+        ``log_throughput``, else None.
     """
 
-    __slots__ = ("buffer", "latest", "grad_norm")
+    __slots__ = ("buffer", "latest", "grad_norm", "throughput", "drain")
 
-    def __init__(self) -> None:
+    def __init__(self, throughput: Any = None) -> None:
         from trainkit.optim import RunningMean
 
         self.buffer = LogBuffer()
         self.latest: dict[str, float] = {}
         self.grad_norm = RunningMean()
+        self.throughput = throughput
+        # what push_logs drains by: the buffer's own drain (no call in between on the per-row path), or through
+        # the throughput counters, which add the perf/* rates
+        self.drain: Callable[[], dict[str, float]] = (
+            self.buffer.drain if throughput is None else functools.partial(throughput.drain, self.buffer)
+        )
 
     def state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """What a step checkpoint keeps of this rank's metrics: the unpushed buffer and the grad-norm mean.

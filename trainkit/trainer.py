@@ -38,6 +38,7 @@ from trainkit.progress import EpochBar, step_bar
 from trainkit.rng import GeneratorItem, seed_everything, start_persistent_workers
 from trainkit.signals import StopSignals
 from trainkit.snapshot import WeightSnapshot, modes_kept, weights_swapped_in
+from trainkit.throughput import CountedBatches, Throughput
 from trainkit.tracking import EpochTracker
 
 __all__ = ["BaseTrainer", "CHECKPOINT_SCHEMA_VERSION"]
@@ -74,6 +75,25 @@ def _step_counter(trainer: BaseTrainer) -> Any:
             owner.step += 1
 
     return count
+
+
+def _throughput(trainer: BaseTrainer) -> Throughput:
+    """The ``perf/*`` counters of ``log_throughput``, reading ``trainer.step`` through a weak reference (as
+    :func:`_step_counter` does, for the same reason)."""
+    ref = weakref.ref(trainer)
+    return Throughput(lambda: getattr(ref(), "step", 0), trainer.world_size)
+
+
+def _fresh_patience(cfg: Config) -> core.PatienceState:
+    """Patience as ``val.patience`` and ``val.start_patience`` set it, nothing counted yet."""
+    return core.PatienceState(patience=cfg.val.patience, start_patience=cfg.val.start_patience)
+
+
+def _token_counter(throughput: Throughput | None) -> Throughput:
+    """``count_tokens``' counter; refused when ``log_throughput`` is off (nothing would report the count)."""
+    if throughput is None:
+        raise UsageError("count_tokens() needs log_throughput=true: without it nothing reports the tokens")
+    return throughput
 
 
 def _device(rank: int) -> torch.device:
@@ -219,7 +239,7 @@ class BaseTrainer(abc.ABC):
         self._best = WeightSnapshot()
         self._records = _Records(core.LoopState(), None, None)
         self._registry = core.CkptRegistry()
-        self._metrics = TrainerMetrics()
+        self._metrics = TrainerMetrics(_throughput(self) if self.cfg.log_throughput else None)
         self._results: dict[str, float] | None = None
         self._validating: bool | None = None  # None outside val_epoch(); True once step_patience() ran in it
         self._failed = False
@@ -249,8 +269,7 @@ class BaseTrainer(abc.ABC):
             self._restore(resume)
 
     def __getattr__(self, name: str) -> Any:
-        # Called only when normal lookup fails: an attribute a subclass set under these names wins, and a
-        # trainer that never tracks a best has neither (see reset_best_tracking).
+        # only when normal lookup fails: a subclass's attribute of these names wins; no best tracked, no attribute
         field = _RECORD_ATTRIBUTES.get(name)
         records = self.__dict__.get("_records")
         if field is not None and records is not None and getattr(records, field) is not None:
@@ -418,15 +437,9 @@ class BaseTrainer(abc.ABC):
         loop = records.loop if batches is None else attrs.evolve(records.loop, step=self.step)
         position, rank_position = self._position.save_position(batches, loop.epoch, self._metrics.state_dict())
         record = SaveRecord(
-            loop=loop,
-            best=records.best,
-            patience=records.patience,
-            latest_metrics=self._metrics.latest,
-            results=self._results,
-            run_id=self._run_log.run_id,
-            metrics_offset=self._run_log.offset(),
-            position=position,
-            rank_position=rank_position,
+            loop=loop, best=records.best, patience=records.patience, latest_metrics=self._metrics.latest,
+            results=self._results, run_id=self._run_log.run_id, metrics_offset=self._run_log.offset(),
+            position=position, rank_position=rank_position,
         )
         seconds = self._checkpointer.save(
             record, self._registry, best_weights=self._best.state, before=self._run_log.sync
@@ -588,11 +601,8 @@ class BaseTrainer(abc.ABC):
         """
         direction = self.cfg.val.minimize if minimize is None else bool(minimize)
         best = core.BestState(minimize=direction, min_delta=self.cfg.val.min_delta)
-        self._records = self._records._replace(best=best, patience=self._fresh_patience())
+        self._records = self._records._replace(best=best, patience=_fresh_patience(self.cfg))
         self._best.replace(None)
-
-    def _fresh_patience(self) -> core.PatienceState:
-        return core.PatienceState(patience=self.cfg.val.patience, start_patience=self.cfg.val.start_patience)
 
     def save_if_best(self, score: Any, metrics: Mapping[str, Any] | None = None) -> bool:
         """Keep this epoch's weights if its score is the best seen so far.
@@ -641,7 +651,7 @@ class BaseTrainer(abc.ABC):
             raise UsageError("step_patience() counts validation outcomes; call it inside val_epoch()")
         if self._validating:
             raise UsageError(f"step_patience() was already called in epoch {self.epoch}'s validation; call it once")
-        patience = self._records.patience or self._fresh_patience()
+        patience = self._records.patience or _fresh_patience(self.cfg)
         patience, stop = core.step_patience(patience, improved, epoch=self.epoch)
         self._records = self._records._replace(patience=patience)
         self._validating = True
@@ -833,13 +843,21 @@ class BaseTrainer(abc.ABC):
 
         :returns: The pushed metrics, without the epoch and step entries.
         """
-        metrics = self._metrics.buffer.drain()
+        metrics = self._metrics.drain()
         if not metrics:
             return metrics
         self._metrics.latest.update(metrics)
         if self.is_main:
             self._run_log.log({"trainer/step": self.step, "trainer/epoch": self.epoch, **metrics})
         return metrics
+
+    def count_tokens(self, n: int | float | torch.Tensor) -> None:
+        """Count tokens trained on, for ``perf/tokens_per_s`` (``log_throughput``); no host sync.
+
+        :param n: A number, or a tensor (e.g. ``attention_mask.sum()``) summed on its device until the next push.
+        :raises UsageError: When ``log_throughput`` is off; TypeError when ``n`` is no number or tensor.
+        """
+        _token_counter(self._metrics.throughput).count_tokens(n)
 
     def _push_if_any(self) -> None:
         if len(self._metrics.buffer):
@@ -864,6 +882,7 @@ class BaseTrainer(abc.ABC):
             iterable, self.epoch, functools.partial(getattr, self, "step"), self._at_step_boundary
         )
         shown, initial = (iterable, 0) if tracked is None else (tracked, tracked.skip)
+        shown = shown if self._metrics.throughput is None else CountedBatches(shown, self._metrics.throughput)
         return step_bar(
             shown, desc=desc or f"epoch {self.epoch}", total=total, enabled=self._bars_enabled, initial=initial
         )

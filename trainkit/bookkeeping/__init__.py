@@ -36,6 +36,7 @@ from trainkit.bookkeeping.schedule import (
     resume_loop,
     should_validate,
 )
+from trainkit.bookkeeping.throughput import PERF_KEYS, ThroughputMark, throughput_rates
 
 __all__ = [
     "BestState",
@@ -66,6 +67,9 @@ __all__ = [
     "step_checkpoint_due",
     "next_step_checkpoint",
     "position_mismatch",
+    "ThroughputMark",
+    "throughput_rates",
+    "PERF_KEYS",
     "Checkpoint",
     "KeepLatest",
     "KeepEvery",

@@ -1,0 +1,143 @@
+"""log_throughput: perf/* rates in the pushed rows, counted from the batches of progress() at no host sync."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from tests.host_syncs import count_host_syncs
+from tests.trainers import TinyTrainer
+from trainkit.errors import UsageError
+from trainkit.logging import LogBuffer
+from trainkit.throughput import CountedBatches, Throughput
+
+
+def config(tmp_path, **overrides):
+    return {"epochs": 2, "out_dir": str(tmp_path), "wandb": {"mode": "disabled"}, "progress": {"enable": False},
+            **overrides}
+
+
+def rows(tmp_path):
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+class TokenTrainer(TinyTrainer):
+    """TinyTrainer counting 8 tokens a sample (a tensor on the batch's device) and checking progress() stays a
+    sized iterable with the tracked loop's attributes."""
+
+    def train_epoch(self):
+        batches = self.progress(self.loader)
+        assert len(batches) == len(self.loader)
+        self.model.train()
+        for x, y in batches:
+            loss = torch.nn.functional.mse_loss(self.model(x), y)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            self.count_tokens(torch.full_like(x, 1.0).sum())  # 8 features a sample: 8 "tokens"
+            self.count_tokens(0)
+        self.consumed = getattr(batches, "consumed", None)
+        self.log({"train/loss": loss.detach()})
+
+
+def test_every_row_after_training_carries_the_rates(tmp_path):
+    """Each epoch's row has samples/s, steps/s and tokens/s whose ratios are the data's: 32 samples a step, 8
+    tokens a sample; the metrics the run returns are the trainer's as without it."""
+    trainer = TokenTrainer(config(tmp_path, log_throughput=True, ckpt={"every_n_steps": 4}))
+    try:
+        result = trainer.train()
+    finally:
+        trainer.close()
+    assert trainer.consumed == 6  # the tracked loop's own attribute, through the counting wrapper
+    written = rows(tmp_path)
+    assert len(written) == 2
+    for row in written:
+        assert row["perf/samples_per_s"] / row["perf/steps_per_s"] == pytest.approx(32.0, rel=1e-9)
+        assert row["perf/tokens_per_s"] / row["perf/samples_per_s"] == pytest.approx(8.0, rel=1e-9)
+        assert row["perf/steps_per_s"] > 0
+    assert {"train/loss", "val/loss"} <= result.keys()
+
+
+def test_off_by_default_and_count_tokens_says_what_is_missing(tmp_path):
+    """Without log_throughput no row has a perf/ key, progress() returns the loader itself, and count_tokens
+    raises naming the key that turns it on."""
+    trainer = TinyTrainer(config(tmp_path))
+    try:
+        with pytest.raises(UsageError, match="log_throughput"):
+            trainer.count_tokens(5)
+        trainer.train()
+    finally:
+        trainer.close()
+    assert not [key for row in rows(tmp_path) for key in row if key.startswith("perf/")]
+
+
+def test_rates_follow_the_clock_and_a_validation_push_carries_none():
+    """On a fake clock: the first interval starts at the first counted batch, a push without a step since the
+    last rates has none, and the next one covers the time since those rates (not since the empty push)."""
+    now, step = [100.0], [0]
+    counter = Throughput(lambda: step[0], world_size=2, clock=lambda: now[0])
+    buffer = LogBuffer()
+    now[0] = 110.0  # setup() took 10 s: not part of the first interval
+    batches = CountedBatches([(torch.zeros(4, 3), torch.zeros(4))] * 3, counter)
+    for _ in batches:
+        step[0] += 1
+        now[0] += 0.5
+    buffer.add({"train/loss": 1.0})
+    assert counter.drain(buffer) == {
+        "train/loss": 1.0, "perf/samples_per_s": 12 * 2 / 1.5, "perf/steps_per_s": 3 / 1.5,
+    }
+    now[0] += 7.0
+    buffer.add({"val/loss": 2.0})
+    assert counter.drain(buffer) == {"val/loss": 2.0}  # no step since the last rates
+    step[0] += 1
+    counter.count_tokens(torch.tensor([3, 4]))
+    counter.count_tokens(1.5)
+    now[0] += 1.0
+    buffer.add({"train/loss": 0.5})
+    assert counter.drain(buffer) == {
+        "train/loss": 0.5, "perf/samples_per_s": 0.0, "perf/steps_per_s": 1 / 8.0, "perf/tokens_per_s": 8.5 * 2 / 8.0,
+    }
+    assert counter.drain(buffer) == {}  # nothing logged: no row, whatever was counted
+
+
+def test_an_unknown_batch_size_reports_steps_only():
+    """A batch with no tensor to measure (a list of strings, say) turns samples/s off from then on."""
+    now, step = [0.0], [0]
+    counter = Throughput(lambda: step[0], world_size=1, clock=lambda: now[0])
+    for _ in CountedBatches([(torch.zeros(2, 1),), (["a", "b"],)], counter):
+        step[0] += 1
+        now[0] += 1.0
+    buffer = LogBuffer()
+    buffer.add({"x": 1.0})
+    assert counter.drain(buffer) == {"x": 1.0, "perf/steps_per_s": 1.0}
+
+
+def test_counting_tokens_on_the_device_waits_for_nothing(monkeypatch):
+    """Tensors given to count_tokens stay on their device until the push, which moves them with the logged
+    metrics in one transfer (the accelerator path, which LogBuffer.read_cpu_at_log off runs on the CPU)."""
+    monkeypatch.setattr(LogBuffer, "read_cpu_at_log", False)
+    counter = Throughput(lambda: 1, world_size=1)
+    buffer = LogBuffer()
+    with count_host_syncs() as counts:
+        for n in range(5):
+            counter.count_tokens(torch.tensor(float(n)))
+            buffer.add({"train/loss": torch.tensor(0.5)})
+    assert counts == Counter()
+    with count_host_syncs() as counts:
+        pushed = counter.drain(buffer)
+    assert counts == Counter({"tolist": 1})
+    assert "perf/_tokens" not in pushed and pushed["train/loss"] == 0.5
+
+
+@pytest.mark.parametrize("value", ["12", None, True, [3]])
+def test_count_tokens_refuses_what_is_not_a_count(tmp_path, value):
+    """count_tokens takes a number or a tensor; anything else is a TypeError that shows it."""
+    trainer = TinyTrainer(config(tmp_path, log_throughput=True))
+    try:
+        with pytest.raises(TypeError, match="count_tokens"):
+            trainer.count_tokens(value)
+    finally:
+        trainer.close()
