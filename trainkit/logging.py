@@ -194,16 +194,51 @@ class TrainerMetrics:
     :ivar buffer: The :class:`LogBuffer` of metrics logged since the last push.
     :ivar latest: The last pushed value of every key (the final metrics ``train()`` returns).
     :ivar grad_norm: The running mean of the epoch's grad norms (``log_epoch_grad_norm``).
+    :ivar guard: The divergence guard (:class:`~trainkit.guard.DivergenceGuard`), None when ``guard.nonfinite``
+        is off.
     """
 
-    __slots__ = ("buffer", "latest", "grad_norm")
+    __slots__ = ("buffer", "latest", "grad_norm", "guard")
 
-    def __init__(self) -> None:
+    def __init__(self, guard: Any = None, world_size: int = 1) -> None:
+        from trainkit.guard import DivergenceGuard
         from trainkit.optim import RunningMean
 
         self.buffer = LogBuffer()
         self.latest: dict[str, float] = {}
         self.grad_norm = RunningMean()
+        self.guard = None if guard is None else DivergenceGuard.build(guard, world_size, self)
+
+    def add_grad_norm(self, norm: torch.Tensor) -> None:
+        """Take a step's pre-clip grad norm: into the epoch mean, the buffer, and the guard when there is one.
+
+        :param norm: The 0-d norm on the device.
+        """
+        self.grad_norm.add(norm)
+        self.buffer.add({"train/grad_norm": norm})
+        if self.guard is not None:
+            self.guard.observe(norm)
+
+    def watch(self, objects: Iterable[Any], trainer: Any) -> None:
+        """Hand the optimizers among newly registered checkpoint items to the guard (nothing when it is off).
+
+        :param objects: What ``add_checkpoint_items`` was given.
+        :param trainer: The trainer, held weakly: where its loop stands names the step in the guard's error.
+        """
+        if self.guard is not None:
+            from trainkit.guard import locator
+
+            self.guard.watch(objects, locator(trainer))
+
+    def last_value(self, key: str) -> Any:
+        """The value of ``key`` waiting in the buffer, else the last one pushed, else None.
+
+        :param key: The metric's name.
+        """
+        value = self.buffer._scalars.get(key)
+        if isinstance(value, torch.Tensor):
+            return value.item()
+        return value if value is not None else self.latest.get(key)
 
     def state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """What a step checkpoint keeps of this rank's metrics: the unpushed buffer and the grad-norm mean.

@@ -219,7 +219,7 @@ class BaseTrainer(abc.ABC):
         self._best = WeightSnapshot()
         self._records = _Records(core.LoopState(), None, None)
         self._registry = core.CkptRegistry()
-        self._metrics = TrainerMetrics()
+        self._metrics = TrainerMetrics(self.cfg.guard, world_size)  # with the divergence guard part, if on
         self._results: dict[str, float] | None = None
         self._validating: bool | None = None  # None outside val_epoch(); True once step_patience() ran in it
         self._failed = False
@@ -513,6 +513,7 @@ class BaseTrainer(abc.ABC):
         # a generator has no state_dict(): registered as its state, restored into it in place
         items = {name: GeneratorItem(obj) if isinstance(obj, torch.Generator) else obj for name, obj in kwargs.items()}
         self._registry, _ = core.register_items(self._registry, items)
+        self._metrics.watch(kwargs.values(), self)  # the divergence guard's hooks on its optimizers, when on
         optimizer = next((obj for obj in kwargs.values() if isinstance(obj, torch.optim.Optimizer)), None)
         if optimizer is not None and not counted:
             optimizer.register_step_post_hook(_step_counter(self))
@@ -771,8 +772,7 @@ class BaseTrainer(abc.ABC):
         if self.cfg.grad_clip is not None:
             optim_utils.clip_grads_(params, self.cfg.grad_clip, norm)
         norm = sharding.plain(norm.detach())  # over FSDP2 shards a replicated DTensor: its local value is the norm
-        self._metrics.grad_norm.add(norm)
-        self._metrics.buffer.add({"train/grad_norm": norm})
+        self._metrics.add_grad_norm(norm)  # and to the divergence guard (guard.nonfinite), when on
         return norm
 
     def log_epoch_grad_norm(self) -> None:
