@@ -604,6 +604,7 @@ class GuardTestConfig(TinyConfig):
     nan_rank: int | None = None  # None: every rank
     steps_left_out: tuple[int, ...] = ()  # global batches whose optimizer step this trainer leaves out itself
     optimizer: str = "sgd"  # "sgd", "adam", or either with "_fused"
+    guard_on_device: bool = False  # take the guard's device path (found_inf) on the CPU too
 
 
 class GuardTrainer(TinyTrainer):
@@ -616,6 +617,8 @@ class GuardTrainer(TinyTrainer):
     def setup(self, ckpt):
         super().setup(ckpt)
         self.batches_seen = 0
+        if self.cfg.guard_on_device and self._metrics.guard is not None:
+            self._metrics.guard.device_path_on_cpu = True
 
     def make_optimizer(self):
         kind = self.cfg.optimizer
@@ -651,7 +654,7 @@ class GuardTrainer(TinyTrainer):
             report = {
                 "digest": param_digest(self.model),
                 "optimizer": optimizer_digest(self.optimizer),
-                "skipped": None if guard is None else guard.skipped,
+                "skipped": None if guard is None else int(guard.count()["guard/skipped_steps"]),
                 "on_device": None if guard is None else guard.on_device,
             }
             Path(self.cfg.out_dir, f"guard{self.rank}.json").write_text(json.dumps(report))

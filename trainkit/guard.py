@@ -22,6 +22,7 @@ when the norms differ. Side effects: optimizer hooks, ``found_inf`` set on a fus
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -30,7 +31,7 @@ import attrs
 import torch
 
 from trainkit import bookkeeping as core
-from trainkit.bookkeeping.guard import RAISE, SKIP
+from trainkit.bookkeeping.guard import CONTINUE, RAISE, SKIP
 from trainkit.errors import DivergenceError
 
 if TYPE_CHECKING:
@@ -83,9 +84,11 @@ class DivergenceGuard:
         self._state = core.GuardState(mode=mode, max_skips=max_skips, window=window)
         self._host = mode != "skip" or max_skips is not None  # a verdict that needs the flag on the host
         self._all_fused = True
+        self._on_device: bool | None = None  # the path, decided at the first observe()
         self._world_size = world_size
         self._metrics = metrics
-        self._flag: torch.Tensor | None = None  # 1.0 when the latest measured norm is not finite
+        self._flag: torch.Tensor | None = None  # the latest measured norm, or on the device path its found_inf
+        self._found_inf: torch.Tensor | None = None  # the device path's flag, reused from step to step
         self._verdict: str | None = None  # the host verdict on the current flag, once decided
         self._counted = False  # whether the current flag was counted
         self._skipped: torch.Tensor | None = None  # the device path's skip count
@@ -108,10 +111,15 @@ class DivergenceGuard:
             mode=cfg.nonfinite, max_skips=cfg.max_skips, window=cfg.window, world_size=world_size, metrics=metrics
         )
 
+    device_path_on_cpu = False
+    """Take the device path for CPU tensors too (tests do, to exercise ``found_inf``): on the CPU a host read is
+    no sync, and the flag's two tensor ops cost more than the read (measured: docs, "Divergence guard")."""
+
     @property
     def on_device(self) -> bool:
-        """Whether the verdicts are taken on the device (no host read per step): see the module's docstring."""
-        return not self._host and self._all_fused
+        """Whether the verdicts are taken on the device (no host read per step): see the module's docstring; decided
+        at the first measured norm (on the CPU the host path is taken, unless :attr:`device_path_on_cpu`)."""
+        return self._on_device is True
 
     @property
     def skipped(self) -> int:
@@ -137,14 +145,36 @@ class DivergenceGuard:
                 optimizer.register_step_post_hook(self._after_step)
 
     def observe(self, norm: torch.Tensor) -> None:
-        """Take the step's pre-clip total grad norm (no host sync: the flag stays on the device).
+        """Take the step's pre-clip total grad norm (no host sync: on the host path it is only kept).
 
-        :param norm: The 0-d norm from :func:`trainkit.optim.total_grad_norm`.
+        :param norm: The 0-d norm from :func:`trainkit.optim.total_grad_norm` (not changed).
         """
-        flag = torch.isfinite(norm).logical_not_().float()
-        if self._world_size > 1:
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        self._flag, self._verdict, self._counted = flag, None, False
+        if self._world_size > 1:  # one verdict: a NaN or inf norm on any rank makes the sum non-finite everywhere
+            norm = norm.clone()
+            torch.distributed.all_reduce(norm)
+        if self._on_device is None:
+            cpu = norm.device.type == "cpu" and not self.device_path_on_cpu
+            self._on_device = not self._host and self._all_fused and not cpu
+        if self._on_device:
+            flag = self._found_inf
+            if flag is None or flag.device != norm.device:
+                flag = self._found_inf = torch.empty((), dtype=torch.float32, device=norm.device)
+            torch.logical_not(torch.isfinite(norm), out=flag)  # 1.0 when not finite, as found_inf must be
+            self._flag = flag
+        else:
+            self._flag = norm
+        self._verdict, self._counted = None, False
+
+    def count(self) -> dict[str, Any]:
+        """The skip count as a metric, for the next push (a device tensor on the device path: no host read).
+
+        :returns: ``{"guard/skipped_steps": count}``.
+        """
+        if self._skipped is not None:
+            return {SKIPPED_KEY: self._skipped}
+        if not self._resumed:
+            return {SKIPPED_KEY: self._initial_count()}
+        return {SKIPPED_KEY: self._state.skipped}
 
     # ------------------------------------------------------------------ the hooks
 
@@ -153,12 +183,19 @@ class DivergenceGuard:
         if flag is None:
             return  # no norm measured since the last step: this step is not guarded
         if self.on_device:
-            self._count_on_device(flag)
+            if not self._counted:
+                self._counted = True
+                if self._skipped is None:
+                    self._skipped = torch.full((), self._initial_count(), device=flag.device)
+                self._skipped.add_(flag)
             previous = getattr(optimizer, "found_inf", None)  # GradScaler's, when it calls this step
             self._saved_found_inf[id(optimizer)] = previous
             optimizer.found_inf = flag if previous is None else torch.maximum(previous, flag.to(previous.device))
             return
-        verdict = self._decide(flag)
+        verdict = self._verdict
+        if verdict is None:  # once per measured norm, however many optimizers step on it
+            finite = math.isfinite(flag.item())  # the one host read per step, as GradScaler.step makes
+            verdict = self._verdict = CONTINUE if finite else self._decide()
         if verdict == SKIP:
             for group in optimizer.param_groups:
                 for param in group["params"]:
@@ -178,30 +215,16 @@ class DivergenceGuard:
         value = self._metrics.last_value(SKIPPED_KEY)
         return float(value) if value is not None else 0.0
 
-    def _count_on_device(self, flag: torch.Tensor) -> None:
-        if self._counted:
-            return
-        self._counted = True
-        if self._skipped is None:
-            self._skipped = torch.full((), self._initial_count(), device=flag.device)
-        self._skipped.add_(flag)
-        self._metrics.buffer.add({SKIPPED_KEY: self._skipped})
-
-    def _decide(self, flag: torch.Tensor) -> str:
-        """The host verdict on the current flag: read once per measured norm, however many optimizers step."""
-        if self._verdict is not None:
-            return self._verdict
+    def _decide(self) -> str:
+        """The verdict on a non-finite step (a finite one is always taken: step_guard would say so)."""
         step, epoch, batch = self._where()
         if not self._resumed:  # the count survives a resume through the pushed (or buffered) metrics
             self._resumed = True
             self._state = attrs.evolve(self._state, skipped=int(self._initial_count()))
-        self._counted = True
-        self._state, verdict = core.step_guard(self._state, step, finite=not bool(flag.item()))
-        self._verdict = verdict
+        self._state, verdict = core.step_guard(self._state, step, finite=False)
         if verdict == RAISE:
             self._flag = None  # a caller that catches the error and steps again is not judged twice
             raise DivergenceError(self._message(step, epoch, batch), step=step, epoch=epoch, batch=batch)
-        self._metrics.buffer.add({SKIPPED_KEY: self._state.skipped})
         return verdict
 
     def _message(self, step: int, epoch: int, batch: int | None) -> str:

@@ -240,11 +240,23 @@ class TrainerMetrics:
             return value.item()
         return value if value is not None else self.latest.get(key)
 
+    def drain(self) -> dict[str, float]:
+        """:meth:`LogBuffer.drain`, with the divergence guard's skip count added to a non-empty buffer first.
+
+        :returns: Name to float, in logging order.
+        """
+        if self.guard is not None and len(self.buffer):
+            self.buffer.add(self.guard.count())
+        return self.buffer.drain()
+
     def state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """What a step checkpoint keeps of this rank's metrics: the unpushed buffer and the grad-norm mean.
+        """What a step checkpoint keeps of this rank's metrics: the unpushed buffer (with the guard's skip count,
+        when there is a guard) and the grad-norm mean.
 
         :returns: ``(buffer state, grad-norm state)``.
         """
+        if self.guard is not None:
+            self.buffer.add(self.guard.count())
         return self.buffer.state_dict(), self.grad_norm.state_dict()
 
     def load_state_dict(self, logs: Mapping[str, Any], grad_norm: dict[str, Any]) -> None:

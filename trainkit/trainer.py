@@ -833,7 +833,7 @@ class BaseTrainer(abc.ABC):
 
         :returns: The pushed metrics, without the epoch and step entries.
         """
-        metrics = self._metrics.buffer.drain()
+        metrics = self._metrics.drain()
         if not metrics:
             return metrics
         self._metrics.latest.update(metrics)
