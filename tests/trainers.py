@@ -605,6 +605,7 @@ class GuardTestConfig(TinyConfig):
     steps_left_out: tuple[int, ...] = ()  # global batches whose optimizer step this trainer leaves out itself
     optimizer: str = "sgd"  # "sgd", "adam", or either with "_fused"
     guard_on_device: bool = False  # take the guard's device path (found_inf) on the CPU too
+    push_every_step: bool = False  # a journal row per step (train/grad_norm, train/loss)
 
 
 class GuardTrainer(TinyTrainer):
@@ -641,6 +642,9 @@ class GuardTrainer(TinyTrainer):
             if self.batches_seen not in cfg.steps_left_out:
                 self.optimizer.step()
             self.batches_seen += 1
+            if cfg.push_every_step:
+                self.log({"train/loss": loss.detach()})
+                self.push_logs()
         self.log_lr()
 
     def train(self):
