@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointUnsafeError",
     "CheckpointMismatchError",
     "DistributedError",
+    "DivergenceError",
     "OutDirError",
     "UsageError",
     "HookNotImplementedError",

@@ -87,7 +87,7 @@ class GuardState:
 def step_guard(state: GuardState, step: int, finite: bool) -> tuple[GuardState, str]:
     """Decide what to do with optimizer step ``step`` given whether its gradients are finite.
 
-    A finite step is always taken (:data:`CONTINUE`). A non-finite one: ``"off"`` takes it anyway,
+    A finite step is always taken (``"continue"``). A non-finite one: ``"off"`` takes it anyway,
     ``"raise"`` raises, ``"skip"`` skips it until ``max_skips`` non-finite steps fall within ``window``
     steps (steps ``s`` with ``step - s < window``, this one included), which raises; ``"rollback"`` skips
     until then, and then rolls back. Steps must come in increasing order.
@@ -95,8 +95,8 @@ def step_guard(state: GuardState, step: int, finite: bool) -> tuple[GuardState, 
     :param state: The guard so far.
     :param step: The 0-based index of the optimizer step about to be taken.
     :param finite: Whether its total gradient norm is finite.
-    :returns: The new state and the verdict (:data:`CONTINUE`, :data:`SKIP`, :data:`RAISE` or
-        :data:`ROLLBACK`).
+    :returns: The new state and the verdict (``"continue"``, ``"skip"``, ``"raise"`` or
+        ``"rollback"``).
     :raises BookkeepingError: When ``step`` is not an int or goes back behind a recorded step.
 
     >>> state = GuardState(mode="skip", max_skips=2, window=5)
@@ -143,11 +143,11 @@ def is_finite_value(value: Any) -> bool | None:
 def replay_guard(steps: Iterable[tuple[int, bool]], state: GuardState) -> list[tuple[int, str]]:
     """Run ``(step, finite)`` pairs through :func:`step_guard` and list the steps where the guard fired.
 
-    Stops at the first :data:`RAISE` or :data:`ROLLBACK`, as the run would.
+    Stops at the first ``"raise"`` or ``"rollback"``, as the run would.
 
     :param steps: Steps and whether they were finite, in increasing step order.
     :param state: The guard's settings.
-    :returns: ``(step, verdict)`` for every step whose verdict was not :data:`CONTINUE`.
+    :returns: ``(step, verdict)`` for every step whose verdict was not ``"continue"``.
 
     >>> replay_guard([(0, True), (1, False), (2, True), (3, False)], GuardState(mode="skip", max_skips=2, window=4))
     [(1, 'skip'), (3, 'raise')]
