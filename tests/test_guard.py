@@ -98,3 +98,21 @@ def test_two_gloo_ranks_skip_together_when_one_rank_diverges(tmp_path):
     digests = {r["digest"] for r in guarded}
     assert digests == {r["digest"] for r in left_out} and len(digests) == 1
     assert rows[-1]["guard/skipped_steps"] == 1
+
+
+def test_the_skip_count_survives_a_resume(tmp_path):
+    """A resumed run counts on from the skips the checkpoint's run recorded (each process plants one NaN)."""
+    planted = {"nan_batches": (NAN_AT,), "guard": {"nonfinite": "skip"}}
+    (first,), _ = run(tmp_path, epochs=1, **planted)
+    (resumed,), rows = run(tmp_path, epochs=2, **planted)
+    assert (first["skipped"], resumed["skipped"]) == (1, 2)
+    assert [row["guard/skipped_steps"] for row in rows if "train/grad_norm" in row] == [1, 2]
+
+
+@pytest.mark.ddp
+def test_ranks_whose_norms_differ_take_one_verdict(tmp_path):
+    """Two ranks training models of their own (no DDP): rank 1's NaN makes rank 0 skip the same step too."""
+    reports, _ = run(
+        tmp_path, 2, nan_batches=(NAN_AT,), nan_rank=1, guard={"nonfinite": "skip"}, n_samples=200, wrap_ddp=False
+    )
+    assert [r["skipped"] for r in reports] == [1, 1]

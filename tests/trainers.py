@@ -606,6 +606,7 @@ class GuardTestConfig(TinyConfig):
     optimizer: str = "sgd"  # "sgd", "adam", or either with "_fused"
     guard_on_device: bool = False  # take the guard's device path (found_inf) on the CPU too
     push_every_step: bool = False  # a journal row per step (train/grad_norm, train/loss)
+    wrap_ddp: bool = True  # False: every rank trains a model of its own (the ranks' grad norms differ)
 
 
 class GuardTrainer(TinyTrainer):
@@ -620,6 +621,9 @@ class GuardTrainer(TinyTrainer):
         self.batches_seen = 0
         if self.cfg.guard_on_device and self._metrics.guard is not None:
             self._metrics.guard.device_path_on_cpu = True
+
+    def make_ddp(self, module, find_unused_parameters=False):
+        return super().make_ddp(module, find_unused_parameters) if self.cfg.wrap_ddp else module.to(self.device)
 
     def make_optimizer(self):
         kind = self.cfg.optimizer

@@ -218,6 +218,10 @@ class DivergenceGuard:
     def _decide(self) -> str:
         """The verdict on a non-finite step (a finite one is always taken: step_guard would say so)."""
         step, epoch, batch = self._where()
+        recent = self._state.recent
+        if recent and step <= recent[-1]:
+            # the counted optimizer did not step since (a second optimizer's step): judged as the next step
+            step = recent[-1] + 1
         if not self._resumed:  # the count survives a resume through the pushed (or buffered) metrics
             self._resumed = True
             self._state = attrs.evolve(self._state, skipped=int(self._initial_count()))

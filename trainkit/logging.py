@@ -200,14 +200,14 @@ class TrainerMetrics:
 
     __slots__ = ("buffer", "latest", "grad_norm", "guard")
 
-    def __init__(self, guard: Any = None, world_size: int = 1) -> None:
+    def __init__(self, guard_config: Any = None, world_size: int = 1) -> None:
         from trainkit.guard import DivergenceGuard
         from trainkit.optim import RunningMean
 
         self.buffer = LogBuffer()
         self.latest: dict[str, float] = {}
         self.grad_norm = RunningMean()
-        self.guard = None if guard is None else DivergenceGuard.build(guard, world_size, self)
+        self.guard = None if guard_config is None else DivergenceGuard.build(guard_config, world_size, self)
 
     def add_grad_norm(self, norm: torch.Tensor) -> None:
         """Take a step's pre-clip grad norm: into the epoch mean, the buffer, and the guard when there is one.
