@@ -123,10 +123,9 @@ class DivergenceGuard:
 
     @property
     def skipped(self) -> int:
-        """Optimizer steps skipped so far (a host read on the device path)."""
-        if self._skipped is not None:
-            return int(self._skipped.item())
-        return self._state.skipped
+        """Optimizer steps skipped so far, in the run and the runs it resumed (a host read on the device path)."""
+        value = self.count()[SKIPPED_KEY]
+        return int(value.item() if isinstance(value, torch.Tensor) else value)
 
     def watch(self, objects: Iterable[Any], where: Where) -> None:
         """Install the step hooks on every optimizer among ``objects`` (once each).
