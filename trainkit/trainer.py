@@ -761,7 +761,7 @@ class BaseTrainer(abc.ABC):
         """Clip gradients in place and log the pre-clip norm as ``train/grad_norm``.
 
         The norm is measured even when grad_clip is unset so the metric does not vanish on unclipped runs. Call
-        once per optimizer step, after backward() (under AMP, after unscaling); no host sync.
+        once per optimizer step, after backward() (under AMP, after unscaling); no host sync; ``guard.*`` judges it.
 
         :param modules: Modules to clip over, self.model by default. Pass the same ones as
             :meth:`get_param_groups`, so the norm spans every parameter stepped.
