@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tests.trainers import TinyTrainer, make_cfg
-from trainkit.replay import replay_run
+from trainkit.replay import replay_guard_run, replay_run
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -99,3 +99,41 @@ def test_replay_errors_are_one_line(tmp_path):
             timeout=60,
         )
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_the_guard_replay_fires_where_the_guard_of_a_real_run_fires(tmp_path):
+    """A run that skipped three planted NaNs (one row per step) replays, under a budget of 2 within 3 steps, into
+    a stop at the step where a run trained with that budget stopped; the command says so without torch."""
+    from tests.trainers import GuardTrainer
+    from trainkit.errors import DivergenceError
+
+    planted = {"nan_batches": (3, 7, 9), "push_every_step": True, "epochs": 2}
+    skipper = GuardTrainer(make_cfg(tmp_path / "skip", **planted, guard={"nonfinite": "skip"}))
+    skipper.train()
+    skipper.close()
+    budget = ["guard.max_skips=2", "guard.window=3"]
+    replayed = replay_guard_run(tmp_path / "skip", budget)
+    assert replayed.recorded_skips == 3 and replayed.non_finite == 3
+    budgeted = {"nonfinite": "skip", "max_skips": 2, "window": 3}
+    stopper = GuardTrainer(make_cfg(tmp_path / "stop", **planted, guard=budgeted))
+    try:
+        with pytest.raises(DivergenceError) as info:
+            stopper.train()
+    finally:
+        stopper.close()
+    # a row's trainer/step counts the steps taken by its push: the step judged, plus one
+    assert replayed.fired == ((4, "skip"), (8, "skip"), (info.value.step + 1, "raise"))
+    assert info.value.step + 1 == 10
+    narrower = replay_guard_run(tmp_path / "skip", ["window=2", "max_skips=2"])
+    assert narrower.fired == ((4, "skip"), (8, "skip"), (10, "skip"))
+    code = (
+        "import sys; from trainkit.cli import main; rc = main(sys.argv[1:]); "
+        "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "replay", "--guard", str(tmp_path / "skip"), *budget],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "3 non-finite; guard/skipped_steps 3" in proc.stdout
+    assert "would have skipped steps 4, 8\n  would have stopped (raise) before step 10" in proc.stdout

@@ -53,7 +53,7 @@ class TinyTrainer(BaseTrainer):
         self.test_x, self.test_y = x[n_train + n_val :], y[n_train + n_val :]
         net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(cfg.dropout), nn.Linear(32, 1))
         self.model = self.make_ddp(net)
-        self.optimizer = torch.optim.SGD(self.get_param_groups(), lr=cfg.lr, momentum=0.9)
+        self.optimizer = self.make_optimizer()
         self.sampler = DistributedSampler(
             self.train_set, num_replicas=self.world_size, rank=self.rank, shuffle=True, seed=cfg.seed
         )
@@ -62,6 +62,9 @@ class TinyTrainer(BaseTrainer):
         self.add_checkpoint_items(model=self.model, optimizer=self.optimizer)
         self.epochs_trained: list[int] = []
         self.epochs_validated: list[int] = []
+
+    def make_optimizer(self):
+        return torch.optim.SGD(self.get_param_groups(), lr=self.cfg.lr, momentum=0.9)
 
     def train_epoch(self):
         cfg = self.cfg
@@ -591,3 +594,88 @@ def flip_bit_in_tensor_data(path, offset_in_member=7):
     data_start = header + 30 + name_len + extra_len
     raw[data_start + offset_in_member] ^= 0x10
     path.write_bytes(bytes(raw))
+
+
+@attrs.frozen(kw_only=True)
+class GuardTestConfig(TinyConfig):
+    """TinyTrainer's keys plus a planted divergence: the loss of global batch ``nan_batch`` scaled by inf."""
+
+    nan_batches: tuple[int, ...] = ()
+    nan_rank: int | None = None  # None: every rank
+    steps_left_out: tuple[int, ...] = ()  # global batches whose optimizer step this trainer leaves out itself
+    optimizer: str = "sgd"  # "sgd", "adam", or either with "_fused"
+    guard_on_device: bool = False  # take the guard's device path (found_inf) on the CPU too
+    push_every_step: bool = False  # a journal row per step (train/grad_norm, train/loss)
+    wrap_ddp: bool = True  # False: every rank trains a model of its own (the ranks' grad norms differ)
+
+
+class GuardTrainer(TinyTrainer):
+    """TinyTrainer with a divergence planted at chosen batches, or optimizer steps left out by hand (the run a
+    guard's skip must equal bitwise); rank ``r`` writes ``out_dir/guard<r>.json``: its digests and skip count."""
+
+    config_class = GuardTestConfig
+    cfg: GuardTestConfig
+
+    def setup(self, ckpt):
+        super().setup(ckpt)
+        self.batches_seen = 0
+        if self.cfg.guard_on_device and self._metrics.guard is not None:
+            self._metrics.guard.device_path_on_cpu = True
+
+    def make_ddp(self, module, find_unused_parameters=False):
+        return super().make_ddp(module, find_unused_parameters) if self.cfg.wrap_ddp else module.to(self.device)
+
+    def make_optimizer(self):
+        kind = self.cfg.optimizer
+        fused = {"fused": True} if kind.endswith("_fused") else {}
+        if kind.startswith("adam"):
+            return torch.optim.AdamW(self.get_param_groups(), lr=0.01, **fused)
+        return torch.optim.SGD(self.get_param_groups(), lr=self.cfg.lr, momentum=0.9, **fused)
+
+    def train_epoch(self):
+        cfg = self.cfg
+        self.model.train()
+        for x, y in self.progress(self.loader):
+            x, y = x.to(self.device), y.to(self.device)
+            loss = nn.functional.mse_loss(self.model(x), y)
+            if self.batches_seen in cfg.nan_batches and cfg.nan_rank in (None, self.rank):
+                loss = loss * float("inf")
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.clip_and_log_grad_norm()
+            if self.batches_seen not in cfg.steps_left_out:
+                self.optimizer.step()
+            self.batches_seen += 1
+            if cfg.push_every_step:
+                self.log({"train/loss": loss.detach()})
+                self.push_logs()
+        self.log_lr()
+
+    def train(self):
+        import json
+        from pathlib import Path
+
+        try:
+            return super().train()
+        finally:
+            guard = self._metrics.guard
+            report = {
+                "digest": param_digest(self.model),
+                "optimizer": optimizer_digest(self.optimizer),
+                "skipped": None if guard is None else int(guard.count()["guard/skipped_steps"]),
+                "on_device": None if guard is None else guard.on_device,
+            }
+            Path(self.cfg.out_dir, f"guard{self.rank}.json").write_text(json.dumps(report))
+
+
+def optimizer_digest(optimizer: torch.optim.Optimizer) -> str:
+    """A hash of every tensor and number in an optimizer's state (moments, momentum, step counts)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for index, state in sorted(optimizer.state_dict()["state"].items()):
+        for key, value in sorted(state.items()):
+            digest.update(f"{index}.{key}".encode())
+            data = value.detach().cpu().contiguous().numpy().tobytes() if torch.is_tensor(value) else repr(value)
+            digest.update(data if isinstance(data, bytes) else data.encode())
+    return digest.hexdigest()

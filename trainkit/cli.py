@@ -512,9 +512,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         "replay", help="replay a run's validation scores under other early-stopping settings (no torch)"
     )
     replay_parser.add_argument("out_dir", help="the run's out_dir")
-    replay_parser.add_argument("settings", nargs="*", help="val.patience=5 val.min_delta=0.01 val.start_patience=3 ...")
+    replay_parser.add_argument(
+        "settings", nargs="*", help="val.patience=5 val.min_delta=0.01 ... (with --guard: guard.max_skips=3 ...)"
+    )
     replay_parser.add_argument("--metric", default="val/loss", help="the score the run selected on (val/loss)")
+    replay_parser.add_argument(
+        "--guard",
+        action="store_true",
+        help="replay the recorded grad norms and losses through the divergence guard; settings are guard.* words",
+    )
     args = parser.parse_args(argv)
+    if args.command == "replay" and args.guard:
+        from trainkit.replay import format_guard_replay, replay_guard_run
+
+        try:
+            guarded = replay_guard_run(args.out_dir, args.settings)
+        except (ConfigError, ValueError, FileNotFoundError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print("\n".join(format_guard_replay(guarded, args.settings)))
+        return 0
     if args.command == "replay":
         from trainkit.replay import format_replay, replay_run
 

@@ -53,6 +53,7 @@ __all__ = [
     "WandbConfig",
     "ProgressConfig",
     "DistConfig",
+    "GuardConfig",
     "DEFAULT_NO_WEIGHT_DECAY",
 ]
 
@@ -941,6 +942,25 @@ class DistConfig(_Section):
     timeout_s: float = attrs.field(default=300.0, validator=_positive)
 
 
+GUARD_NONFINITE = ("off", "raise", "skip")
+"""The ``guard.nonfinite`` choices this trainkit implements (the pure core also knows ``"rollback"``)."""
+
+
+@attrs.frozen(kw_only=True)
+class GuardConfig(_Section):
+    """``guard.*``: the divergence guard, acting on optimizer steps whose total grad norm is not finite.
+
+    ``nonfinite`` is ``"off"`` (the default: nothing is installed), ``"raise"`` (stop before the optimizer step
+    with an error naming the step and the batch) or ``"skip"`` (drop the step: no parameter or optimizer-state
+    update; counted as ``guard/skipped_steps``). With ``max_skips`` set, ``"skip"`` raises instead once that many
+    non-finite steps fall within ``window`` optimizer steps. See :mod:`trainkit.guard`.
+    """
+
+    nonfinite: str = attrs.field(default="off", validator=_one_of(*GUARD_NONFINITE))
+    max_skips: int | None = attrs.field(default=None, validator=_optional(_at_least(1)))
+    window: int = attrs.field(default=100, validator=_at_least(1))
+
+
 @attrs.frozen(kw_only=True)
 class Config(_Section):
     """The engine's configuration. Subclass it (with ``@attrs.frozen(kw_only=True)``) to add your own keys.
@@ -968,6 +988,7 @@ class Config(_Section):
     wandb: WandbConfig = _section(WandbConfig)
     progress: ProgressConfig = _section(ProgressConfig)
     dist: DistConfig = _section(DistConfig)
+    guard: GuardConfig = _section(GuardConfig)
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -983,7 +1004,7 @@ def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 RESUME_SAFE_KEYS = frozenset(
     key
     for key in all_keys(Config)
-    if key.split(".")[0] in ("epochs", "out_dir", "ckpt", "wandb", "progress", "dist", "test")
+    if key.split(".")[0] in ("epochs", "out_dir", "ckpt", "wandb", "progress", "dist", "test", "guard")
     or key in ("log_stats_every_n_steps", "log_weight_stats", "log_grad_stats", "log_throughput")
 )
 """The engine's config keys that may change between a run and its resume without changing what it computes.

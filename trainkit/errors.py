@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointUnsafeError",
     "CheckpointMismatchError",
     "DistributedError",
+    "DivergenceError",
     "OutDirError",
     "UsageError",
     "HookNotImplementedError",
@@ -127,6 +128,24 @@ class UsageError(TrainkitError, RuntimeError):
 
 class HookNotImplementedError(TrainkitError, NotImplementedError):
     """A subclass did not implement a hook that the trainer had to call."""
+
+
+class DivergenceError(TrainkitError, RuntimeError):
+    """The divergence guard (``guard.nonfinite``) stopped training before an optimizer step whose gradients
+    are not finite; nothing of that step was applied.
+
+    :param message: What happened and what to do.
+    :param step: The 0-based index of the optimizer step that was not taken.
+    :param epoch: The 0-based epoch.
+    :param batch: The 0-based index in the epoch of the step's last batch, when the loop is counted
+        (``ckpt.every_n_steps`` with ``self.progress(loader)``), else None.
+    """
+
+    def __init__(self, message: str, *, step: int, epoch: int, batch: int | None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.epoch = epoch
+        self.batch = batch
 
 
 class TrainingInterrupted(TrainkitError):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import json
 import math
 import os
@@ -211,30 +210,79 @@ class TrainerMetrics:
     :ivar buffer: The :class:`LogBuffer` of metrics logged since the last push.
     :ivar latest: The last pushed value of every key (the final metrics ``train()`` returns).
     :ivar grad_norm: The running mean of the epoch's grad norms (``log_epoch_grad_norm``).
+    :ivar guard: The divergence guard (:class:`~trainkit.guard.DivergenceGuard`), None when ``guard.nonfinite``
+        is off.
     :ivar throughput: The ``perf/*`` counters (a :class:`trainkit.throughput.Throughput`) with
         ``log_throughput``, else None.
+    :ivar drain: What ``push_logs`` drains by: :meth:`LogBuffer.drain` itself when neither the guard nor the
+        throughput counters are on (nothing in between on the per-row path), else :meth:`drain_with_parts`.
     """
 
-    __slots__ = ("buffer", "latest", "grad_norm", "throughput", "drain")
+    __slots__ = ("buffer", "latest", "grad_norm", "guard", "throughput", "drain")
 
-    def __init__(self, throughput: Any = None) -> None:
+    def __init__(self, guard_config: Any = None, world_size: int = 1, throughput: Any = None) -> None:
+        from trainkit.guard import DivergenceGuard
         from trainkit.optim import RunningMean
 
         self.buffer = LogBuffer()
         self.latest: dict[str, float] = {}
         self.grad_norm = RunningMean()
+        self.guard = None if guard_config is None else DivergenceGuard.build(guard_config, world_size, self)
         self.throughput = throughput
-        # what push_logs drains by: the buffer's own drain (no call in between on the per-row path), or through
-        # the throughput counters, which add the perf/* rates
-        self.drain: Callable[[], dict[str, float]] = (
-            self.buffer.drain if throughput is None else functools.partial(throughput.drain, self.buffer)
-        )
+        parts = self.guard is not None or throughput is not None
+        self.drain: Callable[[], dict[str, float]] = self.drain_with_parts if parts else self.buffer.drain
+
+    def add_grad_norm(self, norm: torch.Tensor) -> None:
+        """Take a step's pre-clip grad norm: into the epoch mean, the buffer, and the guard when there is one.
+
+        :param norm: The 0-d norm on the device.
+        """
+        self.grad_norm.add(norm)
+        self.buffer.add({"train/grad_norm": norm})
+        if self.guard is not None:
+            self.guard.observe(norm)
+
+    def watch(self, objects: Iterable[Any], trainer: Any) -> None:
+        """Hand the optimizers among newly registered checkpoint items to the guard (nothing when it is off).
+
+        :param objects: What ``add_checkpoint_items`` was given.
+        :param trainer: The trainer, held weakly: where its loop stands names the step in the guard's error.
+        """
+        if self.guard is not None:
+            from trainkit.guard import locator
+
+            self.guard.watch(objects, locator(trainer))
+
+    def last_value(self, key: str) -> Any:
+        """The value of ``key`` waiting in the buffer, else the last one pushed, else None.
+
+        :param key: The metric's name.
+        """
+        value = self.buffer._scalars.get(key)
+        if isinstance(value, torch.Tensor):
+            return value.item()
+        return value if value is not None else self.latest.get(key)
+
+    def drain_with_parts(self) -> dict[str, float]:
+        """:meth:`LogBuffer.drain`, with the divergence guard's skip count added to a non-empty buffer first and
+        the throughput counters' ``perf/*`` rates after.
+
+        :returns: Name to float, in logging order.
+        """
+        if self.guard is not None and len(self.buffer):
+            self.buffer.add(self.guard.count())
+        if self.throughput is not None:
+            return self.throughput.drain(self.buffer)
+        return self.buffer.drain()
 
     def state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """What a step checkpoint keeps of this rank's metrics: the unpushed buffer and the grad-norm mean.
+        """What a step checkpoint keeps of this rank's metrics: the unpushed buffer (with the guard's skip count,
+        when there is a guard) and the grad-norm mean.
 
         :returns: ``(buffer state, grad-norm state)``.
         """
+        if self.guard is not None:
+            self.buffer.add(self.guard.count())
         return self.buffer.state_dict(), self.grad_norm.state_dict()
 
     def load_state_dict(self, logs: Mapping[str, Any], grad_norm: dict[str, Any]) -> None:

@@ -1,4 +1,5 @@
-"""Replay a run's validation scores through the pure core under other early-stopping settings.
+"""Replay a run's validation scores through the pure core under other early-stopping settings, and its recorded grad
+norms and losses through the divergence guard's.
 
 Side effects: none but reading ``metrics.jsonl`` in :func:`replay_run`; no torch, no checkpoint. Only a
 functional core can offer this: the decisions a trainer made are pure functions of the scores it saw, so the
@@ -15,11 +16,32 @@ from typing import Any
 
 import attrs
 
-from trainkit.bookkeeping import BestState, PatienceState, is_real, save_if_best, step_patience
-from trainkit.config import ValConfig, apply_overrides
+from trainkit.bookkeeping import (
+    GUARD_MODES,
+    BestState,
+    GuardState,
+    PatienceState,
+    is_finite_value,
+    is_real,
+    replay_guard,
+    save_if_best,
+    step_patience,
+)
+from trainkit.config import GuardConfig, ValConfig, _one_of, apply_overrides
 from trainkit.metrics_file import read_metrics
 
-__all__ = ["Replay", "replay_scores", "validation_scores", "replay_run", "format_replay"]
+__all__ = [
+    "Replay",
+    "replay_scores",
+    "validation_scores",
+    "replay_run",
+    "format_replay",
+    "GUARD_KEYS",
+    "guard_steps",
+    "GuardReplay",
+    "replay_guard_run",
+    "format_guard_replay",
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -150,3 +172,125 @@ def format_replay(recorded: Replay, replayed: Replay, val_words: Sequence[str], 
         f"  {stop}",
         f"  best epoch {replayed.best_epoch} ({score(replayed.best_score)})",
     ]
+
+
+GUARD_KEYS = ("train/grad_norm", "train/loss")
+"""What the guard replay reads of each row: a step counts as non-finite when any of them recorded is."""
+
+
+def guard_steps(rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = GUARD_KEYS) -> list[tuple[int, bool]]:
+    """``(step, finite)`` for every ``trainer/step`` whose rows recorded one of ``keys``, in step order.
+
+    Pure. A row holds the values of the last step before its push, so the journal samples one step per push.
+
+    :param rows: The rows of ``metrics.jsonl``.
+    :param keys: The recorded values to judge.
+    :returns: The pairs; a step is finite when every value recorded for it is.
+
+    >>> guard_steps([{"trainer/step": 2, "train/grad_norm": 1.0}, {"trainer/step": 4, "train/grad_norm": float("nan")},
+    ...              {"trainer/step": 4, "train/loss": 0.5}, {"trainer/step": 5, "val/loss": 1.0}])
+    [(2, True), (4, False)]
+    """
+    finite: dict[int, bool] = {}
+    for row in rows:
+        step = row.get("trainer/step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            continue
+        for key in keys:
+            judged = is_finite_value(row.get(key))
+            if judged is not None:
+                finite[step] = finite.get(step, True) and judged
+    return sorted(finite.items())
+
+
+@attrs.frozen(kw_only=True)
+class GuardReplay:
+    """Where a guard would have fired on a recording.
+
+    :ivar steps: Steps the recording judged (one per push).
+    :ivar non_finite: Those with a non-finite grad norm or loss.
+    :ivar fired: ``(step, verdict)`` where the guard would not have simply taken the step, up to its stop.
+    :ivar recorded_skips: The last ``guard/skipped_steps`` the run recorded (None: it ran without a guard).
+    """
+
+    steps: int
+    non_finite: int
+    fired: tuple[tuple[int, str], ...]
+    recorded_skips: float | None
+
+
+@attrs.frozen(kw_only=True)
+class _ReplayGuardConfig(GuardConfig):
+    """``guard.*`` as the replay takes it: every mode the pure core knows, ``"skip"`` by default."""
+
+    nonfinite: str = attrs.field(default="skip", validator=_one_of(*GUARD_MODES))
+
+
+@attrs.frozen(kw_only=True)
+class _GuardOnly:
+    """The only section ``replay --guard`` takes overrides for."""
+
+    guard: _ReplayGuardConfig = attrs.field(factory=_ReplayGuardConfig)
+
+
+def replay_guard_run(out_dir: str | Path, overrides: Sequence[str] = ()) -> GuardReplay:
+    """Replay a run folder's recorded grad norms and losses through :func:`~trainkit.bookkeeping.step_guard`.
+
+    Side effects: reads ``out_dir/metrics.jsonl``.
+
+    :param out_dir: The run folder.
+    :param overrides: ``guard.*=value`` words (``guard.max_skips=3``, ``guard.nonfinite=rollback``, ...); the
+        ``guard.`` may be left out.
+    :returns: Where the guard would have fired.
+    :raises ConfigError: On an unknown key or a bad value.
+    :raises ValueError: When no row recorded a grad norm or a loss.
+    """
+    rows = read_metrics(out_dir)
+    steps = guard_steps(rows)
+    if not steps:
+        keys = " or ".join(map(repr, GUARD_KEYS))
+        raise ValueError(f"{Path(out_dir) / 'metrics.jsonl'} holds no {keys} values to judge")
+    data: dict[str, Any] = {"guard": {}}
+    apply_overrides(_GuardOnly, data, [w if w.startswith("guard.") else f"guard.{w}" for w in overrides])
+    cfg = _ReplayGuardConfig(**data["guard"])
+    state = GuardState(mode=cfg.nonfinite, max_skips=cfg.max_skips, window=cfg.window)
+    recorded = [row["guard/skipped_steps"] for row in rows if is_real(row.get("guard/skipped_steps"))]
+    return GuardReplay(
+        steps=len(steps),
+        non_finite=sum(not finite for _, finite in steps),
+        fired=tuple(replay_guard(steps, state)),
+        recorded_skips=float(recorded[-1]) if recorded else None,
+    )
+
+
+def format_guard_replay(replayed: GuardReplay, guard_words: Sequence[str]) -> list[str]:
+    """The lines ``python -m trainkit replay --guard`` prints.
+
+    Pure.
+
+    :param replayed: What :func:`replay_guard_run` found.
+    :param guard_words: The settings as given, for the heading.
+    :returns: The lines.
+
+    >>> print("\\n".join(format_guard_replay(GuardReplay(steps=9, non_finite=2, fired=((4, "skip"), (8, "raise")),
+    ...                                                 recorded_skips=None), ["max_skips=2"])))
+    recorded:     9 steps judged (one per push: train/grad_norm, train/loss), 2 non-finite; no guard ran
+    with max_skips=2:
+      would have skipped step 4
+      would have stopped (raise) before step 8
+    """
+    recorded = "no guard ran" if replayed.recorded_skips is None else f"guard/skipped_steps {replayed.recorded_skips:g}"
+    lines = [
+        f"recorded:     {replayed.steps} steps judged (one per push: {', '.join(GUARD_KEYS)}), "
+        f"{replayed.non_finite} non-finite; {recorded}",
+        f"with {' '.join(guard_words) or 'guard.nonfinite=skip'}:",
+    ]
+    skipped = [step for step, verdict in replayed.fired if verdict == "skip"]
+    if skipped:
+        lines.append(f"  would have skipped step{'s' if len(skipped) > 1 else ''} {', '.join(map(str, skipped))}")
+    stops = [(step, verdict) for step, verdict in replayed.fired if verdict != "skip"]
+    for step, verdict in stops:
+        lines.append(f"  would have stopped ({verdict}) before step {step}")
+    if not replayed.fired:
+        lines.append("  would never have fired")
+    return lines

@@ -50,6 +50,7 @@ class EpochTracker:
         self._voting = False  # whether this epoch's step boundaries take part in the ranks' stop vote
         self._in_epoch = False
         self._tracked = False
+        self._batches: TrackedBatches | None = None  # this epoch's counted loop, for current_batch()
         self._untracked_warned = False
         self.first_batch = 0
         """The index in the epoch of the first batch the tracked loop yields (a resumed epoch's consumed ones)."""
@@ -137,6 +138,7 @@ class EpochTracker:
         finally:
             self._in_epoch = False
             self.first_batch = 0
+            self._batches = None
         if self._pending is not None:
             position = self._pending[0]
             self._pending = None
@@ -188,7 +190,7 @@ class EpochTracker:
         self._tracked = True
         self.saved(step())
         self._voting = self._stepping and dist_utils.is_distributed()
-        return TrackedBatches(
+        self._batches = TrackedBatches(
             loader,
             epoch=epoch,
             skip=position.batches if position is not None else 0,
@@ -198,6 +200,15 @@ class EpochTracker:
             on_close=self._vote.finish,
             on_untracked=self._warn_untracked,
         )
+        return self._batches
+
+    def current_batch(self) -> int | None:
+        """The 0-based index in the epoch of the last batch the counted loop yielded, or None (no counted loop).
+
+        :returns: The index, for messages (the divergence guard's error names it).
+        """
+        batches = self._batches
+        return None if batches is None or batches.consumed == 0 else batches.consumed - 1
 
     def _check_same_data(self, position: core.EpochPosition, resume: Any, loader: Any) -> None:
         mismatch = core.position_mismatch(position, world_size=self._world_size, loader=loader_shape(loader))

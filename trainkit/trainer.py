@@ -77,9 +77,11 @@ def _step_counter(trainer: BaseTrainer) -> Any:
     return count
 
 
-def _throughput(trainer: BaseTrainer) -> Throughput:
-    """The ``perf/*`` counters of ``log_throughput``, reading ``trainer.step`` through a weak reference (as
-    :func:`_step_counter` does, for the same reason)."""
+def _throughput(trainer: BaseTrainer) -> Throughput | None:
+    """The ``perf/*`` counters when ``log_throughput`` is on (else None), reading ``trainer.step`` through a weak
+    reference (as :func:`_step_counter` does, for the same reason)."""
+    if not trainer.cfg.log_throughput:
+        return None
     ref = weakref.ref(trainer)
     return Throughput(lambda: getattr(ref(), "step", 0), trainer.world_size)
 
@@ -239,7 +241,7 @@ class BaseTrainer(abc.ABC):
         self._best = WeightSnapshot()
         self._records = _Records(core.LoopState(), None, None)
         self._registry = core.CkptRegistry()
-        self._metrics = TrainerMetrics(_throughput(self) if self.cfg.log_throughput else None)
+        self._metrics = TrainerMetrics(self.cfg.guard, world_size, _throughput(self))  # parts that are on
         self._results: dict[str, float] | None = None
         self._validating: bool | None = None  # None outside val_epoch(); True once step_patience() ran in it
         self._failed = False
@@ -526,6 +528,7 @@ class BaseTrainer(abc.ABC):
         # a generator has no state_dict(): registered as its state, restored into it in place
         items = {name: GeneratorItem(obj) if isinstance(obj, torch.Generator) else obj for name, obj in kwargs.items()}
         self._registry, _ = core.register_items(self._registry, items)
+        self._metrics.watch(kwargs.values(), self)  # the divergence guard's hooks on its optimizers, when on
         optimizer = next((obj for obj in kwargs.values() if isinstance(obj, torch.optim.Optimizer)), None)
         if optimizer is not None and not counted:
             optimizer.register_step_post_hook(_step_counter(self))
@@ -770,7 +773,7 @@ class BaseTrainer(abc.ABC):
         """Clip gradients in place and log the pre-clip norm as ``train/grad_norm``.
 
         The norm is measured even when grad_clip is unset so the metric does not vanish on unclipped runs. Call
-        once per optimizer step, after backward() (under AMP, after unscaling); no host sync.
+        once per optimizer step, after backward() (under AMP, after unscaling); no host sync; ``guard.*`` judges it.
 
         :param modules: Modules to clip over, self.model by default. Pass the same ones as
             :meth:`get_param_groups`, so the norm spans every parameter stepped.
@@ -781,8 +784,7 @@ class BaseTrainer(abc.ABC):
         if self.cfg.grad_clip is not None:
             optim_utils.clip_grads_(params, self.cfg.grad_clip, norm)
         norm = sharding.plain(norm.detach())  # over FSDP2 shards a replicated DTensor: its local value is the norm
-        self._metrics.grad_norm.add(norm)
-        self._metrics.buffer.add({"train/grad_norm": norm})
+        self._metrics.add_grad_norm(norm)  # and to the divergence guard (guard.nonfinite), when on
         return norm
 
     def log_epoch_grad_norm(self) -> None:

@@ -6,6 +6,14 @@ without torch.
 
 from trainkit.bookkeeping._records import as_verdict, is_bool_like, is_int, is_real
 from trainkit.bookkeeping.best import BestState, best_metric_key, retune_min_delta, save_if_best
+from trainkit.bookkeeping.guard import (
+    GUARD_MODES,
+    GuardState,
+    is_finite_value,
+    replay_guard,
+    rollback_candidate,
+    step_guard,
+)
 from trainkit.bookkeeping.patience import PatienceState, retune_patience, step_patience
 from trainkit.bookkeeping.position import EpochPosition, next_step_checkpoint, position_mismatch, step_checkpoint_due
 from trainkit.bookkeeping.registry import (
@@ -39,6 +47,12 @@ from trainkit.bookkeeping.schedule import (
 from trainkit.bookkeeping.throughput import PERF_KEYS, ThroughputMark, throughput_rates
 
 __all__ = [
+    "GUARD_MODES",
+    "GuardState",
+    "step_guard",
+    "replay_guard",
+    "is_finite_value",
+    "rollback_candidate",
     "BestState",
     "save_if_best",
     "best_metric_key",

@@ -1,0 +1,118 @@
+"""The divergence guard on real runs: a NaN planted at a step is skipped exactly or stops the run there."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import trainkit
+import trainkit.guard
+from tests.host_syncs import count_host_syncs
+from tests.trainers import GuardTrainer, make_cfg
+from trainkit.errors import ConfigError, DivergenceError
+
+GUARD_FILE = trainkit.guard.__file__
+
+NAN_AT = 3
+"""The global batch whose loss is scaled by inf (optimizer step 3: one step per batch)."""
+
+
+def run(out_dir, world_size=1, **overrides):
+    """Train a GuardTrainer (2 epochs of 6 batches); return rank 0's report, every rank's, and the journal."""
+    cfg = make_cfg(out_dir, **{"epochs": 2, "n_samples": 320, **overrides})
+    if world_size == 1:
+        trainer = GuardTrainer(cfg)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+    else:
+        trainkit.spawn(GuardTrainer, {**cfg, "dist": {"timeout_s": 60}}, world_size)
+    reports = [json.loads((out_dir / f"guard{rank}.json").read_text()) for rank in range(world_size)]
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return reports, rows
+
+
+@pytest.mark.parametrize("optimizer, on_device", [("sgd", False), ("adam", False), ("adam_fused", True)])
+def test_a_skipped_step_equals_the_step_left_out_bitwise(tmp_path, optimizer, on_device):
+    """guard.nonfinite=skip drops the planted step exactly: weights and optimizer state (momentum, Adam's moments
+    and step counts) equal a run that never called optimizer.step() there; without the guard the NaN spreads."""
+    skip = {"nonfinite": "skip"}
+    with count_host_syncs(only_from=GUARD_FILE) as syncs:
+        (guarded,), rows = run(
+            tmp_path / "a", nan_batches=(NAN_AT,), optimizer=optimizer, guard=skip, guard_on_device=on_device
+        )
+    (left_out,), _ = run(tmp_path / "b", steps_left_out=(NAN_AT,), optimizer=optimizer)
+    (unguarded,), _ = run(tmp_path / "c", nan_batches=(NAN_AT,), optimizer=optimizer)
+    assert guarded["on_device"] is on_device and guarded["skipped"] == 1
+    # the device path reads nothing on the host; the host path reads the norm once per optimizer step
+    assert sum(syncs.values()) == (0 if on_device else 12)
+    assert (guarded["digest"], guarded["optimizer"]) == (left_out["digest"], left_out["optimizer"])
+    assert unguarded["digest"] != left_out["digest"]
+    assert [row["guard/skipped_steps"] for row in rows if "train/grad_norm" in row] == [1, 1]
+
+
+def test_raise_stops_before_the_step_naming_it_and_its_batch(tmp_path):
+    """guard.nonfinite=raise stops before the planted step: the error names step, epoch and batch, and the weights
+    and optimizer state are those after the steps before it (as a run that leaves out every later step)."""
+    with pytest.raises(DivergenceError, match=rf"before optimizer step {NAN_AT} \(epoch 0, batch {NAN_AT} of") as info:
+        run(tmp_path / "a", nan_batches=(NAN_AT,), guard={"nonfinite": "raise"}, ckpt={"every_n_steps": 2})
+    assert (info.value.step, info.value.epoch, info.value.batch) == (NAN_AT, 0, NAN_AT)
+    stopped = json.loads((tmp_path / "a" / "guard0.json").read_text())
+    (frozen,), _ = run(tmp_path / "b", steps_left_out=tuple(range(NAN_AT, 12)))
+    assert (stopped["digest"], stopped["optimizer"]) == (frozen["digest"], frozen["optimizer"])
+
+
+def test_skip_raises_once_max_skips_non_finite_steps_fall_within_the_window(tmp_path):
+    """With guard.max_skips=2 and guard.window=3 two NaNs 4 steps apart are skipped, two 2 apart stop the run."""
+    (report,), _ = run(tmp_path / "a", nan_batches=(2, 6), guard={"nonfinite": "skip", "max_skips": 2, "window": 3})
+    assert report["skipped"] == 2
+    with pytest.raises(DivergenceError, match=r"2 non-finite steps fell within guard.window=3 steps \(steps 6, 8;"):
+        run(tmp_path / "b", nan_batches=(2, 6, 8), guard={"nonfinite": "skip", "max_skips": 2, "window": 3})
+
+
+def test_off_installs_nothing(tmp_path):
+    """The default guard.nonfinite=off hangs no hook on the optimizer and builds no guard."""
+    trainer = GuardTrainer(make_cfg(tmp_path, epochs=1))
+    try:
+        assert trainer._metrics.guard is None
+        assert not trainer.optimizer._optimizer_step_pre_hooks
+    finally:
+        trainer.close()
+
+
+def test_an_unknown_mode_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="guard.nonfinite.*must be one of 'off', 'raise', 'skip'.*'rollback'"):
+        GuardTrainer(make_cfg(tmp_path, epochs=1, guard={"nonfinite": "rollback"}))
+
+
+@pytest.mark.ddp
+def test_two_gloo_ranks_skip_together_when_one_rank_diverges(tmp_path):
+    """A NaN planted on rank 1 only: both ranks skip that step, and end bitwise as 2 ranks that left it out."""
+    guarded, rows = run(
+        tmp_path / "a", 2, nan_batches=(NAN_AT,), nan_rank=1, guard={"nonfinite": "skip"}, n_samples=200
+    )
+    left_out, _ = run(tmp_path / "b", 2, steps_left_out=(NAN_AT,), n_samples=200)
+    assert [r["skipped"] for r in guarded] == [1, 1]
+    digests = {r["digest"] for r in guarded}
+    assert digests == {r["digest"] for r in left_out} and len(digests) == 1
+    assert rows[-1]["guard/skipped_steps"] == 1
+
+
+def test_the_skip_count_survives_a_resume(tmp_path):
+    """A resumed run counts on from the skips the checkpoint's run recorded (each process plants one NaN)."""
+    planted = {"nan_batches": (NAN_AT,), "guard": {"nonfinite": "skip"}}
+    (first,), _ = run(tmp_path, epochs=1, **planted)
+    (resumed,), rows = run(tmp_path, epochs=2, **planted)
+    assert (first["skipped"], resumed["skipped"]) == (1, 2)
+    assert [row["guard/skipped_steps"] for row in rows if "train/grad_norm" in row] == [1, 2]
+
+
+@pytest.mark.ddp
+def test_ranks_whose_norms_differ_take_one_verdict(tmp_path):
+    """Two ranks training models of their own (no DDP): rank 1's NaN makes rank 0 skip the same step too."""
+    reports, _ = run(
+        tmp_path, 2, nan_batches=(NAN_AT,), nan_rank=1, guard={"nonfinite": "skip"}, n_samples=200, wrap_ddp=False
+    )
+    assert [r["skipped"] for r in reports] == [1, 1]
