@@ -116,3 +116,13 @@ def test_ranks_whose_norms_differ_take_one_verdict(tmp_path):
         tmp_path, 2, nan_batches=(NAN_AT,), nan_rank=1, guard={"nonfinite": "skip"}, n_samples=200, wrap_ddp=False
     )
     assert [r["skipped"] for r in reports] == [1, 1]
+
+
+def test_the_guard_and_the_throughput_rates_share_a_row(tmp_path):
+    """With guard.nonfinite=skip and log_throughput both on, each epoch's row has the skip count and the rates,
+    and the skipped step still counts as a step (trainer.step advances, so steps/s does)."""
+    (report,), rows = run(tmp_path, nan_batches=(NAN_AT,), guard={"nonfinite": "skip"}, log_throughput=True)
+    assert report["skipped"] == 1
+    epoch_rows = [row for row in rows if "train/grad_norm" in row]
+    assert [row["guard/skipped_steps"] for row in epoch_rows] == [1, 1]
+    assert all(row["perf/steps_per_s"] > 0 and "perf/samples_per_s" in row for row in epoch_rows)
