@@ -206,6 +206,7 @@ ENGINE_GATES = {
     "engine/wandb/step": 10.0,
     "engine/wandb/epoch": 150.0,
     "engine/wandb/run": 5000.0,
+    "engine/guard/step": 2.0,
 }
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -738,6 +739,23 @@ def checkpoint_config(wl: Workload) -> dict[str, Any]:
     return _CHECKPOINT_CONFIGS[wl.name]
 
 
+class ClippingBenchTrainer(BenchTrainer):
+    """:class:`BenchTrainer` calling ``clip_and_log_grad_norm()`` before each optimizer step (features ``clip`` and
+    ``guard``): what the divergence guard judges, so ``guard`` (``guard.nonfinite=skip``, nothing non-finite)
+    against ``clip`` (the guard off) is the guard's own cost per step."""
+
+    def train_epoch(self) -> None:
+        model, optimizer, loss_of = self.model, self.optimizer, self.workload.loss_fn
+        model.train()
+        loss = self.last_loss
+        for x, y in self.progress(self.loader):
+            loss = loss_of(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            self.clip_and_log_grad_norm()
+            optimizer.step()
+        self.last_loss = loss
+
+
 def trainkit_config(wl: Workload, tmp: Path, feature: str) -> dict[str, Any]:
     ckpt: dict[str, Any] = {"enable": feature in ("ckpt", "steps", "ckpt_last")}
     if feature == "steps":
@@ -752,15 +770,19 @@ def trainkit_config(wl: Workload, tmp: Path, feature: str) -> dict[str, Any]:
         "ckpt": ckpt,
         "wandb": {"mode": "offline" if feature == "wandb" else "disabled", "project": "trainkit-bench"},
         "progress": {"enable": feature == "tqdm"},
+        "guard": {"nonfinite": "skip" if feature == "guard" else "off"},
     }
 
 
 def trainkit_run(wl: Workload, tmp: Path, feature: str) -> tuple[nn.Module, Any]:
-    BenchTrainer.workload = wl
-    BenchTrainer.feature = feature
-    trainer = BenchTrainer(trainkit_config(wl, tmp, feature))
-    trainer.train()
+    cls = ClippingBenchTrainer if feature in ("clip", "guard") else BenchTrainer
+    cls.workload = wl
+    cls.feature = feature
+    trainer = cls(trainkit_config(wl, tmp, feature))
+    result = trainer.train() or {}
     trainer.close()
+    if (feature == "guard") != ("guard/skipped_steps" in result):
+        raise SystemExit(f"the `{feature}` variant's divergence guard is not as asked: the run returned {result}")
     if feature == "steps" and (trainer.tracked != len(trainer.loader) or trainer.step != wl.steps):
         raise SystemExit(
             f"the `{feature}` variant did not run the tracked loop: {trainer.tracked} batches counted in the last "
@@ -1738,7 +1760,7 @@ def add_cost_row(
     return row
 
 
-ENGINE_GROUPS = ("off", "tqdm", "wandb", "ckpt")
+ENGINE_GROUPS = ("off", "tqdm", "wandb", "ckpt", "guard")
 """The engine section's groups, each a baseline and the trainkit variants measured against it."""
 
 
@@ -1796,12 +1818,19 @@ def bench_engine(report: Report, s: Settings, use_lightning: bool, only: tuple[s
             "raw_ckpt",
             [Contestant("raw_ckpt", raw("ckpt"), "raw"), Contestant("trainkit", ours("ckpt"), "trainkit")],
         ),
+        "guard": (
+            "trainkit (clip)",
+            [
+                Contestant("trainkit (clip)", ours("clip"), "trainkit"),
+                Contestant("trainkit (guard)", ours("guard"), "trainkit"),
+            ],
+        ),
     }
     groups = {feature: group for feature, group in groups.items() if feature in only}
     lightning = "lightning" if use_lightning else None
     with wandb_calls_apart():
         for feature, (base, contestants) in groups.items():
-            if use_lightning:
+            if use_lightning and feature in LIGHTNING_NOTES:
                 contestants.append(
                     Contestant("lightning", lambda wl, tmp, f=feature: lightning_run(wl, tmp, f), "lightning")
                 )
@@ -1876,7 +1905,7 @@ def bench_engine(report: Report, s: Settings, use_lightning: bool, only: tuple[s
                     {"epoch": "engine/steps/epoch"},
                     note="the tracked loop alone: against trainkit writing the same last.pt at every epoch end",
                 )
-            else:
+            elif feature != "guard":
                 trainkit_gates = {
                     "tqdm": {u: f"engine/tqdm/{u}" for u in ("step", "epoch", "run")},
                     "wandb": {u: f"engine/wandb/{u}" for u in ("step", "epoch", "run")},
@@ -1890,6 +1919,18 @@ def bench_engine(report: Report, s: Settings, use_lightning: bool, only: tuple[s
                     "disk-bound, judged on wall time by tiny/ckpt, information here",
                 }
                 add_cost_row(report, res, shapes, feature, "trainkit", base, trainkit_gates, lightning, notes[feature])
+            elif feature == "guard":
+                add_cost_row(
+                    report,
+                    res,
+                    shapes,
+                    "guard",
+                    "trainkit (guard)",
+                    "trainkit (clip)",
+                    {"step": "engine/guard/step"},
+                    note="guard.nonfinite=skip with nothing non-finite (the norm judged before each optimizer step) "
+                    "against the same loop with the guard off; both call clip_and_log_grad_norm()",
+                )
             if feature == "wandb":
                 add_cost_row(
                     report,

@@ -181,7 +181,7 @@ class DivergenceGuard:
         flag = self._flag
         if flag is None:
             return  # no norm measured since the last step: this step is not guarded
-        if self.on_device:
+        if self._on_device:  # (not the property: this runs every step, and a call costs more than the check)
             if not self._counted:
                 self._counted = True
                 if self._skipped is None:
