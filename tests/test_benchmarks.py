@@ -29,9 +29,17 @@ def test_overhead_quick_mode_runs_and_checks_same_work(tmp_path):
         assert any(f == feature and b == baseline and c.startswith("trainkit") for f, c, b in rows), (feature, rows)
     assert ("off", "raw (again)", "raw") in rows
     assert ("ckpt", "trainkit", "raw_ckpt") in rows
+    assert ("guard", "trainkit (guard)", "trainkit (clip)") in rows
     verdicts = {g["gate"]: g["verdict"] for g in report["gates"]}
-    assert {"engine/off/step", "engine/steps/step", "engine/wandb/step", "tiny/off"} <= set(verdicts)
+    gated = {"engine/off/step", "engine/steps/step", "engine/wandb/step", "engine/guard/step", "tiny/off"}
+    assert gated <= set(verdicts)
     assert set(verdicts.values()) <= {"PASS", "FAIL", "UNDECIDED"}
+
+
+def test_overhead_refuses_an_unknown_engine_group():
+    """--engine-groups names the group it does not know and the ones there are."""
+    proc = run_script("benchmarks/overhead.py", "--quick", "--only", "engine", "--engine-groups", "off,wand")
+    assert proc.returncode == 2 and "'off,wand'" in proc.stderr and "guard" in proc.stderr, proc.stderr
 
 
 def test_gpu_check_cpu_smoke_runs(tmp_path):
