@@ -141,3 +141,13 @@ def test_count_tokens_refuses_what_is_not_a_count(tmp_path, value):
             trainer.count_tokens(value)
     finally:
         trainer.close()
+
+
+def test_a_mapping_batch_is_measured_by_its_first_tensor():
+    """A batch that is a mapping but not a dict (a tokenizer's batch, say) counts its first tensor's rows."""
+    from collections import UserDict
+
+    from trainkit.throughput import samples_in
+
+    assert samples_in(UserDict({"input_ids": torch.zeros(6, 10), "labels": torch.zeros(6)})) == 6
+    assert samples_in([[[[torch.zeros(3)]]]]) is None  # deeper than three containers: not looked for

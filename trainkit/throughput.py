@@ -8,7 +8,7 @@ host in the push's one transfer.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ _TOKENS = "perf/_tokens"  # the device-side token count's key inside the buffer 
 
 
 def samples_in(batch: Any, depth: int = 0) -> int | None:
-    """The number of samples in a batch: the leading dimension of its first tensor (in a tuple, list or dict).
+    """The number of samples in a batch: the leading dimension of its first tensor (in a tuple, list or mapping).
 
     :param batch: What the loader yielded.
     :param depth: How deep in nested containers this looks already (it looks 3 levels deep at most).
@@ -37,7 +37,7 @@ def samples_in(batch: Any, depth: int = 0) -> int | None:
         return int(batch.shape[0]) if batch.dim() else None
     if depth >= 3:
         return None
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # a dict, or a mapping such as a tokenizer's batch
         batch = list(batch.values())
     if isinstance(batch, list | tuple) and batch:
         return samples_in(batch[0], depth + 1)
