@@ -150,7 +150,7 @@ FULL = Settings(
     engine_shapes=((1, 10), (1, 200), (10, 10)),
     engine_rounds=15,
     engine_reps=6,
-    engine_wandb_reps=2,
+    engine_wandb_reps=4,
 )
 QUICK = Settings(
     mode="quick",
@@ -591,7 +591,7 @@ def raw_run(wl: Workload, tmp: Path, feature: str, spin_s: float = 0.0) -> tuple
     best_epoch = None
     best_state: dict[str, torch.Tensor] | None = None
     improvements = 0
-    step = 0
+    step = rows = 0
     val = float("nan")
     loss = torch.zeros(())
     loss_of, backward = wl.loss_fn, wl.backward
@@ -607,7 +607,11 @@ def raw_run(wl: Workload, tmp: Path, feature: str, spin_s: float = 0.0) -> tuple
             if spin_s:
                 spin(spin_s)
             if run is not None:
-                run.log({"trainer/step": step, "trainer/epoch": epoch, "train/loss": loss.item()})
+                # W&B's step given as trainkit gives it (each row's 0-based number, committed at once): W&B's own
+                # work per row, timed apart, is then the same call on both sides
+                row = {"trainer/step": step, "trainer/epoch": epoch, "train/loss": loss.item()}
+                run.log(row, step=rows, commit=True)
+                rows += 1
         val = wl.val_loss(model)
         if feature in ("ckpt", "ckpt_min"):
             same_as_trainkit = feature == "ckpt"
