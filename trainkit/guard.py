@@ -15,6 +15,10 @@ registered with ``add_checkpoint_items`` acts on it before the step runs. Two pa
   :class:`~trainkit.DivergenceError` or skips the step by setting every parameter's ``.grad`` to None (torch's
   optimizers leave a parameter without a gradient untouched: no update, no state change).
 
+``"rollback"`` takes the host path; when its window is exhausted the pre-hook raises
+:class:`~trainkit.rollback.RollbackNeeded` (a :class:`~trainkit.DivergenceError`) naming the window's bad steps
+and their batches, and the trainer rolls back (:mod:`trainkit.rollback`).
+
 Under DDP the flag is all-reduced (MAX) before it is read or used, so every rank takes the same verdict even
 when the norms differ. Side effects: optimizer hooks, ``found_inf`` set on a fused optimizer during its step,
 ``.grad`` cleared on a skipped step, ``guard/skipped_steps`` buffered for the next push.

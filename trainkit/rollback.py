@@ -58,7 +58,8 @@ def _log_dropped(trainer: BaseTrainer) -> Any:
 
     def dropped(epoch: int, position: int, indices: Any) -> None:
         if trainer.is_main:
-            samples = [int(i) for i in indices] if isinstance(indices, list | tuple) else [int(indices)]
+            drawn = indices if isinstance(indices, list | tuple) else [indices]
+            samples = [int(i) if isinstance(i, int) else str(i) for i in drawn]  # a key of a dict-like data set
             row = {"trainer/step": trainer.step, "trainer/epoch": epoch, SKIPPED_SAMPLES_KEY: samples}
             trainer._run_log.log({**row, "guard/skipped_batch": position})
 
