@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import trainkit
 import trainkit.guard
@@ -83,8 +84,10 @@ def test_off_installs_nothing(tmp_path):
 
 
 def test_an_unknown_mode_is_refused_naming_the_key(tmp_path):
-    with pytest.raises(ConfigError, match="guard.nonfinite.*must be one of 'off', 'raise', 'skip'.*'rollback'"):
-        GuardTrainer(make_cfg(tmp_path, epochs=1, guard={"nonfinite": "rollback"}))
+    with pytest.raises(ConfigError, match="guard.nonfinite.*must be one of 'off', 'raise', 'skip', 'rollback'"):
+        GuardTrainer(make_cfg(tmp_path, epochs=1, guard={"nonfinite": "undo"}))
+    with pytest.raises(ConfigError, match=r"guard.skip_batches must be a list of 'EPOCH:BATCH' strings.*got '1-3'"):
+        GuardTrainer(make_cfg(tmp_path, epochs=1, guard={"skip_batches": ["1-3"]}))
 
 
 @pytest.mark.ddp
@@ -126,3 +129,55 @@ def test_the_guard_and_the_throughput_rates_share_a_row(tmp_path):
     epoch_rows = [row for row in rows if "train/grad_norm" in row]
     assert [row["guard/skipped_steps"] for row in epoch_rows] == [1, 1]
     assert all(row["perf/steps_per_s"] > 0 and "perf/samples_per_s" in row for row in epoch_rows)
+
+
+ROLLBACK = {"nonfinite": "rollback", "max_skips": 2, "window": 3}
+"""Two non-finite steps within 3 steps roll back; the first of them is skipped until then."""
+
+
+def rolled_back_run(tmp_path, world_size=1, **overrides):
+    """Epoch 1 (steps 6-11) diverges at batches 1 and 3 (steps 7 and 9): the rollback at step 9 passes over last.pt
+    (step 8) to last.prev.pt (step 6, the end of epoch 0), then runs epoch 1 again without those two batches.
+    Returns the rolled-back run's reports and journal, and the run resumed from a copy of the step-6 checkpoint with
+    guard.skip_batches naming the same batches."""
+    planted = {"nan_positions": ("1:1", "1:3"), "guard": ROLLBACK, "ckpt": {"every_n_steps": 2, "keep": "latest:9"}}
+    rolled, rows = run(tmp_path / "a", world_size, **planted, **overrides)
+    copy = tmp_path / "a" / "checkpoints" / "step-6.pt"  # ckpt.keep's copy of that checkpoint, beside its run
+    again = {**planted, "guard": {**ROLLBACK, "skip_batches": ["1:1", "1:3"]}, "ckpt": {"resume": str(copy)}}
+    resumed, _ = run(tmp_path / "b", world_size, **again, **overrides)
+    return rolled, rows, resumed
+
+
+def test_a_rollback_equals_the_run_resumed_from_its_checkpoint_with_the_batches_skipped_bitwise(tmp_path):
+    """guard.nonfinite=rollback reloads the newest checkpoint before the first bad step and leaves the offending
+    batches out at the index level: weights and optimizer state equal, bitwise, a run resumed from a copy of that
+    checkpoint with guard.skip_batches naming them; the journal says where it went and what it left out."""
+    (rolled,), rows, (resumed,) = rolled_back_run(tmp_path)
+    assert (rolled["digest"], rolled["optimizer"]) == (resumed["digest"], resumed["optimizer"])
+    (rollback,) = [row for row in rows if "guard/rolled_back_to_step" in row]
+    assert rollback["guard/rolled_back_to_step"] == 6 and rollback["guard/rollback_from_step"] == 7
+    assert rollback["guard/skipped_batches"] == ["1:1", "1:3"]
+    dropped = [
+        (row["guard/skipped_batch"], row["guard/skipped_samples"]) for row in rows if "guard/skipped_batch" in row
+    ]
+    assert [batch for batch, _ in dropped] == [1, 3] and all(len(samples) == 32 for _, samples in dropped)
+    assert rows[-1]["trainer/step"] == 10  # 6 steps in epoch 0, 4 in epoch 1 (2 of its 6 batches left out)
+    # every later checkpoint carries the positions left out, so a resume from it leaves them out too
+    last = torch.load(tmp_path / "a" / "last.pt", weights_only=True)
+    assert last["guard_skips"] == [[1, 1], [1, 3]]
+
+
+@pytest.mark.ddp
+def test_two_gloo_ranks_roll_back_together_bitwise(tmp_path):
+    """A NaN planted on rank 1 only: both ranks roll back to the same checkpoint, leave the same batches out, and
+    end bitwise as 2 ranks resumed from a copy of it with those batches skipped."""
+    rolled, rows, resumed = rolled_back_run(tmp_path, 2, nan_rank=1, n_samples=640)
+    digests = {r["digest"] for r in rolled}
+    assert digests == {r["digest"] for r in resumed} and len(digests) == 1
+    assert [row["guard/rolled_back_to_step"] for row in rows if "guard/rolled_back_to_step" in row] == [6]
+
+
+def test_rollback_without_a_checkpoint_before_the_bad_step_stops_naming_it(tmp_path):
+    """In the first epoch without step checkpoints there is nothing to go back to: a DivergenceError says so."""
+    with pytest.raises(DivergenceError, match="found no checkpoint written before step 3 to roll back to"):
+        run(tmp_path, nan_positions=("0:3",), guard={"nonfinite": "rollback"})

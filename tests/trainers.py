@@ -602,6 +602,7 @@ class GuardTestConfig(TinyConfig):
 
     nan_batches: tuple[int, ...] = ()
     nan_rank: int | None = None  # None: every rank
+    nan_positions: tuple[str, ...] = ()  # "EPOCH:BATCH" positions in the epoch (the counted loop's) planted too
     steps_left_out: tuple[int, ...] = ()  # global batches whose optimizer step this trainer leaves out itself
     optimizer: str = "sgd"  # "sgd", "adam", or either with "_fused"
     guard_on_device: bool = False  # take the guard's device path (found_inf) on the CPU too
@@ -638,7 +639,8 @@ class GuardTrainer(TinyTrainer):
         for x, y in self.progress(self.loader):
             x, y = x.to(self.device), y.to(self.device)
             loss = nn.functional.mse_loss(self.model(x), y)
-            if self.batches_seen in cfg.nan_batches and cfg.nan_rank in (None, self.rank):
+            planted = f"{self.epoch}:{self._position.current_batch()}" in cfg.nan_positions
+            if (self.batches_seen in cfg.nan_batches or planted) and cfg.nan_rank in (None, self.rank):
                 loss = loss * float("inf")
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()

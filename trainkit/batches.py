@@ -231,21 +231,52 @@ def loader_shape(loader: Any) -> tuple[int | None, int, int]:
 
 
 class _SkippingIndices:
-    """A loader's index sampler, iterated from batch ``skip`` on, every int index tagged with ``epoch``."""
+    """A loader's index sampler, iterated from batch ``skip`` on, every int index tagged with ``epoch``, the
+    batch positions in ``drop`` left out (their indices drawn, never loaded)."""
 
-    def __init__(self, inner: Any, *, skip: int, epoch: int, batched: bool) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        *,
+        skip: int,
+        epoch: int,
+        batched: bool,
+        drop: frozenset[int] = frozenset(),
+        on_drop: Callable[[int, Any], None] | None = None,
+    ) -> None:
         self.inner = inner
         self.skip = skip
         self.epoch = epoch
         self.batched = batched
+        self.drop = drop
+        self.on_drop = on_drop
         self.stream: _IndexStream | None = None
 
     def __len__(self) -> int:
         return len(self.inner)
 
     def __iter__(self) -> _IndexStream:
-        self.stream = _IndexStream(iter(self.inner), skip=self.skip, epoch=self.epoch, batched=self.batched)
+        self.stream = _IndexStream(
+            iter(self.inner),
+            skip=self.skip,
+            epoch=self.epoch,
+            batched=self.batched,
+            drop=self.drop,
+            on_drop=self.on_drop,
+        )
         return self.stream
+
+
+def _dropping(
+    inner: Iterator[Any], start: int, drop: frozenset[int], on_drop: Callable[[int, Any], None]
+) -> Iterator[Any]:
+    """``inner`` from batch position ``start`` on without the positions in ``drop``; each one left out is handed
+    to ``on_drop(position, indices)`` (a Python frame per batch, only when something is dropped)."""
+    for position, item in enumerate(inner, start):
+        if position in drop:
+            on_drop(position, item)
+        else:
+            yield item
 
 
 def _tag_batch(epoch: int, indices: Any) -> Any:
@@ -261,9 +292,20 @@ class _IndexStream:
     """The index iterator the loader's iterator reads while it is made; :meth:`prime` does the skip (and the
     first draw) now, and :meth:`rest` hands the loader's iterator what is left."""
 
-    def __init__(self, inner: Iterator[Any], *, skip: int, epoch: int, batched: bool) -> None:
+    def __init__(
+        self,
+        inner: Iterator[Any],
+        *,
+        skip: int,
+        epoch: int,
+        batched: bool,
+        drop: frozenset[int] = frozenset(),
+        on_drop: Callable[[int, Any], None] | None = None,
+    ) -> None:
         self._inner = inner
         self._skip = skip
+        self._drop = drop
+        self._on_drop = on_drop or (lambda position, indices: None)
         self._epoch = epoch
         self._batched = batched
         self._ahead: list[Any] | None = None
@@ -287,6 +329,8 @@ class _IndexStream:
         for _ in range(self._skip):
             if next(inner, _END) is _END:
                 break
+        if self._drop:
+            inner = self._inner = _dropping(inner, self._skip, self._drop, self._on_drop)
         first = next(inner, _END)
         self._ahead = [] if first is _END else [first]
         self._tags_none = not self._batched and type(first) is not int
@@ -364,7 +408,12 @@ class TrackedBatches:
     :param on_close: Called once when iteration ends, however it ends.
     :param on_untracked: Called with the reason when step checkpoints were asked for but the loader turns out
         not to be skippable (it makes its iterator lazily); the loop then runs uncounted, from its first batch.
-    :raises CheckpointMismatchError: When iterated to resume (``resume``) a loader that cannot be skipped into.
+    :param drop: Batch positions of the epoch (0-based) left out at the index level: their indices are drawn
+        from the sampler, as a full epoch draws them, but never loaded nor yielded; :attr:`consumed` still counts
+        positions in the whole epoch, the dropped ones included (the divergence guard's rollback).
+    :param on_drop: Called ``(epoch, position, indices)`` as each one is left out.
+    :raises CheckpointMismatchError: When iterated to resume (``resume``) a loader that cannot be skipped into,
+        or to drop batches from one.
     """
 
     def __init__(
@@ -378,12 +427,19 @@ class TrackedBatches:
         at_step_boundary: Callable[[TrackedBatches], None] | None,
         on_close: Callable[[], None],
         on_untracked: Callable[[str], None],
+        drop: frozenset[int] = frozenset(),
+        on_drop: Callable[[int, int, Any], None] | None = None,
     ) -> None:
         self.loader = loader
+        self.drop = drop
+        self.dropped: list[tuple[int, Any]] = []
+        """The positions of ``drop`` left out so far, each with the sampler's indices drawn for it (a list of
+        ints for a batched loader, one index otherwise), in the epoch's order."""
+        self._on_drop = on_drop
         self.epoch = epoch
         self.skip = skip
         self.consumed = skip
-        """Batches of this epoch trained on so far (counting the skipped ones)."""
+        """Batch positions of this epoch passed so far (counting the skipped and the dropped ones)."""
         self._rng_at_iter: dict[str, Any] | None = None
         self.generators_at_iter: list[torch.Tensor] = []
         """The loader's own generators' states then."""
@@ -417,13 +473,18 @@ class TrackedBatches:
                 generator.set_state(state)
         self._rng_at_iter = iterator_rng(loader)
         self.generators_at_iter = [generator.get_state() for generator in generators]
-        iterator, skippable = self._iterate(self.skip)
+        iterator, skippable = self._iterate(self.skip, self.drop)
         if not skippable:
             if resume is not None:
                 raise CheckpointMismatchError(
                     f"the checkpoint was written inside epoch {self.epoch}, after {self.skip} batches, but "
                     f"{self._lazy_loader()}, so trainkit cannot skip into it; resume from an epoch-boundary "
                     "checkpoint, or start fresh (ckpt.resume=never)"
+                )
+            if self.drop:
+                raise CheckpointMismatchError(
+                    f"batches {sorted(self.drop)} of epoch {self.epoch} are to be left out, but "
+                    f"{self._lazy_loader()}, so trainkit cannot leave batches out of it"
                 )
             if self._at_step_boundary is not None:
                 self._at_step_boundary = None
@@ -445,13 +506,21 @@ class TrackedBatches:
             "batch is asked for (its __iter__ is a generator, say)"
         )
 
-    def _iterate(self, skip: int) -> tuple[Iterator[Any], bool]:
-        """The loader's iterator from batch ``skip`` on, its indices tagged with the epoch, the skip done now;
-        and whether it could be made so (see :func:`_made_iterator`)."""
+    def _iterate(self, skip: int, drop: frozenset[int] = frozenset()) -> tuple[Iterator[Any], bool]:
+        """The loader's iterator from batch ``skip`` on, its indices tagged with the epoch, the skip done now, the
+        positions in ``drop`` left out; and whether it could be made so (see :func:`_made_iterator`)."""
         loader = self.loader
         batched = loader._auto_collation
         inner = loader.batch_sampler if batched else loader.sampler
-        return _made_iterator(loader, _SkippingIndices(inner, skip=skip, epoch=self.epoch, batched=batched))
+        indices = _SkippingIndices(
+            inner, skip=skip, epoch=self.epoch, batched=batched, drop=drop, on_drop=self._drop_one
+        )
+        return _made_iterator(loader, indices)
+
+    def _drop_one(self, position: int, indices: Any) -> None:
+        self.dropped.append((position, indices))
+        if self._on_drop is not None:
+            self._on_drop(self.epoch, position, indices)
 
     def __iter__(self) -> Iterator[Any]:
         if self._started:
@@ -466,7 +535,11 @@ class TrackedBatches:
         try:
             iterator = self._start()
             boundary = self._at_step_boundary
-            counted = enumerate(iterator, self.skip + 1)
+            counted: Iterator[tuple[int, Any]] = enumerate(iterator, self.skip + 1)
+            if self.drop:  # the position after each batch yielded, the dropped ones passed over
+                drop = self.drop
+                after = (position + 1 for position in itertools.count(self.skip) if position not in drop)
+                counted = zip(after, iterator)
             if boundary is None:
                 for self.consumed, batch in counted:
                     yield batch

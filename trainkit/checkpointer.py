@@ -32,7 +32,7 @@ from trainkit.logging import JsonlSink
 from trainkit.messages import say, warn_user
 from trainkit.modules import load_module_state, restore_training_modes, training_modes
 from trainkit.payload import last_payload, mid_epoch_state
-from trainkit.retention_files import KeptCheckpoints, describe_save, run_folder_of
+from trainkit.retention_files import KeptCheckpoints, describe_save, kept_name, read_kept, run_folder_of
 from trainkit.rng import capture_rng, restore_rng
 from trainkit.run_files import RunFiles, same_directory
 from trainkit.sharded_files import ShardedFiles
@@ -152,6 +152,8 @@ class Checkpointer:
         self._minimize = bool((config.get("val") or {}).get("minimize", False))
         self._score: tuple[int, float] | None = None  # (epoch, score) of the last save_if_best call
         self._resumed: Path | None = None
+        self.skips: dict[int, frozenset[int]] = {}
+        """Per epoch, the batch positions left out (``guard.skip_batches``, a rollback's): saved, put back."""
 
     @property
     def last_path(self) -> Path:
@@ -189,7 +191,7 @@ class Checkpointer:
             world_size=self._world_size,
         )
 
-    def load(self, cfg: Config) -> Resume | None:
+    def load(self, cfg: Config, path: Path | None = None) -> Resume | None:
         """Find and load what ``ckpt.resume`` names, with fallback, checked and reconciled with ``cfg``.
 
         A named checkpoint is read in its own format (that is how a DDP run's ``last.pt`` continues as an FSDP2
@@ -197,11 +199,12 @@ class Checkpointer:
         refused), and the records are reconciled with the config through the pure core.
 
         :param cfg: The run's config.
+        :param path: A checkpoint file to load instead of what ``ckpt.resume`` names (a rollback's).
         :returns: The checkpoint to resume, or None for a fresh run.
         :raises CheckpointError: When it cannot be resumed (see ``RunFiles`` and ``ShardedFiles``).
         """
         self._refuse_other_format()
-        resume = self._ckpt.resume
+        resume = self._ckpt.resume if path is None else str(path)
         named = resume not in ("auto", "never")
         in_shards = Path(resume).is_dir() if named else self._ckpt.format == "sharded"
         ckpt, path = self._readers["sharded" if in_shards else "file"].load_resume(resume)
@@ -224,6 +227,23 @@ class Checkpointer:
         self._say_resuming(path, records, ckpt.get("trainkit"))
         results = None if records.more else ckpt.get("results")  # a finished run that continues has none yet
         return Resume(ckpt=ckpt, path=path, records=records, results=dict(results) if results is not None else None)
+
+    def rollback_resume(self, cfg: Config, first_bad_step: int) -> Resume | None:
+        """The newest checkpoint written before optimizer step ``first_bad_step``, loaded (the divergence guard's
+        rollback): ``last``, then its previous copy, then the kept ``checkpoints/step-<step>.pt`` files
+        (:func:`~trainkit.bookkeeping.rollback_candidate`); None when none qualifies (every rank decides alike).
+
+        :param cfg: The run's config.
+        :param first_bad_step: The 0-based index of the first non-finite step of the guard's window.
+        """
+        self.wait()  # a background save is published before anything is read
+        for path in self._storage.published():  # newest first: last, then last.prev
+            resume = self.load(cfg, path)
+            if resume is not None and resume.ckpt["step"] <= first_bad_step:
+                return resume
+        kept, _, _, _ = read_kept(self._kept.directory)
+        chosen = core.rollback_candidate([(c.step, c.step) for c in kept], first_bad_step)
+        return None if chosen is None else self.load(cfg, self._kept.directory / kept_name(chosen))
 
     def _say_resuming(self, path: Path, records: core.Resumed, mid_epoch: Mapping[str, Any] | None) -> None:
         line = records.line
@@ -304,6 +324,8 @@ class Checkpointer:
         rng = ckpt.get("rng")
         if rng is not None and self._rank < len(rng):  # a rank added by resharding keeps its fresh seed
             restore_rng(rng[self._rank])
+        for epoch, batch in ckpt.get("guard_skips") or []:
+            self.skips[epoch] = self.skips.get(epoch, frozenset()) | {batch}
         return registry
 
     def read_best(self, directory: Path, best: core.BestState, model: nn.Module | None) -> BestWeights | None:
@@ -452,6 +474,7 @@ class Checkpointer:
                 name: training_modes(obj) for name, obj in registry.items.items() if isinstance(obj, nn.Module)
             },
             mid_epoch=mid_epoch,
+            guard_skips=[[epoch, batch] for epoch in sorted(self.skips) for batch in sorted(self.skips[epoch])],
         )
 
     def keep_best_on_disk(self, tracked: bool, epoch: int | None) -> None:

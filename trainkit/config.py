@@ -942,8 +942,31 @@ class DistConfig(_Section):
     timeout_s: float = attrs.field(default=300.0, validator=_positive)
 
 
-GUARD_NONFINITE = ("off", "raise", "skip")
-"""The ``guard.nonfinite`` choices this trainkit implements (the pure core also knows ``"rollback"``)."""
+GUARD_NONFINITE = ("off", "raise", "skip", "rollback")
+"""The ``guard.nonfinite`` choices."""
+
+_SKIP_BATCH = re.compile(r"^(0|[1-9][0-9]{0,17}):(0|[1-9][0-9]{0,17})$")
+
+
+def _skip_batches(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    for item in value if isinstance(value, tuple) else ():
+        if not isinstance(item, str) or not _SKIP_BATCH.match(item):
+            raise ConfigError(
+                attribute.name, "must be a list of 'EPOCH:BATCH' strings (0-based ints, e.g. '0:3')", item
+            )
+
+
+def skip_batches(cfg: GuardConfig) -> dict[int, frozenset[int]]:
+    """``guard.skip_batches`` as batch positions per epoch.
+
+    >>> skip_batches(GuardConfig(skip_batches=["0:3", "0:5", "2:0"]))
+    {0: frozenset({3, 5}), 2: frozenset({0})}
+    """
+    skips: dict[int, frozenset[int]] = {}
+    for item in cfg.skip_batches:
+        epoch, batch = map(int, item.split(":"))
+        skips[epoch] = skips.get(epoch, frozenset()) | {batch}
+    return skips
 
 
 @attrs.frozen(kw_only=True)
@@ -953,12 +976,16 @@ class GuardConfig(_Section):
     ``nonfinite`` is ``"off"`` (the default: nothing is installed), ``"raise"`` (stop before the optimizer step
     with an error naming the step and the batch) or ``"skip"`` (drop the step: no parameter or optimizer-state
     update; counted as ``guard/skipped_steps``). With ``max_skips`` set, ``"skip"`` raises instead once that many
-    non-finite steps fall within ``window`` optimizer steps. See :mod:`trainkit.guard`.
+    non-finite steps fall within ``window`` optimizer steps; ``"rollback"`` skips as ``"skip"`` until then, and
+    then reloads the newest checkpoint before the first of them and goes on with their batches left out.
+    ``skip_batches`` (``"EPOCH:BATCH"`` strings) leaves those batch positions out of the counted loop, as a
+    rollback does (how a rerun skips the batches a rollback skipped). See :mod:`trainkit.guard`.
     """
 
     nonfinite: str = attrs.field(default="off", validator=_one_of(*GUARD_NONFINITE))
     max_skips: int | None = attrs.field(default=None, validator=_optional(_at_least(1)))
     window: int = attrs.field(default=100, validator=_at_least(1))
+    skip_batches: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple, validator=_skip_batches)
 
 
 @attrs.frozen(kw_only=True)

@@ -15,6 +15,10 @@ registered with ``add_checkpoint_items`` acts on it before the step runs. Two pa
   :class:`~trainkit.DivergenceError` or skips the step by setting every parameter's ``.grad`` to None (torch's
   optimizers leave a parameter without a gradient untouched: no update, no state change).
 
+``"rollback"`` takes the host path; when its window is exhausted the pre-hook raises
+:class:`~trainkit.rollback.RollbackNeeded` (a :class:`~trainkit.DivergenceError`) naming the window's bad steps
+and their batches, and the trainer rolls back (:mod:`trainkit.rollback`).
+
 Under DDP the flag is all-reduced (MAX) before it is read or used, so every rank takes the same verdict even
 when the norms differ. Side effects: optimizer hooks, ``found_inf`` set on a fused optimizer during its step,
 ``.grad`` cleared on a skipped step, ``guard/skipped_steps`` buffered for the next push.
@@ -31,7 +35,7 @@ import attrs
 import torch
 
 from trainkit import bookkeeping as core
-from trainkit.bookkeeping.guard import CONTINUE, RAISE, SKIP
+from trainkit.bookkeeping.guard import CONTINUE, RAISE, ROLLBACK, SKIP
 from trainkit.errors import DivergenceError
 
 if TYPE_CHECKING:
@@ -96,6 +100,15 @@ class DivergenceGuard:
         self._watched: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._saved_found_inf: dict[int, Any] = {}
         self._resumed = False
+        self._seen: dict[int, tuple[int, int | None]] = {}  # rollback: (epoch, batch) of the window's bad steps
+
+    def reset(self) -> None:
+        """Forget what was seen (after a rollback): the window, the skips, the flag; the count is read again from
+        the metrics the checkpoint put back."""
+        state = self._state
+        self._state = core.GuardState(mode=state.mode, max_skips=state.max_skips, window=state.window)
+        self._flag = self._skipped = self._verdict = None
+        self._resumed, self._seen = False, {}
 
     @classmethod
     def build(cls, cfg: GuardConfig, world_size: int, metrics: TrainerMetrics) -> DivergenceGuard | None:
@@ -225,15 +238,33 @@ class DivergenceGuard:
             self._resumed = True
             self._state = attrs.evolve(self._state, skipped=int(self._initial_count()))
         self._state, verdict = core.step_guard(self._state, step, finite=False)
+        if self._state.mode == "rollback":
+            self._seen = {s: self._seen.get(s, (epoch, batch)) for s in self._state.recent}
+        if verdict == ROLLBACK:
+            self._flag = None
+            bad = tuple((s, *self._seen[s]) for s in self._state.recent)
+            if any(b is None for _, _, b in bad):
+                raise DivergenceError(
+                    self._message(step, epoch, batch, counted=False), step=step, epoch=epoch, batch=batch
+                )
+            from trainkit.rollback import RollbackNeeded
+
+            raise RollbackNeeded(self._message(step, epoch, batch), step=step, epoch=epoch, batch=batch, bad=bad)
         if verdict == RAISE:
             self._flag = None  # a caller that catches the error and steps again is not judged twice
             raise DivergenceError(self._message(step, epoch, batch), step=step, epoch=epoch, batch=batch)
         return verdict
 
-    def _message(self, step: int, epoch: int, batch: int | None) -> str:
+    def _message(self, step: int, epoch: int, batch: int | None, counted: bool = True) -> str:
         in_epoch = f", batch {batch} of the epoch" if batch is not None else ""
         where = f"optimizer step {step} (epoch {epoch}{in_epoch})"
         state = self._state
+        if not counted:
+            return (
+                f"training stopped before {where}: its gradients are not finite, and guard.nonfinite=rollback cannot "
+                "leave the offending batches out, as train_epoch() does not iterate a DataLoader over a map-style "
+                "dataset through self.progress(); nothing of that step was applied"
+            )
         if state.mode == "raise":
             why = "its gradients are not finite (total grad norm NaN or inf; guard.nonfinite=raise)"
         else:

@@ -296,6 +296,18 @@ def _check_mid_epoch(value: Any, where: str) -> None:
         _check_running_mean(state["grad_norm"], f"{at}['grad_norm']")
 
 
+_SKIPS_RULE = "a list of [epoch, batch] pairs of ints in [0, 2**63)"
+
+
+def _check_skips(value: Any, where: str) -> None:
+    """The batch positions the divergence guard's rollback leaves out, per epoch."""
+    if type(value) is not list:
+        raise _Bad(where, _SKIPS_RULE, value)
+    for index, pair in enumerate(value):
+        if type(pair) is not list or len(pair) != 2 or not all(_is_int(n) and 0 <= n < _INT_LIMIT for n in pair):
+            raise _Bad(f"{where}[{index}]", "an [epoch, batch] pair of ints in [0, 2**63)", pair)
+
+
 def _check_logs(value: Any, where: str) -> None:
     rule = "{'scalars': [[str, float], ...], 'vectors': [[[str, ...], [float, ...]], ...]}"
     if type(value) is not dict or set(value) != {"scalars", "vectors"}:
@@ -437,11 +449,13 @@ LAST_PT: tuple[Key, ...] = (
     Key("metrics_offset", "None or an int in [0, 2**63): the size of metrics.jsonl", _int_from(0), nullable=True),
     Key("training_modes", "a dict of item name to a dict of submodule name to bool", _check_modes, required=False),
     Key("trainkit", f"None or {_MID_EPOCH_RULE}", _check_mid_epoch, nullable=True, required=False),
+    Key("guard_skips", _SKIPS_RULE, _check_skips, required=False),
 )
 """The engine's keys of a ``last.pt``, in the order the trainer writes them; each registered item's state sits
 beside them under its own name (listed in ``items``). ``training_modes`` is absent from checkpoints written before
 trainkit saved it, and ``trainkit`` (the state of a step checkpoint written inside an epoch, None at an epoch's end)
-from checkpoints written before step checkpoints existed; a ``loop`` dict may lack ``last_validated``
+from checkpoints written before step checkpoints existed, ``guard_skips`` (the batches a rollback of the divergence
+guard leaves out) from those written before it existed; a ``loop`` dict may lack ``last_validated``
 (LoopState.from_dict supplies the default)."""
 
 BEST_PT: tuple[Key, ...] = (
@@ -474,6 +488,7 @@ def last_payload(
     metrics_offset: int | None,
     training_modes: dict[str, dict[str, bool]],
     mid_epoch: dict[str, Any] | None = None,
+    guard_skips: list[list[int]] | None = None,
 ) -> dict[str, Any]:
     """Build a ``last.pt`` payload: every registered item's state under its name, then the engine's keys.
 
@@ -501,6 +516,7 @@ def last_payload(
     :param metrics_offset: The size of ``metrics.jsonl``, or None without one.
     :param training_modes: Per registered module, its submodules' ``training`` flags.
     :param mid_epoch: For a step checkpoint inside an epoch, :func:`mid_epoch_state`'s dict; None at an epoch's end.
+    :param guard_skips: ``[epoch, batch]`` positions the divergence guard's rollback leaves out (None: none).
     :returns: The payload, ready for :func:`~trainkit.checkpoint.atomic_save`.
     """
     return {
@@ -521,6 +537,7 @@ def last_payload(
         "metrics_offset": metrics_offset,
         "training_modes": training_modes,
         "trainkit": mid_epoch,
+        "guard_skips": list(guard_skips or []),
     }
 
 

@@ -56,6 +56,12 @@ class EpochTracker:
         """The index in the epoch of the first batch the tracked loop yields (a resumed epoch's consumed ones)."""
         self.samplers: list[Any] = []
         """The samplers whose ``set_epoch`` is called before every epoch."""
+        self.counted = False
+        """Count the loop even without step checkpoints (the divergence guard's rollback needs its positions)."""
+        self.drops: dict[int, frozenset[int]] = {}
+        """Per epoch, the batch positions the counted loop leaves out at the index level (a rollback's skips)."""
+        self.on_drop: Callable[[int, int, Any], None] | None = None
+        """Called ``(epoch, position, indices)`` as the counted loop leaves a batch out."""
         # weak sets, not ids: a loader built anew each epoch may reuse a freed one's id
         self._loaders_checked: weakref.WeakSet[Any] = weakref.WeakSet()
         self._samplers_unchecked: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -162,7 +168,8 @@ class EpochTracker:
         :raises CheckpointMismatchError: When a resumed epoch's loader cannot be skipped into, or differs.
         """
         pending = self._pending
-        if not self._in_epoch or not (self._stepping or pending is not None):
+        drop = self.drops.get(epoch, frozenset())
+        if not self._in_epoch or not (self._stepping or pending is not None or self.counted or drop):
             return None
         if self._tracked:
             self._warn_untracked(
@@ -172,6 +179,11 @@ class EpochTracker:
             return None
         reason = unskippable_reason(loader)
         if reason is not None:
+            if pending is None and drop:
+                raise CheckpointMismatchError(
+                    f"batches {sorted(drop)} of epoch {epoch} are to be left out (guard.nonfinite=rollback), but "
+                    f"train_epoch() iterates {reason}, which trainkit cannot leave batches out of"
+                )
             if pending is not None:
                 raise CheckpointMismatchError(
                     f"the checkpoint was written inside epoch {pending[0].epoch}, after {pending[0].batches} batches, "
@@ -199,6 +211,8 @@ class EpochTracker:
             at_step_boundary=at_boundary if self._stepping else None,
             on_close=self._vote.finish,
             on_untracked=self._warn_untracked,
+            drop=drop,
+            on_drop=self.on_drop,
         )
         return self._batches
 

@@ -28,7 +28,7 @@ from trainkit import optim as optim_utils
 from trainkit import sharding
 from trainkit.batches import TrackedBatches
 from trainkit.checkpointer import Checkpointer, Resume, SaveRecord
-from trainkit.config import Config, public_config
+from trainkit.config import Config, public_config, skip_batches
 from trainkit.errors import BookkeepingError, DistributedError, HookNotImplementedError, TrainingInterrupted, UsageError
 from trainkit.logging import RunLog, TrainerMetrics, new_run_id, open_run_log
 from trainkit.messages import say, warn_user
@@ -36,6 +36,7 @@ from trainkit.modules import load_module_state, module_state
 from trainkit.payload import SCHEMA_VERSION
 from trainkit.progress import EpochBar, step_bar
 from trainkit.rng import GeneratorItem, seed_everything, start_persistent_workers
+from trainkit.rollback import rolled_back
 from trainkit.signals import StopSignals
 from trainkit.snapshot import WeightSnapshot, modes_kept, weights_swapped_in
 from trainkit.throughput import CountedBatches, Throughput
@@ -86,6 +87,11 @@ def _throughput(trainer: BaseTrainer) -> Throughput | None:
     return Throughput(lambda: getattr(ref(), "step", 0), trainer.world_size)
 
 
+def _generators(registry: core.CkptRegistry) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects registered as checkpoint items."""
+    return [obj.generator for obj in registry.items.values() if isinstance(obj, GeneratorItem)]
+
+
 def _fresh_patience(cfg: Config) -> core.PatienceState:
     """Patience as ``val.patience`` and ``val.start_patience`` set it, nothing counted yet."""
     return core.PatienceState(patience=cfg.val.patience, start_patience=cfg.val.start_patience)
@@ -125,6 +131,9 @@ def _parts(
         device=device,
         config=public_config(cfg),
     )
+    # the batches left out (guard.skip_batches, a rollback's): one dict, saved by one part, used by the other
+    position.drops = checkpointer.skips = skip_batches(cfg.guard)
+    position.counted = cfg.guard.nonfinite == "rollback"  # a rollback names the batches to leave out
     return signals, position, checkpointer
 
 
@@ -393,8 +402,10 @@ class BaseTrainer(abc.ABC):
         """One epoch: train, validate on schedule, agree on stopping, push, save; act on a signal."""
         self.epoch = self._records.loop.epoch
         self._position.set_epoch(self.epoch)
-        with self._position.epoch():
+        with rolled_back(self) as rolled, self._position.epoch():  # guard.nonfinite=rollback: the epoch again
             self.train_epoch()
+        if rolled:
+            return True
         validated = core.should_validate(self.epoch, self.cfg.epochs, self.cfg.val.every_n_epochs)
         stop = _verdict(self._validate()) if validated else False
         stop, signalled = _agree_on_stop(stop, self._signals.received is not None, epoch=self.epoch, rank=self.rank)
@@ -879,7 +890,7 @@ class BaseTrainer(abc.ABC):
         :raises CheckpointMismatchError: When a resumed epoch's loader differs or cannot be skipped into.
         """
         start_persistent_workers(iterable)
-        self._position.check_loader(iterable, epoch=self.epoch, registered=self._registered_generators)
+        self._position.check_loader(iterable, epoch=self.epoch, registered=lambda: _generators(self._registry))
         tracked = self._position.track(
             iterable, self.epoch, functools.partial(getattr, self, "step"), self._at_step_boundary
         )
@@ -888,9 +899,6 @@ class BaseTrainer(abc.ABC):
         return step_bar(
             shown, desc=desc or f"epoch {self.epoch}", total=total, enabled=self._bars_enabled, initial=initial
         )
-
-    def _registered_generators(self) -> list[torch.Generator]:
-        return [obj.generator for obj in self._registry.items.values() if isinstance(obj, GeneratorItem)]
 
     def close(self) -> None:
         """Finish the W&B run, close ``metrics.jsonl`` and leave the process group if the trainer made it.

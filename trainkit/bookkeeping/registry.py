@@ -19,6 +19,7 @@ __all__ = ["CkptRegistry", "RESERVED_NAMES", "register_items", "collect_payload"
 RESERVED_NAMES = frozenset(
     {
         "trainkit",
+        "guard_skips",
         "schema_version",
         "epoch",
         "step",
