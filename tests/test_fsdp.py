@@ -115,6 +115,31 @@ def test_a_sharded_checkpoint_of_two_ranks_loads_on_one_and_on_three(tmp_path, w
     assert_same_state(loaded["optimizer"], saved["optimizer"])
 
 
+def test_kept_sharded_directories_of_two_ranks_follow_the_policy_and_resume_on_one(tmp_path):
+    """ckpt.keep=latest:2 with 2 FSDP2 ranks (background saves, then synchronous ones): rank 0 keeps each published
+    last.ckpt as checkpoints/step-<step>.ckpt/ and deletes the older ones whole; a kept one resumes on 1 process
+    (resharded at its epoch's end) with bitwise the weights and AdamW state the 2 ranks saved at that step."""
+    out = tmp_path / "run"
+    trainkit.spawn(ShardTrainer, sharded_cfg(out, epochs=2, test={"enable": False}, ckpt={
+        "format": "sharded", "keep": "latest:2", "async_save": True}), 2)
+    saved = torch.load(out / "report2.pt")
+    first, second = sorted(int(p.name[5:-5]) for p in (out / "checkpoints").glob("step-*.ckpt"))
+    trainkit.spawn(ShardTrainer, sharded_cfg(out, epochs=3, test={"enable": False}, ckpt={
+        "format": "sharded", "keep": "latest:2"}), 2)
+    third = 2 * second - first
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "index.json", f"step-{second}.ckpt", f"step-{third}.ckpt"]
+    kept = out / "checkpoints" / f"step-{second}.ckpt"
+    again = tmp_path / "again"
+    again.mkdir()
+    trainkit.spawn(ShardTrainer, sharded_cfg(again, epochs=3, dump_loaded=True, ckpt={
+        "format": "sharded", "resume": str(kept)}), 1)
+    loaded = torch.load(again / "loaded1.pt")
+    assert loaded["epoch"] == 2 and loaded["step"] == second
+    assert_same_state(loaded["weights"], saved["weights"])
+    assert_same_state(loaded["optimizer"], saved["optimizer"])
+
+
 def test_a_damaged_or_unpublished_sharded_checkpoint_is_never_resumed(tmp_path, capfd):
     """A flipped byte in last.ckpt's shard: the resume falls back to last.prev.ckpt (warned) and still ends
     bit-identical to the uninterrupted run. A temporary directory a killed save left is ignored, then removed."""

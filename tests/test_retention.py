@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.trainers import TinyTrainer, make_cfg
 from trainkit import ConfigError
@@ -21,6 +22,7 @@ from trainkit.cli import main
 from trainkit.payload import validate_last
 from trainkit.retention_files import read_kept
 from trainkit.run_lock import RunLock
+from trainkit.sharded import read_engine
 
 STEPS_PER_EPOCH = 6
 """TinyTrainer's 192 training samples in batches of 32."""
@@ -221,8 +223,6 @@ def test_bad_keep_values_name_the_key_the_rule_and_the_value(tmp_path, value, ru
     assert rule in str(exc.value)
     with pytest.raises(ConfigError, match="ckpt.keep"):
         TinyTrainer.config_class.from_mapping({"epochs": 1, "ckpt": {"keep": [value]}})
-    with pytest.raises(ConfigError, match="ckpt.keep is not supported with ckpt.format='sharded'"):
-        TinyTrainer.config_class.from_mapping({"epochs": 1, "ckpt": {"keep": "latest:2", "format": "sharded"}})
 
 
 def test_a_hostile_index_is_read_entry_by_entry(tmp_path):
@@ -250,3 +250,63 @@ def test_a_hostile_index_is_read_entry_by_entry(tmp_path):
     with pytest.warns(RuntimeWarning, match="symbolic link"):
         described, _, minimize, _ = read_kept(directory)
     assert minimize is None and all(not c.scores for c in described)
+
+
+def weights(trainer: TinyTrainer) -> dict:
+    return {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
+
+
+def test_sharded_kept_directories_resume_leave_links_alone_and_retain_lists_them(tmp_path, capsys):
+    """ckpt.format=sharded with latest:2 keeps exactly the two newest epoch ends as step-<step>.ckpt/ directories
+    (hard links to last.ckpt's files, checked by their manifest); a resume from one trains on bit-identically; a
+    planted symlink step-3.ckpt is neither followed nor deleted, a dead process's trash directory is cleaned,
+    and retain --dry-run lists the directories, retain deletes them whole."""
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "precious").write_bytes(b"not yours")
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "step-3.ckpt").symlink_to(elsewhere, target_is_directory=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    trash = out / "checkpoints" / f".step-6.ckpt.{int(dead.stdout)}.0.trash"  # a kill during a removal
+    trash.mkdir()
+    (trash / "__0_0.distcp").write_bytes(b"x")
+    sharded = {"format": "sharded", "keep": "latest:2"}
+    trainer = run(out, epochs=4, ckpt=sharded)
+    final = weights(trainer)
+    steps = [STEPS_PER_EPOCH * 3, STEPS_PER_EPOCH * 4]
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["index.json", "step-18.ckpt", "step-24.ckpt", "step-3.ckpt"]  # no temp or trash name left
+    assert kept_steps(out) == steps
+    assert (out / "checkpoints" / "step-3.ckpt").is_symlink() and (elsewhere / "precious").read_bytes() == b"not yours"
+    kept = out / "checkpoints" / "step-24.ckpt"
+    for name in os.listdir(out / "last.ckpt"):  # the same files as last.ckpt, linked
+        assert os.stat(kept / name).st_ino == os.stat(out / "last.ckpt" / name).st_ino
+    for step in steps:
+        payload, problem = read_engine(out / "checkpoints" / f"step-{step}.ckpt", rank=0, world_size=1,
+                                       validate=validate_last)
+        assert problem is None and payload["step"] == step
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # best.ckpt is found in the kept directory's run folder
+        resumed = TinyTrainer(make_cfg(tmp_path / "second", epochs=4, ckpt={
+            "format": "sharded", "resume": str(out / "checkpoints" / "step-18.ckpt")}))
+    try:
+        assert resumed.best_model is not None
+        resumed.train()
+        assert resumed.epochs_trained == [3]
+        for name, value in weights(resumed).items():
+            assert torch.equal(value, final[name]), name
+    finally:
+        resumed.close()
+    assert main(["inspect", str(out)]) == 0
+    listing = capsys.readouterr().out
+    assert "2 kept checkpoints" in listing and "step-3.ckpt (a symbolic link): not a file trainkit wrote" in listing
+    assert main(["retain", str(out), "--keep", "latest:1", "--dry-run"]) == 0
+    shown = capsys.readouterr().out
+    assert "would delete step-18.ckpt" in shown and "keep    step-24.ckpt  (newest, latest:1)" in shown
+    assert kept_steps(out) == steps
+    assert main(["retain", str(out), "--keep", "latest:1"]) == 0
+    assert "ignore  step-3.ckpt (a symbolic link)" in capsys.readouterr().out
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["index.json", "step-24.ckpt", "step-3.ckpt"]
+    assert (elsewhere / "precious").exists()
+

@@ -148,7 +148,7 @@ class Checkpointer:
         }
         self._storage = self._readers[ckpt.format]
         self._best_changed = False
-        self._kept = KeptCheckpoints(out_dir, ckpt.keep, writes=ckpt.enable and rank == 0)
+        self._kept = KeptCheckpoints(out_dir, ckpt.keep, writes=ckpt.enable and rank == 0, sharded=in_shards)
         self._minimize = bool((config.get("val") or {}).get("minimize", False))
         self._score: tuple[int, float] | None = None  # (epoch, score) of the last save_if_best call
         self._resumed: Path | None = None
@@ -433,7 +433,7 @@ class Checkpointer:
         return self._storage.save(request)
 
     def _keep_after(self, record: SaveRecord) -> Callable[[], None] | None:
-        """What keeps this save's ``last.pt`` under ``checkpoints/`` (``ckpt.keep``; rank 0), or None."""
+        """What keeps this save's ``last`` under ``checkpoints/`` (``ckpt.keep``; rank 0), or None."""
         if not self._kept.active:
             return None
         description = describe_save(

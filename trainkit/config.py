@@ -891,10 +891,10 @@ class CkptConfig(_Section):
     (``last.ckpt/``/``best.ckpt/`` directories in which every rank writes its own shards through
     ``torch.distributed.checkpoint``; needed for a model wrapped by ``make_fsdp``, and resumable on another
     number of processes at an epoch boundary). See :mod:`trainkit.sharded`.
-    ``keep`` also keeps checkpoints under ``checkpoints/step-<step>.pt``, deleting the older ones no rule keeps:
-    rules such as ``"latest:3,every_steps:1000,best:2"`` (a string or a list; see
-    :func:`~trainkit.bookkeeping.parse_keep`). Empty (the default) keeps only ``last.pt`` and ``best.pt`` and
-    their ``.prev`` copies. Not yet with ``format="sharded"``.
+    ``keep`` also keeps checkpoints under ``checkpoints/step-<step>.pt`` (``step-<step>.ckpt/`` directories with
+    ``format="sharded"``), deleting the older ones no rule keeps: rules such as
+    ``"latest:3,every_steps:1000,best:2"`` (a string or a list; see :func:`~trainkit.bookkeeping.parse_keep`).
+    Empty (the default) keeps only ``last``/``best`` and their ``.prev`` copies.
     """
 
     enable: bool = True
@@ -904,16 +904,6 @@ class CkptConfig(_Section):
     every_n_steps: int | None = attrs.field(default=None, validator=_optional(_at_least(1)))
     format: str = attrs.field(default="file", validator=_one_of("file", "sharded"))
     keep: tuple[str, ...] = attrs.field(default=(), converter=_keep_items, validator=_keep_rules)
-
-    def __attrs_post_init__(self) -> None:
-        super().__attrs_post_init__()
-        if self.keep and self.format == "sharded":
-            raise ConfigError(
-                "keep",
-                "is not supported with ckpt.format='sharded' yet",
-                ",".join(self.keep),
-                hint="use ckpt.format='file', or leave ckpt.keep empty",
-            )
 
 
 @attrs.frozen(kw_only=True)

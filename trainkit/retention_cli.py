@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 from pathlib import Path
 
 from trainkit import bookkeeping as core
 from trainkit.errors import BookkeepingError, ConfigError, OutDirError
-from trainkit.retention_files import KEPT_DIR, kept_name, read_kept, remove_kept, write_index
+from trainkit.retention_files import KEPT_DIR, kept_path, read_kept, remove_kept, write_index
 from trainkit.run_files import BEST_CKPT, LAST_CKPT
 from trainkit.run_lock import RunLock
 
@@ -37,7 +38,10 @@ def _size(path: Path) -> str:
     from trainkit.cli import _size as size
 
     try:
-        return size(os.lstat(path).st_size)
+        info = os.lstat(path)
+        if stat.S_ISDIR(info.st_mode):  # a sharded checkpoint: its files together (none of them followed)
+            return size(sum(entry.stat(follow_symlinks=False).st_size for entry in os.scandir(path)))
+        return size(info.st_size)
     except OSError:
         return "?"
 
@@ -65,7 +69,7 @@ def _rows(described: list[core.Checkpoint], reasons: dict[int, tuple[str, ...]],
         shown = f"{score:.6g}" if score is not None and math.isfinite(score) else "-"
         epoch = f"{c.epoch}" if c.epoch_end else f"{c.epoch}+"  # "+": written inside that epoch
         why = ", ".join(reasons[c.step]) or "(no rule: deleted at the next save)"
-        lines.append(f"  {c.step:>8}  {epoch:>5}  {shown:>10}  {_size(directory / kept_name(c.step)):>10}  {why}")
+        lines.append(f"  {c.step:>8}  {epoch:>5}  {shown:>10}  {_size(kept_path(directory, c.step)):>10}  {why}")
     return lines
 
 
@@ -79,7 +83,7 @@ def describe_run_folder(out_dir: str | Path) -> list[str]:
     """
     out = Path(out_dir)
     lines = [f"{out}: a run folder"]
-    for name in (LAST_CKPT, BEST_CKPT):
+    for name in (LAST_CKPT, BEST_CKPT, "last.ckpt", "best.ckpt"):
         if (out / name).exists():
             lines.append(f"  {name}: {_size(out / name)}")
     directory = out / KEPT_DIR
@@ -101,8 +105,9 @@ def describe_run_folder(out_dir: str | Path) -> list[str]:
 def retain_run(out_dir: str | Path, keep: str, *, dry_run: bool) -> list[str]:
     """Apply retention rules to a run folder's kept checkpoints: say what is kept and why, delete the rest.
 
-    Side effects: without ``dry_run``, deletes ``checkpoints/step-<step>.pt`` files (regular files only) and
-    rewrites ``checkpoints/index.json``, holding the run folder's lock.
+    Side effects: without ``dry_run``, deletes ``checkpoints/step-<step>.pt`` files and ``step-<step>.ckpt``
+    directories (those kinds only, never through a link) and rewrites ``checkpoints/index.json``, holding the run
+    folder's lock.
 
     :param out_dir: The run folder.
     :param keep: The rules, as ``ckpt.keep`` spells them (``"latest:3,best:2"``).
@@ -126,11 +131,12 @@ def retain_run(out_dir: str | Path, keep: str, *, dry_run: bool) -> list[str]:
         lines = [f"{directory}: {len(described)} kept checkpoints; rules {policy.spec or '(none)'}"]
         for c in described:
             what = ", ".join(reasons[c.step]) if reasons[c.step] else None
-            lines.append(f"  keep    {kept_name(c.step)}  ({what})" if what else f"  {verb:<7} {kept_name(c.step)}")
+            name = kept_path(directory, c.step).name
+            lines.append(f"  keep    {name}  ({what})" if what else f"  {verb:<7} {name}")
         lines.extend(f"  ignore  {name}: not a file trainkit wrote" for name in refused)
         if not dry_run and doomed:
             for c in doomed:
-                remove_kept(directory / kept_name(c.step))
+                remove_kept(kept_path(directory, c.step))
             left = [c for c in described if reasons[c.step]]
             write_index(directory, left, minimize, recorded)
         lines.append(f"{len(doomed)} {'to delete' if dry_run else 'deleted'}, {len(described) - len(doomed)} kept")

@@ -1,4 +1,5 @@
-"""Kept checkpoints on disk: ``out_dir/checkpoints/step-<step>.pt``, their index, and deleting what is not kept.
+"""Kept checkpoints on disk: ``out_dir/checkpoints/step-<step>.pt`` (or ``step-<step>.ckpt/`` directories with
+``ckpt.format="sharded"``), their index, and deleting what is not kept.
 
 Side effects: files in ``out_dir/checkpoints/`` (rank 0 only) and a background deletion thread. The decision
 of what to keep is the pure :func:`trainkit.bookkeeping.retain`; this part describes what is on disk, asks it,
@@ -9,9 +10,15 @@ The rules this part keeps:
 - A kept checkpoint is a hard link to the ``last.pt`` just published (made under a temp name and renamed into
   place; a durable copy where the filesystem has no hard links), so it is as whole and as checked as
   ``last.pt`` was, and ``last.pt`` being replaced later (``os.replace``) leaves it as it was.
-- Only names trainkit writes are ever touched: ``step-<int>.pt`` exactly (and ``.step-<int>.pt.<pid>.<n>.tmp``
-  leftovers of a killed link whose process is gone). A symbolic link, a directory or any other file kind
-  under such a name is never followed, replaced nor deleted (it is warned about and left out of retention).
+- A kept sharded checkpoint is a directory of hard links to the files of the ``last.ckpt/`` just published
+  (its shards, ``trainkit.pt`` and the manifest; copies where links fail), built under a temp name, fsynced
+  and published by one rename, so a resume checks it by its manifest exactly as it checks ``last.ckpt/``.
+  It is deleted by a rename to a trash name first (``.step-<int>.ckpt.<pid>.<n>.trash``), then removed: a
+  kill during the removal never leaves a half directory under a kept name, and the leftover is cleaned later.
+- Only names trainkit writes are ever touched: ``step-<int>.pt`` (a regular file) and ``step-<int>.ckpt`` (a
+  directory) exactly, and ``.step-<int>.pt.<pid>.<n>.tmp`` (``.ckpt``, ``.trash``) leftovers of a killed link
+  or deletion whose process is gone. A symbolic link or any other file kind under such a name is never
+  followed, replaced nor deleted (it is warned about and left out of retention).
 - Deletion removes whole files, one ``unlink`` each, in a background thread that the next save and the end of
   the run join: a kill during it leaves every remaining checkpoint whole and loadable.
 - ``checkpoints/index.json`` (written atomically) records each kept checkpoint's epoch, wall time and scores,
@@ -27,6 +34,7 @@ import json
 import math
 import os
 import re
+import shutil
 import stat
 import threading
 import time
@@ -36,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from trainkit import bookkeeping as core
-from trainkit.durable import _NO_HARD_LINKS, _copy_new_file, _process_gone, fsync_directory
+from trainkit.durable import _NO_HARD_LINKS, _copy_new_file, _process_gone, current_umask, fsync_directory
 from trainkit.errors import BookkeepingError
 from trainkit.messages import warn_user
 from trainkit.safe_read import UnreadableFile, load_json, read_regular
@@ -47,6 +55,7 @@ __all__ = [
     "KeptCheckpoints",
     "kept_name",
     "kept_step",
+    "kept_path",
     "run_folder_of",
     "read_kept",
     "remove_kept",
@@ -58,33 +67,60 @@ INDEX_FORMAT = 1
 MAX_INDEX_BYTES = 16 << 20
 """The most bytes ``index.json`` may hold (a million checkpoints' entries fit in far less)."""
 
-_KEPT_NAME = re.compile(r"^step-(0|[1-9][0-9]{0,17})\.pt$")
-_TEMP_NAME = re.compile(r"^\.(?:step-(?:0|[1-9][0-9]{0,17})\.pt|index\.json)\.(?P<pid>\d+)\.\d+\.tmp$")
+_KEPT_NAME = re.compile(r"^step-(0|[1-9][0-9]{0,17})\.(pt|ckpt)$")
+_TEMP_NAME = re.compile(
+    r"^\.(?:step-(?:0|[1-9][0-9]{0,17})\.(?:pt|ckpt)|index\.json)\.(?P<pid>\d+)\.\d+\.(?:tmp|trash)$"
+)
+SUFFIXES = (".pt", ".ckpt")
+"""A kept checkpoint's name ends in ``.pt`` (a file, ``ckpt.format="file"``) or ``.ckpt`` (a directory)."""
 _COUNTER = itertools.count()
 
 
-def kept_name(step: int) -> str:
-    """The file name of the kept checkpoint of ``step``.
+def kept_name(step: int, suffix: str = ".pt") -> str:
+    """The name of the kept checkpoint of ``step``: a file (``.pt``) or a sharded directory (``.ckpt``).
 
-    >>> kept_name(1200)
-    'step-1200.pt'
+    >>> kept_name(1200), kept_name(1200, ".ckpt")
+    ('step-1200.pt', 'step-1200.ckpt')
     """
-    return f"step-{step}.pt"
+    return f"step-{step}{suffix}"
 
 
 def kept_step(name: str) -> int | None:
-    """The step a kept checkpoint's file name holds, or None for a name trainkit does not write.
+    """The step a kept checkpoint's name holds, or None for a name trainkit does not write.
 
-    >>> kept_step("step-1200.pt"), kept_step("step-01.pt"), kept_step("step-5.pt.bak"), kept_step("last.pt")
-    (1200, None, None, None)
+    >>> kept_step("step-1200.pt"), kept_step("step-7.ckpt"), kept_step("step-01.pt"), kept_step("step-5.pt.bak")
+    (1200, 7, None, None)
     """
     found = _KEPT_NAME.match(name)
     return int(found[1]) if found else None
 
 
+def _right_kind(name: str, mode: int) -> bool:
+    """Whether ``mode`` is the kind trainkit writes under ``name``: a regular ``.pt`` file, a ``.ckpt`` directory."""
+    return stat.S_ISDIR(mode) if name.endswith(".ckpt") else stat.S_ISREG(mode)
+
+
+def kept_path(directory: Path, step: int) -> Path:
+    """The kept checkpoint of ``step`` in ``directory``: ``step-<step>.pt`` if a regular file is there, else
+    ``step-<step>.ckpt`` if a directory is (no link is followed), else the ``.pt`` name.
+
+    :param directory: ``out_dir/checkpoints``.
+    :param step: The step.
+    :returns: Its path.
+    """
+    for suffix in SUFFIXES:
+        path = directory / kept_name(step, suffix)
+        try:
+            if _right_kind(path.name, os.lstat(path).st_mode):
+                return path
+        except OSError:
+            continue
+    return directory / kept_name(step)
+
+
 def run_folder_of(path: Path) -> Path:
-    """The run folder a checkpoint belongs to: its folder, or for a kept one (``checkpoints/step-N.pt``) the
-    folder above (where its ``best.pt`` and ``metrics.jsonl`` are).
+    """The run folder a checkpoint belongs to: its folder, or for a kept one (``checkpoints/step-N.pt`` or
+    ``checkpoints/step-N.ckpt``) the folder above (where its best checkpoint and ``metrics.jsonl`` are).
 
     :param path: A checkpoint's path.
     :returns: Its run folder.
@@ -95,19 +131,38 @@ def run_folder_of(path: Path) -> Path:
 
 
 def remove_kept(path: Path) -> bool:
-    """Delete one kept checkpoint file: a regular file only, never what a link points to.
+    """Delete one kept checkpoint: a regular ``.pt`` file or a ``.ckpt`` directory only, never what a link points to.
 
-    :param path: ``checkpoints/step-<step>.pt``.
-    :returns: Whether it was deleted (False: gone already, or not a regular file, which is warned about).
+    A directory is renamed to a trash name first and removed from there (without following a link inside),
+    so a kill during its removal leaves no half directory under a kept name.
+
+    :param path: ``checkpoints/step-<step>.pt`` or ``checkpoints/step-<step>.ckpt``.
+    :returns: Whether it was deleted (False: gone already, or not of the kind trainkit writes, which is warned about).
     """
     try:
         info = os.lstat(path)
     except FileNotFoundError:
         return False
-    if not stat.S_ISREG(info.st_mode):
-        warn_user(f"{path} is not a regular file that trainkit wrote ({_kind(info.st_mode)}); it is left alone")
+    if not _right_kind(path.name, info.st_mode):
+        warn_user(f"{path} is not a checkpoint that trainkit wrote ({_kind(info.st_mode)}); it is left alone")
         return False
+    if stat.S_ISDIR(info.st_mode):
+        return _remove_directory(path)
     os.unlink(path)  # unlink removes a name, never a link's target, even if the name was swapped meanwhile
+    return True
+
+
+def _remove_directory(path: Path) -> bool:
+    """Rename a kept directory to a trash name, make that durable, then remove it (``rmtree`` refuses a link and
+    never follows one inside)."""
+    trash = path.with_name(f".{path.name}.{os.getpid()}.{next(_COUNTER)}.trash")
+    os.rename(path, trash)  # renames the name itself: a link swapped in meanwhile is moved, not followed
+    fsync_directory(path.parent)
+    if not stat.S_ISDIR(os.lstat(trash).st_mode):  # swapped for something else since the check: put it back
+        os.rename(trash, path)
+        warn_user(f"{path} changed into something trainkit did not write while it was deleted; it is left alone")
+        return False
+    shutil.rmtree(trash)
     return True
 
 
@@ -189,8 +244,9 @@ def read_kept(directory: Path) -> tuple[list[core.Checkpoint], list[str], bool |
 
 
 def on_disk(directory: Path, known: Mapping[int, core.Checkpoint]) -> tuple[list[core.Checkpoint], list[str]]:
-    """The kept checkpoint files in ``directory`` (regular files named ``step-<int>.pt``), described by ``known``
-    or, for one it lacks, by its name and modification time; and the entries refused under a kept name.
+    """The kept checkpoints in ``directory`` (regular files named ``step-<int>.pt``, directories named
+    ``step-<int>.ckpt``), described by ``known`` or, for one it lacks, by its name and modification time; and the
+    entries refused under a kept name. A step kept under both names counts once.
 
     :param directory: ``out_dir/checkpoints``.
     :param known: Descriptions by step (the index's, or the ones this run recorded).
@@ -198,8 +254,9 @@ def on_disk(directory: Path, known: Mapping[int, core.Checkpoint]) -> tuple[list
     """
     described: list[core.Checkpoint] = []
     refused: list[str] = []
+    seen: set[int] = set()
     try:
-        entries = list(os.scandir(directory))
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
     except OSError:
         return [], []
     for entry in entries:
@@ -210,9 +267,12 @@ def on_disk(directory: Path, known: Mapping[int, core.Checkpoint]) -> tuple[list
             info = entry.stat(follow_symlinks=False)
         except OSError:
             continue
-        if not stat.S_ISREG(info.st_mode):
+        if not _right_kind(entry.name, info.st_mode):
             refused.append(f"{entry.name} ({_kind(info.st_mode)})")
             continue
+        if step in seen:
+            continue
+        seen.add(step)
         found = known.get(step)
         mtime = info.st_mtime if math.isfinite(info.st_mtime) else 0.0
         described.append(found if found is not None else core.Checkpoint(step=step, epoch_end=False, time=mtime))
@@ -278,11 +338,14 @@ class KeptCheckpoints:
     :param out_dir: The run folder.
     :param keep: ``ckpt.keep``: the rules (see :func:`~trainkit.bookkeeping.parse_keep`).
     :param writes: Whether this process writes checkpoints (rank 0 of a run with ``ckpt.enable``).
+    :param sharded: Keep ``last.ckpt/`` directories as ``step-<step>.ckpt/`` (``ckpt.format="sharded"``) rather
+        than ``last.pt`` files as ``step-<step>.pt``.
     """
 
-    def __init__(self, out_dir: Path, keep: tuple[str, ...], *, writes: bool) -> None:
+    def __init__(self, out_dir: Path, keep: tuple[str, ...], *, writes: bool, sharded: bool = False) -> None:
         self.directory = out_dir / KEPT_DIR
         self._keep = keep
+        self._suffix = ".ckpt" if sharded else ".pt"
         self.active = writes and bool(keep)
         self._known: dict[int, core.Checkpoint] | None = None  # read from disk at the first publish
         self._deleter: threading.Thread | None = None
@@ -293,12 +356,13 @@ class KeptCheckpoints:
         return core.parse_keep(self._keep, minimize=minimize)
 
     def publish(self, source: Path, description: core.Checkpoint, *, minimize: bool) -> None:
-        """Keep ``source`` (the ``last.pt`` just published) as ``checkpoints/step-<step>.pt``, then start deleting
-        in the background what the policy does not keep.
+        """Keep ``source`` (the ``last.pt`` just published) as ``checkpoints/step-<step>.pt`` (``last.ckpt/`` as
+        ``checkpoints/step-<step>.ckpt/``), then start deleting in the background what the policy does not keep.
 
-        Runs where the save's writes run (the writer thread of ``ckpt.async_save``), after them.
+        Runs where the save's writes run (the writer thread of ``ckpt.async_save``; rank 0 after every rank's
+        shards are published, for a sharded one), after them.
 
-        :param source: The published checkpoint file.
+        :param source: The published checkpoint file (or directory).
         :param description: What retention needs to know of it.
         :param minimize: The run's direction.
         :raises OSError: When the link (or copy) cannot be made; the checkpoint in ``source`` is intact.
@@ -316,18 +380,21 @@ class KeptCheckpoints:
             self._remove_stale_temp_files()
             found = read_kept(self.directory)[0]
             self._known = {c.step: c for c in found}
-        target = self.directory / kept_name(description.step)
+        target = self.directory / kept_name(description.step, self._suffix)
         try:
             info = os.lstat(target)
         except FileNotFoundError:
             info = None
-        if info is not None and not stat.S_ISREG(info.st_mode):
+        if info is not None and not _right_kind(target.name, info.st_mode):
             warn_user(
-                f"{target} is {_kind(info.st_mode)}, not a file trainkit wrote; it is left alone, step "
+                f"{target} is {_kind(info.st_mode)}, not a checkpoint trainkit wrote; it is left alone, step "
                 f"{description.step} is not kept"
             )
             return
-        self._link(source, target)
+        if self._suffix == ".ckpt":
+            self._link_directory(source, target, replace=info is not None)
+        else:
+            self._link(source, target)
         self._known[description.step] = description
         # what is on disk now (a file removed or added by hand meanwhile counts as it is)
         self._known = {c.step: c for c in on_disk(self.directory, self._known)[0]}
@@ -356,11 +423,39 @@ class KeptCheckpoints:
             raise
         fsync_directory(self.directory)
 
+    def _link_directory(self, source: Path, target: Path, *, replace: bool) -> None:
+        """Make ``target`` a directory of hard links to ``source``'s files (copies where links fail): built under a
+        temp name of its own, fsynced, and published by one rename."""
+        if not stat.S_ISDIR(os.lstat(source).st_mode):  # swapped for a link since it was published: not followed
+            raise OSError(f"{source} is not the directory trainkit published")
+        tmp = self.directory / f".{target.name}.{os.getpid()}.{next(_COUNTER)}.tmp"
+        os.mkdir(tmp, 0o700)  # nobody else can add to it while it is built
+        try:
+            for entry in os.scandir(source):
+                info = entry.stat(follow_symlinks=False)
+                if not stat.S_ISREG(info.st_mode):
+                    raise OSError(f"{entry.path} is {_kind(info.st_mode)}, not a file trainkit wrote")
+                try:
+                    os.link(entry.path, tmp / entry.name, follow_symlinks=False)
+                except OSError as exc:
+                    if exc.errno not in _NO_HARD_LINKS:
+                        raise
+                    _copy_new_file(entry.path, str(tmp / entry.name))
+            fsync_directory(tmp)
+            os.chmod(tmp, 0o777 & ~current_umask())
+            if replace:  # the same step kept before (a resumed run saving it again): the old one goes first
+                remove_kept(target)
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        fsync_directory(self.directory)
+
     def _delete(self, steps: list[int], minimize: bool) -> None:
         known = self._known if self._known is not None else {}
         try:
             for step in steps:
-                remove_kept(self.directory / kept_name(step))
+                remove_kept(kept_path(self.directory, step))
                 known.pop(step, None)
             fsync_directory(self.directory)
             write_index(self.directory, known.values(), minimize, self._keep)
@@ -371,7 +466,11 @@ class KeptCheckpoints:
         with suppress(OSError):
             for entry in os.scandir(self.directory):
                 found = _TEMP_NAME.match(entry.name)
-                if found and entry.is_file(follow_symlinks=False) and _process_gone(int(found["pid"])):
+                if not found or not _process_gone(int(found["pid"])):
+                    continue
+                if entry.is_dir(follow_symlinks=False) and ".ckpt." in entry.name:
+                    shutil.rmtree(entry.path, ignore_errors=True)  # a killed build or deletion of a kept directory
+                elif entry.is_file(follow_symlinks=False):
                     with suppress(OSError):
                         os.unlink(entry.path)
 

@@ -12,6 +12,7 @@ loaded dicts. The directory format itself is :mod:`trainkit.sharded`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ class ShardedFiles:
         self.world_size = world_size
         self._background = sharded.BackgroundSave(timeout_s) if async_save else None
         self._saves = 0
+        self._after: Callable[[], None] | None = None  # what runs once the background save in flight is published
 
     @property
     def last_path(self) -> Path:
@@ -148,6 +150,7 @@ class ShardedFiles:
         last_engine: dict[str, Any] | None,
         best_state: dict[str, Any] | None = None,
         best_engine: dict[str, Any] | None = None,
+        after: Callable[[], None] | None = None,
     ) -> None:
         """Write ``best.ckpt`` (when ``best_state`` is given), then ``last.ckpt`` (a collective).
 
@@ -161,6 +164,9 @@ class ShardedFiles:
         :param last_engine: The engine's payload for ``trainkit.pt`` (rank 0; None elsewhere).
         :param best_state: This rank's DCP state of the best weights, when they changed since the last save.
         :param best_engine: The best's payload for ``best.ckpt``'s ``trainkit.pt`` (rank 0).
+        :param after: Called on this rank once ``last.ckpt`` is published by every rank (keeps it under
+            ``checkpoints/``; rank 0): before this returns, or at the publishing :meth:`wait` of a background save.
+            Its failure is warned, not raised: the other ranks would wait for this one at the next collective.
         :raises BaseException: A rank's failed write, on every rank (a background one's at the next save).
         """
         self.wait()
@@ -170,8 +176,10 @@ class ShardedFiles:
             sharded.save_directory(self.best_path, best_state, best_engine, **options)
         if self._background is not None:
             self._background.start(self.last_path, last_state, last_engine, **options)
+            self._after = after
         else:
             sharded.save_directory(self.last_path, last_state, last_engine, **options)
+            _run_after(after, self.last_path)
 
     def wait(self) -> None:
         """Finish a background save in flight: wait for its write, then publish it (every rank together).
@@ -179,10 +187,13 @@ class ShardedFiles:
         :raises BaseException: Its failed write, on every rank.
         """
         if self._background is not None:
+            after, self._after = self._after, None
             self._background.finish(rank=self.rank, world_size=self.world_size)
+            _run_after(after, self.last_path)
 
     def abandon(self) -> None:
         """Let a background save in flight end unpublished (this rank is failing; the others may be gone)."""
+        self._after = None
         if self._background is not None:
             self._background.abandon()
 
@@ -192,3 +203,13 @@ class ShardedFiles:
         if self._background is not None:
             self._background.release()
         sharded.wait_discarded()
+
+
+def _run_after(after: Callable[[], None] | None, published: Path) -> None:
+    """Run what follows a published save on this rank alone; its failure is warned (``published`` is whole)."""
+    if after is None:
+        return
+    try:
+        after()
+    except Exception as exc:  # noqa: BLE001 - raising on one rank would leave the others in the next collective
+        warn_user(f"keeping a copy of {published} under checkpoints/ failed: {exc!r}; {published} itself is whole")

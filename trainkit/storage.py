@@ -54,8 +54,8 @@ class SaveRequest:
     :ivar step: The optimizer step (the same).
     :ivar before: Called before the first write (makes ``metrics.jsonl`` durable before ``last`` records its
         size).
-    :ivar after: Called once ``last`` is published, where the writes run (keeps it under ``checkpoints/``);
-        None for nothing (only the file format takes one).
+    :ivar after: Called once ``last`` is published, where the writes run (keeps it under ``checkpoints/``;
+        for a sharded one on rank 0 once every rank's shards are published); None for nothing.
     """
 
     registry: core.CkptRegistry
@@ -325,6 +325,7 @@ class ShardedStorage:
             last_engine=last_engine,
             best_state={"model": request.best_weights} if changed else None,
             best_engine=best_engine,
+            after=request.after,
         )
         seconds = None if self._background or self._rank != 0 else time.perf_counter() - started
         self._last_seconds = seconds
