@@ -104,9 +104,12 @@ class LogBuffer:
                 try:
                     value = float(value.item())
                 except (RuntimeError, TypeError, ValueError):
+                    if value.numel() != 1:
+                        raise TypeError(
+                            f"logged metric {key!r} must be a 1-element tensor, got shape {tuple(value.shape)}"
+                        ) from None
                     raise TypeError(
-                        f"logged metric {key!r} must be a real 1-element tensor, got shape {tuple(value.shape)} "
-                        f"and dtype {value.dtype}"
+                        f"logged metric {key!r} must be a real-valued 1-element tensor, got dtype {value.dtype}"
                     ) from None
             elif isinstance(value, torch.Tensor):
                 if value.numel() != 1:
