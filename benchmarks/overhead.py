@@ -115,6 +115,7 @@ class Settings:
     medium_epochs: int
     medium_reps: int
     import_rounds: int
+    import_warmups: int  # fresh interpreters per import run first and discarded (the page cache warmed)
     snapshot_params: int
     micro_reps: int
     norm_tensors: int
@@ -138,6 +139,7 @@ FULL = Settings(
     medium_epochs=1,
     medium_reps=5,
     import_rounds=9,
+    import_warmups=1,
     snapshot_params=50_000_000,
     micro_reps=3,
     norm_tensors=200,
@@ -162,6 +164,7 @@ QUICK = Settings(
     medium_epochs=1,
     medium_reps=1,
     import_rounds=1,  # a fresh interpreter per import: the smoke run checks the section runs
+    import_warmups=0,
     snapshot_params=5_000_000,
     micro_reps=1,
     norm_tensors=200,
@@ -1444,7 +1447,10 @@ def _child_cpu() -> float:
 
 
 def bench_import(report: Report, s: Settings) -> None:
-    log(f"import: a fresh interpreter per import, {s.import_rounds} rounds (+1 warm-up), wall and child CPU time")
+    log(
+        f"import: a fresh interpreter per import, {s.import_rounds} rounds (+{s.import_warmups} warm-up), wall and "
+        "child CPU time"
+    )
     stmts = {
         "import torch": "import torch",
         "import trainkit": "import trainkit",
@@ -1454,7 +1460,7 @@ def bench_import(report: Report, s: Settings) -> None:
     env.pop("PYTHONPATH", None)
     times = {k: Timings() for k in stmts}
     shuffler = random.Random(2000)
-    for rnd in range(s.import_rounds + 1):
+    for rnd in range(s.import_rounds + s.import_warmups):
         order = list(stmts)
         shuffler.shuffle(order)
         for key in order:
@@ -1463,7 +1469,7 @@ def bench_import(report: Report, s: Settings) -> None:
             w1, c1 = time.perf_counter(), _child_cpu()
             if proc.returncode != 0:
                 raise SystemExit(f"`{stmts[key]}` failed:\n{proc.stderr}")
-            if rnd > 0:
+            if rnd >= s.import_warmups:
                 times[key].wall.append(w1 - w0)
                 times[key].cpu.append(c1 - c0)
     probe = subprocess.run(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 import time
 
@@ -12,6 +11,7 @@ import torch
 
 import trainkit
 from tests.trainers import ShardTrainer, make_cfg
+from trainkit.cli import main as cli_main
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(300)]
 
@@ -207,42 +207,43 @@ def test_sharded_step_checkpoints_resume_inside_the_epoch_bit_identically(tmp_pa
     assert_same_state(got["optimizer"], ref["optimizer"])
 
 
-def test_export_writes_the_whole_weights_of_a_sharded_or_file_checkpoint(tmp_path):
+def test_export_writes_the_whole_weights_of_a_sharded_or_file_checkpoint(tmp_path, capsys):
     """`python -m trainkit export` turns last.ckpt / best.ckpt of a 2-rank FSDP2 run, and a DDP run's last.pt,
     into one plain state dict that a bare module loads; a missing item and a damaged directory are errors."""
     out = tmp_path / "run"
     trainkit.spawn(ShardTrainer, sharded_cfg(out, epochs=2, test={"enable": False}), 2)
     final = torch.load(out / "report2.pt")["weights"]
 
-    def export(source, target, *extra):
-        return subprocess.run([sys.executable, "-m", "trainkit", "export", str(source), str(target), *extra],
-                              capture_output=True, text=True, timeout=120)
+    def command(*args):
+        # the CLI's own entry point in this process: what `python -m trainkit` runs, without a torch import per call
+        capsys.readouterr()
+        code = cli_main([str(arg) for arg in args])
+        return code, *capsys.readouterr()
 
-    done = export(out / "last.ckpt", tmp_path / "last.pt")
-    assert done.returncode == 0 and "wrote" in done.stdout, done.stderr
+    code, printed, errors = command("export", out / "last.ckpt", tmp_path / "last.pt")
+    assert code == 0 and "wrote" in printed, errors
     weights = torch.load(tmp_path / "last.pt")
     assert_same_state(weights, final)
     net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
                               torch.nn.Linear(32, 1))
     net.load_state_dict(weights)
-    assert export(out / "best.ckpt", tmp_path / "best.pt").returncode == 0
+    assert command("export", out / "best.ckpt", tmp_path / "best.pt")[0] == 0
     assert torch.load(tmp_path / "best.pt").keys() == final.keys()
     for kind in ("last", "best"):
-        shown = subprocess.run([sys.executable, "-m", "trainkit", "inspect", str(out / f"{kind}.ckpt")],
-                               capture_output=True, text=True, timeout=120)
-        assert shown.returncode == 0, shown.stderr
-        assert f"a sharded trainkit {kind} checkpoint, 5 files" in shown.stdout
-        assert "model: in the DCP shards (python -m trainkit export" in shown.stdout
-    missing = export(out / "last.ckpt", tmp_path / "x.pt", "--item", "encoder")
-    assert missing.returncode == 2 and "holds no sharded item 'encoder'" in missing.stderr
+        code, printed, errors = command("inspect", out / f"{kind}.ckpt")
+        assert code == 0, errors
+        assert f"a sharded trainkit {kind} checkpoint, 5 files" in printed
+        assert "model: in the DCP shards (python -m trainkit export" in printed
+    code, _, errors = command("export", out / "last.ckpt", tmp_path / "x.pt", "--item", "encoder")
+    assert code == 2 and "holds no sharded item 'encoder'" in errors
     (out / "last.ckpt" / "__0_0.distcp").write_bytes(b"torn")
-    damaged = export(out / "last.ckpt", tmp_path / "y.pt")
-    assert damaged.returncode == 2 and "damaged or incomplete: __0_0.distcp" in damaged.stderr
+    code, _, errors = command("export", out / "last.ckpt", tmp_path / "y.pt")
+    assert code == 2 and "damaged or incomplete: __0_0.distcp" in errors
     assert not (tmp_path / "y.pt").exists()
 
     files = tmp_path / "ddp"
     trainkit.spawn(ShardTrainer, sharded_cfg(files, wrap="ddp", epochs=1, ckpt={"format": "file"}), 2)
-    assert export(files / "last.pt", tmp_path / "ddp.pt").returncode == 0
+    assert command("export", files / "last.pt", tmp_path / "ddp.pt")[0] == 0
     assert_same_state(torch.load(tmp_path / "ddp.pt"), torch.load(files / "report2.pt")["weights"])
 
 

@@ -15,6 +15,15 @@ from trainkit.errors import ConfigError, DivergenceError
 
 GUARD_FILE = trainkit.guard.__file__
 
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_fork_server():
+    """One fork server for the module's 2-rank spawns: torch imported once, not once per call (~4 s of CPU each)."""
+    with trainkit.fork_server(preload=["tests.trainers"]):
+        yield
+
+
 NAN_AT = 3
 """The global batch whose loss is scaled by inf (optimizer step 3: one step per batch)."""
 

@@ -512,17 +512,18 @@ def test_two_ranks_refuse_a_planted_directory_together_and_fall_back_past_a_fifo
         return make_cfg(out, **{"epochs": 2, "dist": {"timeout_s": 60}, "ckpt": SHARDED, "report": False, **overrides})
 
     out = tmp_path / "run"
-    trainkit.spawn(ShardTrainer, cfg(out), 2)
-    fifo_at(out / "last.ckpt" / "__1_0.distcp")
-    result = trainkit.spawn(ShardTrainer, cfg(out, epochs=3), 2)  # a rank blocked on the FIFO would time out here
-    assert result is not None
-    assert torch.load(out / "last.ckpt" / "trainkit.pt", weights_only=True)["loop"]["epoch"] == 3
+    with trainkit.fork_server(preload=["torch.distributed.checkpoint", "tests.trainers"]):  # torch once, 3 spawns
+        trainkit.spawn(ShardTrainer, cfg(out), 2)
+        fifo_at(out / "last.ckpt" / "__1_0.distcp")
+        result = trainkit.spawn(ShardTrainer, cfg(out, epochs=3), 2)  # a rank blocked on the FIFO would time out
+        assert result is not None
+        assert torch.load(out / "last.ckpt" / "trainkit.pt", weights_only=True)["loop"]["epoch"] == 3
 
-    last = out / "last.ckpt"
-    (last / ".metadata").write_bytes(code_metadata((last / ".metadata").read_bytes(), marker))
-    recompute_manifest(last)
-    with pytest.raises(Exception, match=r"CheckpointUnsafeError|\.metadata was refused"):
-        trainkit.spawn(ShardTrainer, cfg(out, epochs=4), 2)
+        last = out / "last.ckpt"
+        (last / ".metadata").write_bytes(code_metadata((last / ".metadata").read_bytes(), marker))
+        recompute_manifest(last)
+        with pytest.raises(Exception, match=r"CheckpointUnsafeError|\.metadata was refused"):
+            trainkit.spawn(ShardTrainer, cfg(out, epochs=4), 2)
 
 
 # ---------------------------------------------------------------------------------- the second attack round
