@@ -610,6 +610,7 @@ class GuardTestConfig(TinyConfig):
     guard_on_device: bool = False  # take the guard's device path (found_inf) on the CPU too
     push_every_step: bool = False  # a journal row per step (train/grad_norm, train/loss)
     wrap_ddp: bool = True  # False: every rank trains a model of its own (the ranks' grad norms differ)
+    accumulate: int = 1  # batches per optimizer step (gradient accumulation, counted from first_batch)
 
 
 class GuardTrainer(TinyTrainer):
@@ -638,12 +639,20 @@ class GuardTrainer(TinyTrainer):
     def train_epoch(self):
         cfg = self.cfg
         self.model.train()
-        for x, y in self.progress(self.loader):
+        for index, (x, y) in enumerate(self.progress(self.loader), start=self.first_batch):
             x, y = x.to(self.device), y.to(self.device)
             loss = nn.functional.mse_loss(self.model(x), y)
             planted = f"{self.epoch}:{self._position.current_batch()}" in cfg.nan_positions
             if (self.batches_seen in cfg.nan_batches or planted) and cfg.nan_rank in (None, self.rank):
                 loss = loss * float("inf")
+            if cfg.accumulate > 1:
+                (loss / cfg.accumulate).backward()
+                if (index + 1) % cfg.accumulate == 0:
+                    self.clip_and_log_grad_norm()
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                self.batches_seen += 1
+                continue
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.clip_and_log_grad_norm()

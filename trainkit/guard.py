@@ -47,24 +47,27 @@ __all__ = ["DivergenceGuard", "SKIPPED_KEY", "locator"]
 SKIPPED_KEY = "guard/skipped_steps"
 """The metric that counts the optimizer steps the guard skipped, in the run so far."""
 
-Where = Callable[[], tuple[int, int, int | None]]
-"""Returns ``(step, epoch, batch or None)``: where the loop stands."""
+Where = Callable[[], tuple[int, int, int | None, int]]
+"""Returns ``(step, epoch, batch or None, first batch)``: where the loop stands, and the index of the first batch
+the epoch's counted loop yields (a resumed epoch's consumed batches, 0 otherwise)."""
 
 
 def locator(trainer: Any) -> Where:
     """Where ``trainer``'s loop stands, read through a weak reference (the hooks must not keep it alive).
 
     :param trainer: The :class:`~trainkit.BaseTrainer`.
-    :returns: A function returning ``(step, epoch, batch)``; batch is the 0-based index in the epoch of the
-        last batch yielded, or None when the loop is not counted.
+    :returns: A function returning ``(step, epoch, batch, first)``; batch is the 0-based index in the epoch of the
+        last batch yielded, or None when the loop is not counted; first is the index of the first batch the
+        epoch's counted loop yields.
     """
     ref = weakref.ref(trainer)
 
-    def where() -> tuple[int, int, int | None]:
+    def where() -> tuple[int, int, int | None, int]:
         owner = ref()
         if owner is None:
-            return 0, 0, None
-        return owner.step, owner.epoch, owner._position.current_batch()
+            return 0, 0, None, 0
+        position = owner._position
+        return owner.step, owner.epoch, position.current_batch(), position.first_batch
 
     return where
 
@@ -96,11 +99,14 @@ class DivergenceGuard:
         self._verdict: str | None = None  # the host verdict on the current flag, once decided
         self._counted = False  # whether the current flag was counted
         self._skipped: torch.Tensor | None = None  # the device path's skip count
-        self._where: Where = lambda: (0, 0, None)
+        self._where: Where = lambda: (0, 0, None, 0)
         self._watched: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._saved_found_inf: dict[int, Any] = {}
         self._resumed = False
-        self._seen: dict[int, tuple[int, int | None]] = {}  # rollback: (epoch, batch) of the window's bad steps
+        self._seen: dict[int, tuple[int, tuple[int, ...] | None]] = {}  # rollback: the bad steps' (epoch, batches)
+        self._rollback = mode == "rollback"
+        self._stepped_at: tuple[int, int] | None = None  # rollback: (epoch, batch) at the latest optimizer step
+        self._step_batches: tuple[int, ...] | None = None  # rollback: the batches of the optimizer step under way
 
     def reset(self) -> None:
         """Forget what was seen (after a rollback): the window, the skips, the flag; the count is read again from
@@ -109,6 +115,7 @@ class DivergenceGuard:
         self._state = core.GuardState(mode=state.mode, max_skips=state.max_skips, window=state.window)
         self._flag = self._skipped = self._verdict = None
         self._resumed, self._seen = False, {}
+        self._stepped_at = self._step_batches = None
 
     @classmethod
     def build(cls, cfg: GuardConfig, world_size: int, metrics: TrainerMetrics) -> DivergenceGuard | None:
@@ -191,6 +198,8 @@ class DivergenceGuard:
     # ------------------------------------------------------------------ the hooks
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._rollback:
+            self._note_step_batches()
         flag = self._flag
         if flag is None:
             return  # no norm measured since the last step: this step is not guarded
@@ -213,6 +222,20 @@ class DivergenceGuard:
                 for param in group["params"]:
                     param.grad = None
 
+    def _note_step_batches(self) -> None:
+        """Which batches the optimizer step about to run trained on: every one the counted loop yielded since the
+        previous step (with gradient accumulation, the whole window), so that a rollback leaves them all out."""
+        _, epoch, batch, first = self._where()
+        if batch is None:
+            self._stepped_at = self._step_batches = None
+            return
+        previous = self._stepped_at
+        if previous == (epoch, batch):
+            return  # a second optimizer stepping on the same batches: the same optimizer step's
+        start = previous[1] + 1 if previous is not None and previous[0] == epoch and previous[1] < batch else first
+        self._stepped_at = (epoch, batch)
+        self._step_batches = tuple(range(start, batch + 1))
+
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if id(optimizer) not in self._saved_found_inf:
             return
@@ -229,7 +252,8 @@ class DivergenceGuard:
 
     def _decide(self) -> str:
         """The verdict on a non-finite step (a finite one is always taken: step_guard would say so)."""
-        step, epoch, batch = self._where()
+        step, epoch, batch, _ = self._where()
+        batches = self._step_batches if self._rollback and batch is not None else None
         recent = self._state.recent
         if recent and step <= recent[-1]:
             # the counted optimizer did not step since (a second optimizer's step): judged as the next step
@@ -239,7 +263,7 @@ class DivergenceGuard:
             self._state = attrs.evolve(self._state, skipped=int(self._initial_count()))
         self._state, verdict = core.step_guard(self._state, step, finite=False)
         if self._state.mode == "rollback":
-            self._seen = {s: self._seen.get(s, (epoch, batch)) for s in self._state.recent}
+            self._seen = {s: self._seen.get(s, (epoch, batches)) for s in self._state.recent}
         if verdict == ROLLBACK:
             self._flag = None
             bad = tuple((s, *self._seen[s]) for s in self._state.recent)

@@ -4,13 +4,15 @@ When ``guard.max_skips`` non-finite steps fall within ``guard.window`` steps (at
 guard's step pre-hook raises :class:`RollbackNeeded` before the step is applied; the trainer catches it around
 ``train_epoch()`` and calls :func:`roll_back`: the newest checkpoint written before the first of those steps is
 loaded (:meth:`~trainkit.checkpointer.Checkpointer.rollback_resume`) and restored in this process as a resume
-restores it, and every offending batch position is added to the positions the counted loop leaves out at the
-index level (saved in every later checkpoint as ``guard_skips``). The epoch then runs again from the checkpoint's
+restores it, and every batch position of an offending step (with gradient accumulation, each one of its window)
+is added to the positions the counted loop leaves out at the index level (saved in every later checkpoint as
+``guard_skips``). The epoch then runs again from the checkpoint's
 position: a run that rolled back equals, bitwise, a run resumed from that checkpoint with
 ``guard.skip_batches`` naming the same batches. Under DDP the guard's verdict is the ranks' one verdict, so every
 rank rolls back at the same step to the same file.
 
-Side effects: the checkpoint read, the registered items, the records and the RNG states put back, a row in
+Side effects: the checkpoint read, the registered items, the records and the RNG states put back, the registered
+modules' and optimizers' gradients set to None, a row in
 ``metrics.jsonl`` (rank 0), a line on stderr, and when the loop draws a left-out batch's indices, a row with
 them (rank 0).
 """
@@ -18,8 +20,10 @@ them (rank 0).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from trainkit.errors import DivergenceError
 from trainkit.logging import LogBuffer
@@ -45,7 +49,9 @@ class RollbackNeeded(DivergenceError):
     A :class:`~trainkit.DivergenceError` (what the user sees if it escapes the loop, e.g. raised outside
     ``train_epoch()``).
 
-    :param bad: ``(step, epoch, batch)`` of every non-finite step in the window, oldest first.
+    :param bad: ``(step, epoch, batches)`` of every non-finite step in the window, oldest first: the batches (0-based
+        positions in the epoch) it trained on, every one yielded since the step before (a gradient-accumulation
+        window's).
     """
 
     def __init__(self, message: str, *, step: int, epoch: int, batch: int | None, bad: tuple[tuple, ...]) -> None:
@@ -64,6 +70,15 @@ def _log_dropped(trainer: BaseTrainer) -> Any:
             trainer._run_log.log({**row, "guard/skipped_batch": position})
 
     return dropped
+
+
+def _drop_gradients(items: Iterable[Any]) -> None:
+    """Set every ``.grad`` of the registered modules and optimizers to None, as a process resuming from the
+    checkpoint starts: the rejected step's gradients (non-finite; with gradient accumulation, a loop that zeroes
+    them after ``optimizer.step()`` would add the next window's to them) go with it."""
+    for item in items:
+        if isinstance(item, torch.nn.Module | torch.optim.Optimizer):
+            item.zero_grad(set_to_none=True)
 
 
 def roll_back(trainer: BaseTrainer, request: RollbackNeeded) -> None:
@@ -88,9 +103,10 @@ def roll_back(trainer: BaseTrainer, request: RollbackNeeded) -> None:
     metrics = trainer._metrics
     metrics.load_state_dict(LogBuffer().state_dict(), RunningMean().state_dict())  # the lost steps' logs go
     trainer._restore(resume)  # a step checkpoint puts its own unpushed logs back
+    _drop_gradients(trainer._registry.items.values())
     skips = trainer._checkpointer.skips
-    for _, epoch, batch in request.bad:
-        skips[epoch] = skips.get(epoch, frozenset()) | {batch}
+    for _, epoch, batches in request.bad:
+        skips[epoch] = skips.get(epoch, frozenset()) | frozenset(batches)
     if metrics.guard is not None:
         metrics.guard.reset()
     trainer._position.on_drop = _log_dropped(trainer)
