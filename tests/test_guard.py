@@ -176,6 +176,52 @@ def test_a_rollback_equals_the_run_resumed_from_its_checkpoint_with_the_batches_
     assert last["guard_skips"] == [[1, 1], [1, 3]]
 
 
+def test_a_rollback_under_gradient_accumulation_leaves_the_whole_window_out(tmp_path):
+    """Two batches per optimizer step: the NaN in batch 3 of epoch 1 makes step 4 (batches 2 and 3) non-finite, so
+    the rollback to the step-4 checkpoint leaves both of that step's batches out, not only the one that held the
+    NaN, and the run ends bitwise as the run resumed from a copy of that checkpoint skipping both."""
+    planted = {
+        "accumulate": 2,
+        "nan_positions": ("1:3",),
+        "guard": {"nonfinite": "rollback"},
+        "ckpt": {"every_n_steps": 1, "keep": "latest:9"},
+    }
+    (rolled,), rows = run(tmp_path / "a", **planted)
+    (rollback,) = [row for row in rows if "guard/rolled_back_to_step" in row]
+    assert rollback["guard/rolled_back_to_step"] == 4 and rollback["guard/rollback_from_step"] == 4
+    assert rollback["guard/skipped_batches"] == ["1:2", "1:3"]
+    assert [row["guard/skipped_batch"] for row in rows if "guard/skipped_batch" in row] == [2, 3]
+    assert rows[-1]["trainer/step"] == 5  # 3 steps in epoch 0, 2 in epoch 1 (its middle window left out)
+    copy = tmp_path / "a" / "checkpoints" / "step-4.pt"
+    again = {**planted, "guard": {"nonfinite": "rollback", "skip_batches": ["1:2", "1:3"]}, "ckpt": {"resume": str(copy)}}
+    (resumed,), _ = run(tmp_path / "b", **again)
+    assert (rolled["digest"], rolled["optimizer"]) == (resumed["digest"], resumed["optimizer"])
+
+
+@pytest.mark.parametrize("fmt, suffix", [("file", ".pt"), ("sharded", ".ckpt")])
+def test_a_rollback_past_both_last_checkpoints_takes_the_newest_kept_one_before_the_window(tmp_path, fmt, suffix):
+    """A window of 5 steps wider than ckpt.every_n_steps=1: at the second NaN (step 10) last and its previous copy
+    (steps 10 and 9) are newer than the first (step 7), so the kept step-7 checkpoint (a .pt file, or a .ckpt
+    directory with ckpt.format=sharded) is the one loaded; the run equals, bitwise, the run resumed from it."""
+    planted = {
+        "nan_positions": ("1:1", "1:4"),
+        "guard": {"nonfinite": "rollback", "max_skips": 2, "window": 5},
+        "ckpt": {"every_n_steps": 1, "keep": "latest:9", "format": fmt},
+    }
+    rolled, rows = run(tmp_path / "a", **planted)
+    (rollback,) = [row for row in rows if "guard/rolled_back_to_step" in row]
+    assert (rollback["guard/rolled_back_to_step"], rollback["guard/rollback_from_step"]) == (7, 7)
+    assert rollback["guard/skipped_batches"] == ["1:1", "1:4"]
+    copy = tmp_path / "a" / "checkpoints" / f"step-7{suffix}"
+    again = {
+        **planted,
+        "guard": {"nonfinite": "rollback", "skip_batches": ["1:1", "1:4"]},
+        "ckpt": {"format": fmt, "resume": str(copy)},
+    }
+    resumed, _ = run(tmp_path / "b", **again)
+    assert (rolled[0]["digest"], rolled[0]["optimizer"]) == (resumed[0]["digest"], resumed[0]["optimizer"])
+
+
 @pytest.mark.ddp
 def test_two_gloo_ranks_roll_back_together_bitwise(tmp_path):
     """A NaN planted on rank 1 only: both ranks roll back to the same checkpoint, leave the same batches out, and

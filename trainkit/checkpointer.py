@@ -32,7 +32,7 @@ from trainkit.logging import JsonlSink
 from trainkit.messages import say, warn_user
 from trainkit.modules import load_module_state, restore_training_modes, training_modes
 from trainkit.payload import last_payload, mid_epoch_state
-from trainkit.retention_files import KeptCheckpoints, describe_save, kept_name, read_kept, run_folder_of
+from trainkit.retention_files import KeptCheckpoints, describe_save, kept_path, read_kept, run_folder_of
 from trainkit.rng import capture_rng, restore_rng
 from trainkit.run_files import RunFiles, same_directory
 from trainkit.sharded_files import ShardedFiles
@@ -191,7 +191,7 @@ class Checkpointer:
             world_size=self._world_size,
         )
 
-    def load(self, cfg: Config, path: Path | None = None) -> Resume | None:
+    def load(self, cfg: Config, path: Path | None = None, *, quiet: bool = False) -> Resume | None:
         """Find and load what ``ckpt.resume`` names, with fallback, checked and reconciled with ``cfg``.
 
         A named checkpoint is read in its own format (that is how a DDP run's ``last.pt`` continues as an FSDP2
@@ -200,6 +200,7 @@ class Checkpointer:
 
         :param cfg: The run's config.
         :param path: A checkpoint file to load instead of what ``ckpt.resume`` names (a rollback's).
+        :param quiet: Do not say "resuming" on stderr (a rollback's candidates: the rollback says which it took).
         :returns: The checkpoint to resume, or None for a fresh run.
         :raises CheckpointError: When it cannot be resumed (see ``RunFiles`` and ``ShardedFiles``).
         """
@@ -224,7 +225,8 @@ class Checkpointer:
         )
         if records.notes:
             warn_user(f"resuming {path}: " + "; ".join(records.notes))
-        self._say_resuming(path, records, ckpt.get("trainkit"))
+        if not quiet:
+            self._say_resuming(path, records, ckpt.get("trainkit"))
         results = None if records.more else ckpt.get("results")  # a finished run that continues has none yet
         return Resume(ckpt=ckpt, path=path, records=records, results=dict(results) if results is not None else None)
 
@@ -238,12 +240,12 @@ class Checkpointer:
         """
         self.wait()  # a background save is published before anything is read
         for path in self._storage.published():  # newest first: last, then last.prev
-            resume = self.load(cfg, path)
+            resume = self.load(cfg, path, quiet=True)
             if resume is not None and resume.ckpt["step"] <= first_bad_step:
                 return resume
         kept, _, _, _ = read_kept(self._kept.directory)
         chosen = core.rollback_candidate([(c.step, c.step) for c in kept], first_bad_step)
-        return None if chosen is None else self.load(cfg, self._kept.directory / kept_name(chosen))
+        return None if chosen is None else self.load(cfg, kept_path(self._kept.directory, chosen), quiet=True)
 
     def _say_resuming(self, path: Path, records: core.Resumed, mid_epoch: Mapping[str, Any] | None) -> None:
         line = records.line
