@@ -16,7 +16,6 @@ from trainkit.errors import ConfigError, DivergenceError
 GUARD_FILE = trainkit.guard.__file__
 
 
-
 @pytest.fixture(scope="module", autouse=True)
 def one_fork_server():
     """One fork server for the module's 2-rank spawns: torch imported once, not once per call (~4 s of CPU each)."""
@@ -193,7 +192,11 @@ def test_a_rollback_under_gradient_accumulation_leaves_the_whole_window_out(tmp_
     assert [row["guard/skipped_batch"] for row in rows if "guard/skipped_batch" in row] == [2, 3]
     assert rows[-1]["trainer/step"] == 5  # 3 steps in epoch 0, 2 in epoch 1 (its middle window left out)
     copy = tmp_path / "a" / "checkpoints" / "step-4.pt"
-    again = {**planted, "guard": {"nonfinite": "rollback", "skip_batches": ["1:2", "1:3"]}, "ckpt": {"resume": str(copy)}}
+    again = {
+        **planted,
+        "guard": {"nonfinite": "rollback", "skip_batches": ["1:2", "1:3"]},
+        "ckpt": {"resume": str(copy)},
+    }
     (resumed,), _ = run(tmp_path / "b", **again)
     assert (rolled["digest"], rolled["optimizer"]) == (resumed["digest"], resumed["optimizer"])
 
