@@ -106,7 +106,7 @@ class DivergenceGuard:
         self._seen: dict[int, tuple[int, tuple[int, ...] | None]] = {}  # rollback: the bad steps' (epoch, batches)
         self._rollback = mode == "rollback"
         self._stepped_at: tuple[int, int] | None = None  # rollback: (epoch, batch) at the latest optimizer step
-        self._step_batches: tuple[int, ...] | None = None  # rollback: the batches of the optimizer step under way
+        self._step_start: int | None = None  # rollback: the first batch of the optimizer step under way
 
     def reset(self) -> None:
         """Forget what was seen (after a rollback): the window, the skips, the flag; the count is read again from
@@ -115,7 +115,7 @@ class DivergenceGuard:
         self._state = core.GuardState(mode=state.mode, max_skips=state.max_skips, window=state.window)
         self._flag = self._skipped = self._verdict = None
         self._resumed, self._seen = False, {}
-        self._stepped_at = self._step_batches = None
+        self._stepped_at = self._step_start = None
 
     @classmethod
     def build(cls, cfg: GuardConfig, world_size: int, metrics: TrainerMetrics) -> DivergenceGuard | None:
@@ -226,15 +226,17 @@ class DivergenceGuard:
         """Which batches the optimizer step about to run trained on: every one the counted loop yielded since the
         previous step (with gradient accumulation, the whole window), so that a rollback leaves them all out."""
         _, epoch, batch, first = self._where()
-        if batch is None:
-            self._stepped_at = self._step_batches = None
+        if batch is None:  # not a counted loop: a rollback stops instead (see _decide)
+            self._stepped_at = self._step_start = None
             return
         previous = self._stepped_at
-        if previous == (epoch, batch):
-            return  # a second optimizer stepping on the same batches: the same optimizer step's
-        start = previous[1] + 1 if previous is not None and previous[0] == epoch and previous[1] < batch else first
+        if previous is not None and previous[0] == epoch:
+            if previous[1] == batch:
+                return  # a second optimizer stepping on the same batches: the same optimizer step's
+            if previous[1] < batch:
+                first = previous[1] + 1
         self._stepped_at = (epoch, batch)
-        self._step_batches = tuple(range(start, batch + 1))
+        self._step_start = first
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if id(optimizer) not in self._saved_found_inf:
@@ -253,7 +255,9 @@ class DivergenceGuard:
     def _decide(self) -> str:
         """The verdict on a non-finite step (a finite one is always taken: step_guard would say so)."""
         step, epoch, batch, _ = self._where()
-        batches = self._step_batches if self._rollback and batch is not None else None
+        batches = None
+        if self._rollback and batch is not None and self._step_start is not None:
+            batches = tuple(range(self._step_start, batch + 1))
         recent = self._state.recent
         if recent and step <= recent[-1]:
             # the counted optimizer did not step since (a second optimizer's step): judged as the next step
