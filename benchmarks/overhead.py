@@ -125,6 +125,8 @@ class Settings:
     save_reps: int
     engine_shapes: tuple[tuple[int, int], ...]  # the null workload's run lengths: (epochs, batches per epoch)
     engine_rounds: int  # measured rounds of the engine section
+    engine_group_rounds: tuple[tuple[str, int], ...]  # groups measured over more rounds: cheap ones whose gates sit
+    # within a microsecond of their limit (more pairs narrow the interval; each round of these takes ~0.4 s)
     engine_reps: int  # runs per contestant and run length per round
     engine_wandb_reps: int  # the same for the W&B group, whose every run starts a W&B run (~0.15 s)
 
@@ -151,6 +153,7 @@ FULL = Settings(
     # back to back differ by ~7 %, two of 50 ms or more by 11-18 %: many short pairs resolve a step finer
     engine_shapes=((1, 10), (1, 200), (10, 10)),
     engine_rounds=15,
+    engine_group_rounds=(("off", 40), ("guard", 60)),
     engine_reps=6,
     engine_wandb_reps=4,
 )
@@ -174,6 +177,7 @@ QUICK = Settings(
     save_reps=1,
     engine_shapes=((1, 5), (1, 50), (5, 5)),
     engine_rounds=1,
+    engine_group_rounds=(),
     engine_reps=1,
     engine_wandb_reps=1,
 )
@@ -210,6 +214,7 @@ ENGINE_GATES = {
     "engine/wandb/epoch": 150.0,
     "engine/wandb/run": 5000.0,
     "engine/guard/step": 2.0,
+    "engine/guard/rollback/step": 2.0,
 }
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -755,17 +760,25 @@ class ClippingBenchTrainer(BenchTrainer):
         model, optimizer, loss_of = self.model, self.optimizer, self.workload.loss_fn
         model.train()
         loss = self.last_loss
-        for x, y in self.progress(self.loader):
+        batches = self.progress(self.loader)
+        for x, y in batches:
             loss = loss_of(model(x), y)
             optimizer.zero_grad(set_to_none=True)
             self.clip_and_log_grad_norm()
             optimizer.step()
         self.last_loss = loss
+        self.tracked = getattr(batches, "consumed", None)
+
+
+STEPPING = ("steps", "clip_steps", "rollback_steps")
+"""The variants with ``ckpt.every_n_steps`` past the run's end: the tracked loop, no step checkpoint due."""
+GUARDED = {"guard": "skip", "rollback": "rollback", "rollback_steps": "rollback"}
+"""The variants with the divergence guard on, and its ``guard.nonfinite``."""
 
 
 def trainkit_config(wl: Workload, tmp: Path, feature: str) -> dict[str, Any]:
-    ckpt: dict[str, Any] = {"enable": feature in ("ckpt", "steps", "ckpt_last")}
-    if feature == "steps":
+    ckpt: dict[str, Any] = {"enable": feature in ("ckpt", "ckpt_last", *STEPPING)}
+    if feature in STEPPING:
         # every step runs the tracked iteration and the boundary check; the period is past the run's last
         # step, so no step checkpoint is written (trainkit_run checks the files)
         ckpt["every_n_steps"] = wl.steps + 1
@@ -777,28 +790,28 @@ def trainkit_config(wl: Workload, tmp: Path, feature: str) -> dict[str, Any]:
         "ckpt": ckpt,
         "wandb": {"mode": "offline" if feature == "wandb" else "disabled", "project": "trainkit-bench"},
         "progress": {"enable": feature == "tqdm"},
-        "guard": {"nonfinite": "skip" if feature == "guard" else "off"},
+        "guard": {"nonfinite": GUARDED.get(feature, "off")},
     }
 
 
 def trainkit_run(wl: Workload, tmp: Path, feature: str) -> tuple[nn.Module, Any]:
-    cls = ClippingBenchTrainer if feature in ("clip", "guard") else BenchTrainer
+    cls = ClippingBenchTrainer if feature in ("clip", "clip_steps", *GUARDED) else BenchTrainer
     cls.workload = wl
     cls.feature = feature
     trainer = cls(trainkit_config(wl, tmp, feature))
     result = trainer.train() or {}
     trainer.close()
-    if (feature == "guard") != ("guard/skipped_steps" in result):
+    if (feature in GUARDED) != ("guard/skipped_steps" in result):
         raise SystemExit(f"the `{feature}` variant's divergence guard is not as asked: the run returned {result}")
-    if feature == "steps" and (trainer.tracked != len(trainer.loader) or trainer.step != wl.steps):
+    if feature in STEPPING and (trainer.tracked != len(trainer.loader) or trainer.step != wl.steps):
         raise SystemExit(
             f"the `{feature}` variant did not run the tracked loop: {trainer.tracked} batches counted in the last "
             f"epoch (expected {len(trainer.loader)}), {trainer.step} steps counted (expected {wl.steps})"
         )
     written = {p.name for p in tmp.glob("*.pt")}
-    if feature == "steps" and not ("last.pt" in written and written <= {"last.pt", "last.prev.pt"}):
+    if feature in STEPPING and not ("last.pt" in written and written <= {"last.pt", "last.prev.pt"}):
         # the epoch-end last.pt (and its .prev) only: a step checkpoint would be a mistake in the setup
-        raise SystemExit(f"the `steps` variant wrote other files: {sorted(p.name for p in tmp.glob('*.pt'))}")
+        raise SystemExit(f"the `{feature}` variant wrote other files: {sorted(p.name for p in tmp.glob('*.pt'))}")
     return trainer.model, (trainer.last_loss, trainer.last_val, trainer.improvements if feature == "ckpt" else None)
 
 
@@ -1796,7 +1809,7 @@ def bench_engine(report: Report, s: Settings, use_lightning: bool, only: tuple[s
     log(
         f"engine: the null workload (a batch of one, no forward, no backward) at {lengths}; "
         f"{s.engine_rounds} rounds x {s.engine_reps} interleaved runs per contestant and length ({s.engine_wandb_reps} "
-        "for W&B), CPU time"
+        "for W&B), CPU time" + "".join(f"; {group}: {rounds} rounds" for group, rounds in s.engine_group_rounds)
     )
 
     def raw(feature: str) -> Callable[[Workload, Path], tuple[nn.Module, Any]]:
@@ -1833,6 +1846,9 @@ def bench_engine(report: Report, s: Settings, use_lightning: bool, only: tuple[s
             [
                 Contestant("trainkit (clip)", ours("clip"), "trainkit"),
                 Contestant("trainkit (guard)", ours("guard"), "trainkit"),
+                Contestant("trainkit (rollback)", ours("rollback"), "trainkit"),
+                Contestant("trainkit (clip, steps)", ours("clip_steps"), "trainkit"),
+                Contestant("trainkit (rollback, steps)", ours("rollback_steps"), "trainkit"),
             ],
         ),
     }
@@ -1847,9 +1863,8 @@ def bench_engine(report: Report, s: Settings, use_lightning: bool, only: tuple[s
             # the tqdm group on a terminal: trainkit draws its step bar only there (elsewhere it costs nothing)
             t0 = time.perf_counter()
             reps = s.engine_wandb_reps if feature == "wandb" else s.engine_reps
-            res = run_grid(
-                f"engine/{feature}", workloads, contestants, s.engine_rounds, reps, terminal=feature == "tqdm"
-            )
+            rounds = dict(s.engine_group_rounds).get(feature, s.engine_rounds)
+            res = run_grid(f"engine/{feature}", workloads, contestants, rounds, reps, terminal=feature == "tqdm")
             report.engine_samples[feature] = {
                 c.name: {
                     f"{e}x{b}": {
@@ -1940,6 +1955,29 @@ def bench_engine(report: Report, s: Settings, use_lightning: bool, only: tuple[s
                     {"step": "engine/guard/step"},
                     note="guard.nonfinite=skip with nothing non-finite (the norm judged before each optimizer step) "
                     "against the same loop with the guard off; both call clip_and_log_grad_norm()",
+                )
+                add_cost_row(
+                    report,
+                    res,
+                    shapes,
+                    "guard, rollback",
+                    "trainkit (rollback, steps)",
+                    "trainkit (clip, steps)",
+                    {"step": "engine/guard/rollback/step"},
+                    note="guard.nonfinite=rollback with nothing non-finite against the same loop with the guard off, "
+                    "both with ckpt.every_n_steps (none due), as a run that rolls back to a step has it: the verdict "
+                    "and the positions of each step's batches",
+                )
+                add_cost_row(
+                    report,
+                    res,
+                    shapes,
+                    "guard, rollback, no step checkpoints",
+                    "trainkit (rollback)",
+                    "trainkit (clip)",
+                    {},
+                    note="guard.nonfinite=rollback without ckpt.every_n_steps (it rolls back to the epoch's start; "
+                    "information): the above plus the counted loop, which this mode runs even so",
                 )
             if feature == "wandb":
                 add_cost_row(
@@ -2269,7 +2307,7 @@ def main(argv: list[str] | None = None) -> int:
 
     s = QUICK if args.quick else FULL
     if args.rounds is not None:
-        s = Settings(**{**s.__dict__, "rounds": args.rounds, "engine_rounds": args.rounds})
+        s = Settings(**{**s.__dict__, "rounds": args.rounds, "engine_rounds": args.rounds, "engine_group_rounds": ()})
     sections = {x.strip() for x in args.only.split(",") if x.strip()}
     unknown = sections - {"engine", "training", "import", "micro"}
     if unknown:

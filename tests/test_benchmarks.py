@@ -30,8 +30,10 @@ def test_overhead_quick_mode_runs_and_checks_same_work(tmp_path):
     assert ("off", "raw (again)", "raw") in rows
     assert ("ckpt", "trainkit", "raw_ckpt") in rows
     assert ("guard", "trainkit (guard)", "trainkit (clip)") in rows
+    assert ("guard, rollback", "trainkit (rollback, steps)", "trainkit (clip, steps)") in rows
     verdicts = {g["gate"]: g["verdict"] for g in report["gates"]}
     gated = {"engine/off/step", "engine/steps/step", "engine/wandb/step", "engine/guard/step", "tiny/off"}
+    gated |= {"engine/guard/rollback/step"}
     assert gated <= set(verdicts)
     assert set(verdicts.values()) <= {"PASS", "FAIL", "UNDECIDED"}
 
