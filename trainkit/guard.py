@@ -39,8 +39,10 @@ from trainkit.bookkeeping.guard import CONTINUE, RAISE, ROLLBACK, SKIP
 from trainkit.errors import DivergenceError
 
 if TYPE_CHECKING:
+    from trainkit.batches import TrackedBatches
     from trainkit.config import GuardConfig
     from trainkit.logging import TrainerMetrics
+    from trainkit.tracking import EpochTracker
 
 __all__ = ["DivergenceGuard", "SKIPPED_KEY", "locator"]
 
@@ -105,8 +107,10 @@ class DivergenceGuard:
         self._resumed = False
         self._seen: dict[int, tuple[int, tuple[int, ...] | None]] = {}  # rollback: the bad steps' (epoch, batches)
         self._rollback = mode == "rollback"
-        self._stepped_at: tuple[int, int] | None = None  # rollback: (epoch, batch) at the latest optimizer step
-        self._step_start: int | None = None  # rollback: the first batch of the optimizer step under way
+        self._position: EpochTracker | None = None  # rollback: where the counted loop stands
+        self._stepped_in: TrackedBatches | None = None  # rollback: the counted pass of the latest optimizer step
+        self._stepped_at = 0  # rollback: the batches that pass had consumed then
+        self._step_start = 0  # rollback: the position of the first batch of the optimizer step under way
 
     def reset(self) -> None:
         """Forget what was seen (after a rollback): the window, the skips, the flag; the count is read again from
@@ -115,7 +119,7 @@ class DivergenceGuard:
         self._state = core.GuardState(mode=state.mode, max_skips=state.max_skips, window=state.window)
         self._flag = self._skipped = self._verdict = None
         self._resumed, self._seen = False, {}
-        self._stepped_at = self._step_start = None
+        self._stepped_in = None
 
     @classmethod
     def build(cls, cfg: GuardConfig, world_size: int, metrics: TrainerMetrics) -> DivergenceGuard | None:
@@ -147,13 +151,16 @@ class DivergenceGuard:
         value = self.count()[SKIPPED_KEY]
         return int(value.item() if isinstance(value, torch.Tensor) else value)
 
-    def watch(self, objects: Iterable[Any], where: Where) -> None:
+    def watch(self, objects: Iterable[Any], where: Where, position: EpochTracker | None = None) -> None:
         """Install the step hooks on every optimizer among ``objects`` (once each).
 
         :param objects: What ``add_checkpoint_items`` was given.
         :param where: Where the loop stands (:func:`locator`), for the error and the window.
+        :param position: The trainer's position part, whose counted loop says which batches each optimizer step
+            trained on (what a rollback leaves out).
         """
         self._where = where
+        self._position = position
         for optimizer in objects:
             if not isinstance(optimizer, torch.optim.Optimizer) or optimizer in self._watched:
                 continue
@@ -225,18 +232,19 @@ class DivergenceGuard:
     def _note_step_batches(self) -> None:
         """Which batches the optimizer step about to run trained on: every one the counted loop yielded since the
         previous step (with gradient accumulation, the whole window), so that a rollback leaves them all out."""
-        _, epoch, batch, first = self._where()
-        if batch is None:  # not a counted loop: a rollback stops instead (see _decide)
-            self._stepped_at = self._step_start = None
+        batches = self._position.counted_batches if self._position is not None else None
+        if batches is None:  # not a counted loop: a rollback stops instead (see _decide)
+            self._stepped_in = None
             return
-        previous = self._stepped_at
-        if previous is not None and previous[0] == epoch:
-            if previous[1] == batch:
+        consumed = batches.consumed
+        if batches is self._stepped_in:
+            if consumed == self._stepped_at:
                 return  # a second optimizer stepping on the same batches: the same optimizer step's
-            if previous[1] < batch:
-                first = previous[1] + 1
-        self._stepped_at = (epoch, batch)
-        self._step_start = first
+            self._step_start = self._stepped_at
+        else:  # the first step of this pass over the epoch (a resumed or rolled-back one starts at its position)
+            self._stepped_in = batches
+            self._step_start = batches.skip
+        self._stepped_at = consumed
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if id(optimizer) not in self._saved_found_inf:
@@ -256,8 +264,8 @@ class DivergenceGuard:
         """The verdict on a non-finite step (a finite one is always taken: step_guard would say so)."""
         step, epoch, batch, _ = self._where()
         batches = None
-        if self._rollback and batch is not None and self._step_start is not None:
-            batches = tuple(range(self._step_start, batch + 1))
+        if self._rollback and batch is not None and self._stepped_in is not None:
+            batches = tuple(range(self._step_start, self._stepped_at))
         recent = self._state.recent
         if recent and step <= recent[-1]:
             # the counted optimizer did not step since (a second optimizer's step): judged as the next step

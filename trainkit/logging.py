@@ -254,7 +254,7 @@ class TrainerMetrics:
         if self.guard is not None:
             from trainkit.guard import locator
 
-            self.guard.watch(objects, locator(trainer))
+            self.guard.watch(objects, locator(trainer), trainer._position)
 
     def last_value(self, key: str) -> Any:
         """The value of ``key`` waiting in the buffer, else the last one pushed, else None.

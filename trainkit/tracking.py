@@ -199,6 +199,12 @@ class EpochTracker:
         if position is not None:
             self._check_same_data(position, resume, loader)
             self._pending = None
+        beyond = sorted(batch for batch in drop if batch >= len(loader))
+        if beyond:
+            warn_user(
+                f"guard.skip_batches names batches {beyond} of epoch {epoch}, but its loader has {len(loader)} batches "
+                "(positions are 0-based): nothing is left out there"
+            )
         self._tracked = True
         self.saved(step())
         self._voting = self._stepping and dist_utils.is_distributed()
@@ -214,6 +220,11 @@ class EpochTracker:
             drop=drop,
             on_drop=self.on_drop,
         )
+        return self._batches
+
+    @property
+    def counted_batches(self) -> TrackedBatches | None:
+        """This epoch's counted loop (one object per pass over the epoch), or None outside one."""
         return self._batches
 
     def current_batch(self) -> int | None:
