@@ -184,6 +184,51 @@ def test_a_kill_during_background_deletion_leaves_a_resumable_folder(tmp_path):
     assert kept_steps(out) == [48]
 
 
+KILLED_BEFORE_KEEPING = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pathlib import Path
+    import trainkit.retention_files as files
+    from tests.trainers import TinyTrainer, make_cfg
+
+    out, step = Path(sys.argv[1]), int(sys.argv[2])
+    real = files.KeptCheckpoints.publish
+    def killed_at(self, source, description, **kwargs):
+        if description.step == step:  # last.pt of that step is published, its kept copy not made yet
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(self, source, description, **kwargs)
+    files.KeptCheckpoints.publish = killed_at
+    scores = (0.9, 0.5, 0.7, 0.3, 0.6, 0.8)
+    TinyTrainer(make_cfg(out, epochs=5, scripted_scores=scores, ckpt={"keep": "every_epochs:1"})).train()
+    """
+)
+
+
+def test_a_kill_between_publishing_last_and_keeping_it_is_kept_on_resume(tmp_path, capfd):
+    """SIGKILL after last.pt of step 24 is published and before its kept copy is made: the resumed run keeps it
+    (as its save would have: epoch 4's end, its validation scores), so the folder ends as an uninterrupted one."""
+    out, reference = tmp_path / "killed", tmp_path / "reference"
+    run(reference, epochs=5, scripted_scores=SCORES, ckpt={"keep": "every_epochs:1"})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.run(
+        [sys.executable, "-c", KILLED_BEFORE_KEEPING, str(out), "24"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
+    assert load_checkpoint(out / "last.pt")["step"] == 24 and kept_steps(out) == [6, 12, 18]
+    capfd.readouterr()
+    run(out, epochs=5, scripted_scores=SCORES, ckpt={"keep": "every_epochs:1"})
+    assert "kept " in capfd.readouterr().err
+    assert kept_steps(out) == kept_steps(reference) == [6, 12, 18, 24, 30]
+    assert_loads(out / "checkpoints" / "step-24.pt", 24)
+    got, expected = ({c.step: c for c in read_kept(folder / "checkpoints")[0]}[24] for folder in (out, reference))
+    assert (got.epoch, got.epoch_end, dict(got.scores)) == (expected.epoch, expected.epoch_end, dict(expected.scores))
+    assert got.scores["score"] == 0.3
+
+
 def test_cli_inspect_and_retain_dry_run_then_apply(tmp_path, capsys):
     """inspect lists each kept checkpoint with the rule keeping it; retain --dry-run deletes nothing, retain
     deletes what its rules do not keep, refuses a folder a live run holds, and names --keep in a bad rule."""
@@ -282,13 +327,19 @@ def test_sharded_kept_directories_resume_leave_links_alone_and_retain_lists_them
     for name in os.listdir(out / "last.ckpt"):  # the same files as last.ckpt, linked
         assert os.stat(kept / name).st_ino == os.stat(out / "last.ckpt" / name).st_ino
     for step in steps:
-        payload, problem = read_engine(out / "checkpoints" / f"step-{step}.ckpt", rank=0, world_size=1,
-                                       validate=validate_last)
+        payload, problem = read_engine(
+            out / "checkpoints" / f"step-{step}.ckpt", rank=0, world_size=1, validate=validate_last
+        )
         assert problem is None and payload["step"] == step
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # best.ckpt is found in the kept directory's run folder
-        resumed = TinyTrainer(make_cfg(tmp_path / "second", epochs=4, ckpt={
-            "format": "sharded", "resume": str(out / "checkpoints" / "step-18.ckpt")}))
+        resumed = TinyTrainer(
+            make_cfg(
+                tmp_path / "second",
+                epochs=4,
+                ckpt={"format": "sharded", "resume": str(out / "checkpoints" / "step-18.ckpt")},
+            )
+        )
     try:
         assert resumed.best_model is not None
         resumed.train()
@@ -309,4 +360,3 @@ def test_sharded_kept_directories_resume_leave_links_alone_and_retain_lists_them
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == ["index.json", "step-24.ckpt", "step-3.ckpt"]
     assert (elsewhere / "precious").exists()
-

@@ -15,6 +15,8 @@ converts by being named in ``ckpt.resume``.
 from __future__ import annotations
 
 import functools
+import math
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -227,6 +229,7 @@ class Checkpointer:
             warn_user(f"resuming {path}: " + "; ".join(records.notes))
         if not quiet:
             self._say_resuming(path, records, ckpt.get("trainkit"))
+            self._keep_resumed(path, ckpt, records)
         results = None if records.more else ckpt.get("results")  # a finished run that continues has none yet
         return Resume(ckpt=ckpt, path=path, records=records, results=dict(results) if results is not None else None)
 
@@ -246,6 +249,36 @@ class Checkpointer:
         kept, _, _, _ = read_kept(self._kept.directory)
         chosen = core.rollback_candidate([(c.step, c.step) for c in kept], first_bad_step)
         return None if chosen is None else self.load(cfg, kept_path(self._kept.directory, chosen), quiet=True)
+
+    def _keep_resumed(self, path: Path, ckpt: Mapping[str, Any], records: core.Resumed) -> None:
+        """Rank 0 under ``ckpt.keep``: the resumed ``last`` of this folder is kept if its step is not (a kill
+        between its publish and its link), described as its save described it, with the time it was written."""
+        in_shards = self._ckpt.format == "sharded"
+        if not self._kept.active or not same_directory(path.parent, self._files.out_dir) or path.is_dir() != in_shards:
+            return
+        loop, best = core.LoopState.from_dict(ckpt["loop"]), records.best
+        score = None  # the score of an epoch that did not improve is not in the checkpoint (its val/* metrics are)
+        if best is not None and best.score is not None and best.epoch == loop.epoch - 1:
+            score = (loop.epoch - 1, best.score)
+        try:
+            saved_at = os.lstat(path).st_mtime
+        except OSError:
+            return
+        description = describe_save(
+            step=int(ckpt["step"]),
+            epoch=loop.epoch,
+            epoch_end=ckpt.get("trainkit") is None,
+            validated=loop.last_validated,
+            score=score,
+            latest_metrics=ckpt.get("latest_metrics") or {},
+            saved_at=saved_at if math.isfinite(saved_at) else None,
+        )
+        minimize = best.minimize if best is not None else self._minimize
+        if self._kept.keep_resumed(path, description, minimize=minimize):
+            say(
+                f"kept {path} as {self._kept.directory.name}/step-{description.step}: the run before stopped after "
+                "publishing it and before keeping it (ckpt.keep)"
+            )
 
     def _say_resuming(self, path: Path, records: core.Resumed, mid_epoch: Mapping[str, Any] | None) -> None:
         line = records.line

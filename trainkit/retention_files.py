@@ -407,6 +407,30 @@ class KeptCheckpoints:
             )
             self._deleter.start()
 
+    def keep_resumed(self, source: Path, description: core.Checkpoint, *, minimize: bool) -> bool:
+        """Keep the ``last`` a run resumes from when no checkpoint of its step is kept: a kill between publishing
+        it and keeping it (a few milliseconds, or a background save's whole write) left it unkept, and the
+        policy would have kept it, at least as the newest.
+
+        A link that cannot be made is warned about; the run goes on.
+
+        :param source: The resumed checkpoint (``last.pt`` or ``last.prev.pt``; a sharded directory), of the
+            kind this run keeps.
+        :param description: What retention needs to know of it.
+        :param minimize: The run's direction.
+        :returns: Whether it was kept now.
+        """
+        if not self.active or self._disabled:
+            return False
+        if any(os.path.lexists(self.directory / kept_name(description.step, suffix)) for suffix in SUFFIXES):
+            return False
+        try:
+            self.publish(source, description, minimize=minimize)
+        except OSError as exc:
+            warn_user(f"keeping {source} as step {description.step} failed ({exc}); it is not kept")
+            return False
+        return True
+
     def _link(self, source: Path, target: Path) -> None:
         tmp = str(self.directory / f".{target.name}.{os.getpid()}.{next(_COUNTER)}.tmp")
         try:
@@ -489,8 +513,9 @@ def describe_save(
     validated: bool,
     score: tuple[int, float] | None,
     latest_metrics: Mapping[str, float],
+    saved_at: float | None = None,
 ) -> core.Checkpoint:
-    """What retention knows of a checkpoint being saved now.
+    """What retention knows of a checkpoint being saved now (or, with ``saved_at``, saved then).
 
     Scores are recorded only for an epoch-end checkpoint whose epoch ended with a validation: ``"score"`` is the
     selection score given to ``save_if_best`` in that epoch, and every ``val/*`` metric last pushed is recorded
@@ -502,6 +527,7 @@ def describe_save(
     :param validated: That epoch ended with a validation.
     :param score: ``(epoch, score)`` of the last ``save_if_best`` call, if any.
     :param latest_metrics: The last pushed value of every metric.
+    :param saved_at: When it was saved (seconds since the epoch); None: now.
     :returns: The description.
     """
     scores: dict[str, float] = {}
@@ -509,4 +535,5 @@ def describe_save(
         scores = {name: value for name, value in latest_metrics.items() if name.startswith("val/")}
         if score is not None and score[0] == epoch - 1:
             scores["score"] = score[1]
-    return core.Checkpoint(step=step, epoch=epoch, epoch_end=epoch_end, time=time.time(), scores=scores)
+    when = time.time() if saved_at is None else saved_at
+    return core.Checkpoint(step=step, epoch=epoch, epoch_end=epoch_end, time=when, scores=scores)
