@@ -235,6 +235,14 @@ def test_two_gloo_ranks_roll_back_together_bitwise(tmp_path):
     assert [row["guard/rolled_back_to_step"] for row in rows if "guard/rolled_back_to_step" in row] == [6]
 
 
+def test_skip_batches_past_the_epoch_are_warned_about(tmp_path):
+    """A position past the epoch's last batch (a typo, or 1-based counting) leaves nothing out: a warning says so,
+    and the run trains every batch."""
+    with pytest.warns(RuntimeWarning, match=r"guard.skip_batches names batches \[6\] of epoch 1, but its loader has 6"):
+        _, rows = run(tmp_path, guard={"skip_batches": ["1:6"]})
+    assert rows[-1]["trainer/step"] == 12
+
+
 def test_rollback_without_a_checkpoint_before_the_bad_step_stops_naming_it(tmp_path):
     """In the first epoch without step checkpoints there is nothing to go back to: a DivergenceError says so."""
     with pytest.raises(DivergenceError, match="found no checkpoint written before step 3 to roll back to"):
