@@ -35,14 +35,14 @@ import attrs
 import torch
 
 from trainkit import bookkeeping as core
+from trainkit.batches import TrackedBatches
 from trainkit.bookkeeping.guard import CONTINUE, RAISE, ROLLBACK, SKIP
 from trainkit.errors import DivergenceError
+from trainkit.tracking import EpochTracker
 
 if TYPE_CHECKING:
-    from trainkit.batches import TrackedBatches
     from trainkit.config import GuardConfig
     from trainkit.logging import TrainerMetrics
-    from trainkit.tracking import EpochTracker
 
 __all__ = ["DivergenceGuard", "SKIPPED_KEY", "locator"]
 
