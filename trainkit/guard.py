@@ -49,27 +49,24 @@ __all__ = ["DivergenceGuard", "SKIPPED_KEY", "locator"]
 SKIPPED_KEY = "guard/skipped_steps"
 """The metric that counts the optimizer steps the guard skipped, in the run so far."""
 
-Where = Callable[[], tuple[int, int, int | None, int]]
-"""Returns ``(step, epoch, batch or None, first batch)``: where the loop stands, and the index of the first batch
-the epoch's counted loop yields (a resumed epoch's consumed batches, 0 otherwise)."""
+Where = Callable[[], tuple[int, int, int | None]]
+"""Returns ``(step, epoch, batch or None)``: where the loop stands."""
 
 
 def locator(trainer: Any) -> Where:
     """Where ``trainer``'s loop stands, read through a weak reference (the hooks must not keep it alive).
 
     :param trainer: The :class:`~trainkit.BaseTrainer`.
-    :returns: A function returning ``(step, epoch, batch, first)``; batch is the 0-based index in the epoch of the
-        last batch yielded, or None when the loop is not counted; first is the index of the first batch the
-        epoch's counted loop yields.
+    :returns: A function returning ``(step, epoch, batch)``; batch is the 0-based index in the epoch of the
+        last batch yielded, or None when the loop is not counted.
     """
     ref = weakref.ref(trainer)
 
-    def where() -> tuple[int, int, int | None, int]:
+    def where() -> tuple[int, int, int | None]:
         owner = ref()
         if owner is None:
-            return 0, 0, None, 0
-        position = owner._position
-        return owner.step, owner.epoch, position.current_batch(), position.first_batch
+            return 0, 0, None
+        return owner.step, owner.epoch, owner._position.current_batch()
 
     return where
 
@@ -101,7 +98,7 @@ class DivergenceGuard:
         self._verdict: str | None = None  # the host verdict on the current flag, once decided
         self._counted = False  # whether the current flag was counted
         self._skipped: torch.Tensor | None = None  # the device path's skip count
-        self._where: Where = lambda: (0, 0, None, 0)
+        self._where: Where = lambda: (0, 0, None)
         self._watched: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._saved_found_inf: dict[int, Any] = {}
         self._resumed = False
@@ -262,7 +259,7 @@ class DivergenceGuard:
 
     def _decide(self) -> str:
         """The verdict on a non-finite step (a finite one is always taken: step_guard would say so)."""
-        step, epoch, batch, _ = self._where()
+        step, epoch, batch = self._where()
         batches = None
         if self._rollback and batch is not None and self._stepped_in is not None:
             batches = tuple(range(self._step_start, self._stepped_at))
