@@ -15,6 +15,8 @@ import warnings
 import attrs
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import trainkit
 from tests.trainers import TinyConfig, TinyTrainer
@@ -367,6 +369,76 @@ def test_strip_secrets_cleans_an_old_checkpoint_config():
         "keypoint_weight": 0.5,
         "layers": [64, 64],
     }
+
+
+@attrs.frozen(kw_only=True)
+class VaultSection(_Section):
+    """A section whose declarations go against the name rule both ways."""
+
+    address: str = "vault.example.com"
+    location: str = secret_field(default="vault-secret-7")  # secret by declaration, not by name
+    api_key_hint: str = attrs.field(default="ends in 42", metadata={"secret": False})  # public despite its name
+
+
+@attrs.frozen(kw_only=True)
+class NestedConfig(DeclaredConfig):
+    """DeclaredConfig with a section two levels down from nothing secret by name."""
+
+    vault: VaultSection = attrs.field(factory=VaultSection)
+
+
+_KEY_WORDS = [
+    *attrs.fields_dict(NestedConfig),
+    *attrs.fields_dict(VaultSection),
+    *attrs.fields_dict(DbSection),
+    *attrs.fields_dict(AuthSection),
+    "Authorization",
+    "Accept",
+    "hub-login",
+    "db.password",
+    "db.host",
+    "vault.location",
+    "vault.api_key_hint",
+    "headers.Accept",
+    "x.api_key",
+    "",
+]
+
+
+def _stripped_by_path(data, config, prefix=""):
+    """What strip_secrets promises, read off its docstring: a key goes when its dotted path from the top is secret."""
+    if isinstance(data, dict):
+        return {
+            key: _stripped_by_path(value, config, f"{prefix}{key}.")
+            for key, value in data.items()
+            if not is_secret_key(f"{prefix}{key}", config)
+        }
+    if isinstance(data, list | tuple):
+        return [_stripped_by_path(value, config, prefix) for value in data]
+    return redact_text(data) if isinstance(data, str) else data
+
+
+_PLAIN = st.one_of(st.integers(), st.sampled_from(["oauth", "postgres://bob:pw@h/db", "x api_key=abc"]))
+_NESTED = st.recursive(
+    _PLAIN,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(_KEY_WORDS), inner, max_size=5),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.dictionaries(st.sampled_from(_KEY_WORDS), _NESTED, max_size=8), key=st.sampled_from(_KEY_WORDS))
+def test_strip_secrets_judges_every_key_by_its_dotted_path(data, key):
+    """strip_secrets and render_value, which judge each key from its level's record class down, drop and mask
+    exactly what is_secret_key says of the key's whole dotted path, declared sections and dict values alike."""
+    assert public_config(NestedConfig(epochs=1))["vault"] == {
+        "address": "vault.example.com",
+        "api_key_hint": "ends in 42",
+    }
+    for config in (NestedConfig, None):
+        assert strip_secrets(data, config) == _stripped_by_path(data, config)
+        expected = "'***'" if is_secret_key(key, config) else repr(_stripped_by_path(data, config, f"{key}."))
+        assert render_value(key, data, config) == expected
 
 
 def test_redact_argv_masks_secret_overrides_flags_and_urls():

@@ -158,6 +158,11 @@ class Checkpointer:
         """Per epoch, the batch positions left out (``guard.skip_batches``, a rollback's): saved, put back."""
 
     @property
+    def config(self) -> dict[str, Any]:
+        """The config as saved in every checkpoint (``public_config``: no secrets); not to be changed."""
+        return self._config
+
+    @property
     def last_path(self) -> Path:
         """Where ``last`` is written: ``out_dir/last.pt``, or the directory ``out_dir/last.ckpt``."""
         return self._storage.last_path

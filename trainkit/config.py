@@ -679,18 +679,34 @@ def is_secret_key(key: str, config: Any = None) -> bool:
     >>> is_secret_key("passwd"), is_secret_key("val.patience", Config), is_secret_key("headers.Authorization")
     (True, False, True)
     """
-    cls = _config_class(config)
-    segments = str(key).split(".")
+    return _walk_key(_config_class(config), str(key).split("."))[0]
+
+
+@functools.cache
+def _field_secrecy(cls: type) -> dict[str, tuple[bool, type | None]]:
+    """Per field of a config class: whether it is secret, and the record class of its value (None: not a record)."""
+    hints = _hints(cls)
+    secrecy = {}
+    for field in attrs.fields(cls):
+        tp = hints.get(field.name)
+        secrecy[field.name] = (_field_is_secret(field), tp if tp is not None and attrs.has(tp) else None)
+    return secrecy
+
+
+def _walk_key(cls: type | None, segments: list[str]) -> tuple[bool, type | None]:
+    """:func:`is_secret_key` for a key's segments read from ``cls`` down: (secret, the record class it names).
+
+    Where a segment is no field (or ``cls`` is None) the name rule decides for it and every segment after it.
+    """
     for depth, segment in enumerate(segments):
-        fields = attrs.fields_dict(cls) if cls is not None else {}
+        fields = _field_secrecy(cls) if cls is not None else {}
         field = fields.get(segment) or fields.get(segment.replace("-", "_"))
         if field is None:
-            return any(_secret_segment(rest) for rest in segments[depth:])
-        if _field_is_secret(field):
-            return True
-        tp = _hints(cls).get(field.name)
-        cls = tp if tp is not None and attrs.has(tp) else None
-    return False
+            return any(_secret_segment(rest) for rest in segments[depth:]), None
+        secret, cls = field
+        if secret:
+            return True, None
+    return False, cls
 
 
 def _mask_url_userinfo(match: re.Match[str]) -> str:
@@ -744,19 +760,20 @@ def strip_secrets(data: Any, config: Any = None) -> Any:
     >>> strip_secrets({"db_url": "mysql://u:pw@h/db", "passwd": "x", "max_tokens": 512})
     {'db_url': 'mysql://u:***@h/db', 'max_tokens': 512}
     """
-    return _strip(data, _config_class(config), "")
+    return _strip(data, _config_class(config))
 
 
-def _strip(data: Any, cls: type | None, prefix: str) -> Any:
+def _strip(data: Any, cls: type | None) -> Any:
+    # each key judged from the record class of its level down, which is is_secret_key on its dotted path
     if isinstance(data, Mapping):
         out = {}
         for key, value in data.items():
-            path = f"{prefix}{key}"
-            if not is_secret_key(path, cls):
-                out[key] = _strip(value, cls, path + ".")
+            secret, below = _walk_key(cls, str(key).split("."))
+            if not secret:
+                out[key] = _strip(value, below)
         return out
     if isinstance(data, list | tuple):
-        return [_strip(value, cls, prefix) for value in data]
+        return [_strip(value, cls) for value in data]
     if isinstance(data, str):
         return redact_text(data)
     return data
@@ -800,9 +817,8 @@ def render_value(key: str, value: Any, config: Any = None) -> str:
     >>> render_value("passwd", "hunter2"), render_value("db_url", "redis://:pw@cache:6379"), render_value("lr", 0.1)
     ("'***'", "'redis://:***@cache:6379'", '0.1')
     """
-    if is_secret_key(key, config):
-        return repr(SECRET_MASK)
-    return repr(_strip(value, _config_class(config), f"{key}."))
+    secret, below = _walk_key(_config_class(config), str(key).split("."))
+    return repr(SECRET_MASK) if secret else repr(_strip(value, below))
 
 
 def redact_argv(argv: Sequence[str], config: Any = None) -> list[str]:

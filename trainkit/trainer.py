@@ -147,7 +147,7 @@ def _open_run_log(cfg: Config, checkpointer: Checkpointer, resume: Resume | None
         run_id=run_id,
         out_dir=Path(cfg.out_dir),
         resumed_from=resume.path.parent if resume is not None else None,
-        config=public_config(cfg),
+        config=checkpointer.config,  # stripped once, for both
         config_class=cfg,
     )
 
@@ -446,6 +446,8 @@ class BaseTrainer(abc.ABC):
 
     def _save(self, batches: TrackedBatches | None = None) -> float | None:
         """Save through the checkpointer (inside an epoch, with ``batches``: a step checkpoint)."""
+        if not self.cfg.ckpt.enable:  # nothing would be written: the record is not built
+            return None
         records = self._records
         loop = records.loop if batches is None else attrs.evolve(records.loop, step=self.step)
         position, rank_position = self._position.save_position(batches, loop.epoch, self._metrics.state_dict())
