@@ -50,6 +50,11 @@ class EpochBar:
                 total=total, initial=initial, desc="epochs", unit="epoch", mininterval=_interval(), dynamic_ncols=True
             )
 
+    @property
+    def shown(self) -> bool:
+        """Whether the bar is drawn (False: enabled was False, or it was closed)."""
+        return self._bar is not None
+
     def update(self, best_metrics: Mapping[str, float]) -> None:
         """Count one finished epoch and show the best metrics.
 

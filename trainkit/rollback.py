@@ -121,13 +121,25 @@ def roll_back(trainer: BaseTrainer, request: RollbackNeeded) -> None:
         )
 
 
-@contextlib.contextmanager
-def rolled_back(trainer: BaseTrainer) -> Iterator[list[bool]]:
+_NEVER_ROLLED: contextlib.AbstractContextManager[Any] = contextlib.nullcontext(())
+"""What :func:`rolled_back` enters when nothing can ask for a rollback: an empty (falsy) result, no generator."""
+
+
+def rolled_back(trainer: BaseTrainer) -> contextlib.AbstractContextManager[Any]:
     """Around the training epoch: a :class:`RollbackNeeded` raised inside is caught and acted on (:func:`roll_back`).
 
     :param trainer: The trainer.
-    :returns: A list, non-empty (truthy) after a rollback: the epoch must run again from the restored position.
+    :returns: A context whose value is non-empty (truthy) after a rollback: the epoch must run again from the
+        restored position. Without ``guard.nonfinite=rollback`` nothing raises a request, and the context is a
+        shared no-op (this runs once per epoch of every run).
     """
+    if trainer.cfg.guard.nonfinite != "rollback":
+        return _NEVER_ROLLED
+    return _rolling_back(trainer)
+
+
+@contextlib.contextmanager
+def _rolling_back(trainer: BaseTrainer) -> Iterator[list[bool]]:
     rolled: list[bool] = []
     try:
         yield rolled

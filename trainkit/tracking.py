@@ -29,6 +29,9 @@ from trainkit.rng import loader_generators
 
 __all__ = ["EpochTracker"]
 
+_NOTHING: frozenset[int] = frozenset()
+"""No batch left out (shared: looked up once per epoch)."""
+
 
 class EpochTracker:
     """The training epoch's position: which batches were trained on, when a step checkpoint is due, a stop.
@@ -168,7 +171,7 @@ class EpochTracker:
         :raises CheckpointMismatchError: When a resumed epoch's loader cannot be skipped into, or differs.
         """
         pending = self._pending
-        drop = self.drops.get(epoch, frozenset())
+        drop = self.drops.get(epoch, _NOTHING)
         if not self._in_epoch or not (self._stepping or pending is not None or self.counted or drop):
             return None
         if self._tracked:

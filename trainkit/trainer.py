@@ -416,7 +416,8 @@ class BaseTrainer(abc.ABC):
         self._push_if_any()
         # after the last epoch without a test, _finish() writes the same state (plus results) at once
         seconds = self._save() if more or self.cfg.test.enable else None
-        bar.update(self.get_best_pbar_metrics())
+        if bar.shown:  # the metrics are formatted for a bar that shows only
+            bar.update(self.get_best_pbar_metrics())
         if signalled and more:
             self._stop_for_signal(seconds)
         return more

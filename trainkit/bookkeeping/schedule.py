@@ -22,6 +22,8 @@ STOP_MAX_EPOCHS = "max_epochs"
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
+    if type(value) is int and value >= minimum:  # the common case, decided without a call (runs every epoch)
+        return
     if not is_int(value) or value < minimum:
         raise BookkeepingError(f"{name} must be an int >= {minimum}, got {value!r}")
 
