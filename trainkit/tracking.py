@@ -53,7 +53,9 @@ class EpochTracker:
         self._voting = False  # whether this epoch's step boundaries take part in the ranks' stop vote
         self._in_epoch = False
         self._tracked = False
-        self._batches: TrackedBatches | None = None  # this epoch's counted loop, for current_batch()
+        self.counted_batches: TrackedBatches | None = None
+        """This epoch's counted loop (one object per pass over the epoch), or None outside one; an attribute, not a
+        property: the divergence guard reads it before every optimizer step in rollback mode."""
         self._untracked_warned = False
         self.first_batch = 0
         """The index in the epoch of the first batch the tracked loop yields (a resumed epoch's consumed ones)."""
@@ -147,7 +149,7 @@ class EpochTracker:
         finally:
             self._in_epoch = False
             self.first_batch = 0
-            self._batches = None
+            self.counted_batches = None
         if self._pending is not None:
             position = self._pending[0]
             self._pending = None
@@ -211,7 +213,7 @@ class EpochTracker:
         self._tracked = True
         self.saved(step())
         self._voting = self._stepping and dist_utils.is_distributed()
-        self._batches = TrackedBatches(
+        self.counted_batches = TrackedBatches(
             loader,
             epoch=epoch,
             skip=position.batches if position is not None else 0,
@@ -223,19 +225,14 @@ class EpochTracker:
             drop=drop,
             on_drop=self.on_drop,
         )
-        return self._batches
-
-    @property
-    def counted_batches(self) -> TrackedBatches | None:
-        """This epoch's counted loop (one object per pass over the epoch), or None outside one."""
-        return self._batches
+        return self.counted_batches
 
     def current_batch(self) -> int | None:
         """The 0-based index in the epoch of the last batch the counted loop yielded, or None (no counted loop).
 
         :returns: The index, for messages (the divergence guard's error names it).
         """
-        batches = self._batches
+        batches = self.counted_batches
         return None if batches is None or batches.consumed == 0 else batches.consumed - 1
 
     def _check_same_data(self, position: core.EpochPosition, resume: Any, loader: Any) -> None:
