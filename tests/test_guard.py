@@ -55,11 +55,24 @@ def test_a_skipped_step_equals_the_step_left_out_bitwise(tmp_path, optimizer, on
     (left_out,), _ = run(tmp_path / "b", steps_left_out=(NAN_AT,), optimizer=optimizer)
     (unguarded,), _ = run(tmp_path / "c", nan_batches=(NAN_AT,), optimizer=optimizer)
     assert guarded["on_device"] is on_device and guarded["skipped"] == 1
-    # the device path reads nothing on the host; the host path reads the norm once per optimizer step
-    assert sum(syncs.values()) == (0 if on_device else 12)
+    # the device path reads nothing on the host; on the host path the log buffer has read the CPU norm already, and
+    # the verdict takes that float (test_the_host_verdict_reads_a_norm_the_buffer_kept_once_per_step: one it kept)
+    assert sum(syncs.values()) == 0
     assert (guarded["digest"], guarded["optimizer"]) == (left_out["digest"], left_out["optimizer"])
     assert unguarded["digest"] != left_out["digest"]
     assert [row["guard/skipped_steps"] for row in rows if "train/grad_norm" in row] == [1, 1]
+
+
+def test_the_host_verdict_reads_a_norm_the_buffer_kept_once_per_step(tmp_path, monkeypatch):
+    """When the log buffer keeps the norm as a tensor (an accelerator's norm), the host path reads it itself, once
+    per optimizer step, and skips the planted step exactly as when it reuses the buffer's read."""
+    monkeypatch.setattr(trainkit.logging.LogBuffer, "read_cpu_at_log", False)
+    with count_host_syncs(only_from=GUARD_FILE) as syncs:
+        (guarded,), _ = run(tmp_path / "a", nan_batches=(NAN_AT,), guard={"nonfinite": "skip"})
+    (left_out,), _ = run(tmp_path / "b", steps_left_out=(NAN_AT,))
+    assert guarded["on_device"] is False and guarded["skipped"] == 1
+    assert sum(syncs.values()) == 12
+    assert (guarded["digest"], guarded["optimizer"]) == (left_out["digest"], left_out["optimizer"])
 
 
 def test_raise_stops_before_the_step_naming_it_and_its_batch(tmp_path):

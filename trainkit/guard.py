@@ -93,7 +93,7 @@ class DivergenceGuard:
         self._on_device: bool | None = None  # the path, decided at the first observe()
         self._world_size = world_size
         self._metrics = metrics
-        self._flag: torch.Tensor | None = None  # the latest measured norm, or on the device path its found_inf
+        self._flag: torch.Tensor | float | None = None  # the latest norm or its host read; device path: found_inf
         self._found_inf: torch.Tensor | None = None  # the device path's flag, reused from step to step
         self._verdict: str | None = None  # the host verdict on the current flag, once decided
         self._counted = False  # whether the current flag was counted
@@ -167,14 +167,18 @@ class DivergenceGuard:
             if _fused(optimizer):
                 optimizer.register_step_post_hook(self._after_step)
 
-    def observe(self, norm: torch.Tensor) -> None:
+    def observe(self, norm: torch.Tensor, read: float | None = None) -> None:
         """Take the step's pre-clip total grad norm (no host sync: on the host path it is only kept).
 
         :param norm: The 0-d norm from :func:`trainkit.optim.total_grad_norm` (not changed).
+        :param read: The same norm already read on the host (the log buffer reads a CPU tensor when it is logged),
+            so that the host path's verdict needs no second read; ignored under DDP, where the verdict is on the
+            all-reduced norm.
         """
         if self._world_size > 1:  # one verdict: a NaN or inf norm on any rank makes the sum non-finite everywhere
             norm = norm.clone()
             torch.distributed.all_reduce(norm)
+            read = None
         if self._on_device is None:
             cpu = norm.device.type == "cpu" and not self.device_path_on_cpu
             self._on_device = not self._host and self._all_fused and not cpu
@@ -185,7 +189,7 @@ class DivergenceGuard:
             torch.logical_not(torch.isfinite(norm), out=flag)  # 1.0 when not finite, as found_inf must be
             self._flag = flag
         else:
-            self._flag = norm
+            self._flag = norm if read is None else read  # the host verdict reads it before the step (math.isfinite)
         self._verdict, self._counted = None, False
 
     def count(self) -> dict[str, Any]:
@@ -202,8 +206,17 @@ class DivergenceGuard:
     # ------------------------------------------------------------------ the hooks
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._rollback:
-            self._note_step_batches()
+        if self._rollback:  # which batches this step trained on (what a rollback leaves out); inline: every step
+            batches = self._position.counted_batches if self._position is not None else None
+            if batches is None:  # not a counted loop: a rollback stops instead (see _decide)
+                self._stepped_in = None
+            elif batches is not self._stepped_in:  # the first step of this pass (a resumed one starts at its skip)
+                self._stepped_in = batches
+                self._step_start = batches.skip
+                self._stepped_at = batches.consumed
+            elif batches.consumed != self._stepped_at:  # (equal: a second optimizer stepping on the same batches)
+                self._step_start = self._stepped_at
+                self._stepped_at = batches.consumed
         flag = self._flag
         if flag is None:
             return  # no norm measured since the last step: this step is not guarded
@@ -219,29 +232,12 @@ class DivergenceGuard:
             return
         verdict = self._verdict
         if verdict is None:  # once per measured norm, however many optimizers step on it
-            finite = math.isfinite(flag.item())  # the one host read per step, as GradScaler.step makes
+            finite = math.isfinite(flag)  # a float, or the one host read per step (as GradScaler.step makes)
             verdict = self._verdict = CONTINUE if finite else self._decide()
         if verdict == SKIP:
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     param.grad = None
-
-    def _note_step_batches(self) -> None:
-        """Which batches the optimizer step about to run trained on: every one the counted loop yielded since the
-        previous step (with gradient accumulation, the whole window), so that a rollback leaves them all out."""
-        batches = self._position.counted_batches if self._position is not None else None
-        if batches is None:  # not a counted loop: a rollback stops instead (see _decide)
-            self._stepped_in = None
-            return
-        consumed = batches.consumed
-        if batches is self._stepped_in:
-            if consumed == self._stepped_at:
-                return  # a second optimizer stepping on the same batches: the same optimizer step's
-            self._step_start = self._stepped_at
-        else:  # the first step of this pass over the epoch (a resumed or rolled-back one starts at its position)
-            self._stepped_in = batches
-            self._step_start = batches.skip
-        self._stepped_at = consumed
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if id(optimizer) not in self._saved_found_inf:

@@ -243,7 +243,8 @@ class TrainerMetrics:
         self.grad_norm.add(norm)
         self.buffer.add({"train/grad_norm": norm})
         if self.guard is not None:
-            self.guard.observe(norm)
+            read = self.buffer._scalars["train/grad_norm"]  # a float when the buffer read the norm (a CPU one)
+            self.guard.observe(norm, read if read.__class__ is float else None)
 
     def watch(self, objects: Iterable[Any], trainer: Any) -> None:
         """Hand the optimizers among newly registered checkpoint items to the guard (nothing when it is off).
