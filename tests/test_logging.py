@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections import Counter
 
 import pytest
@@ -428,3 +429,45 @@ def test_run_log_w_and_b_gets_every_line_once_in_order(tmp_path, kept, lost, wan
     after = wandb.logged
     assert sorted(step for step, _ in before + after) == list(range(kept + lost + new))
     assert dict(before + after) == dict(enumerate(read_rows(path)))
+
+
+def test_journal_sync_fsyncs_every_row_written_since_the_last_sync_and_nothing_else(tmp_path, monkeypatch):
+    """sync() before a checkpoint makes every row written since the last sync durable, and skips the fsync only when
+    no byte was written since: a fresh empty file, or a second sync with no row between; a file found non-empty (a
+    resumed run's rows, a cut, padding, carried history) is synced by its first sync, even when nothing is new."""
+    import trainkit.logging as tk_logging
+    from trainkit.logging import JsonlSink
+
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def counting_fsync(fd: int) -> None:
+        synced.append(os.fstat(fd).st_size)
+        real_fsync(fd)
+
+    monkeypatch.setattr(tk_logging.os, "fsync", counting_fsync)
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    sink.sync()
+    assert synced == []  # empty at open, nothing written: nothing to make durable
+    sink.log(row(0))
+    first = sink.tell()
+    sink.sync()
+    sink.sync()
+    sink.log(row(1))
+    sink.log(row(2))
+    sink.sync()
+    assert synced == [first, sink.tell()]
+    sink.finish()
+    size = (tmp_path / "m.jsonl").stat().st_size
+    for reopen in ({}, {"truncate_to": size}, {"truncate_to": 5}, {"truncate_to": size + 7}, {"history": b""}):
+        synced.clear()
+        if reopen.get("truncate_to") == size + 7:
+            with pytest.warns(RuntimeWarning, match="7 bytes shorter"):
+                sink = JsonlSink(tmp_path / "m.jsonl", **reopen)
+        else:
+            sink = JsonlSink(tmp_path / "m.jsonl", **reopen)
+        sink.sync()
+        sink.sync()
+        assert synced == [sink.tell()], reopen
+        sink.finish()
+        write_journal(tmp_path / "m.jsonl", [row(0), row(1), row(2)])

@@ -489,6 +489,9 @@ class JsonlSink:
         self._fd: int | None = fd
         self._size = size
         self._rows = rows
+        # the size the last fsync made durable: a file empty at open and still empty has nothing to make durable;
+        # anything found or changed at open (a resumed run's rows, history, a cut, padding) goes with the first sync()
+        self._synced: int | None = 0 if size == 0 and info.st_size == 0 else None
 
     def tell(self) -> int:
         """The file's current size in bytes, for the checkpoint."""
@@ -536,9 +539,14 @@ class JsonlSink:
                 line += 1
 
     def sync(self) -> None:
-        """Make the rows written so far durable (``fsync``); called before a checkpoint records :meth:`tell`."""
-        if self._fd is not None:
+        """Make the rows written so far durable (``fsync``); called before a checkpoint records :meth:`tell`.
+
+        No ``fsync`` when no row was written since the last one (the file only grows through :meth:`log`): an
+        epoch that logged nothing costs its checkpoint no second ``fsync`` (~0.1 ms even on an unchanged file).
+        """
+        if self._fd is not None and self._synced != self._size:
             os.fsync(self._fd)
+            self._synced = self._size
 
     def finish(self) -> None:
         """Close the file (idempotent)."""
