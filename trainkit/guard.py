@@ -188,9 +188,12 @@ class DivergenceGuard:
                 flag = self._found_inf = torch.empty((), dtype=torch.float32, device=norm.device)
             torch.logical_not(torch.isfinite(norm), out=flag)  # 1.0 when not finite, as found_inf must be
             self._flag = flag
-        else:
-            self._flag = norm if read is None else read  # the host verdict reads it before the step (math.isfinite)
-        self._verdict, self._counted = None, False
+            self._verdict = None
+        elif read is None:
+            self._flag, self._verdict = norm, None  # read (once) by the first optimizer step's hook
+        else:  # read on the host already: judged now, and a finite norm leaves the step's hook nothing to do
+            self._flag, self._verdict = read, CONTINUE if math.isfinite(read) else None
+        self._counted = False
 
     def count(self) -> dict[str, Any]:
         """The skip count as a metric, for the next push (a device tensor on the device path: no host read).
@@ -217,6 +220,8 @@ class DivergenceGuard:
             elif batches.consumed != self._stepped_at:  # (equal: a second optimizer stepping on the same batches)
                 self._step_start = self._stepped_at
                 self._stepped_at = batches.consumed
+        if self._verdict is CONTINUE:
+            return  # a finite norm (judged when observed, or by the first optimizer stepping on it)
         flag = self._flag
         if flag is None:
             return  # no norm measured since the last step: this step is not guarded
