@@ -10,8 +10,9 @@ registered with ``add_checkpoint_items`` acts on it before the step runs. Two pa
   ``fused=True``): the flag is set as the optimizer's ``found_inf`` attribute, and the fused kernel skips the
   update (parameters, moments, momentum; Adam's step count is put back). No host sync; the skip count is a
   device tensor pushed with the next :meth:`~trainkit.BaseTrainer.push_logs`.
-* **On the host** (every other case): the pre-hook reads the flag (one device-to-host read per step, as
-  ``GradScaler.step`` makes), runs :func:`trainkit.bookkeeping.step_guard`, and either raises
+* **On the host** (every other case): the norm is read once per step (the pre-hook's device-to-host read, as
+  ``GradScaler.step`` makes; a CPU norm is judged from the float the log buffer read when it was logged, with no
+  second read), and a non-finite one runs :func:`trainkit.bookkeeping.step_guard`: the pre-hook either raises
   :class:`~trainkit.DivergenceError` or skips the step by setting every parameter's ``.grad`` to None (torch's
   optimizers leave a parameter without a gradient untouched: no update, no state change).
 
