@@ -28,6 +28,10 @@ def test_overhead_quick_mode_runs_and_checks_same_work(tmp_path):
     for feature, baseline in (("off", "raw"), ("steps", "raw"), ("tqdm", "raw_tqdm"), ("wandb", "raw_wandb")):
         assert any(f == feature and b == baseline and c.startswith("trainkit") for f, c, b in rows), (feature, rows)
     assert ("off", "raw (again)", "raw") in rows
+    # step checkpoints need ckpt.enable, whose epoch-end last.pt the hand-written baseline of their gate writes too
+    steps_gate = [r for r in report["engine"]["rows"] if r["gates"].get("step", {}).get("gate") == "engine/steps/step"]
+    assert [(r["contestant"], r["baseline"]) for r in steps_gate] == [("trainkit (steps)", "raw (ckpt last)")]
+    assert ("ckpt last", "raw (ckpt last)", "raw") in rows
     assert ("ckpt", "trainkit", "raw_ckpt") in rows
     assert ("guard", "trainkit (guard)", "trainkit (clip)") in rows
     assert ("guard, rollback", "trainkit (rollback, steps)", "trainkit (clip, steps)") in rows
