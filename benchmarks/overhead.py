@@ -477,7 +477,7 @@ class NullWorkload(Workload):
     What is left per step is what every loop pays around the model: the ``DataLoader``'s next batch, the
     model's call (it returns its input, the "loss"), ``zero_grad`` and an ``optimizer.step()`` of SGD over one
     parameter without a gradient (the call, its hooks and trainkit's step counter, no arithmetic): about
-    40 us on this 2-core host, a few tens of microseconds anywhere. This host's speed wanders by 10-20 % from
+    30 us on this 2-core host, a few tens of microseconds anywhere. This host's speed wanders by 10-20 % from
     one run to the next, so the noise on a per-step estimate is a share of the raw step's own cost: the
     smaller that cost, the finer the engine's cost can be resolved.
     """
