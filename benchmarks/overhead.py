@@ -1938,38 +1938,29 @@ def bench_engine(report: Report, s: Settings, use_lightning: bool, only: tuple[s
                     {"epoch": "engine/steps/epoch"},
                     note="the tracked loop alone: against trainkit writing the same last.pt at every epoch end",
                 )
-                add_cost_row(
-                    report,
-                    res,
-                    shapes,
-                    "steps",
-                    "trainkit (steps)",
-                    "raw",
-                    {},
-                    note="information: against the loop that writes nothing (its epoch and run columns are the "
-                    "epoch-end last.pt writes, its step column carries the per-step share below)",
-                )
-                add_cost_row(
-                    report,
-                    res,
-                    shapes,
-                    "ckpt last",
-                    "raw (ckpt last)",
-                    "raw",
-                    {},
-                    note="information: the hand-written loop's own epoch-end last.pt; a save after a longer epoch "
-                    "costs more CPU on this host, which the fit puts in the step column",
-                )
-                add_cost_row(
-                    report,
-                    res,
-                    shapes,
-                    "ckpt last",
-                    "trainkit (ckpt last)",
-                    "raw (ckpt last)",
-                    {},
-                    note="information: ckpt.enable against the same last.pt written by hand",
-                )
+                for row_feature, ours_name, base_name, note in (
+                    (
+                        "steps",
+                        "trainkit (steps)",
+                        "raw",
+                        "information: against the loop that writes nothing (its epoch and run columns are the "
+                        "epoch-end last.pt writes, its step column carries the per-step share below)",
+                    ),
+                    (
+                        "ckpt last",
+                        "raw (ckpt last)",
+                        "raw",
+                        "information: the hand-written loop's own epoch-end last.pt; a save after a longer epoch "
+                        "costs more CPU on this host, which the fit puts in the step column",
+                    ),
+                    (
+                        "ckpt last",
+                        "trainkit (ckpt last)",
+                        "raw (ckpt last)",
+                        "information: ckpt.enable against the same last.pt written by hand",
+                    ),
+                ):
+                    add_cost_row(report, res, shapes, row_feature, ours_name, base_name, {}, note=note)
             elif feature != "guard":
                 trainkit_gates = {
                     "tqdm": {u: f"engine/tqdm/{u}" for u in ("step", "epoch", "run")},
