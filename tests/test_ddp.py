@@ -101,8 +101,9 @@ def test_spawn_reports_the_rank_that_failed_first_not_the_first_to_exit(tmp_path
     and exits first. spawn raises rank 1's error, the cause, and names rank 0's after it."""
     from tests.trainers import SlowToExitTrainer
 
+    failing = cfg(tmp_path, fail_rank=1, fail_epoch=1, fail_in="val", dist={"timeout_s": 3})
     with pytest.raises(Exception, match="injected failure on rank 1 at epoch 1") as raised:
-        trainkit.spawn(SlowToExitTrainer, cfg(tmp_path, fail_rank=1, fail_epoch=1, dist={"timeout_s": 3}), 2)
+        trainkit.spawn(SlowToExitTrainer, failing, 2)
     assert raised.value.error_index == 1
     assert "rank 0 failed after it" in str(raised.value)
     no_children_left()

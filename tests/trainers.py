@@ -23,6 +23,7 @@ class TinyConfig(Config):
     local_scores_differ: bool = False
     fail_rank: int | None = None
     fail_epoch: int = 0
+    fail_in: str = "train"  # the hook that raises on fail_rank at fail_epoch: "train" or "val"
     dropout: float = 0.1
 
 
@@ -67,9 +68,7 @@ class TinyTrainer(BaseTrainer):
         return torch.optim.SGD(self.get_param_groups(), lr=self.cfg.lr, momentum=0.9)
 
     def train_epoch(self):
-        cfg = self.cfg
-        if cfg.fail_rank == self.rank and self.epoch == cfg.fail_epoch:
-            raise RuntimeError(f"injected failure on rank {self.rank} at epoch {self.epoch}")
+        self._fail_here_if_told("train")
         self.epochs_trained.append(self.epoch)
         self.model.train()
         total = torch.zeros((), device=self.device)
@@ -87,12 +86,18 @@ class TinyTrainer(BaseTrainer):
         self.log_epoch_grad_norm()
         self.log_lr()
 
+    def _fail_here_if_told(self, hook):
+        cfg = self.cfg
+        if cfg.fail_in == hook and cfg.fail_rank == self.rank and self.epoch == cfg.fail_epoch:
+            raise RuntimeError(f"injected failure on rank {self.rank} at epoch {self.epoch}")
+
     def _sq_error(self, x, y):
         self.model.eval()
         with torch.no_grad():
             return ((self.model(x) - y) ** 2).sum(), len(x)
 
     def val_epoch(self):
+        self._fail_here_if_told("val")
         shard = slice(self.rank, None, self.world_size)
         total, count = self._sq_error(self.val_x[shard], self.val_y[shard])
         score = self.reduce_mean(total, count)
@@ -129,7 +134,15 @@ def pid_marker() -> int:
 class SlowToExitTrainer(TinyTrainer):
     """TinyTrainer whose failing rank (``fail_rank``) lingers before it closes, past the collective timeout: the
     other ranks, left waiting in a collective, fail after it but exit before it, as they would behind a rank
-    busy writing a crash dump or flushing a slow log."""
+    busy writing a crash dump or flushing a slow log.
+
+    Run it with ``fail_in="val"``: the others then time out in ``reduce_mean``. A rank that times out in DDP's
+    backward all-reduce may not exit at all while the failed rank lingers. In torch 2.13 the gloo work that
+    backward launched holds a Python object (autograd's stashed context), so the worker thread that frees it
+    needs the GIL. The main thread, freeing the process group at exit, holds the GIL and waits for that
+    worker's lock, and the process deadlocks until spawn terminates it (seen about 1 run in 10 on a loaded
+    host; the exit order, not trainkit's report, is what then changes).
+    """
 
     def train(self):
         try:

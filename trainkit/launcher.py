@@ -212,7 +212,10 @@ def spawn(trainer_class: type, cfg: Config | Mapping[str, Any], world_size: int)
     terminated and the original traceback is raised here; no process is left behind. When several ranks
     fail, the one that failed first is reported (the others' failures are usually its consequences, such as
     a connection the failed rank closed), whichever process happened to exit first; a rank that died without
-    an exception (killed by a signal) is reported as torch reports it.
+    an exception (killed by a signal) is reported as torch reports it. A rank that timed out in DDP's
+    backward all-reduce can stay until the rank it waited for exits (then it is terminated): in torch 2.13
+    freeing a gloo process group at exit can deadlock with the backend thread still freeing that all-reduce,
+    which holds autograd's Python context.
 
     :param trainer_class: A :class:`~trainkit.BaseTrainer` subclass, importable by module path (the
         children import it anew).
