@@ -23,7 +23,8 @@ class TinyConfig(Config):
     local_scores_differ: bool = False
     fail_rank: int | None = None
     fail_epoch: int = 0
-    fail_in: str = "train"  # the hook that raises on fail_rank at fail_epoch: "train" or "val"
+    # the hook that raises on fail_rank at fail_epoch; a misspelt one would never raise, so it is refused
+    fail_in: str = attrs.field(default="train", validator=attrs.validators.in_(("train", "val")))
     dropout: float = 0.1
 
 
