@@ -64,6 +64,8 @@ class Run:
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
         self.pids = {self.proc.pid}
+        self.ended: float | None = None
+        """``time.monotonic()`` when :meth:`wait` saw the process end (before it looked for leftovers)."""
 
     @property
     def stdout(self) -> str:
@@ -111,6 +113,7 @@ class Run:
         """Wait for the process to end and every member of its session to be gone; return its exit code."""
         try:
             code = self.proc.wait(timeout=timeout)
+            self.ended = time.monotonic()
         except subprocess.TimeoutExpired:
             self.kill_session()
             raise AssertionError(f"process did not end within {timeout} s; stderr:\n{self.stderr[-3000:]}") from None
