@@ -19,6 +19,7 @@ __all__ = [
     "bootstrap_median",
     "judge",
     "pairs_to_decide",
+    "why_undecided",
     "design_matrix",
     "fit_costs",
     "bootstrap_costs",
@@ -138,6 +139,48 @@ def pairs_to_decide(estimate: float, lo: float, hi: float, limit: float, pairs: 
     else:
         return None
     return max(pairs, MIN_PAIRS, math.ceil(pairs * (half / gap) ** 2))
+
+
+def why_undecided(estimate: float, lo: float, hi: float, limit: float, pairs: int) -> str:
+    """Why an UNDECIDED gate is undecided, in words, with about the pairs that would decide it.
+
+    An interval can leave a gate undecided for two reasons, and the line says which: it rests on fewer
+    than :data:`MIN_PAIRS` pairs (a ``--quick`` run has one or three), or it straddles the limit.
+
+    :param estimate: The point estimate (the median, or the fitted cost).
+    :param lo: The interval's lower end.
+    :param hi: The interval's upper end.
+    :param limit: The gate's limit.
+    :param pairs: The pairs the interval came from.
+    :returns: One sentence: the estimate, the interval, the limit, the reason and what would decide it.
+    :raises ValueError: When the gate is not undecided (it has nothing to explain).
+
+    >>> why_undecided(1.027, 1.027, 1.027, 3.0, 1)
+    'estimate 1.027, 95% interval [1.027, 1.027] under the limit 3, but on 1 pair, fewer than the 8 that decide a gate'
+    >>> why_undecided(1.01, 1.00, 1.03, 1.02, 50)
+    'estimate 1.01, 95% interval [1, 1.03] straddles the limit 1.02; about 200 pairs (this run had 50) would decide it'
+    >>> why_undecided(1.02, 1.01, 1.03, 1.02, 50)
+    'estimate 1.02, 95% interval [1.01, 1.03] straddles the limit 1.02; the estimate sits on the limit: no number of pairs decides it'
+    >>> why_undecided(0.99, 0.98, 1.0, 1.02, 50)
+    Traceback (most recent call last):
+    ...
+    ValueError: the gate is PASS, not UNDECIDED: interval [0.98, 1] against the limit 1.02 on 50 pairs
+    """
+    verdict = judge(lo, hi, limit, pairs)
+    if verdict != "UNDECIDED":
+        raise ValueError(
+            f"the gate is {verdict}, not UNDECIDED: interval [{lo:.4g}, {hi:.4g}] against the limit {limit:g} "
+            f"on {pairs} pairs"
+        )
+    shown = f"estimate {estimate:.4g}, 95% interval [{lo:.4g}, {hi:.4g}]"
+    if judge(lo, hi, limit) != "UNDECIDED":
+        side = "under" if hi < limit else "over"
+        noun = "pair" if pairs == 1 else "pairs"
+        return f"{shown} {side} the limit {limit:g}, but on {pairs} {noun}, fewer than the {MIN_PAIRS} that decide a gate"
+    decide = pairs_to_decide(estimate, lo, hi, limit, pairs)
+    if decide is None:
+        return f"{shown} straddles the limit {limit:g}; the estimate sits on the limit: no number of pairs decides it"
+    return f"{shown} straddles the limit {limit:g}; about {decide} pairs (this run had {pairs}) would decide it"
 
 
 def design_matrix(shapes: Sequence[tuple[int, int]]) -> np.ndarray:

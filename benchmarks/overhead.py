@@ -2423,16 +2423,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     undecided = [g for g in report.gates if g["verdict"] == "UNDECIDED"]
     for g in undecided:  # loud, but not a failure: this run cannot tell, more pairs would
-        decide = g["pairs_to_decide"]
-        log(
-            f"UNDECIDED: {g['gate']}: estimate {g['estimate']:.4g}, 95% interval [{g['ci_low']:.4g}, "
-            f"{g['ci_high']:.4g}] straddles the limit {g['limit']:g}; "
-            + (
-                f"about {decide} pairs (this run had {g['pairs']}) would decide it"
-                if decide
-                else "the estimate sits on the limit: no number of pairs decides it"
-            )
-        )
+        reason = confidence.why_undecided(g["estimate"], g["ci_low"], g["ci_high"], g["limit"], g["pairs"])
+        log(f"UNDECIDED: {g['gate']}: {reason}")
     failed = [g["gate"] for g in report.gates if g["verdict"] == "FAIL"]
     if failed:
         log(f"gates failed: {', '.join(failed)}" + ("" if enforce else " (advisory in --quick mode)"))

@@ -40,6 +40,12 @@ def test_overhead_quick_mode_runs_and_checks_same_work(tmp_path):
     gated |= {"engine/guard/rollback/step"}
     assert gated <= set(verdicts)
     assert set(verdicts.values()) <= {"PASS", "FAIL", "UNDECIDED"}
+    # each UNDECIDED line gives its true reason: a one-pair interval clear of its limit does not "straddle" it
+    for g in report["gates"]:
+        if g["verdict"] == "UNDECIDED":
+            line = next(x for x in proc.stdout.splitlines() if x.startswith(f"UNDECIDED: {g['gate']}: "))
+            straddles = g["ci_low"] <= g["limit"] <= g["ci_high"]
+            assert ("straddles" in line) == straddles and ("fewer than the 8" in line) != straddles, line
 
 
 def test_overhead_refuses_an_unknown_engine_group():
