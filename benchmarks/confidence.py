@@ -2,8 +2,9 @@
 
 Pure functions (numpy only, no side effects), shared by ``overhead.py`` and its tests. A gate is judged
 on the 95 % interval of its statistic, never on the point estimate alone: PASS when the whole interval is
-under the limit, FAIL when the whole interval is over it, UNDECIDED when it straddles the limit (more pairs
-would decide it; :func:`pairs_to_decide` says about how many).
+under the limit, FAIL when the whole interval is over it, UNDECIDED when it straddles the limit or rests on
+fewer than :data:`MIN_PAIRS` pairs (more pairs would decide it; :func:`pairs_to_decide` says about how many,
+:func:`why_undecided` which of the two it is).
 """
 
 from __future__ import annotations

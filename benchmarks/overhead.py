@@ -10,7 +10,7 @@ The engine section (``--only engine``) runs the loop with the model's work taken
 three run lengths and fits what each contestant adds to its baseline, in CPU microseconds per optimizer step,
 per epoch and per run, with bootstrap 95 % intervals. Every gate, ratio or microseconds, is judged on its
 interval (``confidence.py``): PASS when it lies under the limit, FAIL when it lies over it, UNDECIDED (exit 0,
-printed with the pairs that would decide it) when it straddles the limit.
+printed with the pairs that would decide it) when it straddles the limit or rests on fewer than 8 pairs.
 
 Everything runs in one process (the import gate aside, which needs fresh interpreters), single-threaded
 (``torch.set_num_threads(1)``). Contestants of a group run interleaved, in a shuffled order, for one
@@ -2249,8 +2249,8 @@ def write_outputs(report: Report, out_dir: Path, meta: dict[str, Any]) -> tuple[
         f"Load average at start / end: {meta['loadavg_start']} / {meta['loadavg_end']}.",
         "",
         "Gates are judged on 95% bootstrap intervals: PASS when the interval's upper end is under the limit, "
-        "FAIL when its lower end is over it, UNDECIDED (exit 0) when it straddles the limit, with about the "
-        "pairs that would decide it.",
+        "FAIL when its lower end is over it, UNDECIDED (exit 0) when it straddles the limit or rests on fewer "
+        f"than {confidence.MIN_PAIRS} pairs, with about the pairs that would decide it.",
         "",
         *gate_summary(report),
         "",
