@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainkit.async_save import AsyncCheckpointWriter, StagingBuffers  # noqa: E402
-from trainkit.checkpoint import atomic_save  # noqa: E402
+from trainkit.checkpoint.async_save import AsyncCheckpointWriter, StagingBuffers
+from trainkit.checkpoint import atomic_save
 
 GATE_BLOCKED = 0.15
 GATE_BLOCKED_PLUS_LOST = 0.5

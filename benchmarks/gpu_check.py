@@ -56,9 +56,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import trainkit  # noqa: E402
-from trainkit.async_save import StagingBuffers  # noqa: E402
-from trainkit.modules import module_state  # noqa: E402
-from trainkit.snapshot import WeightSnapshot  # noqa: E402
+from trainkit.checkpoint.async_save import StagingBuffers
+from trainkit.state.modules import module_state
+from trainkit.loop.snapshot import WeightSnapshot
 
 GATE_SNAPSHOT = 1.3
 GATE_PEAK = 1.001
@@ -503,11 +503,11 @@ def check_sharded(device: torch.device, smoke: bool, rounds: int) -> dict:
     published ``last.ckpt`` holds the weights of its save's moment although they change on the device right
     after the save returns (a staging copy not finished by then would publish the changed ones).
 
-    The saves go through the checkpointer part itself (``trainkit.checkpointer.Checkpointer``, what the
+    The saves go through the checkpointer part itself (``trainkit.checkpoint.checkpointer.Checkpointer``, what the
     trainer's loop calls at an epoch's end), built from plain values as the trainer builds it."""
     from trainkit import bookkeeping as core
-    from trainkit import sharded
-    from trainkit.checkpointer import Checkpointer, SaveRecord
+    from trainkit.checkpoint import dcp as sharded
+    from trainkit.checkpoint.checkpointer import Checkpointer, SaveRecord
     from trainkit.config import Config, public_config
 
     width, layers = (64, 4) if smoke else (2048, 16)

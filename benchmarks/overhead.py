@@ -92,9 +92,9 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler  #
 import trainkit  # noqa: E402
 from trainkit import BaseTrainer  # noqa: E402
 from trainkit import checkpoint as tk_checkpoint  # noqa: E402
-from trainkit import optim as tk_optim  # noqa: E402
-from trainkit.modules import module_state  # noqa: E402
-from trainkit.snapshot import WeightSnapshot  # noqa: E402
+from trainkit.loop import optim as tk_optim  # noqa: E402
+from trainkit.state.modules import module_state
+from trainkit.loop.snapshot import WeightSnapshot
 
 SEED = 0
 LR = 1e-3
@@ -585,7 +585,7 @@ def raw_run(wl: Workload, tmp: Path, feature: str, spin_s: float = 0.0) -> tuple
     if feature == "tqdm":
         from tqdm.auto import tqdm
 
-        # the step bar with trainkit's settings (trainkit.progress: redraw at most every 0.5 s on a terminal, every
+        # the step bar with trainkit's settings (trainkit.loop.progress: redraw at most every 0.5 s on a terminal, every
         # 30 s elsewhere; the training section runs into /dev/null, the engine section's tqdm group on a terminal)
         interval = 0.5 if sys.stderr.isatty() else 30.0
 
@@ -1551,7 +1551,7 @@ def bench_snapshot(report: Report, s: Settings, model: nn.Module) -> None:
         f"micro/snapshot: {n_params / 1e6:.1f}M parameters in {len(list(model.parameters()))} tensors "
         f"({n_params * 4 / 2**20:.0f} MiB); {rounds} rounds x {s.micro_reps}"
     )
-    # what save_if_best does on an improvement (trainkit.snapshot): read the state dict, copy it into the
+    # what save_if_best does on an improvement (trainkit.loop.snapshot): read the state dict, copy it into the
     # snapshot's tensors, which nobody else holds here, so they are refilled in place
     snapshot = WeightSnapshot()
 

@@ -57,7 +57,7 @@ from torch.utils._pytree import tree_leaves
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainkit import BaseTrainer, Config, fork_server  # noqa: E402
-from trainkit.distributed import all_gather_objects, free_port  # noqa: E402
+from trainkit.distributed.collectives import all_gather_objects, free_port
 
 GATE_ASYNC = 0.1
 GATE_THROUGHPUT = 0.8
@@ -123,8 +123,8 @@ class SaveTrainer(BaseTrainer):
         import torch.distributed.checkpoint as dcp
 
         from trainkit import bookkeeping as core
-        from trainkit import sharded
-        from trainkit.checkpointer import SaveRecord
+        from trainkit.checkpoint import dcp as sharded
+        from trainkit.checkpoint.checkpointer import SaveRecord
 
         bare = self.cfg.bare
         group = dist.new_group(backend="gloo") if bare == "async" else None

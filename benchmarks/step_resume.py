@@ -318,7 +318,7 @@ def discard_resume(s: Settings, run_dir: Path, position: int) -> tuple[float, st
 
 
 def _torch_rng(ckpt: dict[str, Any]) -> torch.Tensor:
-    state = ckpt["rng"][0]["torch"]  # bytes (trainkit.rng.capture_rng)
+    state = ckpt["rng"][0]["torch"]  # bytes (trainkit.state.rng.capture_rng)
     return state if isinstance(state, torch.Tensor) else torch.frombuffer(bytearray(state), dtype=torch.uint8)
 
 

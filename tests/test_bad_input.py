@@ -9,7 +9,7 @@ import torch
 
 from tests.trainers import TinyTrainer, make_cfg
 from trainkit import BookkeepingError, DistributedError, RegistryError, UsageError
-from trainkit import distributed as dist_utils
+from trainkit.distributed import collectives as dist_utils
 from trainkit.trainer import BaseTrainer
 
 

@@ -23,7 +23,7 @@ import torch
 
 from tests.faults.harness import ROOT, child_env
 from trainkit import CheckpointCorruptError, CheckpointError, CheckpointUnsafeError
-from trainkit.async_save import StagingBuffers
+from trainkit.checkpoint.async_save import StagingBuffers
 from trainkit.checkpoint import atomic_save, check_loadable, load_checkpoint
 
 np = pytest.importorskip("numpy")

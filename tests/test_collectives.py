@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainkit import distributed as dist_utils
+from trainkit.distributed import collectives as dist_utils
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(120)]
 

@@ -219,7 +219,7 @@ def test_inspect_of_a_bare_state_dict_says_it_is_not_a_trainkit_checkpoint(tmp_p
 def test_curve_panels_put_test_points_and_the_lr_on_the_plot_and_a_wide_loss_on_a_log_axis():
     """The report's panels: a loss spanning more than a decade gets a log axis, a narrow one does not; test
     metrics join their metric's panel; the learning rate gets a panel; grad norms stay out."""
-    from trainkit.cli import curve_panels
+    from trainkit.cli.report import curve_panels
 
     rows = [
         {"trainer/epoch": 0, "train/loss": 2.0, "val/loss": 2.1, "train/grad_norm": 3.0, "lr/opt/decay": 1e-3},

@@ -340,7 +340,7 @@ def test_a_background_save_reuses_its_host_copy_and_never_writes_a_stale_one(tmp
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from trainkit import sharded
+    from trainkit.checkpoint import dcp as sharded
 
     real_write = FileSystemWriter.write_data
 
@@ -379,7 +379,7 @@ def test_publishing_keeps_the_previous_checkpoint_and_deletes_the_older_one_off_
     run left half-deleted is removed by the next save."""
     import torch.distributed.checkpoint as dcp
 
-    from trainkit import sharded
+    from trainkit.checkpoint import dcp as sharded
 
     final = tmp_path / "last.ckpt"
     (tmp_path / ".last.ckpt.tmp-0-0-1-old").mkdir()  # a kill during an earlier run's background delete
@@ -399,7 +399,7 @@ def test_publishing_keeps_the_previous_checkpoint_and_deletes_the_older_one_off_
 def test_make_fsdp_on_a_torch_without_fsdp2_says_which_torch_it_needs(monkeypatch):
     """Before torch 2.6 there is no torch.distributed.fsdp.fully_shard: a UsageError names the version needed
     and the way out, instead of an ImportError from inside trainkit."""
-    from trainkit import sharding
+    from trainkit.distributed import fsdp as sharding
     from trainkit.errors import UsageError
 
     monkeypatch.setitem(sys.modules, "torch.distributed.fsdp", None)  # what an import of a missing module meets

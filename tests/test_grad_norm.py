@@ -12,7 +12,7 @@ from torch import nn
 
 from tests.host_syncs import HOST_SYNCS, count_host_syncs
 from trainkit import BaseTrainer
-from trainkit.logging import LogBuffer
+from trainkit.loop.metrics import LogBuffer
 
 
 class Net(nn.Module):

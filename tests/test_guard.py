@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import trainkit
-import trainkit.guard
+import trainkit.loop.guard
 from tests.host_syncs import count_host_syncs
 from tests.trainers import GuardTrainer, make_cfg
 from trainkit.errors import ConfigError, DivergenceError
 
-GUARD_FILE = trainkit.guard.__file__
+GUARD_FILE = trainkit.loop.guard.__file__
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -66,7 +66,7 @@ def test_a_skipped_step_equals_the_step_left_out_bitwise(tmp_path, optimizer, on
 def test_the_host_verdict_reads_a_norm_the_buffer_kept_once_per_step(tmp_path, monkeypatch):
     """When the log buffer keeps the norm as a tensor (an accelerator's norm), the host path reads it itself, once
     per optimizer step, and skips the planted step exactly as when it reuses the buffer's read."""
-    monkeypatch.setattr(trainkit.logging.LogBuffer, "read_cpu_at_log", False)
+    monkeypatch.setattr(trainkit.loop.metrics.LogBuffer, "read_cpu_at_log", False)
     with count_host_syncs(only_from=GUARD_FILE) as syncs:
         (guarded,), _ = run(tmp_path / "a", nan_batches=(NAN_AT,), guard={"nonfinite": "skip"})
     (left_out,), _ = run(tmp_path / "b", steps_left_out=(NAN_AT,))

@@ -27,13 +27,13 @@ import numpy as np
 import pytest
 import torch
 
-import trainkit.safe_load as safe_load
+import trainkit.files.weights_only_load as safe_load
 from tests.faults.harness import ROOT, child_env
 from tests.trainers import TinyTrainer, make_cfg
 from trainkit import CheckpointCorruptError, CheckpointUnsafeError
 from trainkit.bookkeeping import RESERVED_NAMES
 from trainkit.checkpoint import load_checkpoint, verify_checkpoint
-from trainkit.payload import BEST_PT, LAST_PT, MAX_ITEM_DEPTH, SCHEMA_VERSION, validate_best, validate_last
+from trainkit.checkpoint.payload import BEST_PT, LAST_PT, MAX_ITEM_DEPTH, SCHEMA_VERSION, validate_best, validate_last
 from trainkit.trainer import CHECKPOINT_SCHEMA_VERSION
 
 GiB = 2**30

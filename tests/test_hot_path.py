@@ -11,7 +11,7 @@ from torch import nn
 import trainkit
 from tests.host_syncs import count_host_syncs
 from tests.trainers import TinyConfig, TinyTrainer
-from trainkit.logging import LogBuffer
+from trainkit.loop.metrics import LogBuffer
 
 TRAINKIT_DIR = str(Path(trainkit.__file__).parent)
 
@@ -71,5 +71,5 @@ def test_cpu_tensors_are_read_once_each_at_log_time(tmp_path):
     trainer = CountingTrainer(cfg)
     trainer.train()
     # per step: the loss and the grad norm (clip_and_log_grad_norm); the lr is a float, the statistics a vector
-    assert set(trainer.syncs) <= {key for key in trainer.syncs if key.startswith("item from logging.py:")}
+    assert set(trainer.syncs) <= {key for key in trainer.syncs if key.startswith("item from metrics.py:")}
     assert sum(trainer.syncs.values()) == 2 * trainer.step

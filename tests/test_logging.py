@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from tests.host_syncs import count_host_syncs
 from tests.trainers import TinyTrainer
-from trainkit.logging import LogBuffer
+from trainkit.loop.metrics import LogBuffer
 
 
 def config(tmp_path, **overrides):
@@ -313,7 +313,8 @@ def write_journal(path, rows) -> int:
 
 def test_run_log_numbers_w_and_b_rows_by_their_line(tmp_path):
     """A fresh run: W&B gets every row, at its 0-based line in metrics.jsonl."""
-    from trainkit.logging import JsonlSink, RunLog
+    from trainkit.run.journal import JsonlSink
+    from trainkit.run.log import RunLog
 
     wandb = FakeWandb()
     log = RunLog(JsonlSink(tmp_path / "m.jsonl", truncate_to=0), wandb)
@@ -327,7 +328,9 @@ def test_run_log_numbers_w_and_b_rows_by_their_line(tmp_path):
 
 def test_run_log_skips_the_rows_w_and_b_holds_and_reports_a_changed_rerun(tmp_path, capsys):
     """Resumed at line 4 with W&B holding lines 0-6: lines 4-6 stay out of W&B; changed values are reported once."""
-    from trainkit.logging import JsonlSink, RunLog, WandbHistory
+    from trainkit.run.journal import JsonlSink
+    from trainkit.run.log import RunLog
+    from trainkit.run.wandb_run import WandbHistory
 
     path = tmp_path / "m.jsonl"
     offset = write_journal(path, [row(i) for i in range(4)])
@@ -358,7 +361,9 @@ def test_run_log_skips_the_rows_w_and_b_holds_and_reports_a_changed_rerun(tmp_pa
 
 def test_run_log_sends_the_rows_w_and_b_lost_when_it_resumes(tmp_path):
     """W&B wrote lines 0-1 before a kill; the file kept 0-5: lines 2-5 are sent at once, torn lines skipped."""
-    from trainkit.logging import JsonlSink, RunLog, WandbHistory
+    from trainkit.run.journal import JsonlSink
+    from trainkit.run.log import RunLog
+    from trainkit.run.wandb_run import WandbHistory
 
     path = tmp_path / "m.jsonl"
     rows = [row(i) for i in range(6)]
@@ -375,7 +380,8 @@ def test_run_log_sends_the_rows_w_and_b_lost_when_it_resumes(tmp_path):
 
 def test_run_log_starts_after_the_steps_online_w_and_b_holds(tmp_path):
     """Online, W&B's own next step counts: rows below it are not sent (W&B would drop them)."""
-    from trainkit.logging import JsonlSink, RunLog
+    from trainkit.run.journal import JsonlSink
+    from trainkit.run.log import RunLog
 
     path = tmp_path / "m.jsonl"
     offset = write_journal(path, [row(i) for i in range(3)])
@@ -388,7 +394,7 @@ def test_run_log_starts_after_the_steps_online_w_and_b_holds(tmp_path):
 
 def test_run_log_without_a_file_numbers_from_zero():
     """Checkpoints off (no metrics.jsonl): rows are numbered from 0 in the session."""
-    from trainkit.logging import RunLog
+    from trainkit.run.log import RunLog
 
     wandb = FakeWandb()
     log = RunLog(None, wandb)
@@ -411,7 +417,9 @@ def test_run_log_w_and_b_gets_every_line_once_in_order(tmp_path, kept, lost, wan
     The session before logged ``kept + lost`` rows; W&B wrote the first ``wandb_wrote`` of them (a kill
     takes the rest); the checkpoint recorded ``kept``. The resumed run redoes the lost rows and goes on.
     """
-    from trainkit.logging import JsonlSink, RunLog, WandbHistory
+    from trainkit.run.journal import JsonlSink
+    from trainkit.run.log import RunLog
+    from trainkit.run.wandb_run import WandbHistory
 
     wandb_wrote = min(wandb_wrote, kept + lost)
     path = tmp_path / f"m-{kept}-{lost}-{wandb_wrote}-{new}.jsonl"
@@ -435,8 +443,8 @@ def test_journal_sync_fsyncs_every_row_written_since_the_last_sync_and_nothing_e
     """sync() before a checkpoint makes every row written since the last sync durable, and skips the fsync only when
     no byte was written since: a fresh empty file, or a second sync with no row between; a file found non-empty (a
     resumed run's rows, a cut, padding, carried history) is synced by its first sync, even when nothing is new."""
-    import trainkit.logging as tk_logging
-    from trainkit.logging import JsonlSink
+    import trainkit.run.journal as tk_journal
+    from trainkit.run.journal import JsonlSink
 
     synced: list[int] = []
     real_fsync = os.fsync
@@ -445,7 +453,7 @@ def test_journal_sync_fsyncs_every_row_written_since_the_last_sync_and_nothing_e
         synced.append(os.fstat(fd).st_size)
         real_fsync(fd)
 
-    monkeypatch.setattr(tk_logging.os, "fsync", counting_fsync)
+    monkeypatch.setattr(tk_journal.os, "fsync", counting_fsync)
     sink = JsonlSink(tmp_path / "m.jsonl")
     sink.sync()
     assert synced == []  # empty at open, nothing written: nothing to make durable

@@ -14,7 +14,7 @@ from torch import nn
 
 from trainkit import BaseTrainer
 from trainkit.config import DEFAULT_NO_WEIGHT_DECAY
-from trainkit.optim import make_param_groups, named_trainable_parameters, trainable_parameters
+from trainkit.loop.optim import make_param_groups, named_trainable_parameters, trainable_parameters
 
 VOCAB, DIM, CTX = 11, 6, 5
 

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainkit.pickle_scan import MAX_COLLISIONS, MAX_PICKLE_DEPTH, PickleRefused, PickleUnsafe, check_pickle
+from trainkit.files.pickle_scan import MAX_COLLISIONS, MAX_PICKLE_DEPTH, PickleRefused, PickleUnsafe, check_pickle
 
 plain = st.recursive(
     st.none()

@@ -31,7 +31,7 @@ from tests.test_hostile_loads import rewrite, small_checkpoint
 from tests.trainers import ShardTrainer, TinyTrainer, make_cfg
 from trainkit import CheckpointCorruptError, CheckpointUnsafeError
 from trainkit.cli import main as cli_main
-from trainkit.sharded_read import read_metadata
+from trainkit.checkpoint.dcp_read import read_metadata
 
 needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
 needs_dev_zero = pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="no /dev/zero")
@@ -480,9 +480,9 @@ def test_trainkit_reaches_no_unrestricted_unpickler_in_its_source():
     package = Path(trainkit.__file__).parent
     allowed = {
         # peers of one job, in memory, never bytes from disk (torch's own object collectives do the same)
-        ("distributed.py", "pickle.loads(payload.cpu().numpy().tobytes())"),
+        ("collectives.py", "pickle.loads(payload.cpu().numpy().tobytes())"),
         # admits DCP's metadata records only (find_class), after check_pickle bounded the bytes
-        ("sharded_read.py", "class _MetadataUnpickler(pickle.Unpickler)"),
+        ("dcp_read.py", "class _MetadataUnpickler(pickle.Unpickler)"),
     }
     found = [
         (path.name, call)
@@ -661,7 +661,7 @@ def test_a_wandb_file_with_history_but_no_run_record_is_not_taken_as_sent(tmp_pa
     """A planted .wandb file holding history at steps 0..999 but no run record (W&B writes that first) is warned
     about and not counted: the history still ends where the real files end, so later rows are sent."""
     from tests.test_wandb import history_record, leveldb_log
-    from trainkit.logging import read_wandb_history
+    from trainkit.run.wandb_run import read_wandb_history
 
     folder = tmp_path / "wandb" / "offline-run-20200101_000000-abcd1234"
     folder.mkdir(parents=True)
@@ -675,7 +675,7 @@ def test_a_wandb_file_with_history_but_no_run_record_is_not_taken_as_sent(tmp_pa
 def test_item_states_nested_through_shared_containers_are_measured_whole(tmp_path):
     """Three 200-deep chains that end in one another (each container reached first at a shallow depth) nest 600
     deep: validation counts the whole depth and refuses it, naming the way in."""
-    from trainkit.payload import validate_last
+    from trainkit.checkpoint.payload import validate_last
 
     def chain(depth, bottom):
         root = current = []

@@ -11,7 +11,7 @@ import pytest
 import tqdm.std
 
 from tests.trainers import TinyTrainer
-from trainkit.progress import NON_TTY_INTERVAL_S, TTY_INTERVAL_S, EpochBar, step_bar
+from trainkit.loop.progress import NON_TTY_INTERVAL_S, TTY_INTERVAL_S, EpochBar, step_bar
 
 
 class TTYStream(io.StringIO):

@@ -19,10 +19,10 @@ from tests.trainers import TinyTrainer, make_cfg
 from trainkit import ConfigError
 from trainkit.checkpoint import load_checkpoint
 from trainkit.cli import main
-from trainkit.payload import validate_last
-from trainkit.retention_files import read_kept
-from trainkit.run_lock import RunLock
-from trainkit.sharded import read_engine
+from trainkit.checkpoint.payload import validate_last
+from trainkit.checkpoint.kept import read_kept
+from trainkit.run.lock import RunLock
+from trainkit.checkpoint.dcp import read_engine
 
 STEPS_PER_EPOCH = 6
 """TinyTrainer's 192 training samples in batches of 32."""
@@ -138,7 +138,7 @@ KILLED_CHILD = textwrap.dedent(
     """
     import os, sys, time
     from pathlib import Path
-    import trainkit.retention_files as files
+    import trainkit.checkpoint.kept as files
     from tests.trainers import TinyTrainer, make_cfg
 
     out, marker = Path(sys.argv[1]), Path(sys.argv[2])
@@ -188,7 +188,7 @@ KILLED_BEFORE_KEEPING = textwrap.dedent(
     """
     import os, signal, sys
     from pathlib import Path
-    import trainkit.retention_files as files
+    import trainkit.checkpoint.kept as files
     from tests.trainers import TinyTrainer, make_cfg
 
     out, step = Path(sys.argv[1]), int(sys.argv[2])

@@ -20,7 +20,7 @@ from tests.faults.harness import train, write_run
 from tests.trainers import TinyTrainer, make_cfg, param_digest
 from trainkit import OutDirError
 from trainkit import checkpoint as ckpt_io
-from trainkit.run_lock import LOCK_FILE, RunLock
+from trainkit.run.lock import LOCK_FILE, RunLock
 
 
 def slow_cfg(out_dir, **overrides):
@@ -307,7 +307,7 @@ def test_a_journal_cut_below_the_recorded_offset_is_padded_with_a_warning(tmp_pa
     lost leaves a blank line."""
     import warnings as stdlib_warnings
 
-    from trainkit.cli import read_metrics
+    from trainkit.cli.commands import read_metrics
 
     TinyTrainer(make_cfg(tmp_path, epochs=2)).train()
     path = tmp_path / "metrics.jsonl"
@@ -333,7 +333,7 @@ def test_a_journal_cut_below_the_recorded_offset_is_padded_with_a_warning(tmp_pa
 
 def test_report_skips_a_damaged_last_line_with_a_warning(tmp_path):
     """report reads a metrics.jsonl whose last line a crash cut short: the line is skipped with a warning."""
-    from trainkit.cli import read_metrics
+    from trainkit.cli.commands import read_metrics
 
     TinyTrainer(make_cfg(tmp_path, epochs=2)).train()
     path = tmp_path / "metrics.jsonl"
@@ -346,7 +346,7 @@ def test_report_skips_a_damaged_last_line_with_a_warning(tmp_path):
 def test_report_replaces_a_curves_png_link_instead_of_writing_through_it(tmp_path):
     """report draws into a file of its own and renames it over curves.png: a planted link's target is untouched."""
     pytest.importorskip("matplotlib")
-    from trainkit.cli import plot_curves, summarize_run
+    from trainkit.cli.report import plot_curves, summarize_run
 
     TinyTrainer(make_cfg(tmp_path / "run", epochs=2)).train()
     victim = tmp_path / "victim.txt"

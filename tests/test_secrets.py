@@ -22,7 +22,6 @@ import trainkit
 from tests.trainers import TinyConfig, TinyTrainer
 from trainkit.config import (
     Config,
-    _Section,
     is_secret_key,
     is_secret_name,
     public_config,
@@ -32,6 +31,7 @@ from trainkit.config import (
     secret_field,
     strip_secrets,
 )
+from trainkit.config.schema import _Section
 from trainkit.errors import ConfigError
 
 SECRET_NAMES = [
@@ -603,7 +603,7 @@ def test_no_secret_reaches_any_file_or_message_of_a_real_offline_run(tmp_path):
 def test_wandb_sink_masks_the_command_line_it_records_and_restores_sys_argv(tmp_path, monkeypatch):
     """In this process, WandbSink shows W&B a masked sys.argv and gives the program back its own list unchanged."""
     from tests.test_wandb import offline_runs
-    from trainkit.logging import WandbSink
+    from trainkit.run.wandb_run import WandbSink
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     for name in ("WANDB_DIR", "WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_RUN_ID", "WANDB_RESUME"):

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from tests.trainers import TinyTrainer, make_cfg
-from trainkit.snapshot import WeightSnapshot
+from trainkit.loop.snapshot import WeightSnapshot
 
 
 def fill(module: nn.Module, value: float) -> None:

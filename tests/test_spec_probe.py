@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tests.trainers import Crash, TinyConfig, TinyTrainer, dying, make_cfg, param_digest
-from trainkit.metrics_file import read_metrics
+from trainkit.run.read_metrics import read_metrics
 
 
 def load(path):

@@ -21,13 +21,13 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 import trainkit
 from tests.faults.harness import ROOT, child_env
 from tests.trainers import Crash, StepTrainer
-from trainkit.batches import SampleIndex, draws_only_from_torch, iterator_rng
+from trainkit.loop.batches import SampleIndex, draws_only_from_torch, iterator_rng
 from trainkit.bookkeeping import EpochPosition, next_step_checkpoint, position_mismatch, step_checkpoint_due
 from trainkit.errors import BookkeepingError, CheckpointCorruptError, CheckpointMismatchError, TrainingInterrupted
-from trainkit.logging import LogBuffer
-from trainkit.optim import RunningMean
-from trainkit.payload import validate_last
-from trainkit.run_lock import RunLock
+from trainkit.loop.metrics import LogBuffer
+from trainkit.loop.optim import RunningMean
+from trainkit.checkpoint.payload import validate_last
+from trainkit.run.lock import RunLock
 
 QUIET = {"wandb": {"mode": "disabled"}, "progress": {"enable": False}}
 
@@ -278,7 +278,7 @@ def test_workers_of_a_killed_run_do_not_keep_its_folder_locked(tmp_path):
     """A process holding the lock forks a child (as a DataLoader does) and dies by SIGKILL: the folder is free."""
     code = textwrap.dedent(f"""
         import os, signal, time
-        from trainkit.run_lock import RunLock
+        from trainkit.run.lock import RunLock
         lock = RunLock({str(tmp_path)!r}); lock.acquire()
         if os.fork() == 0:
             time.sleep(30); os._exit(0)

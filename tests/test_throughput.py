@@ -11,8 +11,8 @@ import torch
 from tests.host_syncs import count_host_syncs
 from tests.trainers import TinyTrainer
 from trainkit.errors import UsageError
-from trainkit.logging import LogBuffer
-from trainkit.throughput import CountedBatches, Throughput
+from trainkit.loop.metrics import LogBuffer
+from trainkit.loop.throughput import CountedBatches, Throughput
 
 
 def config(tmp_path, **overrides):
@@ -147,7 +147,7 @@ def test_a_mapping_batch_is_measured_by_its_first_tensor():
     """A batch that is a mapping but not a dict (a tokenizer's batch, say) counts its first tensor's rows."""
     from collections import UserDict
 
-    from trainkit.throughput import samples_in
+    from trainkit.loop.throughput import samples_in
 
     assert samples_in(UserDict({"input_ids": torch.zeros(6, 10), "labels": torch.zeros(6)})) == 6
     assert samples_in([[[[torch.zeros(3)]]]]) is None  # deeper than three containers: not looked for

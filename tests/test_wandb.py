@@ -438,7 +438,7 @@ def test_reading_wandb_folders_survives_torn_and_garbage_files(tmp_path):
     """read_wandb_history counts complete records only: a file cut anywhere, or random bytes, never raises."""
     import random
 
-    from trainkit.logging import read_wandb_history
+    from trainkit.run.wandb_run import read_wandb_history
 
     run(TinyTrainer(config(tmp_path, epochs=2)))
     (part,) = offline_runs(tmp_path)
@@ -519,7 +519,7 @@ def test_wandb_history_is_read_across_block_ends(tmp_path):
     """
     import random
 
-    from trainkit.logging import read_wandb_history
+    from trainkit.run.wandb_run import read_wandb_history
 
     rng = random.Random(1)
     # file header, the run record (W&B writes it first) and its chunk header, the first record's chunk header,
@@ -589,7 +589,7 @@ def test_hostile_wandb_files_are_skipped_with_a_warning_and_every_row_reaches_wa
     """A FIFO as run-<id>.wandb, a link to /dev/zero, a value that is not JSON, 20000-deep JSON, a step that is not
     a number and a record at step 2**62: each file is skipped with one warning naming it, the resume runs to its end
     (none hangs, none raises), and W&B gets every row of metrics.jsonl (the 2**62 record silenced them all before)."""
-    from trainkit.logging import read_wandb_history
+    from trainkit.run.wandb_run import read_wandb_history
 
     cfg = config(tmp_path)
     with pytest.raises(RuntimeError, match="injected crash"):

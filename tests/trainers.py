@@ -529,7 +529,7 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole weights of a plain, DDP or FSDP2 module as plain CPU tensors (a collective under FSDP2)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from trainkit.distributed import unwrap
+    from trainkit.distributed.collectives import unwrap
 
     model = unwrap(model)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
@@ -541,7 +541,7 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     under FSDP2); the same keys whatever the wrap, so states of runs on different world sizes compare."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    from trainkit.distributed import unwrap
+    from trainkit.distributed.collectives import unwrap
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_optimizer_state_dict(nn.ModuleDict({"model": unwrap(model)}), optimizer, options=options)

@@ -53,23 +53,23 @@ from trainkit.errors import (
 )
 
 if TYPE_CHECKING:
-    from trainkit.batches import SampleIndex
-    from trainkit.launcher import fork_server, launch, spawn
-    from trainkit.optim import RunningMean
-    from trainkit.rng import sample_generator, sample_seed
+    from trainkit.distributed.launch import fork_server, launch, spawn
+    from trainkit.loop.batches import SampleIndex
+    from trainkit.loop.optim import RunningMean
+    from trainkit.state.rng import sample_generator, sample_seed
     from trainkit.trainer import BaseTrainer
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "BaseTrainer": "trainkit.trainer",
-    "launch": "trainkit.launcher",
-    "spawn": "trainkit.launcher",
-    "fork_server": "trainkit.launcher",
-    "RunningMean": "trainkit.optim",
-    "sample_generator": "trainkit.rng",
-    "sample_seed": "trainkit.rng",
-    "SampleIndex": "trainkit.batches",
+    "launch": "trainkit.distributed.launch",
+    "spawn": "trainkit.distributed.launch",
+    "fork_server": "trainkit.distributed.launch",
+    "RunningMean": "trainkit.loop.optim",
+    "sample_generator": "trainkit.state.rng",
+    "sample_seed": "trainkit.state.rng",
+    "SampleIndex": "trainkit.loop.batches",
 }
 
 __all__ = [

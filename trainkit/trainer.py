@@ -1,9 +1,9 @@
 """BaseTrainer: the API and the epoch loop, wiring the pure core to the parts that do the side effects.
 
 Every decision (improved? stop? validate now? which epoch next?) comes from :mod:`trainkit.bookkeeping`; every
-side effect goes through one part: the :class:`~trainkit.checkpointer.Checkpointer` (files), the
-:class:`~trainkit.tracking.EpochTracker` (the epoch's position), the :class:`~trainkit.logging.RunLog`
-(``metrics.jsonl`` and W&B), :class:`~trainkit.signals.StopSignals` and :mod:`trainkit.distributed`.
+side effect goes through one part: the :class:`~trainkit.checkpoint.checkpointer.Checkpointer` (files), the
+:class:`~trainkit.loop.position.EpochTracker` (the epoch's position), the :class:`~trainkit.run.log.RunLog`
+(``metrics.jsonl`` and W&B), :class:`~trainkit.loop.signals.StopSignals` and :mod:`trainkit.distributed.collectives`.
 """
 
 from __future__ import annotations
@@ -23,31 +23,33 @@ import torch
 from torch import nn
 
 from trainkit import bookkeeping as core
-from trainkit import distributed as dist_utils
-from trainkit import optim as optim_utils
-from trainkit import sharding
-from trainkit.batches import TrackedBatches
-from trainkit.checkpointer import Checkpointer, Resume, SaveRecord
-from trainkit.config import Config, public_config, skip_batches
+from trainkit.checkpoint.checkpointer import Checkpointer, Resume, SaveRecord
+from trainkit.checkpoint.payload import SCHEMA_VERSION
+from trainkit.config import Config, public_config
+from trainkit.config.schema import skip_batches
+from trainkit.distributed import collectives as dist_utils
+from trainkit.distributed import fsdp as sharding
 from trainkit.errors import BookkeepingError, DistributedError, HookNotImplementedError, TrainingInterrupted, UsageError
-from trainkit.logging import RunLog, TrainerMetrics, new_run_id, open_run_log
+from trainkit.loop import optim as optim_utils
+from trainkit.loop.batches import TrackedBatches
+from trainkit.loop.metrics import TrainerMetrics
+from trainkit.loop.position import EpochTracker
+from trainkit.loop.progress import EpochBar, step_bar
+from trainkit.loop.rollback import rolled_back
+from trainkit.loop.signals import StopSignals
+from trainkit.loop.snapshot import WeightSnapshot, modes_kept, weights_swapped_in
+from trainkit.loop.throughput import CountedBatches, Throughput
 from trainkit.messages import say, warn_user
-from trainkit.modules import load_module_state, module_state
-from trainkit.payload import SCHEMA_VERSION
-from trainkit.progress import EpochBar, step_bar
-from trainkit.rng import GeneratorItem, seed_everything, start_persistent_workers
-from trainkit.rollback import rolled_back
-from trainkit.signals import StopSignals
-from trainkit.snapshot import WeightSnapshot, modes_kept, weights_swapped_in
-from trainkit.throughput import CountedBatches, Throughput
-from trainkit.tracking import EpochTracker
+from trainkit.run.log import RunLog, new_run_id, open_run_log
+from trainkit.state.modules import load_module_state, module_state
+from trainkit.state.rng import GeneratorItem, seed_everything, start_persistent_workers
 
 __all__ = ["BaseTrainer", "CHECKPOINT_SCHEMA_VERSION"]
 
 T = TypeVar("T")
 
 CHECKPOINT_SCHEMA_VERSION = SCHEMA_VERSION
-"""Version of the checkpoint layout written by this trainkit (the layout :mod:`trainkit.payload` describes)."""
+"""Version of the checkpoint layout written by this trainkit (the layout :mod:`trainkit.checkpoint.payload` describes)."""
 
 
 class _Records(NamedTuple):
@@ -453,9 +455,15 @@ class BaseTrainer(abc.ABC):
         loop = records.loop if batches is None else attrs.evolve(records.loop, step=self.step)
         position, rank_position = self._position.save_position(batches, loop.epoch, self._metrics.state_dict())
         record = SaveRecord(
-            loop=loop, best=records.best, patience=records.patience, latest_metrics=self._metrics.latest,
-            results=self._results, run_id=self._run_log.run_id, metrics_offset=self._run_log.offset(),
-            position=position, rank_position=rank_position,
+            loop=loop,
+            best=records.best,
+            patience=records.patience,
+            latest_metrics=self._metrics.latest,
+            results=self._results,
+            run_id=self._run_log.run_id,
+            metrics_offset=self._run_log.offset(),
+            position=position,
+            rank_position=rank_position,
         )
         seconds = self._checkpointer.save(
             record, self._registry, best_weights=self._best.state, before=self._run_log.sync
@@ -567,7 +575,7 @@ class BaseTrainer(abc.ABC):
 
     @property
     def checkpointer(self) -> Checkpointer:
-        """The checkpointer part: this run's checkpoint files (:class:`~trainkit.checkpointer.Checkpointer`)."""
+        """The checkpointer part: this run's checkpoint files (:class:`~trainkit.checkpoint.checkpointer.Checkpointer`)."""
         return self._checkpointer
 
     @property

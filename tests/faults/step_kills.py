@@ -37,7 +37,7 @@ import torch.nn.parallel  # noqa: F401
 
 import trainkit
 from tests import trainers
-from trainkit.distributed import free_port
+from trainkit.distributed.collectives import free_port
 
 TIMEOUT_S = float(os.environ.get("STEP_KILLS_TIMEOUT_S", "180"))
 

@@ -1,7 +1,7 @@
 """Checkpoint retention: which kept checkpoints stay on disk, decided over plain descriptions.
 
 Pure: stdlib and attrs only. A policy is a frozen record; :func:`retain` says which checkpoints it keeps and
-:func:`keep_reasons` which rule keeps each one. The files are the shell's (:mod:`trainkit.retention_files`):
+:func:`keep_reasons` which rule keeps each one. The files are the shell's (:mod:`trainkit.checkpoint.kept`):
 it describes what is on disk, asks here, and deletes the rest. Two checkpoints are never candidates for
 deletion whatever the policy: the newest one (the largest step) and any being written.
 

@@ -1,6 +1,6 @@
 """Throughput between two pushes: samples, optimizer steps and tokens per second, as a pure function.
 
-The shell (:mod:`trainkit.throughput`) reads the clock and counts; this module only divides, so the rates a
+The shell (:mod:`trainkit.loop.throughput`) reads the clock and counts; this module only divides, so the rates a
 row carries are property-tested here without a clock.
 """
 

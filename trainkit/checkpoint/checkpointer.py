@@ -1,0 +1,578 @@
+"""The checkpointer: everything about a run's checkpoint files, behind the calls the trainer makes.
+
+Side effects: files in ``out_dir`` (through :mod:`trainkit.checkpoint.storage`), the run folder's lock, collectives (every
+rank calls :meth:`Checkpointer.claim`, :meth:`~Checkpointer.load`, :meth:`~Checkpointer.restore`,
+:meth:`~Checkpointer.read_best`, :meth:`~Checkpointer.save` and :meth:`~Checkpointer.finish` together),
+warnings and the ``trainkit: resuming ...`` line on rank 0.
+
+Built from plain values (the run folder, the ``ckpt`` section, rank flags, the device, the saved config), never
+from the trainer, as torchtitan's ``CheckpointManager`` is: the trainer's constructor calls ``claim``, ``load``
+and ``restore``; the loop calls ``save``; the end of the run calls ``finish``. The storage format is picked
+once, here (``ckpt.format``); reading takes whichever format a checkpoint is in, which is how a checkpoint
+converts by being named in ``ckpt.resume``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from trainkit import bookkeeping as core
+from trainkit.checkpoint import dcp as sharded
+from trainkit.checkpoint.dcp_files import ShardedFiles
+from trainkit.checkpoint.kept import KeptCheckpoints, describe_save, kept_path, read_kept, run_folder_of
+from trainkit.checkpoint.payload import last_payload, mid_epoch_state
+from trainkit.checkpoint.pt_files import RunFiles
+from trainkit.checkpoint.storage import BestWeights, FileStorage, SaveRequest, ShardedStorage, Storage
+from trainkit.config import CkptConfig, Config, changed_on_resume, render_value, strip_secrets
+from trainkit.distributed import collectives as dist_utils
+from trainkit.distributed import fsdp as sharding
+from trainkit.errors import CheckpointMismatchError, OutDirError, UsageError
+from trainkit.messages import say, warn_user
+from trainkit.run.folder import same_directory
+from trainkit.run.journal import JsonlSink
+from trainkit.state.modules import load_module_state, restore_training_modes, training_modes
+from trainkit.state.rng import capture_rng, restore_rng
+
+__all__ = ["Checkpointer", "Resume", "SaveRecord", "load_item"]
+
+
+def load_item(obj: Any, state: Any) -> None:
+    """Load a registered object's state; a module takes names saved with compile on or off.
+
+    An item whose state is in a sharded checkpoint's DCP files (marked in its ``trainkit.pt``) was loaded from
+    there already.
+
+    :param obj: The registered object.
+    :param state: Its saved state.
+    """
+    if isinstance(state, str) and state == sharded.SHARDED:
+        return
+    if isinstance(obj, nn.Module):
+        load_module_state(obj, state)
+    else:
+        obj.load_state_dict(state)
+
+
+@attrs.frozen(kw_only=True)
+class Resume:
+    """A checkpoint to resume from: its payload, where it was read, and its records reconciled with the config.
+
+    :ivar ckpt: The loaded payload (``setup(ckpt)`` gets it).
+    :ivar path: Where it was read.
+    :ivar records: Its records with the current config applied (:func:`~trainkit.bookkeeping.reconcile`).
+    :ivar results: A finished run's final results that this run returns without training (None if it trains).
+    """
+
+    ckpt: dict[str, Any]
+    path: Path
+    records: core.Resumed
+    results: dict[str, float] | None
+
+
+@attrs.frozen(kw_only=True)
+class SaveRecord:
+    """The engine's state at a save, as the loop hands it to :meth:`Checkpointer.save`.
+
+    :ivar loop: The loop record (with the current step, for a step checkpoint inside an epoch): its epoch and
+        step are the checkpoint's.
+    :ivar best: The best record, if tracked.
+    :ivar patience: The patience record, if tracked.
+    :ivar latest_metrics: The last pushed value of every metric.
+    :ivar results: The final results of a finished run, else None.
+    :ivar run_id: The W&B run id.
+    :ivar metrics_offset: The size of ``metrics.jsonl`` (None without it).
+    :ivar position: Where the epoch stands, for a step checkpoint inside it; None at an epoch's end.
+    :ivar rank_position: This rank's share of a step checkpoint (RNG and loader states at the iterator's
+        creation, unpushed logs, the epoch's grad-norm mean); None at an epoch's end.
+    """
+
+    loop: core.LoopState
+    best: core.BestState | None
+    patience: core.PatienceState | None
+    latest_metrics: Mapping[str, float]
+    results: Mapping[str, float] | None
+    run_id: str | None
+    metrics_offset: int | None
+    position: core.EpochPosition | None = None
+    rank_position: dict[str, Any] | None = None
+
+
+class Checkpointer:
+    """A run's checkpoints: claim the folder, load and restore what to resume, save, wait, release.
+
+    :param out_dir: The run folder.
+    :param ckpt: The ``ckpt`` config section.
+    :param rank: This process's rank.
+    :param world_size: The number of processes.
+    :param timeout_s: The bound on a background sharded save's collectives (``dist.timeout_s``).
+    :param device: Where best weights read back go.
+    :param config: The config as saved (``public_config``: no secrets).
+    """
+
+    def __init__(
+        self,
+        out_dir: Path,
+        ckpt: CkptConfig,
+        *,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        device: torch.device,
+        config: dict[str, Any],
+    ) -> None:
+        in_shards = ckpt.format == "sharded"
+        self._ckpt = ckpt
+        self._rank = rank
+        self._world_size = world_size
+        self._config = config
+        self._files = RunFiles(
+            out_dir, enabled=ckpt.enable, writer=rank == 0, async_save=ckpt.async_save and not in_shards
+        )
+        shards = ShardedFiles(
+            out_dir,
+            enabled=ckpt.enable,
+            rank=rank,
+            world_size=world_size,
+            async_save=in_shards and ckpt.async_save,
+            timeout_s=timeout_s,
+        )
+        # a checkpoint is read in its own format, whatever this run writes; written in this run's
+        self._readers: dict[str, Storage] = {
+            "file": FileStorage(self._files, rank=rank, world_size=world_size, device=device),
+            "sharded": ShardedStorage(shards, rank=rank, world_size=world_size, background=ckpt.async_save),
+        }
+        self._storage = self._readers[ckpt.format]
+        self._best_changed = False
+        self._kept = KeptCheckpoints(out_dir, ckpt.keep, writes=ckpt.enable and rank == 0, sharded=in_shards)
+        self._minimize = bool((config.get("val") or {}).get("minimize", False))
+        self._score: tuple[int, float] | None = None  # (epoch, score) of the last save_if_best call
+        self._resumed: Path | None = None
+        self.skips: dict[int, frozenset[int]] = {}
+        """Per epoch, the batch positions left out (``guard.skip_batches``, a rollback's): saved, put back."""
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The config as saved in every checkpoint (``public_config``: no secrets); not to be changed."""
+        return self._config
+
+    @property
+    def last_path(self) -> Path:
+        """Where ``last`` is written: ``out_dir/last.pt``, or the directory ``out_dir/last.ckpt``."""
+        return self._storage.last_path
+
+    @property
+    def best_path(self) -> Path:
+        """Where ``best`` is written: ``out_dir/best.pt``, or the directory ``out_dir/best.ckpt``."""
+        return self._storage.best_path
+
+    @property
+    def last_seconds(self) -> float | None:
+        """The seconds rank 0's last finished save took (after :meth:`wait`)."""
+        return self._storage.last_seconds
+
+    # ------------------------------------------------------------------ before the run
+
+    def claim(self) -> None:
+        """Lock ``out_dir`` for this run (rank 0, when it writes checkpoints) and check it can be written.
+
+        Done before anything is read, so a second run on the same folder is refused at once, and a folder that
+        cannot take a checkpoint is found before the first epoch. Every rank learns whether it worked.
+
+        :raises OutDirError: When another run holds the folder or it cannot be written.
+        """
+        error: BaseException | None = None
+        try:
+            self._files.claim()
+        except OutDirError as exc:
+            error = exc
+        dist_utils.raise_if_any_rank_failed(
+            error,
+            lambda: OutDirError(f"rank 0 could not use out_dir {self._files.out_dir}; see rank 0's error"),
+            world_size=self._world_size,
+        )
+
+    def load(self, cfg: Config, path: Path | None = None, *, quiet: bool = False) -> Resume | None:
+        """Find and load what ``ckpt.resume`` names, with fallback, checked and reconciled with ``cfg``.
+
+        A named checkpoint is read in its own format (that is how a DDP run's ``last.pt`` continues as an FSDP2
+        run with sharded checkpoints, and back); a changed config is warned about (a changed ``val.minimize``
+        refused), and the records are reconciled with the config through the pure core.
+
+        :param cfg: The run's config.
+        :param path: A checkpoint file to load instead of what ``ckpt.resume`` names (a rollback's).
+        :param quiet: Do not say "resuming" on stderr (a rollback's candidates: the rollback says which it took).
+        :returns: The checkpoint to resume, or None for a fresh run.
+        :raises CheckpointError: When it cannot be resumed (see ``RunFiles`` and ``ShardedFiles``).
+        """
+        self._refuse_other_format()
+        resume = self._ckpt.resume if path is None else str(path)
+        named = resume not in ("auto", "never")
+        in_shards = Path(resume).is_dir() if named else self._ckpt.format == "sharded"
+        ckpt, path = self._readers["sharded" if in_shards else "file"].load_resume(resume)
+        if ckpt is None or path is None:
+            return None
+        self._check_config(ckpt, path, cfg)
+        self._resumed = path
+        val = cfg.val
+        records = core.reconcile(
+            core.LoopState.from_dict(ckpt["loop"]),
+            core.BestState.from_dict(ckpt["best"]) if ckpt.get("best") is not None else None,
+            core.PatienceState.from_dict(ckpt["patience"]) if ckpt.get("patience") is not None else None,
+            epochs=cfg.epochs,
+            val_patience=val.patience,
+            start_patience=val.start_patience,
+            min_delta=val.min_delta,
+        )
+        if records.notes:
+            warn_user(f"resuming {path}: " + "; ".join(records.notes))
+        if not quiet:
+            self._say_resuming(path, records, ckpt.get("trainkit"))
+            self._keep_resumed(path, ckpt, records)
+        results = None if records.more else ckpt.get("results")  # a finished run that continues has none yet
+        return Resume(ckpt=ckpt, path=path, records=records, results=dict(results) if results is not None else None)
+
+    def rollback_resume(self, cfg: Config, first_bad_step: int) -> Resume | None:
+        """The newest checkpoint written before optimizer step ``first_bad_step``, loaded (the divergence guard's
+        rollback): ``last``, then its previous copy, then the kept ``checkpoints/step-<step>.pt`` files
+        (:func:`~trainkit.bookkeeping.rollback_candidate`); None when none qualifies (every rank decides alike).
+
+        :param cfg: The run's config.
+        :param first_bad_step: The 0-based index of the first non-finite step of the guard's window.
+        """
+        self.wait()  # a background save is published before anything is read
+        for path in self._storage.published():  # newest first: last, then last.prev
+            resume = self.load(cfg, path, quiet=True)
+            if resume is not None and resume.ckpt["step"] <= first_bad_step:
+                return resume
+        kept, _, _, _ = read_kept(self._kept.directory)
+        chosen = core.rollback_candidate([(c.step, c.step) for c in kept], first_bad_step)
+        return None if chosen is None else self.load(cfg, kept_path(self._kept.directory, chosen), quiet=True)
+
+    def _keep_resumed(self, path: Path, ckpt: Mapping[str, Any], records: core.Resumed) -> None:
+        """Rank 0 under ``ckpt.keep``: the resumed ``last`` of this folder is kept if its step is not (a kill
+        between its publish and its link), described as its save described it, with the time it was written."""
+        in_shards = self._ckpt.format == "sharded"
+        if not self._kept.active or not same_directory(path.parent, self._files.out_dir) or path.is_dir() != in_shards:
+            return
+        loop, best = core.LoopState.from_dict(ckpt["loop"]), records.best
+        score = None  # the score of an epoch that did not improve is not in the checkpoint (its val/* metrics are)
+        if best is not None and best.score is not None and best.epoch == loop.epoch - 1:
+            score = (loop.epoch - 1, best.score)
+        try:
+            saved_at = os.lstat(path).st_mtime
+        except OSError:
+            return
+        description = describe_save(
+            step=int(ckpt["step"]),
+            epoch=loop.epoch,
+            epoch_end=ckpt.get("trainkit") is None,
+            validated=loop.last_validated,
+            score=score,
+            latest_metrics=ckpt.get("latest_metrics") or {},
+            saved_at=saved_at if math.isfinite(saved_at) else None,
+        )
+        minimize = best.minimize if best is not None else self._minimize
+        if self._kept.keep_resumed(path, description, minimize=minimize):
+            say(
+                f"kept {path} as {self._kept.directory.name}/step-{description.step}: the run before stopped after "
+                "publishing it and before keeping it (ckpt.keep)"
+            )
+
+    def _say_resuming(self, path: Path, records: core.Resumed, mid_epoch: Mapping[str, Any] | None) -> None:
+        line = records.line
+        if records.more and mid_epoch is not None:
+            position = mid_epoch["position"]
+            line += f", inside it: {position['batches']} of {position['batches_per_epoch']} batches done"
+        if self._rank == 0:
+            say(f"resuming {path}: {line}")
+
+    def _refuse_other_format(self) -> None:
+        """Refuse to start fresh over a run folder whose checkpoints are in the other ``ckpt.format``."""
+        if self._ckpt.resume != "auto" or not self._ckpt.enable:
+            return
+        other_format = "file" if self._ckpt.format == "sharded" else "sharded"
+        other = self._readers[other_format].published()
+        if other and not self._storage.published():
+            raise CheckpointMismatchError(
+                f"{other[0]} was written with ckpt.format={other_format!r}, and this run has "
+                f"ckpt.format={self._ckpt.format!r}, which would start over beside it; resume it with "
+                f"ckpt.format={other_format!r}, convert it by naming it in another out_dir (ckpt.resume={other[0]}), "
+                "or start fresh (ckpt.resume=never)"
+            )
+
+    def _check_config(self, ckpt: Mapping[str, Any], path: Path, cfg: Config) -> None:
+        """Warn about a config that changed since the checkpoint; refuse a changed ``val.minimize``."""
+        changes = changed_on_resume(strip_secrets(ckpt.get("config") or {}, cfg), self._config)
+        for key, old, new in changes:
+            if key == "val.minimize" and ckpt.get("best") is not None:
+                raise CheckpointMismatchError(
+                    f"{path} tracked its best with val.minimize={old}, this config says {new}; the best score "
+                    "cannot be compared across directions"
+                )
+        if changes:
+            details = ", ".join(
+                f"{key}: {render_value(key, old, cfg)} -> {render_value(key, new, cfg)}" for key, old, new in changes
+            )
+            warn_user(
+                f"resuming {path} with a changed config ({details}); the result may differ from an uninterrupted run"
+            )
+
+    def check_format(self, registry: core.CkptRegistry) -> None:
+        """Refuse what ``ckpt.format`` cannot save: a model sharded by ``make_fsdp()`` in a single file.
+
+        :param registry: The registry after ``setup()``.
+        :raises UsageError: Naming the item and the fix.
+        """
+        if not self._ckpt.enable or self._ckpt.format != "file":
+            return
+        for name, obj in registry.items.items():
+            if isinstance(obj, nn.Module) and sharding.is_sharded(obj):
+                raise UsageError(
+                    f"checkpoint item {name!r} is sharded by make_fsdp(), and ckpt.format='file' would write only "
+                    "rank 0's shards; set ckpt.format='sharded' (or ckpt.enable=false)"
+                )
+
+    def restore(self, resume: Resume, registry: core.CkptRegistry) -> core.CkptRegistry:
+        """Put a checkpoint's items, train/eval modes and this rank's RNG states back (after ``setup()``).
+
+        A sharded directory's modules and optimizers are read from its DCP files, resharded to this run; a file
+        checkpoint (DDP or one process) loads into FSDP2 modules as whole states, sharded on load.
+
+        :param resume: What :meth:`load` returned.
+        :param registry: The registry after ``setup()``.
+        :returns: The registry with plain values restored.
+        """
+        ckpt, items = resume.ckpt, registry.items
+        if resume.path.is_dir():
+            in_dcp = [name for name in items if isinstance(ckpt.get(name), str) and ckpt[name] == sharded.SHARDED]
+            sharded.apply_items(items, sharded.load_items(items, resume.path, in_dcp))
+        elif any(sharding.is_sharded(obj) for obj in items.values() if isinstance(obj, nn.Module)):
+            converted = sharded.apply_whole_items(items, ckpt)
+            ckpt = {**ckpt, **dict.fromkeys(converted, sharded.SHARDED)}
+        registry, _ = core.apply_payload(registry, ckpt, load_into=load_item)
+        modes = ckpt.get("training_modes") or {}
+        for name, obj in registry.items.items():
+            if isinstance(obj, nn.Module) and isinstance(modes.get(name), Mapping):
+                restore_training_modes(obj, modes[name])
+        rng = ckpt.get("rng")
+        if rng is not None and self._rank < len(rng):  # a rank added by resharding keeps its fresh seed
+            restore_rng(rng[self._rank])
+        for epoch, batch in ckpt.get("guard_skips") or []:
+            self.skips[epoch] = self.skips.get(epoch, frozenset()) | {batch}
+        return registry
+
+    def read_best(self, directory: Path, best: core.BestState, model: nn.Module | None) -> BestWeights | None:
+        """The best weights beside a resumed checkpoint, whose recorded best is ``best`` (a collective).
+
+        Read in their own format, into ``model``'s layout. When they came from another folder or format, the
+        next save writes them into this run's folder, so that it is complete on its own.
+
+        :param directory: The resumed checkpoint's folder.
+        :param best: The best record it holds.
+        :param model: The run's model (unwrapped).
+        :returns: The weights, or None (warned) when none match.
+        """
+        if self._resumed is not None and directory == self._resumed.parent:
+            directory = run_folder_of(self._resumed)  # a kept checkpoint's best.pt is in its run folder
+        in_shards = bool(ShardedFiles.published(directory / sharded.BEST_DIR))
+        loaded = self._readers["sharded" if in_shards else "file"].read_best(directory, best, model)
+        if loaded is not None and loaded.rewrite:
+            self._best_changed = True
+        return loaded
+
+    def best_changed(self) -> None:
+        """Record that the best weights changed: the next :meth:`save` writes the best checkpoint first."""
+        self._best_changed = True
+
+    def scored(self, score: Any, *, epoch: int, improved: bool, minimize: bool) -> None:
+        """Record a ``save_if_best`` result: the epoch's score (for ``ckpt.keep``'s ``best`` rules) and, when it
+        improved, that the best weights changed.
+
+        :param score: The score given to ``save_if_best``.
+        :param epoch: The 0-based epoch it belongs to.
+        :param improved: Whether it improved (the weights were snapshotted).
+        :param minimize: The direction of the best record.
+        """
+        if improved:
+            self._best_changed = True
+        self._minimize = minimize
+        if self._kept.active:
+            self._score = (epoch, float(score))  # save_if_best checked that it converts
+
+    def open_journal(self, resume: Resume | None) -> JsonlSink | None:
+        """Open ``metrics.jsonl`` (rank 0 of a run with checkpoints; None elsewhere), cut back to the checkpoint.
+
+        Temp files of killed saves are removed first. A run resumed from another folder starts its file with that
+        folder's rows, up to the size its checkpoint recorded.
+
+        :param resume: What :meth:`load` returned, or None for a fresh run (which starts a fresh file).
+        :returns: The journal, or None.
+        """
+        if not (self._ckpt.enable and self._rank == 0):
+            return None
+        self._files.remove_stale_temp_files()
+        offset = resume.ckpt.get("metrics_offset") if resume is not None else 0
+        history = None
+        if (
+            resume is not None
+            and isinstance(offset, int)
+            and not same_directory(run_folder_of(resume.path), self._files.out_dir)
+        ):
+            history = self._files.read_metrics_prefix(run_folder_of(resume.path), offset)
+        return JsonlSink(self._files.metrics_path, truncate_to=offset, history=history)
+
+    # ------------------------------------------------------------------ saving
+
+    def save(
+        self,
+        record: SaveRecord,
+        registry: core.CkptRegistry,
+        *,
+        best_weights: dict[str, Any] | None,
+        before: Callable[[], None],
+    ) -> float | None:
+        """Write the best checkpoint (when it changed since the last save), then ``last`` (a collective).
+
+        Every rank's RNG states (and, inside an epoch, its share of the position) are gathered into the payload;
+        the format's storage writes it, synchronously or in the background (``ckpt.async_save``).
+
+        :param record: The engine's state.
+        :param registry: The registered items.
+        :param best_weights: The best-model snapshot (None before any improvement).
+        :param before: Makes ``metrics.jsonl`` durable before ``last`` records its size.
+        :returns: The seconds rank 0's save took (None elsewhere, with checkpoints off, or in the background).
+        :raises CheckpointError: On every rank, when a rank's write failed.
+        """
+        changed, self._best_changed = self._best_changed, False
+        if not self._ckpt.enable:
+            return None
+        gathered = dist_utils.all_gather_objects({"rng": capture_rng(), "position": record.rank_position})
+        rng = [state["rng"] for state in gathered]
+        mid_epoch = None
+        if record.position is not None:
+            mid_epoch = mid_epoch_state(record.position, [state["position"] for state in gathered])
+        best = best_weights if changed and record.best is not None else None
+        request = SaveRequest(
+            registry=registry,
+            engine=functools.partial(self._payload, record=record, rng=rng, mid_epoch=mid_epoch, registry=registry),
+            best_weights=best,
+            best=record.best,
+            config=self._config,
+            epoch=record.loop.epoch,
+            step=record.loop.step,
+            before=before,
+            after=self._keep_after(record),
+        )
+        return self._storage.save(request)
+
+    def _keep_after(self, record: SaveRecord) -> Callable[[], None] | None:
+        """What keeps this save's ``last`` under ``checkpoints/`` (``ckpt.keep``; rank 0), or None."""
+        if not self._kept.active:
+            return None
+        description = describe_save(
+            step=record.loop.step,
+            epoch=record.loop.epoch,
+            epoch_end=record.position is None,
+            validated=record.loop.last_validated,
+            score=self._score,
+            latest_metrics=record.latest_metrics,
+        )
+        minimize = record.best.minimize if record.best is not None else self._minimize
+        return functools.partial(self._kept.publish, self.last_path, description, minimize=minimize)
+
+    def _payload(
+        self,
+        items: dict[str, Any],
+        *,
+        record: SaveRecord,
+        rng: list[dict[str, Any]],
+        mid_epoch: dict[str, Any] | None,
+        registry: core.CkptRegistry,
+    ) -> dict[str, Any]:
+        return last_payload(
+            items=items,
+            epoch=record.loop.epoch,
+            step=record.loop.step,
+            world_size=self._world_size,
+            config=self._config,
+            loop=record.loop,
+            best=record.best,
+            patience=record.patience,
+            rng=rng,
+            wandb_run_id=record.run_id,
+            latest_metrics=dict(record.latest_metrics),
+            results=dict(record.results) if record.results is not None else None,
+            metrics_offset=record.metrics_offset,
+            training_modes={
+                name: training_modes(obj) for name, obj in registry.items.items() if isinstance(obj, nn.Module)
+            },
+            mid_epoch=mid_epoch,
+            guard_skips=[[epoch, batch] for epoch in sorted(self.skips) for batch in sorted(self.skips[epoch])],
+        )
+
+    def keep_best_on_disk(self, tracked: bool, epoch: int | None) -> None:
+        """At the end of a run: when the best checkpoint went missing during it, say so and write it again.
+
+        Decided alike on every rank for sharded checkpoints (rank 0 looks, every rank learns), since every rank
+        writes its shards of ``best.ckpt``.
+
+        :param tracked: Whether this rank holds a best (weights and record).
+        :param epoch: The best's epoch, for the message.
+        """
+        if not self._ckpt.enable:
+            return
+        if self._storage.lost_best(tracked and not self._best_changed):
+            if self._rank == 0:
+                warn_user(
+                    f"{self.best_path} was removed during the run; the best weights (epoch {epoch}) were still in "
+                    "memory and are written to it again"
+                )
+            self._best_changed = True
+
+    # ------------------------------------------------------------------ waiting and letting go
+
+    def wait(self) -> None:
+        """Finish a background save in flight (a collective for sharded saves); its failure raises here."""
+        self._storage.wait()
+
+    def wait_local(self) -> None:
+        """Finish what this rank alone writes in the background (a file save on rank 0); no collective."""
+        self._storage.wait_local()
+
+    def abandon(self) -> None:
+        """Let a background save end without raising or publishing a sharded one (this run is failing)."""
+        self._readers["file"].abandon()
+        self._readers["sharded"].abandon()
+
+    def finish(self) -> None:
+        """At the end of a run: publish a background save (every rank) and free what saves kept between them."""
+        self._storage.wait()
+        self._storage.release()
+        self._kept.join()
+
+    def release_folder(self) -> None:
+        """Let the folder go (idempotent): the next run on it may start."""
+        self._files.release()
+
+    def close(self, failed: bool, before_release: Callable[[], None]) -> None:
+        """Let go of everything: a background save lands (unless the run failed), then the folder is released.
+
+        :param failed: The run failed: nothing is waited for that another rank may never finish.
+        :param before_release: Called just before the folder is released (the trainer closes its sinks).
+        """
+        if not failed:
+            self._readers["file"].wait()
+        self._kept.join()  # a deletion in flight only removes whole files: waiting for it is always safe
+        self._readers["sharded"].abandon()  # train() finished or abandoned it; only a trainer never trained has one
+        self._readers["sharded"].release()
+        before_release()
+        self._files.release()

@@ -1,0 +1,215 @@
+"""A run folder's sharded checkpoint directories (``ckpt.format="sharded"``): names, resume, best, saves.
+
+Side effects: directories in ``out_dir`` (``last.ckpt/``, ``best.ckpt/``, their ``.prev`` copies, temporary
+directories of unfinished saves), collectives (every rank calls :meth:`ShardedFiles.load_resume`,
+:meth:`~ShardedFiles.read_best`, :meth:`~ShardedFiles.save` and :meth:`~ShardedFiles.wait` together) and, with
+``ckpt.async_save``, DCP's writer thread. :class:`ShardedFiles` sits beside
+:class:`~trainkit.checkpoint.pt_files.RunFiles` behind the same names (``last_path``, ``best_path``, ``load_resume``,
+``read_best``, ``save``, ``wait``, ``release``); it is built from plain values and knows nothing of the trainer:
+the trainer hands it DCP states and engine payloads (:func:`trainkit.checkpoint.payload.last_payload`), and it returns
+loaded dicts. The directory format itself is :mod:`trainkit.checkpoint.dcp`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from trainkit.bookkeeping import BestState
+from trainkit.checkpoint import dcp as sharded
+from trainkit.checkpoint.payload import validate_best, validate_last
+from trainkit.errors import CheckpointCorruptError, CheckpointMismatchError
+from trainkit.messages import warn_user
+
+__all__ = ["ShardedFiles"]
+
+
+class ShardedFiles:
+    """The sharded checkpoint directories of one run folder: every rank writes its shards and reads them.
+
+    :param out_dir: The run folder.
+    :param enabled: ``ckpt.enable``: whether this run writes checkpoints at all (and resumes with ``auto``).
+    :param rank: This process's rank.
+    :param world_size: The number of processes.
+    :param async_save: ``ckpt.async_save``: write ``last.ckpt`` in the background (one save in flight,
+        published at the next save, :meth:`wait` or the end of the run), instead of before :meth:`save` returns.
+    :param timeout_s: The bound on a background save's collectives (``dist.timeout_s``).
+    """
+
+    def __init__(
+        self, out_dir: Path, *, enabled: bool, rank: int, world_size: int, async_save: bool, timeout_s: float
+    ) -> None:
+        self.out_dir = out_dir
+        self.enabled = enabled
+        self.rank = rank
+        self.world_size = world_size
+        self._background = sharded.BackgroundSave(timeout_s) if async_save else None
+        self._saves = 0
+        self._after: Callable[[], None] | None = None  # what runs once the background save in flight is published
+
+    @property
+    def last_path(self) -> Path:
+        """``out_dir/last.ckpt``."""
+        return self.out_dir / sharded.LAST_DIR
+
+    @property
+    def best_path(self) -> Path:
+        """``out_dir/best.ckpt``."""
+        return self.out_dir / sharded.BEST_DIR
+
+    @staticmethod
+    def published(directory: Path) -> list[Path]:
+        """The checkpoint directory ``directory`` and its ``.prev`` copy, those that exist, newest first.
+
+        :param directory: A checkpoint directory's path (``.../last.ckpt`` or ``.../best.ckpt``).
+        :returns: The existing ones.
+        """
+        return [path for path in (directory, sharded.previous_directory(directory)) if path.is_dir()]
+
+    def load_resume(self, resume: str) -> tuple[dict[str, Any] | None, Path | None]:
+        """The engine payload of the checkpoint ``resume`` names, and its directory (a collective).
+
+        With ``auto``, ``last.ckpt`` or, when it is damaged or incomplete, ``last.prev.ckpt`` (with a warning);
+        a named directory never falls back. The modules' and optimizers' shards are read later, into the
+        objects ``setup()`` builds (:func:`trainkit.checkpoint.dcp.load_items`).
+
+        :param resume: ``ckpt.resume``: ``auto``, ``never`` or a checkpoint directory.
+        :returns: ``(payload, directory)``, or ``(None, None)`` when there is nothing to resume.
+        :raises CheckpointCorruptError: When no candidate directory is whole (each one's problem named).
+        :raises CheckpointMismatchError: When a step checkpoint (written inside an epoch) was written by another
+            number of processes.
+        """
+        if resume == "never" or (resume == "auto" and not self.enabled):
+            return None, None
+        candidates = self.published(self.last_path) if resume == "auto" else [Path(resume)]
+        if not candidates:
+            return None, None
+        problems: list[str] = []
+        for candidate in candidates:
+            ckpt, problem = sharded.read_engine(
+                candidate, rank=self.rank, world_size=self.world_size, validate=validate_last
+            )
+            if ckpt is not None:
+                if problems and self.rank == 0:
+                    warn_user(f"{problems[-1]}; resuming from the previous checkpoint {candidate} instead")
+                saved = ckpt["world_size"]
+                if saved != self.world_size and ckpt.get("trainkit") is not None:
+                    raise CheckpointMismatchError(
+                        f"{candidate} was written inside an epoch by {saved} processes and this run has "
+                        f"{self.world_size}: the batches of a partly trained epoch are only known for the same "
+                        "number of processes; resume it with the same world size, or from a checkpoint written at "
+                        "an epoch's end (a sharded one reshards to any number of processes)"
+                    )
+                return ckpt, candidate
+            problems.append(problem)
+        raise CheckpointCorruptError("; ".join(problems))
+
+    def read_best(self, directory: Path, best: BestState, template: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The best weights' shards from ``directory``'s ``best.ckpt`` (or ``best.prev.ckpt``) whose recorded best
+        is ``best`` (a collective).
+
+        :param directory: The folder of the resumed checkpoint.
+        :param best: The best recorded in the resumed ``last.ckpt``.
+        :param template: The model's state dict of this run (its shards), copied and filled in place; None
+            when there is no model to read them for.
+        :returns: The best weights in ``template``'s layout, or None (rank 0 warns) when no directory matches.
+        """
+        found = []
+        for candidate in self.published(directory / sharded.BEST_DIR):
+            engine, problem = sharded.read_engine(
+                candidate, rank=self.rank, world_size=self.world_size, validate=validate_best
+            )
+            if engine is None:
+                if self.rank == 0:
+                    warn_user(problem)
+                continue
+            recorded = BestState.from_dict(engine["best"])
+            if attrs.evolve(recorded, min_delta=best.min_delta) != best or template is None:
+                found.append(f"{candidate.name}: epoch {recorded.epoch}")
+                continue
+            # a copy of the model's own state: DCP fills it in place, and the model is left alone
+            copy = {key: value.detach().clone() for key, value in template.items()}
+            return sharded.load_items_into({"model": copy}, candidate)["model"]
+        if self.rank == 0:
+            warn_user(
+                f"no best checkpoint in {directory} matches the best recorded in the resumed checkpoint (epoch "
+                f"{best.epoch}, score {best.score}; found {', '.join(found) or 'none'}); test() will use the current "
+                "weights until the next improvement"
+            )
+        return None
+
+    def save(
+        self,
+        *,
+        epoch: int,
+        step: int,
+        last_state: dict[str, Any],
+        last_engine: dict[str, Any] | None,
+        best_state: dict[str, Any] | None = None,
+        best_engine: dict[str, Any] | None = None,
+        after: Callable[[], None] | None = None,
+    ) -> None:
+        """Write ``best.ckpt`` (when ``best_state`` is given), then ``last.ckpt`` (a collective).
+
+        The save before it is finished first (one in flight). ``best.ckpt`` is always written before this
+        returns; ``last.ckpt`` too, unless ``async_save``: then its shards are staged here and written in the
+        background, and published by the next save, :meth:`wait` or :meth:`release`'s caller.
+
+        :param epoch: The epoch being saved (names the temporary directory).
+        :param step: The optimizer step (names the temporary directory).
+        :param last_state: This rank's DCP state of the registered modules and optimizers.
+        :param last_engine: The engine's payload for ``trainkit.pt`` (rank 0; None elsewhere).
+        :param best_state: This rank's DCP state of the best weights, when they changed since the last save.
+        :param best_engine: The best's payload for ``best.ckpt``'s ``trainkit.pt`` (rank 0).
+        :param after: Called on this rank once ``last.ckpt`` is published by every rank (keeps it under
+            ``checkpoints/``; rank 0): before this returns, or at the publishing :meth:`wait` of a background save.
+            Its failure is warned, not raised: the other ranks would wait for this one at the next collective.
+        :raises BaseException: A rank's failed write, on every rank (a background one's at the next save).
+        """
+        self.wait()
+        self._saves += 1
+        options = {"rank": self.rank, "world_size": self.world_size, "tag": f"{epoch}-{step}-{self._saves}"}
+        if best_state is not None:
+            sharded.save_directory(self.best_path, best_state, best_engine, **options)
+        if self._background is not None:
+            self._background.start(self.last_path, last_state, last_engine, **options)
+            self._after = after
+        else:
+            sharded.save_directory(self.last_path, last_state, last_engine, **options)
+            _run_after(after, self.last_path)
+
+    def wait(self) -> None:
+        """Finish a background save in flight: wait for its write, then publish it (every rank together).
+
+        :raises BaseException: Its failed write, on every rank.
+        """
+        if self._background is not None:
+            after, self._after = self._after, None
+            self._background.finish(rank=self.rank, world_size=self.world_size)
+            _run_after(after, self.last_path)
+
+    def abandon(self) -> None:
+        """Let a background save in flight end unpublished (this rank is failing; the others may be gone)."""
+        self._after = None
+        if self._background is not None:
+            self._background.abandon()
+
+    def release(self) -> None:
+        """At the end of a run: free the host copy background saves reuse, and wait for the deletion of the
+        directories that publishing moved aside, so nothing stray is left in ``out_dir``."""
+        if self._background is not None:
+            self._background.release()
+        sharded.wait_discarded()
+
+
+def _run_after(after: Callable[[], None] | None, published: Path) -> None:
+    """Run what follows a published save on this rank alone; its failure is warned (``published`` is whole)."""
+    if after is None:
+        return
+    try:
+        after()
+    except Exception as exc:  # noqa: BLE001 - raising on one rank would leave the others in the next collective
+        warn_user(f"keeping a copy of {published} under checkpoints/ failed: {exc!r}; {published} itself is whole")

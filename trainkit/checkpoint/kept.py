@@ -1,0 +1,539 @@
+"""Kept checkpoints on disk: ``out_dir/checkpoints/step-<step>.pt`` (or ``step-<step>.ckpt/`` directories with
+``ckpt.format="sharded"``), their index, and deleting what is not kept.
+
+Side effects: files in ``out_dir/checkpoints/`` (rank 0 only) and a background deletion thread. The decision
+of what to keep is the pure :func:`trainkit.bookkeeping.retain`; this part describes what is on disk, asks it,
+and deletes the rest.
+
+The rules this part keeps:
+
+- A kept checkpoint is a hard link to the ``last.pt`` just published (made under a temp name and renamed into
+  place; a durable copy where the filesystem has no hard links), so it is as whole and as checked as
+  ``last.pt`` was, and ``last.pt`` being replaced later (``os.replace``) leaves it as it was.
+- A kept sharded checkpoint is a directory of hard links to the files of the ``last.ckpt/`` just published
+  (its shards, ``trainkit.pt`` and the manifest; copies where links fail), built under a temp name, fsynced
+  and published by one rename, so a resume checks it by its manifest exactly as it checks ``last.ckpt/``.
+  It is deleted by a rename to a trash name first (``.step-<int>.ckpt.<pid>.<n>.trash``), then removed: a
+  kill during the removal never leaves a half directory under a kept name, and the leftover is cleaned later.
+- Only names trainkit writes are ever touched: ``step-<int>.pt`` (a regular file) and ``step-<int>.ckpt`` (a
+  directory) exactly, and ``.step-<int>.pt.<pid>.<n>.tmp`` (``.ckpt``, ``.trash``) leftovers of a killed link
+  or deletion whose process is gone. A symbolic link or any other file kind under such a name is never
+  followed, replaced nor deleted (it is warned about and left out of retention).
+- Deletion removes whole files, one ``unlink`` each, in a background thread that the next save and the end of
+  the run join: a kill during it leaves every remaining checkpoint whole and loadable.
+- ``checkpoints/index.json`` (written atomically) records each kept checkpoint's epoch, wall time and scores,
+  which the file name does not hold; it is read as hostile input, entry by entry, and a checkpoint it does not
+  describe (or describes badly) is judged by its step alone: its epoch counts as unknown (0, inside an epoch),
+  its time is the file's modification time, it has no scores.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import re
+import shutil
+import stat
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+from trainkit import bookkeeping as core
+from trainkit.errors import BookkeepingError
+from trainkit.files.bounded_read import UnreadableFile, load_json, read_regular
+from trainkit.files.durable import _NO_HARD_LINKS, _copy_new_file, _process_gone, current_umask, fsync_directory
+from trainkit.messages import warn_user
+
+__all__ = [
+    "KEPT_DIR",
+    "INDEX_FILE",
+    "KeptCheckpoints",
+    "kept_name",
+    "kept_step",
+    "kept_path",
+    "run_folder_of",
+    "read_kept",
+    "remove_kept",
+]
+
+KEPT_DIR = "checkpoints"
+INDEX_FILE = "index.json"
+INDEX_FORMAT = 1
+MAX_INDEX_BYTES = 16 << 20
+"""The most bytes ``index.json`` may hold (a million checkpoints' entries fit in far less)."""
+
+_KEPT_NAME = re.compile(r"^step-(0|[1-9][0-9]{0,17})\.(pt|ckpt)$")
+_TEMP_NAME = re.compile(
+    r"^\.(?:step-(?:0|[1-9][0-9]{0,17})\.(?:pt|ckpt)|index\.json)\.(?P<pid>\d+)\.\d+\.(?:tmp|trash)$"
+)
+SUFFIXES = (".pt", ".ckpt")
+"""A kept checkpoint's name ends in ``.pt`` (a file, ``ckpt.format="file"``) or ``.ckpt`` (a directory)."""
+_COUNTER = itertools.count()
+
+
+def kept_name(step: int, suffix: str = ".pt") -> str:
+    """The name of the kept checkpoint of ``step``: a file (``.pt``) or a sharded directory (``.ckpt``).
+
+    >>> kept_name(1200), kept_name(1200, ".ckpt")
+    ('step-1200.pt', 'step-1200.ckpt')
+    """
+    return f"step-{step}{suffix}"
+
+
+def kept_step(name: str) -> int | None:
+    """The step a kept checkpoint's name holds, or None for a name trainkit does not write.
+
+    >>> kept_step("step-1200.pt"), kept_step("step-7.ckpt"), kept_step("step-01.pt"), kept_step("step-5.pt.bak")
+    (1200, 7, None, None)
+    """
+    found = _KEPT_NAME.match(name)
+    return int(found[1]) if found else None
+
+
+def _right_kind(name: str, mode: int) -> bool:
+    """Whether ``mode`` is the kind trainkit writes under ``name``: a regular ``.pt`` file, a ``.ckpt`` directory."""
+    return stat.S_ISDIR(mode) if name.endswith(".ckpt") else stat.S_ISREG(mode)
+
+
+def kept_path(directory: Path, step: int) -> Path:
+    """The kept checkpoint of ``step`` in ``directory``: ``step-<step>.pt`` if a regular file is there, else
+    ``step-<step>.ckpt`` if a directory is (no link is followed), else the ``.pt`` name.
+
+    :param directory: ``out_dir/checkpoints``.
+    :param step: The step.
+    :returns: Its path.
+    """
+    for suffix in SUFFIXES:
+        path = directory / kept_name(step, suffix)
+        try:
+            if _right_kind(path.name, os.lstat(path).st_mode):
+                return path
+        except OSError:
+            continue
+    return directory / kept_name(step)
+
+
+def run_folder_of(path: Path) -> Path:
+    """The run folder a checkpoint belongs to: its folder, or for a kept one (``checkpoints/step-N.pt`` or
+    ``checkpoints/step-N.ckpt``) the folder above (where its best checkpoint and ``metrics.jsonl`` are).
+
+    :param path: A checkpoint's path.
+    :returns: Its run folder.
+    """
+    if path.parent.name == KEPT_DIR and kept_step(path.name) is not None:
+        return path.parent.parent
+    return path.parent
+
+
+def remove_kept(path: Path) -> bool:
+    """Delete one kept checkpoint: a regular ``.pt`` file or a ``.ckpt`` directory only, never what a link points to.
+
+    A directory is renamed to a trash name first and removed from there (without following a link inside),
+    so a kill during its removal leaves no half directory under a kept name.
+
+    :param path: ``checkpoints/step-<step>.pt`` or ``checkpoints/step-<step>.ckpt``.
+    :returns: Whether it was deleted (False: gone already, or not of the kind trainkit writes, which is warned about).
+    """
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not _right_kind(path.name, info.st_mode):
+        warn_user(f"{path} is not a checkpoint that trainkit wrote ({_kind(info.st_mode)}); it is left alone")
+        return False
+    if stat.S_ISDIR(info.st_mode):
+        return _remove_directory(path)
+    os.unlink(path)  # unlink removes a name, never a link's target, even if the name was swapped meanwhile
+    return True
+
+
+def _remove_directory(path: Path) -> bool:
+    """Rename a kept directory to a trash name, make that durable, then remove it (``rmtree`` refuses a link and
+    never follows one inside)."""
+    trash = path.with_name(f".{path.name}.{os.getpid()}.{next(_COUNTER)}.trash")
+    os.rename(path, trash)  # renames the name itself: a link swapped in meanwhile is moved, not followed
+    fsync_directory(path.parent)
+    if not stat.S_ISDIR(os.lstat(trash).st_mode):  # swapped for something else since the check: put it back
+        os.rename(trash, path)
+        warn_user(f"{path} changed into something trainkit did not write while it was deleted; it is left alone")
+        return False
+    shutil.rmtree(trash)
+    return True
+
+
+def _kind(mode: int) -> str:
+    from trainkit.files.bounded_read import file_kind
+
+    return file_kind(mode)
+
+
+def _describe(entry: Any, step: int) -> core.Checkpoint | None:
+    if not isinstance(entry, Mapping):
+        return None
+    scores = entry.get("scores", {})
+    if not isinstance(scores, Mapping) or not all(isinstance(v, int | float) for v in scores.values()):
+        return None
+    try:
+        return core.Checkpoint(
+            step=step,
+            epoch=entry.get("epoch", 0),
+            epoch_end=entry.get("epoch_end", False),
+            time=entry.get("time", 0.0),
+            scores=scores,
+        )
+    except (BookkeepingError, TypeError):
+        return None
+
+
+def read_index(directory: Path) -> tuple[dict[int, core.Checkpoint], bool | None, tuple[str, ...] | None]:
+    """Read ``checkpoints/index.json`` as hostile input: the entries that check out, the run's direction and rules.
+
+    :param directory: ``out_dir/checkpoints``.
+    :returns: ``({step: description}, minimize, keep)``; ``({}, None, None)`` when there is no usable index
+        (warned unless it is missing); ``keep`` is None when the recorded rules do not parse.
+    """
+    path = directory / INDEX_FILE
+    try:
+        data = load_json(read_regular(path, MAX_INDEX_BYTES))
+    except UnreadableFile as exc:
+        if exc.reason != "missing":
+            warn_user(f"{exc}; the kept checkpoints are judged by their steps alone")
+        return {}, None, None
+    except ValueError as exc:
+        warn_user(f"{path} is not JSON ({exc}); the kept checkpoints are judged by their steps alone")
+        return {}, None, None
+    if not isinstance(data, dict) or data.get("format") != INDEX_FORMAT or not isinstance(data.get("kept"), dict):
+        warn_user(f"{path} is not a trainkit index of kept checkpoints; they are judged by their steps alone")
+        return {}, None, None
+    found: dict[int, core.Checkpoint] = {}
+    bad = 0
+    for key, entry in data["kept"].items():
+        step = kept_step(f"step-{key}.pt")
+        described = _describe(entry, step) if step is not None else None
+        if described is None:
+            bad += 1
+            continue
+        found[described.step] = described
+    if bad:
+        warn_user(f"{path}: {bad} entries do not check out and are ignored")
+    minimize = data.get("minimize")
+    keep = data.get("keep")
+    try:
+        rules = tuple(keep) if isinstance(keep, list) and core.parse_keep(keep) is not None else None
+    except BookkeepingError:
+        rules = None
+    return found, minimize if isinstance(minimize, bool) else None, rules
+
+
+def read_kept(directory: Path) -> tuple[list[core.Checkpoint], list[str], bool | None, tuple[str, ...] | None]:
+    """Describe the kept checkpoints in ``directory``: regular files named ``step-<int>.pt`` only.
+
+    :param directory: ``out_dir/checkpoints``.
+    :returns: The descriptions (from the index, else from the name and the file's time), the names of the
+        entries refused (links and other kinds under a kept name), and the direction and rules the index
+        recorded.
+    """
+    index, minimize, keep = read_index(directory)
+    described, refused = on_disk(directory, index)
+    return described, refused, minimize, keep
+
+
+def on_disk(directory: Path, known: Mapping[int, core.Checkpoint]) -> tuple[list[core.Checkpoint], list[str]]:
+    """The kept checkpoints in ``directory`` (regular files named ``step-<int>.pt``, directories named
+    ``step-<int>.ckpt``), described by ``known`` or, for one it lacks, by its name and modification time; and the
+    entries refused under a kept name. A step kept under both names counts once.
+
+    :param directory: ``out_dir/checkpoints``.
+    :param known: Descriptions by step (the index's, or the ones this run recorded).
+    :returns: The descriptions in step order, and the refused entries' names with their kinds.
+    """
+    described: list[core.Checkpoint] = []
+    refused: list[str] = []
+    seen: set[int] = set()
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+    except OSError:
+        return [], []
+    for entry in entries:
+        step = kept_step(entry.name)
+        if step is None:
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not _right_kind(entry.name, info.st_mode):
+            refused.append(f"{entry.name} ({_kind(info.st_mode)})")
+            continue
+        if step in seen:
+            continue
+        seen.add(step)
+        found = known.get(step)
+        mtime = info.st_mtime if math.isfinite(info.st_mtime) else 0.0
+        described.append(found if found is not None else core.Checkpoint(step=step, epoch_end=False, time=mtime))
+    described.sort(key=lambda c: c.step)
+    return described, refused
+
+
+def _index_entry(c: core.Checkpoint) -> dict[str, Any]:
+    return {
+        "epoch": c.epoch,
+        "epoch_end": c.epoch_end,
+        "time": c.time,
+        "scores": {name: value for name, value in c.scores.items() if math.isfinite(value)},
+    }
+
+
+def write_index(
+    directory: Path, kept: Iterable[core.Checkpoint], minimize: bool | None, keep: tuple[str, ...] | None
+) -> None:
+    """Write ``checkpoints/index.json`` atomically and durably (a temp file of its own, renamed into place).
+
+    :param directory: ``out_dir/checkpoints``.
+    :param kept: The descriptions to record.
+    :param minimize: The run's direction (for ``best`` rules without one, read by ``trainkit retain``).
+    :param keep: The run's ``ckpt.keep`` (what ``trainkit inspect`` explains the kept ones by).
+    """
+    data = {
+        "format": INDEX_FORMAT,
+        "minimize": minimize,
+        "keep": list(keep) if keep is not None else None,
+        "kept": {str(c.step): _index_entry(c) for c in sorted(kept, key=lambda c: c.step)},
+    }
+    text = json.dumps(data, indent=1, allow_nan=False).encode()
+    tmp = directory / f".{INDEX_FILE}.{os.getpid()}.{next(_COUNTER)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, directory / INDEX_FILE)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_directory(directory)
+
+
+def _refuse_links(directory: Path) -> str | None:
+    """Why ``directory`` cannot take kept checkpoints (a link or a non-directory in its place), or None."""
+    try:
+        info = os.lstat(directory)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{directory} is {_kind(info.st_mode)}, not a directory trainkit made"
+    return None
+
+
+class KeptCheckpoints:
+    """Rank 0's kept checkpoints of one run folder: publish each new one, delete what the policy lets go.
+
+    :param out_dir: The run folder.
+    :param keep: ``ckpt.keep``: the rules (see :func:`~trainkit.bookkeeping.parse_keep`).
+    :param writes: Whether this process writes checkpoints (rank 0 of a run with ``ckpt.enable``).
+    :param sharded: Keep ``last.ckpt/`` directories as ``step-<step>.ckpt/`` (``ckpt.format="sharded"``) rather
+        than ``last.pt`` files as ``step-<step>.pt``.
+    """
+
+    def __init__(self, out_dir: Path, keep: tuple[str, ...], *, writes: bool, sharded: bool = False) -> None:
+        self.directory = out_dir / KEPT_DIR
+        self._keep = keep
+        self._suffix = ".ckpt" if sharded else ".pt"
+        self.active = writes and bool(keep)
+        self._known: dict[int, core.Checkpoint] | None = None  # read from disk at the first publish
+        self._deleter: threading.Thread | None = None
+        self._disabled = False
+
+    def policy(self, minimize: bool) -> core.KeepAny:
+        """The rules as a policy, ``best`` rules without a direction taking ``minimize``."""
+        return core.parse_keep(self._keep, minimize=minimize)
+
+    def publish(self, source: Path, description: core.Checkpoint, *, minimize: bool) -> None:
+        """Keep ``source`` (the ``last.pt`` just published) as ``checkpoints/step-<step>.pt`` (``last.ckpt/`` as
+        ``checkpoints/step-<step>.ckpt/``), then start deleting in the background what the policy does not keep.
+
+        Runs where the save's writes run (the writer thread of ``ckpt.async_save``; rank 0 after every rank's
+        shards are published, for a sharded one), after them.
+
+        :param source: The published checkpoint file (or directory).
+        :param description: What retention needs to know of it.
+        :param minimize: The run's direction.
+        :raises OSError: When the link (or copy) cannot be made; the checkpoint in ``source`` is intact.
+        """
+        self.join()
+        if self._disabled:
+            return
+        problem = _refuse_links(self.directory)
+        if problem is not None:
+            self._disabled = True
+            warn_user(f"{problem}; no checkpoints are kept there in this run (move it away to keep them)")
+            return
+        self.directory.mkdir(exist_ok=True)
+        if self._known is None:
+            self._remove_stale_temp_files()
+            found = read_kept(self.directory)[0]
+            self._known = {c.step: c for c in found}
+        target = self.directory / kept_name(description.step, self._suffix)
+        try:
+            info = os.lstat(target)
+        except FileNotFoundError:
+            info = None
+        if info is not None and not _right_kind(target.name, info.st_mode):
+            warn_user(
+                f"{target} is {_kind(info.st_mode)}, not a checkpoint trainkit wrote; it is left alone, step "
+                f"{description.step} is not kept"
+            )
+            return
+        if self._suffix == ".ckpt":
+            self._link_directory(source, target, replace=info is not None)
+        else:
+            self._link(source, target)
+        self._known[description.step] = description
+        # what is on disk now (a file removed or added by hand meanwhile counts as it is)
+        self._known = {c.step: c for c in on_disk(self.directory, self._known)[0]}
+        write_index(self.directory, self._known.values(), minimize, self._keep)
+        keep = core.retain(self.policy(minimize), self._known.values())
+        doomed = sorted(step for step in self._known if step not in keep)
+        if doomed:
+            self._deleter = threading.Thread(
+                target=self._delete, args=(doomed, minimize), name="trainkit-retention", daemon=False
+            )
+            self._deleter.start()
+
+    def keep_resumed(self, source: Path, description: core.Checkpoint, *, minimize: bool) -> bool:
+        """Keep the ``last`` a run resumes from when no checkpoint of its step is kept: a kill between publishing
+        it and keeping it (a few milliseconds, or a background save's whole write) left it unkept, and the
+        policy would have kept it, at least as the newest.
+
+        A link that cannot be made is warned about; the run goes on.
+
+        :param source: The resumed checkpoint (``last.pt`` or ``last.prev.pt``; a sharded directory), of the
+            kind this run keeps.
+        :param description: What retention needs to know of it.
+        :param minimize: The run's direction.
+        :returns: Whether it was kept now.
+        """
+        if not self.active or self._disabled:
+            return False
+        if any(os.path.lexists(self.directory / kept_name(description.step, suffix)) for suffix in SUFFIXES):
+            return False
+        try:
+            self.publish(source, description, minimize=minimize)
+        except OSError as exc:
+            warn_user(f"keeping {source} as step {description.step} failed ({exc}); it is not kept")
+            return False
+        return True
+
+    def _link(self, source: Path, target: Path) -> None:
+        tmp = str(self.directory / f".{target.name}.{os.getpid()}.{next(_COUNTER)}.tmp")
+        try:
+            os.link(source, tmp, follow_symlinks=False)
+        except OSError as exc:
+            if exc.errno not in _NO_HARD_LINKS:
+                raise
+            _copy_new_file(str(source), tmp)  # no hard links here: a durable copy into a file of our own
+        try:
+            os.replace(tmp, target)
+        except BaseException:
+            with suppress(OSError):
+                os.unlink(tmp)
+            raise
+        fsync_directory(self.directory)
+
+    def _link_directory(self, source: Path, target: Path, *, replace: bool) -> None:
+        """Make ``target`` a directory of hard links to ``source``'s files (copies where links fail): built under a
+        temp name of its own, fsynced, and published by one rename."""
+        if not stat.S_ISDIR(os.lstat(source).st_mode):  # swapped for a link since it was published: not followed
+            raise OSError(f"{source} is not the directory trainkit published")
+        tmp = self.directory / f".{target.name}.{os.getpid()}.{next(_COUNTER)}.tmp"
+        os.mkdir(tmp, 0o700)  # nobody else can add to it while it is built
+        try:
+            for entry in os.scandir(source):
+                info = entry.stat(follow_symlinks=False)
+                if not stat.S_ISREG(info.st_mode):
+                    raise OSError(f"{entry.path} is {_kind(info.st_mode)}, not a file trainkit wrote")
+                try:
+                    os.link(entry.path, tmp / entry.name, follow_symlinks=False)
+                except OSError as exc:
+                    if exc.errno not in _NO_HARD_LINKS:
+                        raise
+                    _copy_new_file(entry.path, str(tmp / entry.name))
+            fsync_directory(tmp)
+            os.chmod(tmp, 0o777 & ~current_umask())
+            if replace:  # the same step kept before (a resumed run saving it again): the old one goes first
+                remove_kept(target)
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        fsync_directory(self.directory)
+
+    def _delete(self, steps: list[int], minimize: bool) -> None:
+        known = self._known if self._known is not None else {}
+        try:
+            for step in steps:
+                remove_kept(kept_path(self.directory, step))
+                known.pop(step, None)
+            fsync_directory(self.directory)
+            write_index(self.directory, known.values(), minimize, self._keep)
+        except Exception as exc:  # noqa: BLE001 - a checkpoint not deleted is no reason to stop training
+            warn_user(f"deleting kept checkpoints in {self.directory} failed: {exc!r}; they are left in place")
+
+    def _remove_stale_temp_files(self) -> None:
+        with suppress(OSError):
+            for entry in os.scandir(self.directory):
+                found = _TEMP_NAME.match(entry.name)
+                if not found or not _process_gone(int(found["pid"])):
+                    continue
+                if entry.is_dir(follow_symlinks=False) and ".ckpt." in entry.name:
+                    shutil.rmtree(entry.path, ignore_errors=True)  # a killed build or deletion of a kept directory
+                elif entry.is_file(follow_symlinks=False):
+                    with suppress(OSError):
+                        os.unlink(entry.path)
+
+    def join(self) -> None:
+        """Wait for a background deletion to end (the next save and the end of the run call this)."""
+        if self._deleter is not None:
+            self._deleter.join()
+            self._deleter = None
+
+
+def describe_save(
+    *,
+    step: int,
+    epoch: int,
+    epoch_end: bool,
+    validated: bool,
+    score: tuple[int, float] | None,
+    latest_metrics: Mapping[str, float],
+    saved_at: float | None = None,
+) -> core.Checkpoint:
+    """What retention knows of a checkpoint being saved now (or, with ``saved_at``, saved then).
+
+    Scores are recorded only for an epoch-end checkpoint whose epoch ended with a validation: ``"score"`` is the
+    selection score given to ``save_if_best`` in that epoch, and every ``val/*`` metric last pushed is recorded
+    under its name. A checkpoint inside an epoch holds weights no validation has seen: it has no scores.
+
+    :param step: The optimizer step.
+    :param epoch: The epochs completed (``LoopState.epoch``).
+    :param epoch_end: Written at an epoch's end.
+    :param validated: That epoch ended with a validation.
+    :param score: ``(epoch, score)`` of the last ``save_if_best`` call, if any.
+    :param latest_metrics: The last pushed value of every metric.
+    :param saved_at: When it was saved (seconds since the epoch); None: now.
+    :returns: The description.
+    """
+    scores: dict[str, float] = {}
+    if epoch_end and validated:
+        scores = {name: value for name, value in latest_metrics.items() if name.startswith("val/")}
+        if score is not None and score[0] == epoch - 1:
+            scores["score"] = score[1]
+    when = time.time() if saved_at is None else saved_at
+    return core.Checkpoint(step=step, epoch=epoch, epoch_end=epoch_end, time=when, scores=scores)

@@ -1,0 +1,161 @@
+"""``python -m trainkit inspect CHECKPOINT``: what a checkpoint holds, read as untrusted input.
+
+Side effects: reads the checkpoint; nothing is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from trainkit.cli.report import _format
+
+__all__ = [
+    "describe_checkpoint",
+]
+
+_SHOWN_TENSORS = 20
+"""Tensors listed per item by ``inspect`` (the rest are counted); ``--all`` lists every one."""
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes} B"  # pragma: no cover
+
+
+def _tensors(value: Any, path: str) -> list[tuple[str, Any]]:
+    """Every tensor inside ``value`` with its key path, depth first, without recursion."""
+    import torch
+
+    found = []
+    stack = [(path, value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append((where, item))
+        elif isinstance(item, Mapping):
+            stack.extend((f"{where}.{key}" if where else str(key), v) for key, v in reversed(list(item.items())))
+        elif isinstance(item, list | tuple):
+            stack.extend((f"{where}[{i}]", v) for i, v in reversed(list(enumerate(item))))
+    return found
+
+
+def describe_checkpoint(path: str | Path, *, all_tensors: bool = False) -> list[str]:
+    """Describe what a trainkit checkpoint holds, after the integrity check and safe load that a resume uses.
+
+    Side effects: reads the file (``load_checkpoint``: CRCs verified, ``weights_only=True``, nothing runs).
+
+    :param path: A ``last.pt`` or ``best.pt``, or a sharded checkpoint directory (``last.ckpt``, ``best.ckpt``:
+        its manifest is checked, and items stored in its DCP files are named, not listed).
+    :param all_tensors: List every tensor of every item instead of the first few.
+    :returns: The lines to print.
+    :raises CheckpointError: When the file is damaged, unsafe, or not a trainkit checkpoint.
+    """
+    from trainkit.checkpoint import dcp as sharded
+    from trainkit.checkpoint import load_checkpoint
+    from trainkit.checkpoint.payload import validate_best, validate_last
+    from trainkit.errors import CheckpointCorruptError
+
+    source = Path(path)
+    path = source
+    if source.is_dir():  # a sharded checkpoint: its manifest first, then its engine payload
+        problem = sharded.verify_directory(source, rank=0, world_size=1)
+        if problem is not None:
+            raise CheckpointCorruptError(problem)
+        path = source / sharded.ENGINE_FILE
+    payload = load_checkpoint(path)
+    if "loop" in payload:
+        kind = "last.pt"
+        validate_last(payload, path=path)
+    elif "model" in payload and "best" in payload:
+        kind = "best.pt"
+        validate_best(payload, path=path)
+    else:
+        raise CheckpointCorruptError(
+            f"checkpoint {path} is not a trainkit checkpoint (it has neither a 'loop' entry, as last.pt does, nor "
+            "'model' and 'best', as best.pt does)"
+        )
+    if source.is_dir():
+        files = [entry for entry in source.iterdir() if entry.is_file()]
+        size = sum(entry.stat().st_size for entry in files)
+        what = f"a sharded trainkit {kind.replace('.pt', '')} checkpoint, {len(files)} files"
+    else:
+        size, what = path.stat().st_size, f"a trainkit {kind}"
+    lines = [f"checkpoint:   {source} ({_size(size)}, {what}, schema {payload['schema_version']})"]
+    best = payload.get("best")
+    if kind == "last.pt":
+        loop = payload["loop"]
+        lines.append(
+            f"epoch:        {payload['epoch']} done, step {payload['step']}, world size {payload['world_size']}"
+        )
+        validated = loop.get("last_validated", True)
+        lines.append(f"loop:         stop_reason={loop.get('stop_reason')}, last epoch validated={validated}")
+        mid_epoch = payload.get("trainkit")
+        if mid_epoch is not None:
+            position = mid_epoch["position"]
+            lines.append(
+                f"position:     inside epoch {position['epoch']}: {position['batches']} of "
+                f"{position['batches_per_epoch']} batches done (batch size {position['batch_size']}, "
+                f"{position['dataset_length']} samples); a resume continues from the next batch"
+            )
+        else:
+            lines.append("position:     at an epoch's end")
+    else:
+        lines.append(f"best epoch:   {payload['epoch']}")
+    if best is not None:
+        metrics = ", ".join(f"{k}={_format(v)}" for k, v in sorted((best.get("metrics") or {}).items()))
+        direction = "minimize" if best.get("minimize") else "maximize"
+        lines.append(
+            f"best:         score {_format(best.get('score'))} at epoch {best.get('epoch')} ({direction}, "
+            f"min_delta {best.get('min_delta')}){'; ' + metrics if metrics else ''}"
+        )
+    patience = payload.get("patience")
+    if patience is not None:
+        left = (
+            "never stops"
+            if patience.get("patience") is None
+            else f"{patience.get('remaining')} of {patience.get('patience')} left"
+        )
+        lines.append(f"patience:     {left} (start_patience {patience.get('start_patience')})")
+    if kind == "last.pt":
+        rng = payload.get("rng") or []
+        owners = "; ".join(f"rank {rank}: {', '.join(sorted(state))}" for rank, state in enumerate(rng))
+        lines.append(f"rng:          {owners or 'none'}")
+        lines.append(f"wandb run:    {payload.get('wandb_run_id')}")
+        results = payload.get("results")
+        finished = "none yet (the run goes on)" if results is None else f"{len(results)} final metrics"
+        lines.append(f"metrics:      metrics.jsonl at {payload.get('metrics_offset')} bytes; results: {finished}")
+    lines.append("config:")
+    stack = [("", payload.get("config") or {})]
+    flat = []
+    while stack:
+        prefix, node = stack.pop()
+        for key, value in node.items():
+            if isinstance(value, Mapping):
+                stack.append((f"{prefix}{key}.", value))
+            else:
+                flat.append((f"{prefix}{key}", value))
+    lines += [f"  {key} = {value!r}" for key, value in sorted(flat)]
+    items = {"model": payload["model"]} if kind == "best.pt" else {name: payload[name] for name in payload["items"]}
+    lines.append("items:" if kind == "last.pt" else "weights:")
+    for name, value in items.items():
+        if (isinstance(value, str) and value == sharded.SHARDED) or (source.is_dir() and kind == "best.pt"):
+            lines.append(f"  {name}: in the DCP shards (python -m trainkit export {source} OUT.pt --item {name})")
+            continue
+        tensors = _tensors(value, "")
+        total = sum(t.numel() * t.element_size() for _, t in tensors)
+        lines.append(
+            f"  {name}: {len(tensors)} tensor(s), {_size(total)}" + ("" if tensors else f" ({type(value).__name__})")
+        )
+        shown = tensors if all_tensors else tensors[:_SHOWN_TENSORS]
+        for where, tensor in shown:
+            shape = "x".join(map(str, tensor.shape)) or "scalar"
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            lines.append(f"    {where}: {dtype} {shape} ({_size(tensor.numel() * tensor.element_size())})")
+        if len(tensors) > len(shown):
+            lines.append(f"    ... {len(tensors) - len(shown)} more (--all lists them)")
+    return lines

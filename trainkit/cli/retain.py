@@ -1,0 +1,145 @@
+"""``python -m trainkit inspect OUT_DIR`` and ``python -m trainkit retain OUT_DIR --keep ...``: kept checkpoints.
+
+Side effects: reads a run folder's ``checkpoints/`` (links and files of other kinds are never followed);
+``retain`` without ``--dry-run`` deletes the kept checkpoints its rules do not keep, holding the run folder's
+lock meanwhile (it refuses a folder a live run holds).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+from pathlib import Path
+
+from trainkit import bookkeeping as core
+from trainkit.checkpoint.kept import KEPT_DIR, kept_path, read_kept, remove_kept, write_index
+from trainkit.checkpoint.pt_files import BEST_CKPT, LAST_CKPT
+from trainkit.errors import BookkeepingError, ConfigError, OutDirError
+from trainkit.run.lock import RunLock
+
+__all__ = ["describe_run_folder", "retain_run", "is_run_folder"]
+
+
+def is_run_folder(path: Path) -> bool:
+    """Whether ``path`` is a run folder rather than a sharded checkpoint directory (``*.ckpt``, or one holding a
+    manifest or an engine payload, even a damaged one).
+
+    :param path: What ``inspect`` was given.
+    """
+    from trainkit.checkpoint.dcp import ENGINE_FILE, MANIFEST_FILE
+
+    if not path.is_dir() or path.suffix == ".ckpt":
+        return False
+    return not (path / MANIFEST_FILE).exists() and not (path / ENGINE_FILE).exists()
+
+
+def _size(path: Path) -> str:
+    from trainkit.cli.inspect import _size as size
+
+    try:
+        info = os.lstat(path)
+        if stat.S_ISDIR(info.st_mode):  # a sharded checkpoint: its files together (none of them followed)
+            return size(sum(entry.stat(follow_symlinks=False).st_size for entry in os.scandir(path)))
+        return size(info.st_size)
+    except OSError:
+        return "?"
+
+
+def _policy(keep: tuple[str, ...] | str, minimize: bool | None, *, where: str) -> core.KeepAny:
+    """The rules as a policy; a ``best`` rule without a direction needs the run's (recorded in the index)."""
+    try:
+        lower, higher = core.parse_keep(keep, minimize=True), core.parse_keep(keep, minimize=False)
+    except BookkeepingError as exc:
+        raise ConfigError(where, "must be comma-separated retention rules", keep, hint=str(exc)) from None
+    if lower != higher and minimize is None:
+        raise ConfigError(
+            where,
+            "has a best rule without a direction, and the run folder does not record val.minimize",
+            keep,
+            hint="write best:N:score:min or best:N:score:max",
+        )
+    return lower if minimize else higher
+
+
+def _rows(described: list[core.Checkpoint], reasons: dict[int, tuple[str, ...]], directory: Path) -> list[str]:
+    lines = [f"  {'step':>8}  {'epoch':>5}  {'score':>10}  {'size':>10}  kept by"]
+    for c in described:
+        score = c.scores.get("score")
+        shown = f"{score:.6g}" if score is not None and math.isfinite(score) else "-"
+        epoch = f"{c.epoch}" if c.epoch_end else f"{c.epoch}+"  # "+": written inside that epoch
+        why = ", ".join(reasons[c.step]) or "(no rule: deleted at the next save)"
+        lines.append(f"  {c.step:>8}  {epoch:>5}  {shown:>10}  {_size(kept_path(directory, c.step)):>10}  {why}")
+    return lines
+
+
+def describe_run_folder(out_dir: str | Path) -> list[str]:
+    """Describe a run folder's checkpoints: ``last.pt``/``best.pt`` and every kept one, with the rule keeping it.
+
+    Side effects: reads ``out_dir`` and ``out_dir/checkpoints`` (no checkpoint is loaded).
+
+    :param out_dir: The run folder.
+    :returns: The lines to print.
+    """
+    out = Path(out_dir)
+    lines = [f"{out}: a run folder"]
+    for name in (LAST_CKPT, BEST_CKPT, "last.ckpt", "best.ckpt"):
+        if (out / name).exists():
+            lines.append(f"  {name}: {_size(out / name)}")
+    directory = out / KEPT_DIR
+    described, refused, minimize, keep = read_kept(directory)
+    if not described and not refused:
+        lines.append(f"  no kept checkpoints in {directory} (ckpt.keep is empty, or nothing was kept yet)")
+        return lines
+    try:
+        policy = _policy(keep or (), minimize, where="ckpt.keep")
+    except ConfigError:
+        policy = core.KeepAny()
+    rules = policy.spec or "none recorded"
+    lines.append(f"  {len(described)} kept checkpoints in {directory} (ckpt.keep={rules}):")
+    lines.extend(_rows(described, core.keep_reasons(policy, described), directory))
+    lines.extend(f"  {name}: not a file trainkit wrote; never followed nor deleted" for name in refused)
+    return lines
+
+
+def retain_run(out_dir: str | Path, keep: str, *, dry_run: bool) -> list[str]:
+    """Apply retention rules to a run folder's kept checkpoints: say what is kept and why, delete the rest.
+
+    Side effects: without ``dry_run``, deletes ``checkpoints/step-<step>.pt`` files and ``step-<step>.ckpt``
+    directories (those kinds only, never through a link) and rewrites ``checkpoints/index.json``, holding the run
+    folder's lock.
+
+    :param out_dir: The run folder.
+    :param keep: The rules, as ``ckpt.keep`` spells them (``"latest:3,best:2"``).
+    :param dry_run: Only say what would be deleted.
+    :returns: The lines to print.
+    :raises ConfigError: On bad rules (naming ``--keep``).
+    :raises OutDirError: When the folder does not exist or a live run holds it.
+    """
+    out = Path(out_dir)
+    if not out.is_dir():
+        raise OutDirError(f"{out} is not a run folder (no such directory)")
+    lock = RunLock(out)
+    lock.acquire()  # refused while a run holds the folder; and no run starts while this deletes
+    try:
+        directory = out / KEPT_DIR
+        described, refused, minimize, recorded = read_kept(directory)
+        policy = _policy(keep, minimize, where="--keep")
+        reasons = core.keep_reasons(policy, described)
+        doomed = [c for c in described if not reasons[c.step]]
+        verb = "would delete" if dry_run else "deleted"
+        lines = [f"{directory}: {len(described)} kept checkpoints; rules {policy.spec or '(none)'}"]
+        for c in described:
+            what = ", ".join(reasons[c.step]) if reasons[c.step] else None
+            name = kept_path(directory, c.step).name
+            lines.append(f"  keep    {name}  ({what})" if what else f"  {verb:<7} {name}")
+        lines.extend(f"  ignore  {name}: not a file trainkit wrote" for name in refused)
+        if not dry_run and doomed:
+            for c in doomed:
+                remove_kept(kept_path(directory, c.step))
+            left = [c for c in described if reasons[c.step]]
+            write_index(directory, left, minimize, recorded)
+        lines.append(f"{len(doomed)} {'to delete' if dry_run else 'deleted'}, {len(described) - len(doomed)} kept")
+        return lines
+    finally:
+        lock.release()

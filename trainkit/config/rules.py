@@ -1,0 +1,219 @@
+"""The rules a config value is checked against: field validators and the type checks built from annotations.
+
+Pure: stdlib and attrs only. A rule's message names the key, the rule and the value (:class:`~trainkit.ConfigError`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from trainkit.bookkeeping import is_int, is_real, parse_keep
+from trainkit.config.secrets import _hints
+from trainkit.errors import BookkeepingError, ConfigError
+
+__all__ = []
+
+
+def _rule(check: typing.Callable[[Any], bool], text: str) -> typing.Callable[[Any, attrs.Attribute, Any], None]:
+    """Build a range validator; values of the wrong type are left to the type check, which names them."""
+
+    def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if is_real(value) and not math.isfinite(value):
+            raise ConfigError(attribute.name, "must be a finite number", value)
+        if is_real(value) and not check(value):
+            raise ConfigError(attribute.name, text, value)
+
+    return validate
+
+
+def _at_least(minimum: float) -> typing.Callable[[Any, attrs.Attribute, Any], None]:
+    return _rule(lambda v: v >= minimum, f"must be >= {minimum}")
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    _rule(lambda v: v > 0, "must be > 0")(instance, attribute, value)
+
+
+def _one_of(*choices: str) -> typing.Callable[[Any, attrs.Attribute, Any], None]:
+    def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if isinstance(value, str) and value not in choices:
+            raise ConfigError(attribute.name, f"must be one of {', '.join(map(repr, choices))}", value)
+
+    return validate
+
+
+def _non_empty(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, str) and not value.strip():
+        raise ConfigError(attribute.name, "must be a non-empty string", value)
+
+
+_WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
+
+
+def _wandb_project(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """W&B's own rule for a project name, checked here so a bad name fails at construction, not at W&B start."""
+    if not isinstance(value, str):
+        return  # the type check names it
+    if not value.strip() or len(value) > 128:
+        raise ConfigError(attribute.name, "must be 1 to 128 characters (W&B's limit)", value)
+    found = sorted({char for char in value if char in _WANDB_PROJECT_FORBIDDEN})
+    if found:
+        raise ConfigError(
+            attribute.name,
+            f"must not contain any of {' '.join(_WANDB_PROJECT_FORBIDDEN)} (W&B refuses them)",
+            value,
+            hint=f"found {' '.join(found)}",
+        )
+
+
+def _wandb_tags(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """W&B's own rule for tags: every tag 1 to 64 characters."""
+    if not isinstance(value, tuple):
+        return
+    for tag in value:
+        if isinstance(tag, str) and not (tag.strip() and len(tag) <= 64):
+            raise ConfigError(attribute.name, "must hold tags of 1 to 64 characters each (W&B's limit)", tag)
+
+
+def _optional(validator: typing.Callable[[Any, attrs.Attribute, Any], None]) -> typing.Callable[..., None]:
+    def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None:
+            validator(instance, attribute, value)
+
+    return validate
+
+
+def _signal_name(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    import signal
+
+    if isinstance(value, str) and not isinstance(getattr(signal, value, None), signal.Signals):
+        raise ConfigError(attribute.name, "must be a signal name such as 'SIGUSR1'", value)
+    if value in ("SIGKILL", "SIGSTOP"):
+        raise ConfigError(attribute.name, "must be a signal a process can catch (not SIGKILL or SIGSTOP)", value)
+
+
+def _patience_rule(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if is_real(value) and value < 1:
+        raise ConfigError(
+            attribute.name,
+            "must be >= 1 or None",
+            value,
+            hint="use 1 to stop at the first counted miss, or null to disable early stopping",
+        )
+
+
+def _keep_items(value: Any) -> Any:
+    """``ckpt.keep``: a comma-separated string, or a list of them, as one tuple of items."""
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, Sequence) and not isinstance(value, bytes):
+        if not all(isinstance(item, str) for item in value):
+            return tuple(value)  # the type check names it
+        return tuple(part.strip() for item in value for part in item.split(",") if part.strip())
+    return value
+
+
+def _keep_rules(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, tuple) or not all(isinstance(item, str) for item in value):
+        return  # the type check names it
+    try:
+        parse_keep(value)
+    except BookkeepingError as exc:
+        raise ConfigError(
+            attribute.name,
+            "must be comma-separated retention rules",
+            ",".join(value),
+            hint=str(exc),
+        ) from None
+
+
+def _to_tuple(value: Any) -> Any:
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        return tuple(value)
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "None"
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(arg) for arg in typing.get_args(tp))
+    if origin is tuple:
+        return "a list of " + _type_name(typing.get_args(tp)[0])
+    if attrs.has(tp):
+        return "a mapping"
+    return {int: "an int", float: "a float", bool: "a bool", str: "a string"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _anything(value: Any) -> bool:
+    return True
+
+
+def _checker(tp: Any) -> typing.Callable[[Any], bool]:
+    """The type test for annotation ``tp``, worked out once per annotation (a config is built per run)."""
+    try:
+        return _cached_checker(tp)
+    except TypeError:  # an unhashable annotation (say, a Literal of lists): work it out every time
+        return _make_checker(tp)
+
+
+@functools.cache
+def _cached_checker(tp: Any) -> typing.Callable[[Any], bool]:
+    return _make_checker(tp)
+
+
+def _make_checker(tp: Any) -> typing.Callable[[Any], bool]:
+    if tp is Any:
+        return _anything
+    if tp is type(None):
+        return lambda value: value is None
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = tuple(_checker(arg) for arg in typing.get_args(tp))
+        return lambda value: any(check(value) for check in options)
+    if origin is tuple:
+        item = _checker(typing.get_args(tp)[0])
+        return lambda value: isinstance(value, tuple) and all(item(v) for v in value)
+    if origin is typing.Literal:
+        allowed = typing.get_args(tp)
+        return lambda value: value in allowed
+    if tp is float:
+        return is_real
+    if tp is int:
+        return is_int
+    if isinstance(tp, type):
+        return lambda value: isinstance(value, tp)
+    return _anything
+
+
+@functools.cache
+def _field_checks(cls: type) -> tuple[tuple[str, Any, typing.Callable[[Any], bool]], ...]:
+    hints = _hints(cls)
+    return tuple(
+        (field.name, hints.get(field.name, Any), _checker(hints.get(field.name, Any))) for field in attrs.fields(cls)
+    )
+
+
+@functools.cache
+def _build_plan(cls: type) -> dict[str, str | None]:
+    """Per field of ``cls``: ``"section"`` (a nested record), ``"tuple"`` (lists become tuples) or None."""
+    plan: dict[str, str | None] = {}
+    hints = _hints(cls)
+    for name in attrs.fields_dict(cls):
+        tp = hints.get(name, Any)
+        args = typing.get_args(tp)
+        if attrs.has(tp):
+            plan[name] = "section"
+        elif typing.get_origin(tp) is tuple or tuple in args or any(typing.get_origin(arg) is tuple for arg in args):
+            plan[name] = "tuple"
+        else:
+            plan[name] = None
+    return plan

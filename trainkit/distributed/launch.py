@@ -1,0 +1,272 @@
+"""Entry points that run a trainer in one or many processes, on torch.distributed's own launchers.
+
+``launch`` is for a process started by ``torchrun``; ``spawn`` starts local processes itself with
+``torch.multiprocessing`` (a fork server that has imported torch once). Both return rank 0's result and tear
+the process group down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator, Mapping, Sequence
+from multiprocessing import reduction
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from trainkit.config import Config
+from trainkit.distributed.collectives import broadcast_object, free_port
+from trainkit.errors import TrainingInterrupted
+
+__all__ = ["launch", "spawn", "fork_server"]
+
+
+def _run(
+    trainer_class: type, cfg: Config | Mapping[str, Any], rank: int, world_size: int, failures: str | None = None
+) -> Any:
+    try:
+        trainer = trainer_class(cfg, rank, world_size)
+    except BaseException:
+        _record_failure(failures, rank)
+        raise
+    try:
+        result = trainer.train()
+        return broadcast_object(result, src=0) if world_size > 1 else result
+    except BaseException:
+        _record_failure(failures, rank)  # before close() tears the process group down: before any rank it fails
+        raise
+    finally:
+        trainer.close()
+
+
+def _record_failure(folder: str | None, rank: int) -> None:
+    """Write when and how this rank failed into ``folder`` (``spawn``'s), for the parent to find the first."""
+    if folder is None:
+        return
+    record = {"at": time.time(), "rank": rank, "pid": os.getpid(), "traceback": traceback.format_exc()}
+    path = Path(folder, f"rank{rank}.json")
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(record))
+    os.replace(temporary, path)  # whole or absent, whatever kills this process next
+
+
+def _recorded_failures(folder: str) -> dict[int, dict[str, Any]]:
+    """The failures the ranks recorded in ``folder``, by rank."""
+    records = {}
+    for path in Path(folder).glob("rank*.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        records[record["rank"]] = record
+    return records
+
+
+def launch(trainer_class: type, cfg: Config | Mapping[str, Any]) -> Any:
+    """Run this process's rank of a job started by ``torchrun`` (or as a plain single process).
+
+    Reads ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (and ``MASTER_ADDR``/``MASTER_PORT``) from the
+    environment torchrun sets; without them it runs a single process. An exception on this rank
+    propagates (torchrun then stops the other ranks and exits non-zero). A run stopped by a signal
+    (:class:`~trainkit.TrainingInterrupted`) exits the process with ``128 + signal number`` after
+    saving, e.g. 143 for SIGTERM and 130 for Ctrl-C.
+
+    :param trainer_class: A :class:`~trainkit.BaseTrainer` subclass.
+    :param cfg: Its config, or a mapping validated into one.
+    :returns: Rank 0's ``train()`` result, on every rank.
+    :raises SystemExit: With ``128 + signal number`` when a signal stopped training.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        return _run(trainer_class, cfg, rank, world_size)
+    except TrainingInterrupted as exc:
+        raise SystemExit(exc.exit_code) from exc
+
+
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "trainkit.trainer"]
+"""What the fork server imports once for every rank it forks: torch, and what a first optimizer imports
+(``torch._dynamo``, 2-3 s of CPU per process otherwise). No user module: the ranks import those anew."""
+
+
+def _server() -> Any:
+    return multiprocessing.forkserver._forkserver
+
+
+def _server_running() -> bool:
+    return getattr(_server(), "_forkserver_pid", None) is not None
+
+
+def _stop_server() -> None:
+    stop = getattr(_server(), "_stop", None)  # multiprocessing's own way to stop it (what its tests use)
+    if stop is not None:
+        stop()
+
+
+@contextlib.contextmanager
+def fork_server(preload: Sequence[str] = ()) -> Iterator[None]:
+    """Keep one fork server for every :func:`spawn` inside the block, and stop it at the end.
+
+    Each :func:`spawn` otherwise starts a fork server and stops it when it returns, so torch is imported
+    once per call (about 3-5 s of CPU) instead of once per rank. Inside this block the server, and its
+    imports, are shared by every call: a sweep of many short runs starts each one's ranks in a fraction of
+    a second. The ranks still start clean, with the caller's environment, working directory, ``sys.path``
+    and standard output and error at the time of each call. A server the program already runs is used
+    as it is and left running.
+
+    >>> import trainkit
+    >>> with trainkit.fork_server():
+    ...     pass  # trainkit.spawn(MyTrainer, cfg, world_size=2) for every run of the sweep
+
+    :param preload: More modules for the server to import once, besides torch and trainkit's trainer (e.g.
+        ``"torch.distributed.checkpoint"`` for sharded checkpoints, or the module of the trainer class).
+    :returns: A context manager.
+    :raises TypeError: When ``preload`` holds something other than module names.
+    """
+    ours = not _server_running()
+    if ours:
+        if isinstance(preload, str) or not all(isinstance(name, str) for name in preload):
+            raise TypeError(f"fork_server(preload=...) takes module names, got {preload!r}")
+        multiprocessing.get_context("forkserver").set_forkserver_preload([*_PRELOAD, *preload])
+        multiprocessing.forkserver.ensure_running()  # now: a spawn inside the block finds it running, and keeps it
+    try:
+        yield
+    finally:
+        if ours:
+            _stop_server()
+
+
+def _caller_fd(fd: int) -> _CallerFd | None:
+    """The caller's descriptor ``fd`` to hand to a rank, or None when this process has it closed."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        return None
+    return _CallerFd(fd)
+
+
+class _CallerFd:
+    """One of the caller's file descriptors, handed to a rank as it is when the rank starts.
+
+    A rank forked by the server inherits the server's descriptors: its standard output and error would be the
+    ones the server started with, not the caller's now (a test's captured output, a redirected log).
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        # pickled while the rank is being started: DupFd hands the descriptor itself to the new process
+        return _CallerFd._received, (reduction.DupFd(self.fd),)
+
+    @staticmethod
+    def _received(handed: Any) -> int:
+        return handed.detach()
+
+
+def _worker(
+    rank: int,
+    trainer_class: type,
+    cfg: Any,
+    world_size: int,
+    results: Any,
+    failures: str,
+    environ: dict[str, str],
+    stdio: tuple[int | None, int | None],
+) -> None:
+    # the fork server's environment and output are the ones it started with: each rank gets the caller's now
+    os.environ.clear()
+    os.environ.update(environ)
+    for stream, fd, target in ((sys.stdout, stdio[0], 1), (sys.stderr, stdio[1], 2)):
+        if fd is None or fd == target:
+            continue
+        stream.flush()
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ["RANK"] = str(rank)
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    result = _run(trainer_class, cfg, rank, world_size, failures)
+    if rank == 0:
+        results.put(result)
+
+
+def spawn(trainer_class: type, cfg: Config | Mapping[str, Any], world_size: int) -> Any:
+    """Run a trainer in ``world_size`` local processes, without torchrun.
+
+    The processes are forked from a fork server (``multiprocessing``'s forkserver context) that imports torch
+    once and is stopped when the call returns (inside :func:`fork_server`, one server serves every call);
+    like spawned ones, they start clean (no thread, no state of this process) with this process's
+    environment, working directory, ``sys.path``, standard output and error, and import the trainer's
+    module anew. Picks a free port on 127.0.0.1 for the rendezvous. When any rank raises, the others are
+    terminated and the original traceback is raised here; no process is left behind. When several ranks
+    fail, the one that failed first is reported (the others' failures are usually its consequences, such as
+    a connection the failed rank closed), whichever process happened to exit first; a rank that died without
+    an exception (killed by a signal) is reported as torch reports it. A rank that timed out in DDP's
+    backward all-reduce can stay until the rank it waited for exits (then it is terminated): in torch 2.13
+    freeing a gloo process group at exit can deadlock with the backend thread still freeing that all-reduce,
+    which holds autograd's Python context.
+
+    :param trainer_class: A :class:`~trainkit.BaseTrainer` subclass, importable by module path (the
+        children import it anew).
+    :param cfg: Its config, or a mapping validated into one.
+    :param world_size: The number of processes (>= 1).
+    :returns: Rank 0's ``train()`` result.
+    :raises torch.multiprocessing.ProcessRaisedException: With the failing rank's traceback.
+    :raises torch.multiprocessing.ProcessExitedException: When a rank died without an exception.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if isinstance(cfg, Config):
+        cfg_arg: Any = cfg
+    else:
+        cfg_arg = dict(cfg)
+    previous = {key: os.environ.get(key) for key in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(free_port())
+    failures = tempfile.mkdtemp(prefix="trainkit-spawn-")
+    try:
+        with fork_server():
+            results = mp.get_context("forkserver").SimpleQueue()
+            stdio = (_caller_fd(1), _caller_fd(2))
+            mp.start_processes(
+                _worker,
+                args=(trainer_class, cfg_arg, world_size, results, failures, dict(os.environ), stdio),
+                nprocs=world_size,
+                join=True,
+                start_method="forkserver",
+            )
+            return results.get() if not results.empty() else None
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+        records = _recorded_failures(failures)
+        # a rank that died without an exception (a signal, os._exit) recorded nothing: when it failed is
+        # unknown, and its death is the likelier cause of the others' errors, so torch's report stands
+        if exc.error_index not in records:
+            raise
+        first = min(records.values(), key=lambda record: record["at"])
+        if first["rank"] == exc.error_index:
+            raise
+        later = str(exc).strip().splitlines()
+        raise mp.ProcessRaisedException(
+            f"\n\n-- Process {first['rank']:d} terminated with the following error:\n{first['traceback']}\n"
+            f"(rank {exc.error_index} failed after it: {later[-1] if later else type(exc).__name__})",
+            first["rank"],
+            first["pid"],
+        ) from exc
+    finally:
+        shutil.rmtree(failures, ignore_errors=True)
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

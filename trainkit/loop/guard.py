@@ -1,0 +1,314 @@
+"""The divergence guard part: what happens to an optimizer step whose total grad norm is not finite.
+
+``guard.nonfinite="off"`` (the default) builds nothing: no hook, no tensor op. Otherwise
+:meth:`~trainkit.BaseTrainer.clip_and_log_grad_norm` hands the pre-clip norm to :meth:`DivergenceGuard.observe`,
+which turns it into a 0-d device flag (1.0: not finite), and an optimizer step pre-hook on every optimizer
+registered with ``add_checkpoint_items`` acts on it before the step runs. Two paths, chosen once per run:
+
+* **On the device** (``"skip"`` without ``max_skips``, and every watched optimizer fused, i.e. one that takes
+  ``found_inf`` as ``torch.amp.GradScaler`` hands it: ``Adam``/``AdamW``/``SGD``/``Adagrad`` with
+  ``fused=True``): the flag is set as the optimizer's ``found_inf`` attribute, and the fused kernel skips the
+  update (parameters, moments, momentum; Adam's step count is put back). No host sync; the skip count is a
+  device tensor pushed with the next :meth:`~trainkit.BaseTrainer.push_logs`.
+* **On the host** (every other case): the norm is read once per step (the pre-hook's device-to-host read, as
+  ``GradScaler.step`` makes; a CPU norm is judged from the float the log buffer read when it was logged, with no
+  second read), and a non-finite one runs :func:`trainkit.bookkeeping.step_guard`: the pre-hook either raises
+  :class:`~trainkit.DivergenceError` or skips the step by setting every parameter's ``.grad`` to None (torch's
+  optimizers leave a parameter without a gradient untouched: no update, no state change).
+
+``"rollback"`` takes the host path; when its window is exhausted the pre-hook raises
+:class:`~trainkit.loop.rollback.RollbackNeeded` (a :class:`~trainkit.DivergenceError`) naming the window's bad steps
+and their batches, and the trainer rolls back (:mod:`trainkit.loop.rollback`).
+
+Under DDP the flag is all-reduced (MAX) before it is read or used, so every rank takes the same verdict even
+when the norms differ. Side effects: optimizer hooks, ``found_inf`` set on a fused optimizer during its step,
+``.grad`` cleared on a skipped step, ``guard/skipped_steps`` buffered for the next push.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from trainkit import bookkeeping as core
+from trainkit.bookkeeping.guard import CONTINUE, RAISE, ROLLBACK, SKIP
+from trainkit.errors import DivergenceError
+from trainkit.loop.batches import TrackedBatches
+from trainkit.loop.position import EpochTracker
+
+if TYPE_CHECKING:
+    from trainkit.config import GuardConfig
+    from trainkit.loop.metrics import TrainerMetrics
+
+__all__ = ["DivergenceGuard", "SKIPPED_KEY", "locator"]
+
+SKIPPED_KEY = "guard/skipped_steps"
+"""The metric that counts the optimizer steps the guard skipped, in the run so far."""
+
+Where = Callable[[], tuple[int, int, int | None]]
+"""Returns ``(step, epoch, batch or None)``: where the loop stands."""
+
+
+def locator(trainer: Any) -> Where:
+    """Where ``trainer``'s loop stands, read through a weak reference (the hooks must not keep it alive).
+
+    :param trainer: The :class:`~trainkit.BaseTrainer`.
+    :returns: A function returning ``(step, epoch, batch)``; batch is the 0-based index in the epoch of the
+        last batch yielded, or None when the loop is not counted.
+    """
+    ref = weakref.ref(trainer)
+
+    def where() -> tuple[int, int, int | None]:
+        owner = ref()
+        if owner is None:
+            return 0, 0, None
+        return owner.step, owner.epoch, owner._position.current_batch()
+
+    return where
+
+
+def _fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's step takes ``found_inf`` (GradScaler's contract: a fused torch optimizer)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+class DivergenceGuard:
+    """The guard of one trainer: the flag of the latest measured norm, the verdict on it, the skip count.
+
+    :param mode: ``guard.nonfinite`` (not ``"off"``).
+    :param max_skips: ``guard.max_skips``.
+    :param window: ``guard.window``.
+    :param world_size: The number of processes (the flag is all-reduced when > 1).
+    :param metrics: The trainer's metrics: where the skip count is buffered, and read back from on resume.
+    """
+
+    def __init__(self, *, mode: str, max_skips: int | None, window: int, world_size: int, metrics: TrainerMetrics):
+        self._state = core.GuardState(mode=mode, max_skips=max_skips, window=window)
+        self._host = mode != "skip" or max_skips is not None  # a verdict that needs the flag on the host
+        self._all_fused = True
+        self._on_device: bool | None = None  # the path, decided at the first observe()
+        self._world_size = world_size
+        self._metrics = metrics
+        self._flag: torch.Tensor | float | None = None  # the latest norm or its host read; device path: found_inf
+        self._found_inf: torch.Tensor | None = None  # the device path's flag, reused from step to step
+        self._verdict: str | None = None  # the host verdict on the current flag, once decided
+        self._counted = False  # whether the current flag was counted
+        self._skipped: torch.Tensor | None = None  # the device path's skip count
+        self._where: Where = lambda: (0, 0, None)
+        self._watched: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._saved_found_inf: dict[int, Any] = {}
+        self._resumed = False
+        self._seen: dict[int, tuple[int, tuple[int, ...] | None]] = {}  # rollback: the bad steps' (epoch, batches)
+        self._rollback = mode == "rollback"
+        self._position: EpochTracker | None = None  # rollback: where the counted loop stands
+        self._stepped_in: TrackedBatches | None = None  # rollback: the counted pass of the latest optimizer step
+        self._stepped_at = 0  # rollback: the batches that pass had consumed then
+        self._step_start = 0  # rollback: the position of the first batch of the optimizer step under way
+
+    def reset(self) -> None:
+        """Forget what was seen (after a rollback): the window, the skips, the flag; the count is read again from
+        the metrics the checkpoint put back."""
+        state = self._state
+        self._state = core.GuardState(mode=state.mode, max_skips=state.max_skips, window=state.window)
+        self._flag = self._skipped = self._verdict = None
+        self._resumed, self._seen = False, {}
+        self._stepped_in = None
+
+    @classmethod
+    def build(cls, cfg: GuardConfig, world_size: int, metrics: TrainerMetrics) -> DivergenceGuard | None:
+        """The guard ``cfg`` asks for, or None for ``"off"`` (nothing installed, nothing computed).
+
+        :param cfg: ``cfg.guard``.
+        :param world_size: The number of processes.
+        :param metrics: The trainer's metrics.
+        """
+        if cfg.nonfinite == "off":
+            return None
+        return cls(
+            mode=cfg.nonfinite, max_skips=cfg.max_skips, window=cfg.window, world_size=world_size, metrics=metrics
+        )
+
+    device_path_on_cpu = False
+    """Take the device path for CPU tensors too (tests do, to exercise ``found_inf``): on the CPU a host read is
+    no sync, and the flag's two tensor ops cost more than the read (measured: docs, "Divergence guard")."""
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the verdicts are taken on the device (no host read per step): see the module's docstring; decided
+        at the first measured norm (on the CPU the host path is taken, unless :attr:`device_path_on_cpu`)."""
+        return self._on_device is True
+
+    @property
+    def skipped(self) -> int:
+        """Optimizer steps skipped so far, in the run and the runs it resumed (a host read on the device path)."""
+        value = self.count()[SKIPPED_KEY]
+        return int(value.item() if isinstance(value, torch.Tensor) else value)
+
+    def watch(self, objects: Iterable[Any], where: Where, position: EpochTracker | None = None) -> None:
+        """Install the step hooks on every optimizer among ``objects`` (once each).
+
+        :param objects: What ``add_checkpoint_items`` was given.
+        :param where: Where the loop stands (:func:`locator`), for the error and the window.
+        :param position: The trainer's position part, whose counted loop says which batches each optimizer step
+            trained on (what a rollback leaves out).
+        """
+        self._where = where
+        self._position = position
+        for optimizer in objects:
+            if not isinstance(optimizer, torch.optim.Optimizer) or optimizer in self._watched:
+                continue
+            self._watched.add(optimizer)
+            self._all_fused = self._all_fused and _fused(optimizer)
+            optimizer.register_step_pre_hook(self._before_step)
+            if _fused(optimizer):
+                optimizer.register_step_post_hook(self._after_step)
+
+    def observe(self, norm: torch.Tensor, read: float | None = None) -> None:
+        """Take the step's pre-clip total grad norm (no host sync: on the host path it is only kept).
+
+        :param norm: The 0-d norm from :func:`trainkit.loop.optim.total_grad_norm` (not changed).
+        :param read: The same norm already read on the host (the log buffer reads a CPU tensor when it is logged),
+            so that the host path's verdict needs no second read; ignored under DDP, where the verdict is on the
+            all-reduced norm.
+        """
+        if self._world_size > 1:  # one verdict: a NaN or inf norm on any rank makes the sum non-finite everywhere
+            norm = norm.clone()
+            torch.distributed.all_reduce(norm)
+            read = None
+        if self._on_device is None:
+            cpu = norm.device.type == "cpu" and not self.device_path_on_cpu
+            self._on_device = not self._host and self._all_fused and not cpu
+        if self._on_device:
+            flag = self._found_inf
+            if flag is None or flag.device != norm.device:
+                flag = self._found_inf = torch.empty((), dtype=torch.float32, device=norm.device)
+            torch.logical_not(torch.isfinite(norm), out=flag)  # 1.0 when not finite, as found_inf must be
+            self._flag = flag
+            self._verdict = None
+        elif read is None:
+            self._flag, self._verdict = norm, None  # read (once) by the first optimizer step's hook
+        else:  # read on the host already: judged now, and a finite norm leaves the step's hook nothing to do
+            self._flag, self._verdict = read, CONTINUE if math.isfinite(read) else None
+        self._counted = False
+
+    def count(self) -> dict[str, Any]:
+        """The skip count as a metric, for the next push (a device tensor on the device path: no host read).
+
+        :returns: ``{"guard/skipped_steps": count}``.
+        """
+        if self._skipped is not None:
+            return {SKIPPED_KEY: self._skipped}
+        if not self._resumed:
+            return {SKIPPED_KEY: self._initial_count()}
+        return {SKIPPED_KEY: self._state.skipped}
+
+    # ------------------------------------------------------------------ the hooks
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._rollback:  # which batches this step trained on (what a rollback leaves out); inline: every step
+            batches = self._position.counted_batches if self._position is not None else None
+            if batches is None:  # not a counted loop: a rollback stops instead (see _decide)
+                self._stepped_in = None
+            elif batches is not self._stepped_in:  # the first step of this pass (a resumed one starts at its skip)
+                self._stepped_in = batches
+                self._step_start = batches.skip
+                self._stepped_at = batches.consumed
+            elif batches.consumed != self._stepped_at:  # (equal: a second optimizer stepping on the same batches)
+                self._step_start = self._stepped_at
+                self._stepped_at = batches.consumed
+        if self._verdict is CONTINUE:
+            return  # a finite norm (judged when observed, or by the first optimizer stepping on it)
+        flag = self._flag
+        if flag is None:
+            return  # no norm measured since the last step: this step is not guarded
+        if self._on_device:  # (not the property: this runs every step, and a call costs more than the check)
+            if not self._counted:
+                self._counted = True
+                if self._skipped is None:
+                    self._skipped = torch.full((), self._initial_count(), device=flag.device)
+                self._skipped.add_(flag)
+            previous = getattr(optimizer, "found_inf", None)  # GradScaler's, when it calls this step
+            self._saved_found_inf[id(optimizer)] = previous
+            optimizer.found_inf = flag if previous is None else torch.maximum(previous, flag.to(previous.device))
+            return
+        verdict = self._verdict
+        if verdict is None:  # once per measured norm, however many optimizers step on it
+            finite = math.isfinite(flag)  # a float, or the one host read per step (as GradScaler.step makes)
+            verdict = self._verdict = CONTINUE if finite else self._decide()
+        if verdict == SKIP:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    param.grad = None
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if id(optimizer) not in self._saved_found_inf:
+            return
+        previous = self._saved_found_inf.pop(id(optimizer))
+        if previous is None:
+            del optimizer.found_inf
+        else:
+            optimizer.found_inf = previous
+
+    def _initial_count(self) -> float:
+        """The skip count a resumed run starts from: the last one buffered or pushed before the checkpoint."""
+        value = self._metrics.last_value(SKIPPED_KEY)
+        return float(value) if value is not None else 0.0
+
+    def _decide(self) -> str:
+        """The verdict on a non-finite step (a finite one is always taken: step_guard would say so)."""
+        step, epoch, batch = self._where()
+        batches = None
+        if self._rollback and batch is not None and self._stepped_in is not None:
+            batches = tuple(range(self._step_start, self._stepped_at))
+        recent = self._state.recent
+        if recent and step <= recent[-1]:
+            # the counted optimizer did not step since (a second optimizer's step): judged as the next step
+            step = recent[-1] + 1
+        if not self._resumed:  # the count survives a resume through the pushed (or buffered) metrics
+            self._resumed = True
+            self._state = attrs.evolve(self._state, skipped=int(self._initial_count()))
+        self._state, verdict = core.step_guard(self._state, step, finite=False)
+        if self._state.mode == "rollback":
+            self._seen = {s: self._seen.get(s, (epoch, batches)) for s in self._state.recent}
+        if verdict == ROLLBACK:
+            self._flag = None
+            bad = tuple((s, *self._seen[s]) for s in self._state.recent)
+            if any(b is None for _, _, b in bad):
+                raise DivergenceError(
+                    self._message(step, epoch, batch, counted=False), step=step, epoch=epoch, batch=batch
+                )
+            from trainkit.loop.rollback import RollbackNeeded
+
+            raise RollbackNeeded(self._message(step, epoch, batch), step=step, epoch=epoch, batch=batch, bad=bad)
+        if verdict == RAISE:
+            self._flag = None  # a caller that catches the error and steps again is not judged twice
+            raise DivergenceError(self._message(step, epoch, batch), step=step, epoch=epoch, batch=batch)
+        return verdict
+
+    def _message(self, step: int, epoch: int, batch: int | None, counted: bool = True) -> str:
+        in_epoch = f", batch {batch} of the epoch" if batch is not None else ""
+        where = f"optimizer step {step} (epoch {epoch}{in_epoch})"
+        state = self._state
+        if not counted:
+            return (
+                f"training stopped before {where}: its gradients are not finite, and guard.nonfinite=rollback cannot "
+                "leave the offending batches out, as train_epoch() does not iterate a DataLoader over a map-style "
+                "dataset through self.progress(); nothing of that step was applied"
+            )
+        if state.mode == "raise":
+            why = "its gradients are not finite (total grad norm NaN or inf; guard.nonfinite=raise)"
+        else:
+            steps = ", ".join(map(str, state.recent))
+            why = (
+                f"its gradients are not finite, and {len(state.recent)} non-finite steps fell within guard.window="
+                f"{state.window} steps (steps {steps}; guard.max_skips={state.max_skips})"
+            )
+        return (
+            f"training stopped before {where}: {why}; nothing of that step was applied. Resume from a checkpoint "
+            "before it, lower the learning rate, or set guard.nonfinite=skip to drop such steps"
+        )

@@ -1,0 +1,253 @@
+"""Metrics between pushes: the log buffer, and the trainer's metrics (the buffer, the last pushed values, the
+epoch's grad-norm mean, and the guard and throughput parts that add to a row).
+
+Side effects: none but on tensors; one device-to-host transfer per push.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from trainkit.bookkeeping import is_real
+
+__all__ = [
+    "LogBuffer",
+    "TrainerMetrics",
+]
+
+
+class LogBuffer:
+    """Metrics waiting for the next push, kept on their device until then.
+
+    ``add`` keeps a device-side copy of each accelerator tensor (no host sync) and reads a CPU tensor at once
+    (it is on the host: nothing to wait for); ``drain`` moves every tensor to the host in one transfer per
+    device. A key logged twice before a push keeps its last value; later in-place changes to a logged tensor
+    stay out of it.
+    """
+
+    read_cpu_at_log: bool = True
+    """Read a CPU tensor at ``add`` (the default); False keeps it on the CPU until the push, as an accelerator's
+    tensor is kept (the tests set it to run the accelerator path on a machine without one)."""
+
+    def __init__(self) -> None:
+        self._scalars: dict[str, Any] = {}
+        self._vectors: dict[tuple[str, ...], torch.Tensor] = {}
+        # one float64 scalar per tensor-valued key, reused from push to push: logging once per step
+        # copies into it instead of allocating a tensor per step (drain reads slots, they never escape)
+        self._slots: dict[str, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self._scalars) + sum(len(keys) for keys in self._vectors)
+
+    def add(self, metrics: Mapping[str, Any]) -> None:
+        """Buffer scalar metrics: floats, ints, or 1-element tensors (an accelerator's kept on it).
+
+        :param metrics: Name to value.
+        :raises TypeError: When a value is not a number or a 1-element tensor.
+        """
+        slots = self._slots
+        for key, value in metrics.items():
+            key = str(key)
+            if isinstance(value, torch.Tensor) and value.is_cpu and self.read_cpu_at_log:
+                # a CPU tensor is on the host already: reading it now waits for nothing, is the snapshot, and is the
+                # one tensor call a logged row needs (a device-side copy costs a few times more on a cold cache)
+                try:
+                    value = float(value.item())
+                except (RuntimeError, TypeError, ValueError):
+                    if value.numel() != 1:
+                        raise TypeError(
+                            f"logged metric {key!r} must be a 1-element tensor, got shape {tuple(value.shape)}"
+                        ) from None
+                    raise TypeError(
+                        f"logged metric {key!r} must be a real-valued 1-element tensor, got dtype {value.dtype}"
+                    ) from None
+            elif isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise TypeError(f"logged metric {key!r} must be a 1-element tensor, got shape {tuple(value.shape)}")
+                value = value.detach()
+                if value.dim():
+                    value = value.reshape(())
+                slot = slots.get(key)
+                if slot is None or slot.device != value.device:
+                    slot = slots[key] = torch.empty((), dtype=torch.float64, device=value.device)
+                # one device-side copy is the snapshot (later in-place changes stay out) and the cast for drain
+                value = slot.copy_(value)
+            elif isinstance(value, str | bytes):
+                raise TypeError(f"logged metric {key!r} must be a number or a tensor, got {value!r}")
+            elif not is_real(value):
+                try:
+                    value = float(value)
+                except (TypeError, ValueError):
+                    raise TypeError(f"logged metric {key!r} must be a number or a tensor, got {value!r}") from None
+            self._scalars[key] = value
+
+    def add_vector(self, keys: list[str], values: torch.Tensor) -> None:
+        """Buffer many metrics held in one 1-D tensor, e.g. per-parameter statistics.
+
+        :param keys: One name per element.
+        :param values: The values, on any device.
+        """
+        if len(keys) != values.numel():
+            raise ValueError(f"add_vector got {len(keys)} keys for {values.numel()} values")
+        if keys:
+            # the same keys logged again before a push replace the older values, so memory stays bounded
+            self._vectors.pop(tuple(keys), None)
+            self._vectors[tuple(keys)] = values.detach().reshape(-1)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The buffered metrics as host values, without draining them (what a step checkpoint keeps).
+
+        Side effects: one device-to-host transfer per buffered tensor.
+
+        :returns: ``{"scalars": [[key, float], ...], "vectors": [[[key, ...], [float, ...]], ...]}``, in logging order.
+        """
+        return {
+            "scalars": [
+                [key, float(value.item()) if isinstance(value, torch.Tensor) else float(value)]
+                for key, value in self._scalars.items()
+            ],
+            "vectors": [[list(keys), values.to(torch.float64).tolist()] for keys, values in self._vectors.items()],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned, replacing the buffer's content.
+
+        :param state: The saved buffer.
+        """
+        self._scalars = {str(key): float(value) for key, value in state["scalars"]}
+        self._vectors = {tuple(keys): torch.tensor(values, dtype=torch.float64) for keys, values in state["vectors"]}
+
+    def drain(self) -> dict[str, float]:
+        """Return every buffered metric as a Python float and empty the buffer.
+
+        Side effects: one device-to-host transfer per device that holds buffered tensors.
+
+        :returns: Name to float, in logging order.
+        """
+        if len(self._scalars) == 1 and not self._vectors:  # a push per step of one metric: the short way
+            ((key, value),) = self._scalars.items()
+            self._scalars.clear()
+            return {key: value.item() if isinstance(value, torch.Tensor) else float(value)}
+        scalars: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+        vectors: dict[torch.device, list[tuple[tuple[str, ...], torch.Tensor]]] = {}
+        result: dict[str, float] = {}
+        for key, value in self._scalars.items():
+            if isinstance(value, torch.Tensor):
+                scalars.setdefault(value.device, []).append((key, value))
+                result[key] = math.nan  # placeholder keeps logging order
+            else:
+                result[key] = float(value)
+        for keys, values in self._vectors.items():
+            vectors.setdefault(values.device, []).append((keys, values))
+        for device in {**scalars, **vectors}:
+            names: list[str] = []
+            parts: list[torch.Tensor] = []
+            if scalars.get(device):
+                entries = scalars[device]
+                names += [key for key, _ in entries]
+                parts.append(entries[0][1].reshape(1) if len(entries) == 1 else torch.stack([v for _, v in entries]))
+            for keys, values in vectors.get(device, []):
+                names += keys
+                parts.append(values.to(torch.float64))
+            flat = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()  # the one transfer per device
+            result.update(zip(names, flat))
+        self._scalars.clear()
+        self._vectors.clear()
+        return result
+
+
+class TrainerMetrics:
+    """The trainer's metrics between pushes: what waits for the next push, what was pushed last, and the
+    epoch's grad-norm mean.
+
+    :ivar buffer: The :class:`LogBuffer` of metrics logged since the last push.
+    :ivar latest: The last pushed value of every key (the final metrics ``train()`` returns).
+    :ivar grad_norm: The running mean of the epoch's grad norms (``log_epoch_grad_norm``).
+    :ivar guard: The divergence guard (:class:`~trainkit.loop.guard.DivergenceGuard`), None when ``guard.nonfinite``
+        is off.
+    :ivar throughput: The ``perf/*`` counters (a :class:`trainkit.loop.throughput.Throughput`) with
+        ``log_throughput``, else None.
+    :ivar drain: What ``push_logs`` drains by: :meth:`LogBuffer.drain` itself when neither the guard nor the
+        throughput counters are on (nothing in between on the per-row path), else :meth:`drain_with_parts`.
+    """
+
+    __slots__ = ("buffer", "latest", "grad_norm", "guard", "throughput", "drain")
+
+    def __init__(self, guard_config: Any = None, world_size: int = 1, throughput: Any = None) -> None:
+        from trainkit.loop.guard import DivergenceGuard
+        from trainkit.loop.optim import RunningMean
+
+        self.buffer = LogBuffer()
+        self.latest: dict[str, float] = {}
+        self.grad_norm = RunningMean()
+        self.guard = None if guard_config is None else DivergenceGuard.build(guard_config, world_size, self)
+        self.throughput = throughput
+        parts = self.guard is not None or throughput is not None
+        self.drain: Callable[[], dict[str, float]] = self.drain_with_parts if parts else self.buffer.drain
+
+    def add_grad_norm(self, norm: torch.Tensor) -> None:
+        """Take a step's pre-clip grad norm: into the epoch mean, the buffer, and the guard when there is one.
+
+        :param norm: The 0-d norm on the device.
+        """
+        self.grad_norm.add(norm)
+        self.buffer.add({"train/grad_norm": norm})
+        if self.guard is not None:
+            read = self.buffer._scalars["train/grad_norm"]  # a float when the buffer read the norm (a CPU one)
+            self.guard.observe(norm, read if read.__class__ is float else None)
+
+    def watch(self, objects: Iterable[Any], trainer: Any) -> None:
+        """Hand the optimizers among newly registered checkpoint items to the guard (nothing when it is off).
+
+        :param objects: What ``add_checkpoint_items`` was given.
+        :param trainer: The trainer, held weakly: where its loop stands names the step in the guard's error.
+        """
+        if self.guard is not None:
+            from trainkit.loop.guard import locator
+
+            self.guard.watch(objects, locator(trainer), trainer._position)
+
+    def last_value(self, key: str) -> Any:
+        """The value of ``key`` waiting in the buffer, else the last one pushed, else None.
+
+        :param key: The metric's name.
+        """
+        value = self.buffer._scalars.get(key)
+        if isinstance(value, torch.Tensor):
+            return value.item()
+        return value if value is not None else self.latest.get(key)
+
+    def drain_with_parts(self) -> dict[str, float]:
+        """:meth:`LogBuffer.drain`, with the divergence guard's skip count added to a non-empty buffer first and
+        the throughput counters' ``perf/*`` rates after.
+
+        :returns: Name to float, in logging order.
+        """
+        if self.guard is not None and len(self.buffer):
+            self.buffer.add(self.guard.count())
+        if self.throughput is not None:
+            return self.throughput.drain(self.buffer)
+        return self.buffer.drain()
+
+    def state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What a step checkpoint keeps of this rank's metrics: the unpushed buffer (with the guard's skip count,
+        when there is a guard) and the grad-norm mean.
+
+        :returns: ``(buffer state, grad-norm state)``.
+        """
+        if self.guard is not None:
+            self.buffer.add(self.guard.count())
+        return self.buffer.state_dict(), self.grad_norm.state_dict()
+
+    def load_state_dict(self, logs: Mapping[str, Any], grad_norm: dict[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned.
+
+        :param logs: The buffer's state.
+        :param grad_norm: The grad-norm mean's state.
+        """
+        self.buffer.load_state_dict(logs)
+        self.grad_norm.load_state_dict(grad_norm)

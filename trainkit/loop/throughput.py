@@ -1,0 +1,141 @@
+"""``log_throughput``: samples, steps and tokens per second in every pushed row that follows training.
+
+Side effects: reads ``time.perf_counter``. The counting costs a ``len``-free look at each batch's leading
+dimension (host metadata, no device sync); tokens counted as tensors are summed on their device and reach the
+host in the push's one transfer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from trainkit.bookkeeping.throughput import ThroughputMark, throughput_rates
+from trainkit.loop.metrics import LogBuffer
+
+__all__ = ["CountedBatches", "Throughput", "samples_in"]
+
+_TOKENS = "perf/_tokens"  # the device-side token count's key inside the buffer for one push (never pushed)
+
+
+def samples_in(batch: Any, depth: int = 0) -> int | None:
+    """The number of samples in a batch: the leading dimension of its first tensor (in a tuple, list or mapping).
+
+    :param batch: What the loader yielded.
+    :param depth: How deep in nested containers this looks already (it looks 3 levels deep at most).
+    :returns: The sample count, or None when the batch holds no tensor with a leading dimension.
+
+    >>> samples_in((torch.zeros(32, 8), torch.zeros(32)))
+    32
+    >>> samples_in({"ids": torch.zeros(4, 128, dtype=torch.long)}), samples_in([1, 2]), samples_in(torch.zeros(()))
+    (4, None, None)
+    """
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else None
+    if depth >= 3:
+        return None
+    if isinstance(batch, Mapping):  # a dict, or a mapping such as a tokenizer's batch
+        batch = list(batch.values())
+    if isinstance(batch, list | tuple) and batch:
+        return samples_in(batch[0], depth + 1)
+    return None
+
+
+class CountedBatches:
+    """The batches of ``progress()``, each one's samples counted as it is fetched; anything else is the wrapped
+    iterable's (``len``, ``consumed``, ...).
+
+    :param batches: What ``progress()`` would have returned.
+    :param throughput: Where the samples are counted.
+    """
+
+    def __init__(self, batches: Iterable[Any], throughput: Throughput) -> None:
+        self.batches = batches
+        self._throughput = throughput
+
+    def __iter__(self) -> Iterator[Any]:
+        throughput = self._throughput
+        throughput.started()
+        for batch in self.batches:
+            throughput.count_batch(batch)
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.batches)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.batches, name)
+
+
+class Throughput:
+    """Counts what the training loop does between pushes and turns it into ``perf/*`` rates.
+
+    :param step: Reads the trainer's optimizer step counter.
+    :param world_size: The number of ranks (samples and tokens are this rank's, scaled by it).
+    :param clock: A monotonic clock in seconds.
+    """
+
+    def __init__(self, step: Callable[[], int], world_size: int, clock: Callable[[], float] = time.perf_counter):
+        self._step = step
+        self._world_size = world_size
+        self._clock = clock
+        self._samples: int | None = 0
+        self._tokens: float | None = None
+        self._tokens_on_device: torch.Tensor | None = None
+        self._counted_any_batch = False
+        self._rated_any_row = False
+        self._mark = self._now()
+
+    def _now(self) -> ThroughputMark:
+        return ThroughputMark(seconds=self._clock(), steps=self._step(), samples=self._samples, tokens=self._tokens)
+
+    def started(self) -> None:
+        """A counted loop starts: before the first row with rates, the interval starts here (not at setup)."""
+        if not self._rated_any_row and not self._counted_any_batch:
+            self._mark = self._now()
+
+    def count_batch(self, batch: Any) -> None:
+        """Count one fetched batch's samples (unknown from the first batch whose size is not found)."""
+        self._counted_any_batch = True
+        if self._samples is not None:
+            n = samples_in(batch)
+            self._samples = None if n is None else self._samples + n
+
+    def count_tokens(self, n: Any) -> None:
+        """Add ``n`` tokens: a number, or a tensor summed on its device (read at the next push).
+
+        :raises TypeError: When ``n`` is neither a real number nor a tensor.
+        """
+        if isinstance(n, torch.Tensor):
+            total = n.detach().sum()
+            self._tokens_on_device = total if self._tokens_on_device is None else self._tokens_on_device + total
+        elif isinstance(n, int | float) and not isinstance(n, bool):
+            self._tokens = (self._tokens or 0.0) + n
+        else:
+            raise TypeError(f"count_tokens takes a number or a tensor, got {n!r}")
+
+    def drain(self, buffer: LogBuffer) -> dict[str, float]:
+        """Drain ``buffer`` (the device-side token count in its one transfer) and add the rates since the last
+        row that carried them.
+
+        :param buffer: The trainer's log buffer.
+        :returns: The drained metrics, with ``perf/*`` when steps were taken since; empty when nothing was logged.
+        """
+        if self._tokens_on_device is not None:
+            buffer.add({_TOKENS: self._tokens_on_device})
+            self._tokens_on_device = None
+        metrics = buffer.drain()
+        on_device = metrics.pop(_TOKENS, None)
+        if on_device is not None:
+            self._tokens = (self._tokens or 0.0) + on_device
+        if not metrics:
+            return metrics
+        now = self._now()
+        rates = throughput_rates(self._mark, now, self._world_size)
+        if rates:
+            self._mark, self._rated_any_row = now, True
+            metrics.update(rates)
+        return metrics
