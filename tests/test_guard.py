@@ -260,3 +260,67 @@ def test_rollback_without_a_checkpoint_before_the_bad_step_stops_naming_it(tmp_p
     """In the first epoch without step checkpoints there is nothing to go back to: a DivergenceError says so."""
     with pytest.raises(DivergenceError, match="found no checkpoint written before step 3 to roll back to"):
         run(tmp_path, nan_positions=("0:3",), guard={"nonfinite": "rollback"})
+
+
+def journal(out_dir):
+    """The rows of ``out_dir/metrics.jsonl``."""
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_non_finite_step_after_the_loop_stops_instead_of_rolling_back_for_ever(tmp_path):
+    """An optimizer step after the epoch's self.progress() loop (an extra step on a fixed batch) trained on no batch
+    the loop yielded: a rollback to the step checkpoint at the loop's end could leave nothing out and would fail
+    again for ever, so the run stops at once with a DivergenceError saying why, without a single rollback."""
+    planted = {"nan_step_after_loop": (1,), "guard": {"nonfinite": "rollback"}, "ckpt": {"every_n_steps": 1}}
+    with pytest.raises(DivergenceError, match="step\\(s\\) 12 trained on no batch of the epoch's counted loop"):
+        run(tmp_path, **planted)
+    assert [row for row in journal(tmp_path) if "guard/rolled_back_to_step" in row] == []
+
+
+def test_persistent_divergence_stops_after_guard_max_rollbacks_rollbacks_in_a_row(tmp_path):
+    """Every batch of epoch 1 from its third on diverges (no one batch's fault): each rollback leaves one more batch
+    out and fails again at the same step, so after guard.max_rollbacks of them the run stops with a DivergenceError
+    naming the key; the journal holds that many rollback rows, not one per batch left."""
+    planted = {
+        "nan_positions": ("1:2", "1:3", "1:4", "1:5"),
+        "guard": {"nonfinite": "rollback", "max_rollbacks": 2},
+        "ckpt": {"every_n_steps": 1},
+    }
+    with pytest.raises(DivergenceError, match="rolled back 2 times in a row without getting past step 8 "):
+        run(tmp_path, **planted)
+    rollbacks = [row["guard/rolled_back_to_step"] for row in journal(tmp_path) if "guard/rolled_back_to_step" in row]
+    assert rollbacks == [8, 8]
+
+
+def test_rollbacks_that_get_past_the_last_failure_start_the_count_again(tmp_path):
+    """Rollbacks at steps 8 and then 10 (the run got past step 8 in between) are not in a row: with
+    guard.max_rollbacks=1 the run rolls back twice and finishes."""
+    planted = {
+        "nan_positions": ("1:2", "1:5"),
+        "guard": {"nonfinite": "rollback", "max_rollbacks": 1},
+        "ckpt": {"every_n_steps": 1},
+    }
+    _, rows = run(tmp_path, **planted)
+    assert [row["guard/rolled_back_to_step"] for row in rows if "guard/rolled_back_to_step" in row] == [8, 10]
+    assert rows[-1]["trainer/step"] == 10
+
+
+def test_guard_max_rollbacks_must_be_at_least_one(tmp_path):
+    """A bound of 0 would forbid every rollback: refused naming the key, the rule and the value."""
+    with pytest.raises(ConfigError, match=r"guard.max_rollbacks must be >= 1, got 0"):
+        run(tmp_path, guard={"nonfinite": "rollback", "max_rollbacks": 0})
+
+
+def test_a_rollback_passes_over_a_damaged_last_checkpoint_to_the_previous_one(tmp_path):
+    """last.pt is damaged on disk when the rollback reads it: the rollback warns and takes last.prev.pt (the step-8
+    checkpoint), as an automatic resume falls back, and ends bitwise as the run resumed from a copy of that
+    checkpoint with the bad batch skipped (it used to die with CheckpointCorruptError)."""
+    planted = {"nan_positions": ("1:3",), "guard": {"nonfinite": "rollback"}}
+    ckpt = {"every_n_steps": 1, "keep": "latest:9"}
+    with pytest.warns(RuntimeWarning, match="last.pt cannot be rolled back to"):
+        (rolled,), rows = run(tmp_path / "a", **planted, ckpt=ckpt, damage_last_at="1:3")
+    assert [row["guard/rolled_back_to_step"] for row in rows if "guard/rolled_back_to_step" in row] == [8]
+    again = {**planted, "guard": {"nonfinite": "rollback", "skip_batches": ["1:3"]}}
+    copy = tmp_path / "a" / "checkpoints" / "step-8.pt"
+    (resumed,), _ = run(tmp_path / "b", **again, ckpt={"resume": str(copy)})
+    assert (rolled["digest"], rolled["optimizer"]) == (resumed["digest"], resumed["optimizer"])

@@ -56,7 +56,7 @@ def test_the_settings_do_stop_somewhere_in_the_recording(recorded):
 def test_replay_command_prints_both_sides_and_imports_no_torch(recorded):
     """The command prints what happened and what would have, and never imports torch."""
     code = (
-        "import sys; from trainkit.cli.commands import main; rc = main(sys.argv[1:]); "
+        "import sys; from trainkit.cli import main; rc = main(sys.argv[1:]); "
         "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)"
     )
     proc = subprocess.run(
@@ -127,7 +127,7 @@ def test_the_guard_replay_fires_where_the_guard_of_a_real_run_fires(tmp_path):
     narrower = replay_guard_run(tmp_path / "skip", ["window=2", "max_skips=2"])
     assert narrower.fired == ((4, "skip"), (8, "skip"), (10, "skip"))
     code = (
-        "import sys; from trainkit.cli.commands import main; rc = main(sys.argv[1:]); "
+        "import sys; from trainkit.cli import main; rc = main(sys.argv[1:]); "
         "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)"
     )
     proc = subprocess.run(

@@ -307,7 +307,7 @@ def test_a_journal_cut_below_the_recorded_offset_is_padded_with_a_warning(tmp_pa
     lost leaves a blank line."""
     import warnings as stdlib_warnings
 
-    from trainkit.cli.commands import read_metrics
+    from trainkit.run.read_metrics import read_metrics
 
     TinyTrainer(make_cfg(tmp_path, epochs=2)).train()
     path = tmp_path / "metrics.jsonl"
@@ -333,7 +333,7 @@ def test_a_journal_cut_below_the_recorded_offset_is_padded_with_a_warning(tmp_pa
 
 def test_report_skips_a_damaged_last_line_with_a_warning(tmp_path):
     """report reads a metrics.jsonl whose last line a crash cut short: the line is skipped with a warning."""
-    from trainkit.cli.commands import read_metrics
+    from trainkit.run.read_metrics import read_metrics
 
     TinyTrainer(make_cfg(tmp_path, epochs=2)).train()
     path = tmp_path / "metrics.jsonl"

@@ -625,6 +625,8 @@ class GuardTestConfig(TinyConfig):
     push_every_step: bool = False  # a journal row per step (train/grad_norm, train/loss)
     wrap_ddp: bool = True  # False: every rank trains a model of its own (the ranks' grad norms differ)
     accumulate: int = 1  # batches per optimizer step (gradient accumulation, counted from first_batch)
+    nan_step_after_loop: tuple[int, ...] = ()  # epochs that end with an extra non-finite step on a fixed batch
+    damage_last_at: str | None = None  # "EPOCH:BATCH": last.pt gets a flipped bit as that batch is trained on
 
 
 class GuardTrainer(TinyTrainer):
@@ -657,6 +659,8 @@ class GuardTrainer(TinyTrainer):
             x, y = x.to(self.device), y.to(self.device)
             loss = nn.functional.mse_loss(self.model(x), y)
             planted = f"{self.epoch}:{self._position.current_batch()}" in cfg.nan_positions
+            if f"{self.epoch}:{self._position.current_batch()}" == cfg.damage_last_at:
+                flip_bit_in_tensor_data(self.last_ckpt_path)
             if (self.batches_seen in cfg.nan_batches or planted) and cfg.nan_rank in (None, self.rank):
                 loss = loss * float("inf")
             if cfg.accumulate > 1:
@@ -676,6 +680,12 @@ class GuardTrainer(TinyTrainer):
             if cfg.push_every_step:
                 self.log({"train/loss": loss.detach()})
                 self.push_logs()
+        if self.epoch in cfg.nan_step_after_loop:  # one more step, on no batch the loop yielded
+            x, y = self.train_set[:8]
+            self.optimizer.zero_grad(set_to_none=True)
+            (nn.functional.mse_loss(self.model(x.to(self.device)), y.to(self.device)) * float("inf")).backward()
+            self.clip_and_log_grad_norm()
+            self.optimizer.step()
         self.log_lr()
 
     def train(self):

@@ -148,6 +148,23 @@ class DivergenceError(TrainkitError, RuntimeError):
         self.batch = batch
 
 
+class RollbackNeeded(DivergenceError):
+    """The guard's window is exhausted under ``guard.nonfinite="rollback"``: the trainer rolls back.
+
+    Raised by the divergence guard's step pre-hook and caught around ``train_epoch()``
+    (:class:`trainkit.loop.rollback.Rollback`); a :class:`DivergenceError`, which is what the user sees if it escapes
+    the loop (e.g. raised outside ``train_epoch()``). Not exported: no user code raises or catches it.
+
+    :param bad: ``(step, epoch, batches)`` of every non-finite step in the window, oldest first: the batches (0-based
+        positions in the epoch) it trained on, every one yielded since the step before (a gradient-accumulation
+        window's).
+    """
+
+    def __init__(self, message: str, *, step: int, epoch: int, batch: int | None, bad: tuple[tuple, ...]) -> None:
+        super().__init__(message, step=step, epoch=epoch, batch=batch)
+        self.bad = bad
+
+
 class TrainingInterrupted(TrainkitError):
     """A signal (SIGTERM, SIGINT, or the requeue signal) stopped training at an epoch or step boundary.
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import functools
+import operator
 import os
 import sys
-import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, TypeVar
@@ -32,10 +31,11 @@ from trainkit.distributed import fsdp as sharding
 from trainkit.errors import BookkeepingError, DistributedError, HookNotImplementedError, TrainingInterrupted, UsageError
 from trainkit.loop import optim as optim_utils
 from trainkit.loop.batches import TrackedBatches
+from trainkit.loop.guard import DivergenceGuard
 from trainkit.loop.metrics import TrainerMetrics
 from trainkit.loop.position import EpochTracker
 from trainkit.loop.progress import EpochBar, step_bar
-from trainkit.loop.rollback import rolled_back
+from trainkit.loop.rollback import Rollback, rolled_back
 from trainkit.loop.signals import StopSignals
 from trainkit.loop.snapshot import WeightSnapshot, modes_kept, weights_swapped_in
 from trainkit.loop.throughput import CountedBatches, Throughput
@@ -49,7 +49,7 @@ __all__ = ["BaseTrainer", "CHECKPOINT_SCHEMA_VERSION"]
 T = TypeVar("T")
 
 CHECKPOINT_SCHEMA_VERSION = SCHEMA_VERSION
-"""Version of the checkpoint layout written by this trainkit (the layout :mod:`trainkit.checkpoint.payload` describes)."""
+"""Version of the checkpoint layout written by this trainkit (as :mod:`trainkit.checkpoint.payload` describes it)."""
 
 
 class _Records(NamedTuple):
@@ -64,29 +64,18 @@ _RECORD_ATTRIBUTES = {"best_state": "best", "patience_state": "patience"}
 """The public names of the engine's records, and their fields in :class:`_Records`."""
 
 
-def _step_counter(trainer: BaseTrainer) -> Any:
-    """An optimizer post-step hook that advances ``trainer.step``, holding the trainer only weakly.
+def _step_counter(position: EpochTracker) -> Any:
+    """An optimizer post-step hook that advances the position part's ``step`` (the trainer's ``step``).
 
-    A strong reference would make a cycle (trainer -> optimizer -> hook -> trainer) that keeps the model,
-    and under DDP its process group, alive until the garbage collector runs, possibly at interpreter exit.
+    It holds the position part, not the trainer: a hook holding the trainer would make a cycle (trainer ->
+    optimizer -> hook -> trainer) that keeps the model, and under DDP its process group, alive until the garbage
+    collector runs, possibly at interpreter exit.
     """
-    ref = weakref.ref(trainer)
 
     def count(optimizer: Any, args: Any, kwargs: Any) -> None:
-        owner = ref()
-        if owner is not None:
-            owner.step += 1
+        position.step += 1
 
     return count
-
-
-def _throughput(trainer: BaseTrainer) -> Throughput | None:
-    """The ``perf/*`` counters when ``log_throughput`` is on (else None), reading ``trainer.step`` through a weak
-    reference (as :func:`_step_counter` does, for the same reason)."""
-    if not trainer.cfg.log_throughput:
-        return None
-    ref = weakref.ref(trainer)
-    return Throughput(lambda: getattr(ref(), "step", 0), trainer.world_size)
 
 
 def _generators(registry: core.CkptRegistry) -> list[torch.Generator]:
@@ -117,12 +106,14 @@ def _device(rank: int) -> torch.device:
 
 def _parts(
     cfg: Config, rank: int, world_size: int, device: torch.device
-) -> tuple[StopSignals, EpochTracker, Checkpointer]:
-    """The trainer's parts, each built from plain values: the signals, the epoch's position, the checkpointer."""
-    ckpt, timeout_s = cfg.ckpt, cfg.dist.timeout_s
+) -> tuple[StopSignals, EpochTracker, Checkpointer, TrainerMetrics]:
+    """The trainer's parts, each built from plain values: the signals, the epoch's position (the one owner of the
+    batches left out), the checkpointer, and the metrics with the guard and throughput counters that are on."""
+    ckpt, timeout_s, guard = cfg.ckpt, cfg.dist.timeout_s, cfg.guard
     signals = StopSignals(["SIGTERM", "SIGINT", *([ckpt.requeue_signal] if ckpt.requeue_signal else [])])
     position = EpochTracker(
-        every_n_steps=ckpt.every_n_steps, enabled=ckpt.enable, world_size=world_size, timeout_s=timeout_s
+        every_n_steps=ckpt.every_n_steps, enabled=ckpt.enable, world_size=world_size, timeout_s=timeout_s,
+        left_out=skip_batches(guard), count_always=guard.nonfinite == "rollback",  # a rollback names batches
     )
     checkpointer = Checkpointer(
         Path(cfg.out_dir),
@@ -133,10 +124,9 @@ def _parts(
         device=device,
         config=public_config(cfg),
     )
-    # the batches left out (guard.skip_batches, a rollback's): one dict, saved by one part, used by the other
-    position.drops = checkpointer.skips = skip_batches(cfg.guard)
-    position.counted = cfg.guard.nonfinite == "rollback"  # a rollback names the batches to leave out
-    return signals, position, checkpointer
+    throughput = Throughput(position.read_step, world_size) if cfg.log_throughput else None
+    metrics = TrainerMetrics(guard=DivergenceGuard.build(guard, world_size), throughput=throughput)
+    return signals, position, checkpointer, metrics
 
 
 def _open_run_log(cfg: Config, checkpointer: Checkpointer, resume: Resume | None) -> RunLog:
@@ -218,6 +208,17 @@ def _summary(records: _Records, best_metrics: Mapping[str, float], latest: Mappi
     return summary
 
 
+def _position_field(name: str, doc: str) -> Any:
+    """A trainer attribute that lives in the position part (``epoch``, ``step``): read and set there, where the parts
+    that need it (the guard, the throughput counters, the rollback) read it too. Read through a C-level getter: the
+    loop reads ``step`` every step."""
+
+    def set_field(trainer: BaseTrainer, value: int) -> None:
+        setattr(trainer._position, name, value)
+
+    return property(operator.attrgetter(f"_position.{name}"), set_field, doc=doc)
+
+
 class BaseTrainer(abc.ABC):
     """The epoch loop, and everything around it that depends on neither task nor model.
 
@@ -248,15 +249,14 @@ class BaseTrainer(abc.ABC):
         self.rank, self.world_size, self.device = rank, world_size, _device(rank)
         self.is_main = rank == 0  # an attribute: code that stands in for another rank may set it
         self.model: nn.Module | None = None
-        self.epoch = self.step = 0
+        parts = _parts(self.cfg, rank, world_size, self.device)
+        self._signals, self._position, self._checkpointer, self._metrics = parts
         self._best = WeightSnapshot()
         self._records = _Records(core.LoopState(), None, None)
         self._registry = core.CkptRegistry()
-        self._metrics = TrainerMetrics(self.cfg.guard, world_size, _throughput(self))  # parts that are on
         self._results: dict[str, float] | None = None
         self._validating: bool | None = None  # None outside val_epoch(); True once step_patience() ran in it
         self._failed = False
-        self._signals, self._position, self._checkpointer = _parts(self.cfg, rank, world_size, self.device)
         self._run_log = RunLog()
         dist = self.cfg.dist
         self._owns_process_group = world_size > 1 and dist_utils.init_process_group(
@@ -293,6 +293,9 @@ class BaseTrainer(abc.ABC):
     def local_rank(self) -> int:
         """This process's rank on its node (``LOCAL_RANK``, as torchrun sets it; ``rank`` otherwise)."""
         return int(os.environ.get("LOCAL_RANK", self.rank))
+
+    epoch = _position_field("epoch", "The epoch being run (0-based); after the last one, the last one that ran.")
+    step = _position_field("step", "The optimizer steps taken (advanced by the first registered optimizer's step()).")
 
     @property
     def out_dir(self) -> Path:
@@ -394,17 +397,16 @@ class BaseTrainer(abc.ABC):
                 _verdict(self._validate())
                 self._records = self._records._replace(loop=attrs.evolve(loop, last_validated=True))
                 self._push_if_any()
-            more = not loop.finished
+            more, rollback = not loop.finished, self._rollback()
             while more:
-                more = self._run_epoch(bar)
+                more = self._run_epoch(bar, rollback)
         finally:
             bar.close()
 
-    def _run_epoch(self, bar: EpochBar) -> bool:
+    def _run_epoch(self, bar: EpochBar, rollback: Rollback | None) -> bool:
         """One epoch: train, validate on schedule, agree on stopping, push, save; act on a signal."""
-        self.epoch = self._records.loop.epoch
-        self._position.set_epoch(self.epoch)
-        with rolled_back(self) as rolled, self._position.epoch():  # guard.nonfinite=rollback: the epoch again
+        self._position.set_epoch(self._records.loop.epoch)
+        with rolled_back(rollback) as rolled, self._position.running_epoch():  # rollback: the epoch again
             self.train_epoch()
         if rolled:
             return True
@@ -423,6 +425,11 @@ class BaseTrainer(abc.ABC):
         if signalled and more:
             self._stop_for_signal(seconds)
         return more
+
+    def _rollback(self) -> Rollback | None:
+        """The rollback part when ``guard.nonfinite=rollback``, given the parts it acts on (else None)."""
+        parts = self._checkpointer, self._position, self._metrics, self._run_log
+        return Rollback.build(self.cfg, *parts, restore=self._restore, is_main=self.is_main)
 
     def _fail(self, exc: BaseException) -> None:
         """The run ends with ``exc``: let background saves end, close the sinks (a clean signal stop is no failure)."""
@@ -455,15 +462,9 @@ class BaseTrainer(abc.ABC):
         loop = records.loop if batches is None else attrs.evolve(records.loop, step=self.step)
         position, rank_position = self._position.save_position(batches, loop.epoch, self._metrics.state_dict())
         record = SaveRecord(
-            loop=loop,
-            best=records.best,
-            patience=records.patience,
-            latest_metrics=self._metrics.latest,
-            results=self._results,
-            run_id=self._run_log.run_id,
-            metrics_offset=self._run_log.offset(),
-            position=position,
-            rank_position=rank_position,
+            loop=loop, best=records.best, patience=records.patience, latest_metrics=self._metrics.latest,
+            results=self._results, run_id=self._run_log.run_id, metrics_offset=self._run_log.offset(),
+            position=position, rank_position=rank_position, left_out=tuple(self._position.left_out()),
         )
         seconds = self._checkpointer.save(
             record, self._registry, best_weights=self._best.state, before=self._run_log.sync
@@ -550,10 +551,11 @@ class BaseTrainer(abc.ABC):
         # a generator has no state_dict(): registered as its state, restored into it in place
         items = {name: GeneratorItem(obj) if isinstance(obj, torch.Generator) else obj for name, obj in kwargs.items()}
         self._registry, _ = core.register_items(self._registry, items)
-        self._metrics.watch(kwargs.values(), self)  # the divergence guard's hooks on its optimizers, when on
+        if self._metrics.guard is not None:  # the divergence guard's hooks on its optimizers
+            self._metrics.guard.watch(kwargs.values(), self._position)
         optimizer = next((obj for obj in kwargs.values() if isinstance(obj, torch.optim.Optimizer)), None)
         if optimizer is not None and not counted:
-            optimizer.register_step_post_hook(_step_counter(self))
+            optimizer.register_step_post_hook(_step_counter(self._position))
 
     @property
     def checkpoint_items(self) -> Mapping[str, Any]:
@@ -575,7 +577,7 @@ class BaseTrainer(abc.ABC):
 
     @property
     def checkpointer(self) -> Checkpointer:
-        """The checkpointer part: this run's checkpoint files (:class:`~trainkit.checkpoint.checkpointer.Checkpointer`)."""
+        """The checkpointer part (:class:`~trainkit.checkpoint.checkpointer.Checkpointer`): the checkpoint files."""
         return self._checkpointer
 
     @property
@@ -588,8 +590,9 @@ class BaseTrainer(abc.ABC):
         """``out_dir/best.pt``; with ``ckpt.format="sharded"``, the directory ``out_dir/best.ckpt``."""
         return self._checkpointer.best_path
 
-    def _restore(self, resume: Resume) -> None:
-        """After ``setup()``: the registered items, the records, the best weights and the epoch's position."""
+    def _restore(self, resume: Resume) -> Iterable[Any]:
+        """After ``setup()`` (or in a rollback): the registered items, the records, the best weights and the epoch's
+        position; returns the registered items."""
         self._registry = self._checkpointer.restore(resume, self._registry)
         records = resume.records
         self._records = _Records(records.loop, records.best, records.patience)
@@ -600,15 +603,11 @@ class BaseTrainer(abc.ABC):
             loaded = self._checkpointer.read_best(resume.path.parent, records.best, dist_utils.unwrap(self.model))
             if loaded is not None:
                 self._best.replace(loaded.weights, private=loaded.private)
-        self._metrics.latest = dict(resume.ckpt.get("latest_metrics") or {})
         self._results = resume.results
-        mid_epoch, rng = resume.ckpt.get("trainkit"), resume.ckpt.get("rng")
-        if mid_epoch is not None and rng is not None:
-            state = self._position.resume(
-                resume.path, mid_epoch, rng[self.rank], rank=self.rank, loop=records.loop, epochs=self.cfg.epochs
-            )
-            if state is not None:
-                self._metrics.load_state_dict(state["logs"], state["grad_norm"])
+        epochs = self.cfg.epochs
+        state = self._position.resume(resume.path, resume.ckpt, rank=self.rank, loop=records.loop, epochs=epochs)
+        self._metrics.resume(resume.ckpt.get("latest_metrics"), state)
+        return self._registry.items.values()
 
     # ------------------------------------------------------------------ best model and early stopping
 
@@ -902,9 +901,7 @@ class BaseTrainer(abc.ABC):
         """
         start_persistent_workers(iterable)
         self._position.check_loader(iterable, epoch=self.epoch, registered=lambda: _generators(self._registry))
-        tracked = self._position.track(
-            iterable, self.epoch, functools.partial(getattr, self, "step"), self._at_step_boundary
-        )
+        tracked = self._position.track(iterable, self._at_step_boundary)
         shown, initial = (iterable, 0) if tracked is None else (tracked, tracked.skip)
         shown = shown if self._metrics.throughput is None else CountedBatches(shown, self._metrics.throughput)
         return step_bar(

@@ -9,10 +9,13 @@ from trainkit.bookkeeping.best import BestState, best_metric_key, retune_min_del
 from trainkit.bookkeeping.guard import (
     GUARD_MODES,
     GuardState,
+    RollbackStreak,
     is_finite_value,
     replay_guard,
     rollback_candidate,
     step_guard,
+    step_rollbacks,
+    unblamable_steps,
 )
 from trainkit.bookkeeping.patience import PatienceState, retune_patience, step_patience
 from trainkit.bookkeeping.position import EpochPosition, next_step_checkpoint, position_mismatch, step_checkpoint_due
@@ -53,6 +56,9 @@ __all__ = [
     "replay_guard",
     "is_finite_value",
     "rollback_candidate",
+    "unblamable_steps",
+    "RollbackStreak",
+    "step_rollbacks",
     "BestState",
     "save_if_best",
     "best_metric_key",

@@ -27,6 +27,9 @@ __all__ = [
     "replay_guard",
     "is_finite_value",
     "rollback_candidate",
+    "unblamable_steps",
+    "RollbackStreak",
+    "step_rollbacks",
 ]
 
 GUARD_MODES = ("off", "raise", "skip", "rollback")
@@ -59,7 +62,7 @@ def _check_window(instance: Any, attribute: attrs.Attribute, value: Any) -> None
 
 def _check_count(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if not is_int(value) or value < 0:
-        raise BookkeepingError(f"GuardState.{attribute.name} must be an int >= 0, got {value!r}")
+        raise BookkeepingError(f"{type(instance).__name__}.{attribute.name} must be an int >= 0, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -182,3 +185,61 @@ def rollback_candidate(candidates: Sequence[tuple[Any, int]], first_bad_step: in
         if step <= first_bad_step and (best is None or step > best[1]):
             best = (path, step)
     return None if best is None else best[0]
+
+
+def unblamable_steps(bad: Sequence[tuple[int, int, Sequence[int]]], *, epoch: int, consumed: int) -> list[int]:
+    """The non-finite steps that leaving batches out after a rollback to a checkpoint cannot change.
+
+    A rollback replays from the checkpoint's position (``consumed`` batches into ``epoch``) with the bad steps'
+    batches left out; a step whose batches all lie before that position (or that trained on no batch of the
+    counted loop: a step after its last batch, say) would be replayed exactly as it failed, for ever.
+
+    :param bad: ``(step, epoch, batches)`` of the window's non-finite steps: the 0-based batch positions each one
+        trained on.
+    :param epoch: The epoch the checkpoint resumes into (0-based).
+    :param consumed: The batches of that epoch the checkpoint had consumed (0 at an epoch's start).
+    :returns: The steps, oldest first, none of whose batches the replay would meet.
+
+    >>> unblamable_steps([(7, 1, (3,)), (9, 1, ())], epoch=1, consumed=2)
+    [9]
+    >>> unblamable_steps([(7, 1, (3,))], epoch=1, consumed=4)
+    [7]
+    >>> unblamable_steps([(7, 1, (3,))], epoch=2, consumed=0)
+    [7]
+    """
+    return [step for step, e, batches in bad if not any((e, b) >= (epoch, consumed) for b in batches)]
+
+
+@attrs.frozen(kw_only=True)
+class RollbackStreak:
+    """Rollbacks in a row that did not get the run past the step that asked for the one before.
+
+    :ivar failed_at: The step that asked for the latest rollback (None before the first).
+    :ivar count: How many rollbacks in a row asked at that step or before it.
+    """
+
+    failed_at: int | None = None
+    count: int = attrs.field(default=0, validator=_check_count)
+
+
+def step_rollbacks(streak: RollbackStreak, step: int, *, limit: int) -> tuple[RollbackStreak, bool]:
+    """Count one more rollback, asked for at optimizer step ``step``.
+
+    A rollback asked for at a later step than the one before means the run got past that failure: the count
+    starts again. One asked for at the same step or earlier (every retry of the data fails, e.g. a learning rate
+    too high) adds to it; past ``limit`` the run must stop instead.
+
+    :param streak: The current record; left unchanged.
+    :param step: The step that asks for this rollback.
+    :param limit: ``guard.max_rollbacks``: the most rollbacks in a row that get nowhere.
+    :returns: The next record, and whether this rollback may go ahead.
+
+    >>> streak, ok = step_rollbacks(RollbackStreak(), 9, limit=2)
+    >>> streak, ok = step_rollbacks(streak, 9, limit=2)
+    >>> ok, streak.count
+    (True, 2)
+    >>> step_rollbacks(streak, 9, limit=2)[1], step_rollbacks(streak, 10, limit=2)[0].count
+    (False, 1)
+    """
+    count = streak.count + 1 if streak.failed_at is not None and step <= streak.failed_at else 1
+    return RollbackStreak(failed_at=step, count=count), count <= limit

@@ -1,7 +1,7 @@
 """The checkpointer: everything about a run's checkpoint files, behind the calls the trainer makes.
 
-Side effects: files in ``out_dir`` (through :mod:`trainkit.checkpoint.storage`), the run folder's lock, collectives (every
-rank calls :meth:`Checkpointer.claim`, :meth:`~Checkpointer.load`, :meth:`~Checkpointer.restore`,
+Side effects: files in ``out_dir`` (through :mod:`trainkit.checkpoint.storage`), the run folder's lock,
+collectives (every rank calls :meth:`Checkpointer.claim`, :meth:`~Checkpointer.load`, :meth:`~Checkpointer.restore`,
 :meth:`~Checkpointer.read_best`, :meth:`~Checkpointer.save` and :meth:`~Checkpointer.finish` together),
 warnings and the ``trainkit: resuming ...`` line on rank 0.
 
@@ -35,7 +35,13 @@ from trainkit.checkpoint.storage import BestWeights, FileStorage, SaveRequest, S
 from trainkit.config import CkptConfig, Config, changed_on_resume, render_value, strip_secrets
 from trainkit.distributed import collectives as dist_utils
 from trainkit.distributed import fsdp as sharding
-from trainkit.errors import CheckpointMismatchError, OutDirError, UsageError
+from trainkit.errors import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    CheckpointUnsafeError,
+    OutDirError,
+    UsageError,
+)
 from trainkit.messages import say, warn_user
 from trainkit.run.folder import same_directory
 from trainkit.run.journal import JsonlSink
@@ -93,6 +99,7 @@ class SaveRecord:
     :ivar position: Where the epoch stands, for a step checkpoint inside it; None at an epoch's end.
     :ivar rank_position: This rank's share of a step checkpoint (RNG and loader states at the iterator's
         creation, unpushed logs, the epoch's grad-norm mean); None at an epoch's end.
+    :ivar left_out: Every ``(epoch, batch)`` the counted loop leaves out (``guard.skip_batches``, a rollback's).
     """
 
     loop: core.LoopState
@@ -104,6 +111,7 @@ class SaveRecord:
     metrics_offset: int | None
     position: core.EpochPosition | None = None
     rank_position: dict[str, Any] | None = None
+    left_out: tuple[tuple[int, int], ...] = ()
 
 
 class Checkpointer:
@@ -156,8 +164,6 @@ class Checkpointer:
         self._minimize = bool((config.get("val") or {}).get("minimize", False))
         self._score: tuple[int, float] | None = None  # (epoch, score) of the last save_if_best call
         self._resumed: Path | None = None
-        self.skips: dict[int, frozenset[int]] = {}
-        """Per epoch, the batch positions left out (``guard.skip_batches``, a rollback's): saved, put back."""
 
     @property
     def config(self) -> dict[str, Any]:
@@ -243,19 +249,35 @@ class Checkpointer:
     def rollback_resume(self, cfg: Config, first_bad_step: int) -> Resume | None:
         """The newest checkpoint written before optimizer step ``first_bad_step``, loaded (the divergence guard's
         rollback): ``last``, then its previous copy, then the kept ``checkpoints/step-<step>.pt`` files
-        (:func:`~trainkit.bookkeeping.rollback_candidate`); None when none qualifies (every rank decides alike).
+        (:func:`~trainkit.bookkeeping.rollback_candidate`); a damaged one is warned about and passed over for the
+        next older one, as an automatic resume falls back. None when none qualifies (every rank decides alike).
 
         :param cfg: The run's config.
         :param first_bad_step: The 0-based index of the first non-finite step of the guard's window.
+        :returns: The checkpoint to roll back to, or None.
         """
         self.wait()  # a background save is published before anything is read
         for path in self._storage.published():  # newest first: last, then last.prev
-            resume = self.load(cfg, path, quiet=True)
+            resume = self._load_for_rollback(cfg, path)
             if resume is not None and resume.ckpt["step"] <= first_bad_step:
                 return resume
         kept, _, _, _ = read_kept(self._kept.directory)
-        chosen = core.rollback_candidate([(c.step, c.step) for c in kept], first_bad_step)
-        return None if chosen is None else self.load(cfg, kept_path(self._kept.directory, chosen), quiet=True)
+        candidates = [(c.step, c.step) for c in kept]
+        while (chosen := core.rollback_candidate(candidates, first_bad_step)) is not None:  # one try per kept one
+            resume = self._load_for_rollback(cfg, kept_path(self._kept.directory, chosen))
+            if resume is not None:
+                return resume
+            candidates.remove((chosen, chosen))
+        return None
+
+    def _load_for_rollback(self, cfg: Config, path: Path) -> Resume | None:
+        """A rollback candidate loaded, or None when it is damaged (warned: the next older one is tried, as an
+        automatic resume falls back)."""
+        try:
+            return self.load(cfg, path, quiet=True)
+        except (CheckpointCorruptError, CheckpointUnsafeError) as exc:
+            warn_user(f"guard.nonfinite=rollback: {path} cannot be rolled back to ({exc}); trying an older checkpoint")
+            return None
 
     def _keep_resumed(self, path: Path, ckpt: Mapping[str, Any], records: core.Resumed) -> None:
         """Rank 0 under ``ckpt.keep``: the resumed ``last`` of this folder is kept if its step is not (a kill
@@ -366,8 +388,6 @@ class Checkpointer:
         rng = ckpt.get("rng")
         if rng is not None and self._rank < len(rng):  # a rank added by resharding keeps its fresh seed
             restore_rng(rng[self._rank])
-        for epoch, batch in ckpt.get("guard_skips") or []:
-            self.skips[epoch] = self.skips.get(epoch, frozenset()) | {batch}
         return registry
 
     def read_best(self, directory: Path, best: core.BestState, model: nn.Module | None) -> BestWeights | None:
@@ -516,7 +536,7 @@ class Checkpointer:
                 name: training_modes(obj) for name, obj in registry.items.items() if isinstance(obj, nn.Module)
             },
             mid_epoch=mid_epoch,
-            guard_skips=[[epoch, batch] for epoch in sorted(self.skips) for batch in sorted(self.skips[epoch])],
+            guard_skips=[[epoch, batch] for epoch, batch in record.left_out],
         )
 
     def keep_best_on_disk(self, tracked: bool, epoch: int | None) -> None:

@@ -86,7 +86,7 @@ class BestWeights:
 
 
 class Storage(Protocol):
-    """What :class:`~trainkit.checkpoint.checkpointer.Checkpointer` asks of a checkpoint format (both formats implement it)."""
+    """What the :class:`~trainkit.checkpoint.checkpointer.Checkpointer` asks of a checkpoint format (both do it)."""
 
     @property
     def last_path(self) -> Path: ...
@@ -117,7 +117,8 @@ class Storage(Protocol):
 
 
 class FileStorage:
-    """``ckpt.format="file"``: ``last.pt``/``best.pt`` written whole by rank 0 (:class:`~trainkit.checkpoint.pt_files.RunFiles`).
+    """``ckpt.format="file"``: ``last.pt``/``best.pt`` written whole by rank 0
+    (:class:`~trainkit.checkpoint.pt_files.RunFiles`).
 
     :param files: The run folder's files.
     :param rank: This process's rank.

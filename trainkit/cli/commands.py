@@ -1,36 +1,73 @@
-"""Command-line helpers: build a config from ``argv``, and ``python -m trainkit report OUT_DIR``.
+"""``python -m trainkit COMMAND``: the argument parser, and one dispatch for every command.
 
-Side effects: reads YAML files and run folders, writes ``curves.png``. PyYAML and matplotlib are
-optional and imported only when used.
+Each command is a function of the parsed arguments that returns the lines to print (``report`` its exit status);
+the errors it may raise on bad input are listed beside it, and :func:`main` turns any of them into one
+``error: ...`` line on stderr and exit status 2. The commands themselves live in a module each
+(:mod:`~trainkit.cli.report`, :mod:`~trainkit.cli.inspect`, :mod:`~trainkit.cli.export`, :mod:`~trainkit.cli.retain`,
+:mod:`~trainkit.cli.replay`), imported when their command runs.
+
+Side effects: those of the command run.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from trainkit.cli.export import export_weights
-from trainkit.cli.inspect import describe_checkpoint
-from trainkit.cli.report import report
-from trainkit.errors import ConfigError
-from trainkit.run.read_metrics import read_metrics
+from trainkit.errors import CheckpointError, ConfigError, OutDirError
 
-__all__ = [
-    "read_metrics",
-    "describe_checkpoint",
-    "export_weights",
-    "main",
-]
+__all__ = ["main"]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``python -m trainkit``.
+def _report(args: argparse.Namespace) -> int:
+    from trainkit.cli.report import report
 
-    :param argv: The arguments after the program name; ``sys.argv[1:]`` by default.
-    :returns: The process exit code.
-    """
+    return report(args.out_dir, plot=not args.no_plot)
+
+
+def _inspect(args: argparse.Namespace) -> list[str]:
+    from trainkit.cli.inspect import describe_checkpoint
+    from trainkit.cli.retain import describe_run_folder, is_run_folder
+
+    if is_run_folder(Path(args.checkpoint)):
+        return describe_run_folder(args.checkpoint)
+    return describe_checkpoint(args.checkpoint, all_tensors=args.all)
+
+
+def _export(args: argparse.Namespace) -> list[str]:
+    from trainkit.cli.export import export_weights
+
+    return export_weights(args.checkpoint, args.out, item=args.item)
+
+
+def _retain(args: argparse.Namespace) -> list[str]:
+    from trainkit.cli.retain import retain_run
+
+    return retain_run(args.out_dir, args.keep, dry_run=args.dry_run)
+
+
+def _replay(args: argparse.Namespace) -> list[str]:
+    from trainkit.cli import replay
+
+    if args.guard:
+        return replay.format_guard_replay(replay.replay_guard_run(args.out_dir, args.settings), args.settings)
+    recorded, replayed = replay.replay_run(args.out_dir, args.settings, metric=args.metric)
+    return replay.format_replay(recorded, replayed, args.settings, args.metric)
+
+
+_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], list[str] | int], tuple[type[Exception], ...]]] = {
+    "report": (_report, (FileNotFoundError, CheckpointError)),
+    "inspect": (_inspect, (CheckpointError,)),
+    "export": (_export, (CheckpointError,)),
+    "retain": (_retain, (ConfigError, OutDirError)),
+    "replay": (_replay, (ConfigError, ValueError, FileNotFoundError)),
+}
+"""Each command's function, and the errors on bad input it reports as ``error: ...`` and exit status 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trainkit", description="trainkit command-line tools")
     commands = parser.add_subparsers(dest="command", required=True)
     report_parser = commands.add_parser("report", help="summarize a run folder and draw its curves")
@@ -64,66 +101,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="replay the recorded grad norms and losses through the divergence guard; settings are guard.* words",
     )
-    args = parser.parse_args(argv)
-    if args.command == "replay" and args.guard:
-        from trainkit.cli.replay import format_guard_replay, replay_guard_run
+    return parser
 
-        try:
-            guarded = replay_guard_run(args.out_dir, args.settings)
-        except (ConfigError, ValueError, FileNotFoundError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        print("\n".join(format_guard_replay(guarded, args.settings)))
-        return 0
-    if args.command == "replay":
-        from trainkit.cli.replay import format_replay, replay_run
 
-        try:
-            recorded, replayed = replay_run(args.out_dir, args.settings, metric=args.metric)
-        except (ConfigError, ValueError, FileNotFoundError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        print("\n".join(format_replay(recorded, replayed, args.settings, args.metric)))
-        return 0
-    if args.command == "export":
-        from trainkit.errors import CheckpointError
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``python -m trainkit``.
 
-        try:
-            lines = export_weights(args.checkpoint, args.out, item=args.item)
-        except CheckpointError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        print("\n".join(lines))
-        return 0
-    if args.command == "retain":
-        from trainkit.cli.retain import retain_run
-        from trainkit.errors import OutDirError
-
-        try:
-            lines = retain_run(args.out_dir, args.keep, dry_run=args.dry_run)
-        except (ConfigError, OutDirError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        print("\n".join(lines))
-        return 0
-    if args.command == "inspect":
-        from trainkit.cli.retain import describe_run_folder, is_run_folder
-        from trainkit.errors import CheckpointError
-
-        try:
-            if is_run_folder(Path(args.checkpoint)):
-                lines = describe_run_folder(args.checkpoint)
-            else:
-                lines = describe_checkpoint(args.checkpoint, all_tensors=args.all)
-        except CheckpointError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        print("\n".join(lines))
-        return 0
-    from trainkit.errors import CheckpointError
-
+    :param argv: The arguments after the program name; ``sys.argv[1:]`` by default.
+    :returns: The process exit code: 0, 2 on bad input (one ``error: ...`` line on stderr), or ``report``'s.
+    """
+    args = _parser().parse_args(argv)
+    command, refused = _COMMANDS[args.command]
     try:
-        return report(args.out_dir, plot=not args.no_plot)
-    except (FileNotFoundError, CheckpointError) as exc:
+        result = command(args)
+    except refused as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if isinstance(result, int):
+        return result
+    print("\n".join(result))
+    return 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainkit.cli.inspect import _size
+from trainkit.cli.inspect import format_bytes
 
 __all__ = [
     "export_weights",
@@ -69,4 +69,4 @@ def export_weights(checkpoint: str | Path, out: str | Path, *, item: str = "mode
     tensors = {name: value for name, value in weights.items() if isinstance(value, torch.Tensor)}
     ckpt_io.atomic_save(weights, out)
     size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
-    return [f"wrote {out}: {len(tensors)} tensors, {_size(size)}, from {source}"]
+    return [f"wrote {out}: {len(tensors)} tensors, {format_bytes(size)}, from {source}"]

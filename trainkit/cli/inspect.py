@@ -13,13 +13,22 @@ from trainkit.cli.report import _format
 
 __all__ = [
     "describe_checkpoint",
+    "format_bytes",
 ]
 
 _SHOWN_TENSORS = 20
 """Tensors listed per item by ``inspect`` (the rest are counted); ``--all`` lists every one."""
 
 
-def _size(nbytes: int) -> str:
+def format_bytes(nbytes: float) -> str:
+    """A byte count as people read it: ``"512 B"``, ``"1.5 KiB"``, ``"20.0 MiB"``, ``"3.2 GiB"``.
+
+    :param nbytes: The number of bytes.
+    :returns: The count in the largest binary unit under 1024 of it (GiB at most).
+
+    >>> format_bytes(512), format_bytes(1536)
+    ('512 B', '1.5 KiB')
+    """
     for unit in ("B", "KiB", "MiB", "GiB"):
         if nbytes < 1024 or unit == "GiB":
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
@@ -85,7 +94,7 @@ def describe_checkpoint(path: str | Path, *, all_tensors: bool = False) -> list[
         what = f"a sharded trainkit {kind.replace('.pt', '')} checkpoint, {len(files)} files"
     else:
         size, what = path.stat().st_size, f"a trainkit {kind}"
-    lines = [f"checkpoint:   {source} ({_size(size)}, {what}, schema {payload['schema_version']})"]
+    lines = [f"checkpoint:   {source} ({format_bytes(size)}, {what}, schema {payload['schema_version']})"]
     best = payload.get("best")
     if kind == "last.pt":
         loop = payload["loop"]
@@ -148,14 +157,13 @@ def describe_checkpoint(path: str | Path, *, all_tensors: bool = False) -> list[
             continue
         tensors = _tensors(value, "")
         total = sum(t.numel() * t.element_size() for _, t in tensors)
-        lines.append(
-            f"  {name}: {len(tensors)} tensor(s), {_size(total)}" + ("" if tensors else f" ({type(value).__name__})")
-        )
+        kind = "" if tensors else f" ({type(value).__name__})"
+        lines.append(f"  {name}: {len(tensors)} tensor(s), {format_bytes(total)}{kind}")
         shown = tensors if all_tensors else tensors[:_SHOWN_TENSORS]
         for where, tensor in shown:
             shape = "x".join(map(str, tensor.shape)) or "scalar"
             dtype = str(tensor.dtype).removeprefix("torch.")
-            lines.append(f"    {where}: {dtype} {shape} ({_size(tensor.numel() * tensor.element_size())})")
+            lines.append(f"    {where}: {dtype} {shape} ({format_bytes(tensor.numel() * tensor.element_size())})")
         if len(tensors) > len(shown):
             lines.append(f"    ... {len(tensors) - len(shown)} more (--all lists them)")
     return lines

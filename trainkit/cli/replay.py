@@ -28,7 +28,7 @@ from trainkit.bookkeeping import (
     step_patience,
 )
 from trainkit.config import GuardConfig, ValConfig, apply_overrides
-from trainkit.config.rules import _one_of
+from trainkit.config.rules import one_of
 from trainkit.run.read_metrics import read_metrics
 
 __all__ = [
@@ -224,7 +224,7 @@ class GuardReplay:
 class _ReplayGuardConfig(GuardConfig):
     """``guard.*`` as the replay takes it: every mode the pure core knows, ``"skip"`` by default."""
 
-    nonfinite: str = attrs.field(default="skip", validator=_one_of(*GUARD_MODES))
+    nonfinite: str = attrs.field(default="skip", validator=one_of(*GUARD_MODES))
 
 
 @attrs.frozen(kw_only=True)

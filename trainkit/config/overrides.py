@@ -14,8 +14,8 @@ from typing import Any
 
 import attrs
 
-from trainkit.config.rules import _checker
-from trainkit.config.secrets import _hide_if_secret, _hints
+from trainkit.config.rules import type_check
+from trainkit.config.secrets import field_types, hide_if_secret
 from trainkit.errors import ConfigError
 
 __all__ = [
@@ -24,9 +24,9 @@ __all__ = [
 ]
 
 
-def _plain_tree(mapping: Mapping[str, Any]) -> dict[str, Any]:
+def plain_tree(mapping: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of a nested mapping whose mappings are plain dicts, to apply overrides to."""
-    return {key: _plain_tree(value) if isinstance(value, Mapping) else value for key, value in mapping.items()}
+    return {key: plain_tree(value) if isinstance(value, Mapping) else value for key, value in mapping.items()}
 
 
 def apply_overrides(root: type, data: dict[str, Any], overrides: Iterable[str]) -> None:
@@ -57,15 +57,15 @@ def apply_overrides(root: type, data: dict[str, Any], overrides: Iterable[str]) 
         for depth, part in enumerate(parts):
             fields = attrs.fields_dict(cls)
             if part not in fields:
-                raise _unknown_key(root, ".".join(parts[: depth + 1]))
-            tp = _hints(cls)[part]
+                raise unknown_key(root, ".".join(parts[: depth + 1]))
+            tp = field_types(cls)[part]
             if depth == len(parts) - 1:
                 try:
                     if attrs.has(tp):
                         raise ConfigError(key, "is a section; override one of its keys", text)
                     node[part] = _parse(text.strip(), tp, key)
                 except ConfigError as exc:
-                    raise _hide_if_secret(exc, key, root) from None
+                    raise hide_if_secret(exc, key, root) from None
             elif attrs.has(tp):
                 child = node.setdefault(part, {})
                 if not isinstance(child, dict):
@@ -73,7 +73,7 @@ def apply_overrides(root: type, data: dict[str, Any], overrides: Iterable[str]) 
                 node = child
                 cls = tp
             else:
-                raise _unknown_key(root, key)
+                raise unknown_key(root, key)
 
 
 def all_keys(cls: type, prefix: str = "") -> list[str]:
@@ -90,7 +90,7 @@ def all_keys(cls: type, prefix: str = "") -> list[str]:
     keys = []
     for field in attrs.fields(cls):
         name = prefix + field.name
-        tp = _hints(cls).get(field.name)
+        tp = field_types(cls).get(field.name)
         keys.extend(all_keys(tp, name + ".") if tp is not None and attrs.has(tp) else [name])
     return keys
 
@@ -98,14 +98,14 @@ def all_keys(cls: type, prefix: str = "") -> list[str]:
 def _sections(cls: type, prefix: str = "") -> list[str]:
     names = []
     for field in attrs.fields(cls):
-        tp = _hints(cls).get(field.name)
+        tp = field_types(cls).get(field.name)
         if tp is not None and attrs.has(tp):
             names.append(prefix + field.name)
             names.extend(_sections(tp, prefix + field.name + "."))
     return names
 
 
-def _unknown_key(root: type, key: str, root_prefix: str = "") -> ConfigError:
+def unknown_key(root: type, key: str, root_prefix: str = "") -> ConfigError:
     known = all_keys(root, root_prefix)
     leaf = key.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(key, known + _sections(root, root_prefix), n=1, cutoff=0.6)
@@ -131,7 +131,7 @@ def _parse(text: str, tp: Any, key: str) -> Any:
                 value = _parse(text, arg, key)
             except ConfigError:
                 continue
-            if _checker(arg)(value):
+            if type_check(arg)(value):
                 return value
         return _literal(text)
     if origin is tuple:

@@ -15,13 +15,13 @@ from typing import Any
 import attrs
 
 from trainkit.bookkeeping import is_int, is_real, parse_keep
-from trainkit.config.secrets import _hints
+from trainkit.config.secrets import field_types
 from trainkit.errors import BookkeepingError, ConfigError
 
 __all__ = []
 
 
-def _rule(check: typing.Callable[[Any], bool], text: str) -> typing.Callable[[Any, attrs.Attribute, Any], None]:
+def range_rule(check: typing.Callable[[Any], bool], text: str) -> typing.Callable[[Any, attrs.Attribute, Any], None]:
     """Build a range validator; values of the wrong type are left to the type check, which names them."""
 
     def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -33,15 +33,15 @@ def _rule(check: typing.Callable[[Any], bool], text: str) -> typing.Callable[[An
     return validate
 
 
-def _at_least(minimum: float) -> typing.Callable[[Any, attrs.Attribute, Any], None]:
-    return _rule(lambda v: v >= minimum, f"must be >= {minimum}")
+def at_least(minimum: float) -> typing.Callable[[Any, attrs.Attribute, Any], None]:
+    return range_rule(lambda v: v >= minimum, f"must be >= {minimum}")
 
 
-def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    _rule(lambda v: v > 0, "must be > 0")(instance, attribute, value)
+def positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    range_rule(lambda v: v > 0, "must be > 0")(instance, attribute, value)
 
 
-def _one_of(*choices: str) -> typing.Callable[[Any, attrs.Attribute, Any], None]:
+def one_of(*choices: str) -> typing.Callable[[Any, attrs.Attribute, Any], None]:
     def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         if isinstance(value, str) and value not in choices:
             raise ConfigError(attribute.name, f"must be one of {', '.join(map(repr, choices))}", value)
@@ -49,7 +49,7 @@ def _one_of(*choices: str) -> typing.Callable[[Any, attrs.Attribute, Any], None]
     return validate
 
 
-def _non_empty(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def non_empty(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if isinstance(value, str) and not value.strip():
         raise ConfigError(attribute.name, "must be a non-empty string", value)
 
@@ -57,7 +57,7 @@ def _non_empty(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 _WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
 
 
-def _wandb_project(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def wandb_project(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     """W&B's own rule for a project name, checked here so a bad name fails at construction, not at W&B start."""
     if not isinstance(value, str):
         return  # the type check names it
@@ -73,7 +73,7 @@ def _wandb_project(instance: Any, attribute: attrs.Attribute, value: Any) -> Non
         )
 
 
-def _wandb_tags(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def wandb_tags(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     """W&B's own rule for tags: every tag 1 to 64 characters."""
     if not isinstance(value, tuple):
         return
@@ -82,7 +82,7 @@ def _wandb_tags(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
             raise ConfigError(attribute.name, "must hold tags of 1 to 64 characters each (W&B's limit)", tag)
 
 
-def _optional(validator: typing.Callable[[Any, attrs.Attribute, Any], None]) -> typing.Callable[..., None]:
+def optional_rule(validator: typing.Callable[[Any, attrs.Attribute, Any], None]) -> typing.Callable[..., None]:
     def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         if value is not None:
             validator(instance, attribute, value)
@@ -90,7 +90,7 @@ def _optional(validator: typing.Callable[[Any, attrs.Attribute, Any], None]) -> 
     return validate
 
 
-def _signal_name(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def signal_name(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     import signal
 
     if isinstance(value, str) and not isinstance(getattr(signal, value, None), signal.Signals):
@@ -99,7 +99,7 @@ def _signal_name(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ConfigError(attribute.name, "must be a signal a process can catch (not SIGKILL or SIGSTOP)", value)
 
 
-def _patience_rule(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def patience_rule(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if is_real(value) and value < 1:
         raise ConfigError(
             attribute.name,
@@ -109,7 +109,7 @@ def _patience_rule(instance: Any, attribute: attrs.Attribute, value: Any) -> Non
         )
 
 
-def _keep_items(value: Any) -> Any:
+def keep_items(value: Any) -> Any:
     """``ckpt.keep``: a comma-separated string, or a list of them, as one tuple of items."""
     if isinstance(value, str):
         value = [value]
@@ -120,7 +120,7 @@ def _keep_items(value: Any) -> Any:
     return value
 
 
-def _keep_rules(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def keep_rules(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if not isinstance(value, tuple) or not all(isinstance(item, str) for item in value):
         return  # the type check names it
     try:
@@ -134,20 +134,20 @@ def _keep_rules(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         ) from None
 
 
-def _to_tuple(value: Any) -> Any:
+def to_tuple(value: Any) -> Any:
     if isinstance(value, Sequence) and not isinstance(value, str | bytes):
         return tuple(value)
     return value
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
     if tp is type(None):
         return "None"
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(arg) for arg in typing.get_args(tp))
+        return " or ".join(type_name(arg) for arg in typing.get_args(tp))
     if origin is tuple:
-        return "a list of " + _type_name(typing.get_args(tp)[0])
+        return "a list of " + type_name(typing.get_args(tp)[0])
     if attrs.has(tp):
         return "a mapping"
     return {int: "an int", float: "a float", bool: "a bool", str: "a string"}.get(tp, getattr(tp, "__name__", str(tp)))
@@ -157,7 +157,7 @@ def _anything(value: Any) -> bool:
     return True
 
 
-def _checker(tp: Any) -> typing.Callable[[Any], bool]:
+def type_check(tp: Any) -> typing.Callable[[Any], bool]:
     """The type test for annotation ``tp``, worked out once per annotation (a config is built per run)."""
     try:
         return _cached_checker(tp)
@@ -177,10 +177,10 @@ def _make_checker(tp: Any) -> typing.Callable[[Any], bool]:
         return lambda value: value is None
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        options = tuple(_checker(arg) for arg in typing.get_args(tp))
+        options = tuple(type_check(arg) for arg in typing.get_args(tp))
         return lambda value: any(check(value) for check in options)
     if origin is tuple:
-        item = _checker(typing.get_args(tp)[0])
+        item = type_check(typing.get_args(tp)[0])
         return lambda value: isinstance(value, tuple) and all(item(v) for v in value)
     if origin is typing.Literal:
         allowed = typing.get_args(tp)
@@ -195,18 +195,18 @@ def _make_checker(tp: Any) -> typing.Callable[[Any], bool]:
 
 
 @functools.cache
-def _field_checks(cls: type) -> tuple[tuple[str, Any, typing.Callable[[Any], bool]], ...]:
-    hints = _hints(cls)
+def field_checks(cls: type) -> tuple[tuple[str, Any, typing.Callable[[Any], bool]], ...]:
+    hints = field_types(cls)
     return tuple(
-        (field.name, hints.get(field.name, Any), _checker(hints.get(field.name, Any))) for field in attrs.fields(cls)
+        (field.name, hints.get(field.name, Any), type_check(hints.get(field.name, Any))) for field in attrs.fields(cls)
     )
 
 
 @functools.cache
-def _build_plan(cls: type) -> dict[str, str | None]:
+def build_plan(cls: type) -> dict[str, str | None]:
     """Per field of ``cls``: ``"section"`` (a nested record), ``"tuple"`` (lists become tuples) or None."""
     plan: dict[str, str | None] = {}
-    hints = _hints(cls)
+    hints = field_types(cls)
     for name in attrs.fields_dict(cls):
         tp = hints.get(name, Any)
         args = typing.get_args(tp)

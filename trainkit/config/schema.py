@@ -23,25 +23,25 @@ from typing import Any, TypeVar
 
 import attrs
 
-from trainkit.config.overrides import _plain_tree, _unknown_key, all_keys, apply_overrides
+from trainkit.config.overrides import all_keys, apply_overrides, plain_tree, unknown_key
 from trainkit.config.rules import (
-    _at_least,
-    _build_plan,
-    _field_checks,
-    _keep_items,
-    _keep_rules,
-    _non_empty,
-    _one_of,
-    _optional,
-    _patience_rule,
-    _positive,
-    _signal_name,
-    _to_tuple,
-    _type_name,
-    _wandb_project,
-    _wandb_tags,
+    at_least,
+    build_plan,
+    field_checks,
+    keep_items,
+    keep_rules,
+    non_empty,
+    one_of,
+    optional_rule,
+    patience_rule,
+    positive,
+    signal_name,
+    to_tuple,
+    type_name,
+    wandb_project,
+    wandb_tags,
 )
-from trainkit.config.secrets import _hide_if_secret, _hints, is_secret_key, strip_secrets
+from trainkit.config.secrets import field_types, hide_if_secret, is_secret_key, strip_secrets
 from trainkit.errors import ConfigError
 
 __all__ = [
@@ -77,11 +77,11 @@ class _Section:
     """Shared machinery of every config record: type checks, dict round trips, mapping construction."""
 
     def __attrs_post_init__(self) -> None:
-        for name, tp, check in _field_checks(type(self)):
+        for name, tp, check in field_checks(type(self)):
             value = getattr(self, name)
             if not check(value):
                 secret = is_secret_key(name, self)
-                raise ConfigError(name, f"must be {_type_name(tp)}", None if secret else value, show_value=not secret)
+                raise ConfigError(name, f"must be {type_name(tp)}", None if secret else value, show_value=not secret)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the config as a nested dict of plain values (tuples become lists).
@@ -117,7 +117,7 @@ class _Section:
         if not overrides:
             return _build(cls, mapping, prefix="", root=cls)
         # overrides go into the mapping before it is validated: a required key may come from an override alone
-        data = _plain_tree(mapping) if isinstance(mapping, Mapping) else mapping
+        data = plain_tree(mapping) if isinstance(mapping, Mapping) else mapping
         if isinstance(data, dict):
             apply_overrides(cls, data, overrides)
         return _build(cls, data, prefix="", root=cls)
@@ -147,20 +147,21 @@ def _build(cls: type[C], mapping: Any, *, prefix: str, root: type, root_prefix: 
     if not isinstance(mapping, Mapping):
         raise ConfigError(prefix.rstrip(".") or "config", "must be a mapping", mapping)
     fields = attrs.fields_dict(cls)
-    plan = _build_plan(cls)
+    plan = build_plan(cls)
     kwargs: dict[str, Any] = {}
     for raw_key, value in mapping.items():
         key = str(raw_key)
         if key not in fields:
-            raise _unknown_key(root, prefix + key, root_prefix)
+            raise unknown_key(root, prefix + key, root_prefix)
         kind = plan[key]
         if kind == "section":
             try:
-                value = _build(_hints(cls)[key], value, prefix=f"{prefix}{key}.", root=root, root_prefix=root_prefix)
+                section = field_types(cls)[key]
+                value = _build(section, value, prefix=f"{prefix}{key}.", root=root, root_prefix=root_prefix)
             except ConfigError as exc:
-                raise _hide_if_secret(exc, key, cls) from None
+                raise hide_if_secret(exc, key, cls) from None
         elif kind == "tuple":
-            value = _to_tuple(value)
+            value = to_tuple(value)
         kwargs[key] = value
     missing = [name for name, field in fields.items() if field.default is attrs.NOTHING and name not in kwargs]
     if missing:
@@ -168,7 +169,7 @@ def _build(cls: type[C], mapping: Any, *, prefix: str, root: type, root_prefix: 
     try:
         return cls(**kwargs)
     except ConfigError as exc:
-        raise _hide_if_secret(exc, exc.key, cls).with_prefix(prefix.rstrip(".")) from None
+        raise hide_if_secret(exc, exc.key, cls).with_prefix(prefix.rstrip(".")) from None
     except (TypeError, ValueError) as exc:  # an attrs validator's message quotes the value: not for a secret
         field = next((arg for arg in exc.args if isinstance(arg, attrs.Attribute)), None)
         if field is None or not is_secret_key(field.name, cls):
@@ -220,11 +221,11 @@ def public_config(cfg: Config) -> dict[str, Any]:
 class ValConfig(_Section):
     """``val.*``: the validation schedule, the selection direction and early stopping."""
 
-    every_n_epochs: int = attrs.field(default=1, validator=_at_least(1))
+    every_n_epochs: int = attrs.field(default=1, validator=at_least(1))
     minimize: bool = False
-    patience: int | None = attrs.field(default=None, validator=_optional(_patience_rule))
-    start_patience: int = attrs.field(default=0, validator=_at_least(0))
-    min_delta: float = attrs.field(default=0.0, validator=_at_least(0))
+    patience: int | None = attrs.field(default=None, validator=optional_rule(patience_rule))
+    start_patience: int = attrs.field(default=0, validator=at_least(0))
+    min_delta: float = attrs.field(default=0.0, validator=at_least(0))
 
 
 @attrs.frozen(kw_only=True)
@@ -262,23 +263,23 @@ class CkptConfig(_Section):
     """
 
     enable: bool = True
-    resume: str = attrs.field(default="auto", validator=_non_empty)
-    requeue_signal: str | None = attrs.field(default="SIGUSR1", validator=_optional(_signal_name))
+    resume: str = attrs.field(default="auto", validator=non_empty)
+    requeue_signal: str | None = attrs.field(default="SIGUSR1", validator=optional_rule(signal_name))
     async_save: bool = False
-    every_n_steps: int | None = attrs.field(default=None, validator=_optional(_at_least(1)))
-    format: str = attrs.field(default="file", validator=_one_of("file", "sharded"))
-    keep: tuple[str, ...] = attrs.field(default=(), converter=_keep_items, validator=_keep_rules)
+    every_n_steps: int | None = attrs.field(default=None, validator=optional_rule(at_least(1)))
+    format: str = attrs.field(default="file", validator=one_of("file", "sharded"))
+    keep: tuple[str, ...] = attrs.field(default=(), converter=keep_items, validator=keep_rules)
 
 
 @attrs.frozen(kw_only=True)
 class WandbConfig(_Section):
     """``wandb.*``: the W&B run; ``mode`` is ``"offline"`` (local files), ``"online"`` or ``"disabled"``."""
 
-    mode: str = attrs.field(default="offline", validator=_one_of(*WANDB_MODES))
-    project: str | None = attrs.field(default="trainkit", validator=_optional(_wandb_project))
+    mode: str = attrs.field(default="offline", validator=one_of(*WANDB_MODES))
+    project: str | None = attrs.field(default="trainkit", validator=optional_rule(wandb_project))
     entity: str | None = None
     name: str | None = None
-    tags: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple, validator=_wandb_tags)
+    tags: tuple[str, ...] = attrs.field(default=(), converter=to_tuple, validator=wandb_tags)
 
 
 @attrs.frozen(kw_only=True)
@@ -292,8 +293,8 @@ class ProgressConfig(_Section):
 class DistConfig(_Section):
     """``dist.*``: the process group; every collective is bounded by ``timeout_s``."""
 
-    backend: str = attrs.field(default="auto", validator=_one_of("auto", "gloo", "nccl"))
-    timeout_s: float = attrs.field(default=300.0, validator=_positive)
+    backend: str = attrs.field(default="auto", validator=one_of("auto", "gloo", "nccl"))
+    timeout_s: float = attrs.field(default=300.0, validator=positive)
 
 
 GUARD_NONFINITE = ("off", "raise", "skip", "rollback")
@@ -331,15 +332,18 @@ class GuardConfig(_Section):
     with an error naming the step and the batch) or ``"skip"`` (drop the step: no parameter or optimizer-state
     update; counted as ``guard/skipped_steps``). With ``max_skips`` set, ``"skip"`` raises instead once that many
     non-finite steps fall within ``window`` optimizer steps; ``"rollback"`` skips as ``"skip"`` until then, and
-    then reloads the newest checkpoint before the first of them and goes on with their batches left out.
-    ``skip_batches`` (``"EPOCH:BATCH"`` strings) leaves those batch positions out of the counted loop, as a
-    rollback does (how a rerun skips the batches a rollback skipped). See :mod:`trainkit.loop.guard`.
+    then reloads the newest checkpoint before the first of them and goes on with their batches left out, at most
+    ``max_rollbacks`` times in a row without getting past the step that asked for the rollback before (then it
+    stops with a :class:`~trainkit.DivergenceError`). ``skip_batches`` (``"EPOCH:BATCH"`` strings) leaves those
+    batch positions out of the counted loop, as a rollback does (how a rerun skips the batches a rollback
+    skipped). See :mod:`trainkit.loop.guard`.
     """
 
-    nonfinite: str = attrs.field(default="off", validator=_one_of(*GUARD_NONFINITE))
-    max_skips: int | None = attrs.field(default=None, validator=_optional(_at_least(1)))
-    window: int = attrs.field(default=100, validator=_at_least(1))
-    skip_batches: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple, validator=_skip_batches)
+    nonfinite: str = attrs.field(default="off", validator=one_of(*GUARD_NONFINITE))
+    max_skips: int | None = attrs.field(default=None, validator=optional_rule(at_least(1)))
+    window: int = attrs.field(default=100, validator=at_least(1))
+    max_rollbacks: int = attrs.field(default=5, validator=at_least(1))
+    skip_batches: tuple[str, ...] = attrs.field(default=(), converter=to_tuple, validator=_skip_batches)
 
 
 @attrs.frozen(kw_only=True)
@@ -353,16 +357,16 @@ class Config(_Section):
     True
     """
 
-    epochs: int = attrs.field(validator=_at_least(1))
+    epochs: int = attrs.field(validator=at_least(1))
     seed: int = 0
-    out_dir: str = attrs.field(default="runs/default", validator=_non_empty)
+    out_dir: str = attrs.field(default="runs/default", validator=non_empty)
     val: ValConfig = _section(ValConfig)
     test: TestConfig = _section(TestConfig)
     ckpt: CkptConfig = _section(CkptConfig)
-    weight_decay: float = attrs.field(default=0.0, validator=_at_least(0))
-    no_weight_decay: tuple[str, ...] = attrs.field(default=DEFAULT_NO_WEIGHT_DECAY, converter=_to_tuple)
-    grad_clip: float | None = attrs.field(default=None, validator=_optional(_positive))
-    log_stats_every_n_steps: int = attrs.field(default=100, validator=_at_least(1))
+    weight_decay: float = attrs.field(default=0.0, validator=at_least(0))
+    no_weight_decay: tuple[str, ...] = attrs.field(default=DEFAULT_NO_WEIGHT_DECAY, converter=to_tuple)
+    grad_clip: float | None = attrs.field(default=None, validator=optional_rule(positive))
+    log_stats_every_n_steps: int = attrs.field(default=100, validator=at_least(1))
     log_weight_stats: bool = False
     log_grad_stats: bool = False
     log_throughput: bool = False

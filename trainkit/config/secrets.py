@@ -30,7 +30,7 @@ __all__ = [
 
 
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
+def field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
@@ -201,7 +201,7 @@ def is_secret_key(key: str, config: Any = None) -> bool:
 @functools.cache
 def _field_secrecy(cls: type) -> dict[str, tuple[bool, type | None]]:
     """Per field of a config class: whether it is secret, and the record class of its value (None: not a record)."""
-    hints = _hints(cls)
+    hints = field_types(cls)
     secrecy = {}
     for field in attrs.fields(cls):
         tp = hints.get(field.name)
@@ -353,7 +353,7 @@ def redact_argv(argv: Sequence[str], config: Any = None) -> list[str]:
     return out
 
 
-def _hide_if_secret(exc: ConfigError, key: str, config: Any) -> ConfigError:
+def hide_if_secret(exc: ConfigError, key: str, config: Any) -> ConfigError:
     """The same error without its value when ``key`` is secret, so a message never quotes a secret."""
     if not is_secret_key(key, config) or (not exc.show_value and exc.value is None):
         return exc

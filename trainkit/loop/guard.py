@@ -17,7 +17,7 @@ registered with ``add_checkpoint_items`` acts on it before the step runs. Two pa
   optimizers leave a parameter without a gradient untouched: no update, no state change).
 
 ``"rollback"`` takes the host path; when its window is exhausted the pre-hook raises
-:class:`~trainkit.loop.rollback.RollbackNeeded` (a :class:`~trainkit.DivergenceError`) naming the window's bad steps
+:class:`~trainkit.errors.RollbackNeeded` (a :class:`~trainkit.DivergenceError`) naming the window's bad steps
 and their batches, and the trainer rolls back (:mod:`trainkit.loop.rollback`).
 
 Under DDP the flag is all-reduced (MAX) before it is read or used, so every rank takes the same verdict even
@@ -29,47 +29,24 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import attrs
 import torch
 
 from trainkit import bookkeeping as core
 from trainkit.bookkeeping.guard import CONTINUE, RAISE, ROLLBACK, SKIP
-from trainkit.errors import DivergenceError
+from trainkit.errors import DivergenceError, RollbackNeeded
 from trainkit.loop.batches import TrackedBatches
 from trainkit.loop.position import EpochTracker
 
 if TYPE_CHECKING:
     from trainkit.config import GuardConfig
-    from trainkit.loop.metrics import TrainerMetrics
 
-__all__ = ["DivergenceGuard", "SKIPPED_KEY", "locator"]
+__all__ = ["DivergenceGuard", "SKIPPED_KEY"]
 
 SKIPPED_KEY = "guard/skipped_steps"
 """The metric that counts the optimizer steps the guard skipped, in the run so far."""
-
-Where = Callable[[], tuple[int, int, int | None]]
-"""Returns ``(step, epoch, batch or None)``: where the loop stands."""
-
-
-def locator(trainer: Any) -> Where:
-    """Where ``trainer``'s loop stands, read through a weak reference (the hooks must not keep it alive).
-
-    :param trainer: The :class:`~trainkit.BaseTrainer`.
-    :returns: A function returning ``(step, epoch, batch)``; batch is the 0-based index in the epoch of the
-        last batch yielded, or None when the loop is not counted.
-    """
-    ref = weakref.ref(trainer)
-
-    def where() -> tuple[int, int, int | None]:
-        owner = ref()
-        if owner is None:
-            return 0, 0, None
-        return owner.step, owner.epoch, owner._position.current_batch()
-
-    return where
 
 
 def _fused(optimizer: torch.optim.Optimizer) -> bool:
@@ -84,54 +61,54 @@ class DivergenceGuard:
     :param max_skips: ``guard.max_skips``.
     :param window: ``guard.window``.
     :param world_size: The number of processes (the flag is all-reduced when > 1).
-    :param metrics: The trainer's metrics: where the skip count is buffered, and read back from on resume.
     """
 
-    def __init__(self, *, mode: str, max_skips: int | None, window: int, world_size: int, metrics: TrainerMetrics):
+    def __init__(self, *, mode: str, max_skips: int | None, window: int, world_size: int) -> None:
         self._state = core.GuardState(mode=mode, max_skips=max_skips, window=window)
         self._host = mode != "skip" or max_skips is not None  # a verdict that needs the flag on the host
         self._all_fused = True
         self._on_device: bool | None = None  # the path, decided at the first observe()
         self._world_size = world_size
-        self._metrics = metrics
         self._flag: torch.Tensor | float | None = None  # the latest norm or its host read; device path: found_inf
         self._found_inf: torch.Tensor | None = None  # the device path's flag, reused from step to step
         self._verdict: str | None = None  # the host verdict on the current flag, once decided
         self._counted = False  # whether the current flag was counted
         self._skipped: torch.Tensor | None = None  # the device path's skip count
-        self._where: Where = lambda: (0, 0, None)
         self._watched: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._saved_found_inf: dict[int, Any] = {}
-        self._resumed = False
         self._seen: dict[int, tuple[int, tuple[int, ...] | None]] = {}  # rollback: the bad steps' (epoch, batches)
         self._rollback = mode == "rollback"
-        self._position: EpochTracker | None = None  # rollback: where the counted loop stands
+        self._position: EpochTracker | None = None  # where the loop stands: step, epoch, the counted batches
         self._stepped_in: TrackedBatches | None = None  # rollback: the counted pass of the latest optimizer step
         self._stepped_at = 0  # rollback: the batches that pass had consumed then
+        self._fresh = False  # rollback: a norm was observed since the last optimizer step (a new step, not a second
+        # optimizer stepping on the same one)
         self._step_start = 0  # rollback: the position of the first batch of the optimizer step under way
 
-    def reset(self) -> None:
-        """Forget what was seen (after a rollback): the window, the skips, the flag; the count is read again from
-        the metrics the checkpoint put back."""
+    def reset(self, skipped: float | None = None) -> None:
+        """Start again from a checkpoint (a resume, or a rollback): nothing seen, the skip count as it was saved.
+
+        :param skipped: The skip count the checkpoint holds (``guard/skipped_steps`` buffered or pushed before it);
+            None: none.
+        """
         state = self._state
-        self._state = core.GuardState(mode=state.mode, max_skips=state.max_skips, window=state.window)
+        count = int(skipped) if skipped is not None else 0
+        self._state = core.GuardState(mode=state.mode, max_skips=state.max_skips, window=state.window, skipped=count)
         self._flag = self._skipped = self._verdict = None
-        self._resumed, self._seen = False, {}
+        self._seen = {}
         self._stepped_in = None
 
     @classmethod
-    def build(cls, cfg: GuardConfig, world_size: int, metrics: TrainerMetrics) -> DivergenceGuard | None:
+    def build(cls, cfg: GuardConfig, world_size: int) -> DivergenceGuard | None:
         """The guard ``cfg`` asks for, or None for ``"off"`` (nothing installed, nothing computed).
 
         :param cfg: ``cfg.guard``.
         :param world_size: The number of processes.
-        :param metrics: The trainer's metrics.
+        :returns: The guard, or None.
         """
         if cfg.nonfinite == "off":
             return None
-        return cls(
-            mode=cfg.nonfinite, max_skips=cfg.max_skips, window=cfg.window, world_size=world_size, metrics=metrics
-        )
+        return cls(mode=cfg.nonfinite, max_skips=cfg.max_skips, window=cfg.window, world_size=world_size)
 
     device_path_on_cpu = False
     """Take the device path for CPU tensors too (tests do, to exercise ``found_inf``): on the CPU a host read is
@@ -149,15 +126,14 @@ class DivergenceGuard:
         value = self.count()[SKIPPED_KEY]
         return int(value.item() if isinstance(value, torch.Tensor) else value)
 
-    def watch(self, objects: Iterable[Any], where: Where, position: EpochTracker | None = None) -> None:
+    def watch(self, objects: Iterable[Any], position: EpochTracker) -> None:
         """Install the step hooks on every optimizer among ``objects`` (once each).
 
         :param objects: What ``add_checkpoint_items`` was given.
-        :param where: Where the loop stands (:func:`locator`), for the error and the window.
-        :param position: The trainer's position part, whose counted loop says which batches each optimizer step
-            trained on (what a rollback leaves out).
+        :param position: The trainer's position part: where the loop stands (step, epoch, batch) names the step in
+            the error and the window, and its counted loop says which batches each optimizer step trained on (what
+            a rollback leaves out).
         """
-        self._where = where
         self._position = position
         for optimizer in objects:
             if not isinstance(optimizer, torch.optim.Optimizer) or optimizer in self._watched:
@@ -195,6 +171,7 @@ class DivergenceGuard:
         else:  # read on the host already: judged now, and a finite norm leaves the step's hook nothing to do
             self._flag, self._verdict = read, CONTINUE if math.isfinite(read) else None
         self._counted = False
+        self._fresh = True
 
     def count(self) -> dict[str, Any]:
         """The skip count as a metric, for the next push (a device tensor on the device path: no host read).
@@ -203,8 +180,6 @@ class DivergenceGuard:
         """
         if self._skipped is not None:
             return {SKIPPED_KEY: self._skipped}
-        if not self._resumed:
-            return {SKIPPED_KEY: self._initial_count()}
         return {SKIPPED_KEY: self._state.skipped}
 
     # ------------------------------------------------------------------ the hooks
@@ -221,6 +196,9 @@ class DivergenceGuard:
             elif batches.consumed != self._stepped_at:  # (equal: a second optimizer stepping on the same batches)
                 self._step_start = self._stepped_at
                 self._stepped_at = batches.consumed
+            elif self._fresh:  # a new norm but no batch since the last step: it trained on none of the loop's
+                self._step_start = self._stepped_at
+            self._fresh = False
         if self._verdict is CONTINUE:
             return  # a finite norm (judged when observed, or by the first optimizer stepping on it)
         flag = self._flag
@@ -230,7 +208,7 @@ class DivergenceGuard:
             if not self._counted:
                 self._counted = True
                 if self._skipped is None:
-                    self._skipped = torch.full((), self._initial_count(), device=flag.device)
+                    self._skipped = torch.full((), float(self._state.skipped), device=flag.device)
                 self._skipped.add_(flag)
             previous = getattr(optimizer, "found_inf", None)  # GradScaler's, when it calls this step
             self._saved_found_inf[id(optimizer)] = previous
@@ -254,46 +232,51 @@ class DivergenceGuard:
         else:
             optimizer.found_inf = previous
 
-    def _initial_count(self) -> float:
-        """The skip count a resumed run starts from: the last one buffered or pushed before the checkpoint."""
-        value = self._metrics.last_value(SKIPPED_KEY)
-        return float(value) if value is not None else 0.0
-
     def _decide(self) -> str:
         """The verdict on a non-finite step (a finite one is always taken: step_guard would say so)."""
-        step, epoch, batch = self._where()
-        batches = None
-        if self._rollback and batch is not None and self._stepped_in is not None:
+        position = self._position
+        step, epoch = (position.step, position.epoch) if position is not None else (0, 0)
+        batch = position.current_batch() if position is not None else None
+        batches = None  # not a counted loop; () when counted but the step trained on none of its batches
+        if self._rollback and self._stepped_in is not None:
             batches = tuple(range(self._step_start, self._stepped_at))
         recent = self._state.recent
         if recent and step <= recent[-1]:
             # the counted optimizer did not step since (a second optimizer's step): judged as the next step
             step = recent[-1] + 1
-        if not self._resumed:  # the count survives a resume through the pushed (or buffered) metrics
-            self._resumed = True
-            self._state = attrs.evolve(self._state, skipped=int(self._initial_count()))
         self._state, verdict = core.step_guard(self._state, step, finite=False)
         if self._state.mode == "rollback":
             self._seen = {s: self._seen.get(s, (epoch, batches)) for s in self._state.recent}
         if verdict == ROLLBACK:
             self._flag = None
             bad = tuple((s, *self._seen[s]) for s in self._state.recent)
-            if any(b is None for _, _, b in bad):
-                raise DivergenceError(
-                    self._message(step, epoch, batch, counted=False), step=step, epoch=epoch, batch=batch
-                )
-            from trainkit.loop.rollback import RollbackNeeded
-
+            counted = all(b is not None for _, _, b in bad)
+            unblamed = [s for s, _, b in bad if b == ()]
+            if not counted or unblamed:
+                message = self._message(step, epoch, batch, counted=counted, unblamed=unblamed)
+                raise DivergenceError(message, step=step, epoch=epoch, batch=batch)
             raise RollbackNeeded(self._message(step, epoch, batch), step=step, epoch=epoch, batch=batch, bad=bad)
         if verdict == RAISE:
             self._flag = None  # a caller that catches the error and steps again is not judged twice
             raise DivergenceError(self._message(step, epoch, batch), step=step, epoch=epoch, batch=batch)
         return verdict
 
-    def _message(self, step: int, epoch: int, batch: int | None, counted: bool = True) -> str:
+    def _message(
+        self, step: int, epoch: int, batch: int | None, *, counted: bool = True, unblamed: list[int] | None = None
+    ) -> str:
         in_epoch = f", batch {batch} of the epoch" if batch is not None else ""
         where = f"optimizer step {step} (epoch {epoch}{in_epoch})"
         state = self._state
+        if counted and unblamed:
+            return (
+                f"training stopped before {where}: its gradients are not finite, and step(s) "
+                f"{', '.join(map(str, unblamed))} "
+                "trained on no batch of the epoch's counted loop (an optimizer step after the loop's last batch or "
+                "before its first: a flush of a gradient-accumulation window with nothing left in it, an extra step "
+                "on a fixed batch), so guard.nonfinite=rollback has no batch to leave out and would fail the same "
+                "way again; nothing of that step was applied. Step only on batches self.progress() yielded, or use "
+                "guard.nonfinite=skip or raise"
+            )
         if not counted:
             return (
                 f"training stopped before {where}: its gradients are not finite, and guard.nonfinite=rollback cannot "

@@ -7,12 +7,18 @@ Side effects: none but on tensors; one device-to-host transfer per push.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainkit.bookkeeping import is_real
+from trainkit.loop.guard import SKIPPED_KEY
+from trainkit.loop.optim import RunningMean
+
+if TYPE_CHECKING:
+    from trainkit.loop.guard import DivergenceGuard
+    from trainkit.loop.throughput import Throughput
 
 __all__ = [
     "LogBuffer",
@@ -177,16 +183,13 @@ class TrainerMetrics:
 
     __slots__ = ("buffer", "latest", "grad_norm", "guard", "throughput", "drain")
 
-    def __init__(self, guard_config: Any = None, world_size: int = 1, throughput: Any = None) -> None:
-        from trainkit.loop.guard import DivergenceGuard
-        from trainkit.loop.optim import RunningMean
-
+    def __init__(self, *, guard: DivergenceGuard | None = None, throughput: Throughput | None = None) -> None:
         self.buffer = LogBuffer()
         self.latest: dict[str, float] = {}
         self.grad_norm = RunningMean()
-        self.guard = None if guard_config is None else DivergenceGuard.build(guard_config, world_size, self)
+        self.guard = guard
         self.throughput = throughput
-        parts = self.guard is not None or throughput is not None
+        parts = guard is not None or throughput is not None
         self.drain: Callable[[], dict[str, float]] = self.drain_with_parts if parts else self.buffer.drain
 
     def add_grad_norm(self, norm: torch.Tensor) -> None:
@@ -199,17 +202,6 @@ class TrainerMetrics:
         if self.guard is not None:
             read = self.buffer._scalars["train/grad_norm"]  # a float when the buffer read the norm (a CPU one)
             self.guard.observe(norm, read if read.__class__ is float else None)
-
-    def watch(self, objects: Iterable[Any], trainer: Any) -> None:
-        """Hand the optimizers among newly registered checkpoint items to the guard (nothing when it is off).
-
-        :param objects: What ``add_checkpoint_items`` was given.
-        :param trainer: The trainer, held weakly: where its loop stands names the step in the guard's error.
-        """
-        if self.guard is not None:
-            from trainkit.loop.guard import locator
-
-            self.guard.watch(objects, locator(trainer), trainer._position)
 
     def last_value(self, key: str) -> Any:
         """The value of ``key`` waiting in the buffer, else the last one pushed, else None.
@@ -242,6 +234,22 @@ class TrainerMetrics:
         if self.guard is not None:
             self.buffer.add(self.guard.count())
         return self.buffer.state_dict(), self.grad_norm.state_dict()
+
+    def resume(self, latest: Mapping[str, float] | None, rank_state: Mapping[str, Any] | None) -> None:
+        """Put back what a checkpoint holds of the metrics; the guard's window starts again from its skip count.
+
+        :param latest: The checkpoint's last pushed value of every metric.
+        :param rank_state: This rank's share of a step checkpoint (``logs``, ``grad_norm``), or None.
+        """
+        self.latest = dict(latest or {})
+        if rank_state is not None:
+            self.load_state_dict(rank_state["logs"], rank_state["grad_norm"])
+        if self.guard is not None:
+            self.guard.reset(self.last_value(SKIPPED_KEY))
+
+    def clear(self) -> None:
+        """Drop what waits for the next push and the epoch's grad-norm mean (a rollback's lost steps)."""
+        self.load_state_dict(LogBuffer().state_dict(), RunningMean().state_dict())
 
     def load_state_dict(self, logs: Mapping[str, Any], grad_norm: dict[str, Any]) -> None:
         """Put back what :meth:`state_dict` returned.

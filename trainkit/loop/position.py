@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +36,33 @@ _NOTHING: frozenset[int] = frozenset()
 class EpochTracker:
     """The training epoch's position: which batches were trained on, when a step checkpoint is due, a stop.
 
+    It also holds where the loop stands: :attr:`epoch` and :attr:`step`, the trainer's ``epoch`` and ``step``
+    (the first registered optimizer's post-step hook advances :attr:`step`); the parts that need them (the
+    divergence guard, the throughput counters, the rollback) are given this part and read them here.
+
     :param every_n_steps: ``ckpt.every_n_steps`` (None: checkpoints at epoch ends only).
     :param enabled: ``ckpt.enable``.
     :param world_size: The number of processes.
     :param timeout_s: The bound on the stop vote's all-reduce (``dist.timeout_s``).
+    :param left_out: Per epoch, the batch positions the counted loop leaves out (``guard.skip_batches``).
+    :param count_always: Count the loop even without step checkpoints (``guard.nonfinite=rollback``: a rollback
+        names the batches to leave out).
     """
 
-    def __init__(self, *, every_n_steps: int | None, enabled: bool, world_size: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        every_n_steps: int | None,
+        enabled: bool,
+        world_size: int,
+        timeout_s: float,
+        left_out: Mapping[int, frozenset[int]] | None = None,
+        count_always: bool = False,
+    ) -> None:
+        self.epoch = 0
+        """The epoch being run (0-based); after the last one, the last one that ran."""
+        self.step = 0
+        """The optimizer steps taken so far, in the run and the runs it resumed."""
         self._every_n_steps = every_n_steps
         self._stepping = enabled and every_n_steps is not None
         self._enabled = enabled
@@ -61,10 +81,8 @@ class EpochTracker:
         """The index in the epoch of the first batch the tracked loop yields (a resumed epoch's consumed ones)."""
         self.samplers: list[Any] = []
         """The samplers whose ``set_epoch`` is called before every epoch."""
-        self.counted = False
-        """Count the loop even without step checkpoints (the divergence guard's rollback needs its positions)."""
-        self.drops: dict[int, frozenset[int]] = {}
-        """Per epoch, the batch positions the counted loop leaves out at the index level (a rollback's skips)."""
+        self._count_always = count_always
+        self._left_out: dict[int, frozenset[int]] = dict(left_out or {})  # the one owner: saved, restored, extended
         self.on_drop: Callable[[int, int, Any], None] | None = None
         """Called ``(epoch, position, indices)`` as the counted loop leaves a batch out."""
         # weak sets, not ids: a loader built anew each epoch may reuse a freed one's id
@@ -84,38 +102,63 @@ class EpochTracker:
                 raise UsageError(f"add_samplers() needs objects with set_epoch(epoch), got {type(sampler).__name__}")
             self.samplers.append(sampler)
 
+    def read_step(self) -> int:
+        """The optimizer step counter (:attr:`step`), for the parts that are handed a reader.
+
+        :returns: :attr:`step`.
+        """
+        return self.step
+
     def set_epoch(self, epoch: int) -> None:
-        """Call ``set_epoch(epoch)`` on every sampler handed over.
+        """Start epoch ``epoch``: it becomes :attr:`epoch`, and ``set_epoch(epoch)`` is called on every sampler.
 
         :param epoch: The 0-based epoch about to run.
         """
+        self.epoch = epoch
         for sampler in self.samplers:
             sampler.set_epoch(epoch)
+
+    # ------------------------------------------------------------------ the batches left out
+
+    def leave_out(self, epoch: int, batches: Iterable[int]) -> None:
+        """Leave ``batches`` of ``epoch`` out from now on (a rollback's, or a checkpoint's saved ones).
+
+        :param epoch: The 0-based epoch.
+        :param batches: 0-based batch positions in that epoch.
+        """
+        self._left_out[epoch] = self._left_out.get(epoch, _NOTHING) | frozenset(batches)
+
+    def left_out(self) -> list[tuple[int, int]]:
+        """Every ``(epoch, batch)`` left out, sorted: what a checkpoint saves as ``guard_skips``.
+
+        :returns: The pairs.
+        """
+        return [(epoch, batch) for epoch in sorted(self._left_out) for batch in sorted(self._left_out[epoch])]
 
     # ------------------------------------------------------------------ the epoch
 
     def resume(
-        self,
-        resume_path: Path,
-        mid_epoch: Mapping[str, Any],
-        rng_at_save: dict[str, Any],
-        *,
-        rank: int,
-        loop: core.LoopState,
-        epochs: int,
+        self, resume_path: Path, ckpt: Mapping[str, Any], *, rank: int, loop: core.LoopState, epochs: int
     ) -> dict[str, Any] | None:
-        """Keep a step checkpoint's position for the resumed epoch's tracked loop.
+        """Take a checkpoint's place in the run: the batches it leaves out and, for a step checkpoint, its position,
+        kept for the resumed epoch's tracked loop.
 
         :param resume_path: Where the checkpoint was read (for messages).
-        :param mid_epoch: Its ``trainkit`` entry.
-        :param rng_at_save: This rank's RNG states at the save.
+        :param ckpt: The checkpoint (validated): its ``guard_skips``, and a step checkpoint's ``trainkit`` entry
+            and this rank's RNG states at the save.
         :param rank: This rank.
         :param loop: The reconciled loop record.
         :param epochs: ``epochs``.
-        :returns: This rank's share (its unpushed ``logs`` and ``grad_norm`` mean), or None when the run ends
-            before that epoch (warned).
+        :returns: This rank's share of a step checkpoint (its unpushed ``logs`` and ``grad_norm`` mean), or None
+            (an epoch-end checkpoint, or a run that ends before that epoch: warned).
         :raises CheckpointMismatchError: When written by another number of processes.
         """
+        for epoch, batch in ckpt.get("guard_skips") or []:
+            self.leave_out(epoch, (batch,))
+        mid_epoch, rng = ckpt.get("trainkit"), ckpt.get("rng")
+        if mid_epoch is None or rng is None:
+            return None
+        rng_at_save = rng[rank]
         position = core.EpochPosition.from_dict(mid_epoch["position"])
         if loop.finished or loop.epoch != position.epoch:
             warn_user(
@@ -140,7 +183,7 @@ class EpochTracker:
         return state
 
     @contextlib.contextmanager
-    def epoch(self) -> Iterator[None]:
+    def running_epoch(self) -> Iterator[None]:
         """Around ``train_epoch()``: the tracked loop is counted inside; afterwards, warn when a resumed epoch's
         position was never used (``train_epoch()`` did not iterate a ``DataLoader`` through ``progress()``)."""
         self._in_epoch, self._tracked = True, False
@@ -160,21 +203,17 @@ class EpochTracker:
                 "trained on twice"
             )
 
-    def track(
-        self, loader: Any, epoch: int, step: Callable[[], int], at_boundary: Callable[[TrackedBatches], None]
-    ) -> TrackedBatches | None:
+    def track(self, loader: Any, at_boundary: Callable[[TrackedBatches], None]) -> TrackedBatches | None:
         """The epoch's batches counted (for step checkpoints) and skipped into (for a mid-epoch resume), or None.
 
-        :param loader: What ``progress()`` was given.
-        :param epoch: The epoch.
-        :param step: Reads the optimizer step counter.
+        :param loader: What ``progress()`` was given (for epoch :attr:`epoch`).
         :param at_boundary: Called at each step boundary (when step checkpoints are on).
         :returns: The tracked batches, or None when this loop is not counted (warned once when it should be).
         :raises CheckpointMismatchError: When a resumed epoch's loader cannot be skipped into, or differs.
         """
-        pending = self._pending
-        drop = self.drops.get(epoch, _NOTHING)
-        if not self._in_epoch or not (self._stepping or pending is not None or self.counted or drop):
+        pending, epoch = self._pending, self.epoch
+        drop = self._left_out.get(epoch, _NOTHING)
+        if not self._in_epoch or not (self._stepping or pending is not None or self._count_always or drop):
             return None
         if self._tracked:
             self._warn_untracked(
@@ -211,14 +250,14 @@ class EpochTracker:
                 "(positions are 0-based): nothing is left out there"
             )
         self._tracked = True
-        self.saved(step())
+        self.saved(self.step)
         self._voting = self._stepping and dist_utils.is_distributed()
         self.counted_batches = TrackedBatches(
             loader,
             epoch=epoch,
             skip=position.batches if position is not None else 0,
             resume=resume,
-            step=step,
+            step=self.read_step,
             at_step_boundary=at_boundary if self._stepping else None,
             on_close=self._vote.finish,
             on_untracked=self._warn_untracked,

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from trainkit.bookkeeping.throughput import ThroughputMark, throughput_rates
-from trainkit.loop.metrics import LogBuffer
 
 __all__ = ["CountedBatches", "Throughput", "samples_in"]
 
@@ -117,11 +116,11 @@ class Throughput:
         else:
             raise TypeError(f"count_tokens takes a number or a tensor, got {n!r}")
 
-    def drain(self, buffer: LogBuffer) -> dict[str, float]:
+    def drain(self, buffer: Any) -> dict[str, float]:
         """Drain ``buffer`` (the device-side token count in its one transfer) and add the rates since the last
         row that carried them.
 
-        :param buffer: The trainer's log buffer.
+        :param buffer: The trainer's log buffer (a :class:`~trainkit.loop.metrics.LogBuffer`).
         :returns: The drained metrics, with ``perf/*`` when steps were taken since; empty when nothing was logged.
         """
         if self._tokens_on_device is not None:

@@ -3,8 +3,8 @@
 Side effects: reads the file (a regular file, never blocking). Standard library only: no torch.
 
 The file is input from whoever could write into the run folder, so each line is parsed with
-:func:`trainkit.files.bounded_read.load_json` (a line nested deeper than any row is damaged, not a crash), and a line that
-is not a JSON object is skipped with one warning for the file.
+:func:`trainkit.files.bounded_read.load_json` (a line nested deeper than any row is damaged, not a crash), and a
+line that is not a JSON object is skipped with one warning for the file.
 """
 
 from __future__ import annotations

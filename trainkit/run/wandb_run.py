@@ -63,8 +63,8 @@ class NullSink:
 class WandbSink:
     """The rank-0 W&B run.
 
-    Each row is logged at the step :class:`~trainkit.run.log.RunLog` gives it (its line in ``metrics.jsonl``), committed at
-    once. Charts use the logged ``trainer/step`` as their x-axis (``define_metric``).
+    Each row is logged at the step :class:`~trainkit.run.log.RunLog` gives it (its line in ``metrics.jsonl``),
+    committed at once. Charts use the logged ``trainer/step`` as their x-axis (``define_metric``).
 
     No secret reaches W&B's files: the config goes through ``strip_secrets`` (secret keys dropped, URL
     credentials masked), and the command line W&B records in the run's metadata is a copy with
@@ -243,8 +243,8 @@ def read_wandb_history(wandb_dirs: Iterable[Path], run_id: str, since: int = 0) 
     session), except in linked folders; warns once per file it skips. A file whose tail a kill cut off counts up
     to its last complete record. A file that is not a regular file (a FIFO, a link, a device), or that holds a
     history record trainkit never writes (a value that is not JSON, or nested deeper than
-    :data:`~trainkit.files.bounded_read.MAX_JSON_DEPTH`; a step that is not a non-negative int), is skipped whole, with a
-    ``RuntimeWarning`` naming it, and its rows are sent to W&B again (W&B keeps the first row it got at a step);
+    :data:`~trainkit.files.bounded_read.MAX_JSON_DEPTH`; a step that is not a non-negative int), is skipped whole,
+    with a ``RuntimeWarning`` naming it, and its rows are sent to W&B again (W&B keeps the first row it got at a step);
     so are the rows of a file without a run record (W&B writes that record first).
     A row's W&B step is its line in ``metrics.jsonl``, and each session sends the steps W&B lacks in order, so
     the steps a run holds have no gap: the history ends at the first step no file holds, and rows at steps
