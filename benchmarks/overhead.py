@@ -1,10 +1,9 @@
-#!/usr/bin/env python
 """trainkit overhead benchmarks: trainkit against a hand-written PyTorch loop (and Lightning, when installed).
 
-Run from the repository root::
+Run from the repository root, as a module (the ``trainkit`` measured is this checkout's)::
 
-    .venv/bin/python benchmarks/overhead.py            # full run (~10 min on 2 cores), gates enforced
-    .venv/bin/python benchmarks/overhead.py --quick    # smoke run (< 1 min), gates advisory
+    .venv/bin/python -m benchmarks.overhead            # full run (~16 min on 2 cores), gates enforced
+    .venv/bin/python -m benchmarks.overhead --quick    # smoke run (~1 min), gates advisory
 
 The engine section (``--only engine``) runs the loop with the model's work taken out (a null workload) at
 three run lengths and fits what each contestant adds to its baseline, in CPU microseconds per optimizer step,
@@ -33,15 +32,11 @@ import argparse
 import array
 import atexit
 import contextlib
-import datetime
 import functools
 import gc
-import hashlib
-import io
 import json
 import logging
 import os
-import platform
 import random
 import resource
 import shutil
@@ -57,12 +52,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run from a checkout: measure this working tree's trainkit
-    sys.path.insert(0, str(REPO))
-if str(REPO / "benchmarks") not in sys.path:  # confidence.py beside this file, also when imported from elsewhere
-    sys.path.insert(0, str(REPO / "benchmarks"))
 
 # Everything W&B writes goes to a throwaway folder; set before wandb is imported (by anything).
 _SESSION_TMP = Path(tempfile.mkdtemp(prefix="trainkit-bench-"))
@@ -82,7 +71,6 @@ os.environ.pop("WANDB_MODE", None)  # every contestant states its mode explicitl
 # a CPU benchmark, also on a machine with a GPU (the trainer would move its model there, the raw loop not)
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-import confidence  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -90,11 +78,25 @@ from torch import nn  # noqa: E402
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler  # noqa: E402
 
 import trainkit  # noqa: E402
+from benchmarks import confidence  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    REPO,
+    RESULTS,
+    keep_weights,
+    lightning_missing,
+    load_average,
+    log,
+    machine_was_busy,
+    one_thread,
+    quiet,
+    run_meta,
+    weights_digest,
+)
 from trainkit import BaseTrainer  # noqa: E402
 from trainkit import checkpoint as tk_checkpoint  # noqa: E402
 from trainkit.loop import optim as tk_optim  # noqa: E402
-from trainkit.state.modules import module_state
-from trainkit.loop.snapshot import WeightSnapshot
+from trainkit.loop.snapshot import WeightSnapshot  # noqa: E402
+from trainkit.state.modules import module_state  # noqa: E402
 
 SEED = 0
 LR = 1e-3
@@ -218,46 +220,6 @@ ENGINE_GATES = {
 }
 
 # ---------------------------------------------------------------------------------------------- helpers
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-class _NullTerminal(io.TextIOBase):
-    """An output that drops what it is given and says it is a terminal, so progress bars draw as on one."""
-
-    def isatty(self) -> bool:
-        return True
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        return len(text)
-
-
-@contextlib.contextmanager
-def quiet(terminal: bool = False) -> Iterator[None]:
-    """Send stdout and stderr (tqdm bars, trainkit's summary line, Lightning chatter) to /dev/null.
-
-    :param terminal: Send them to a :class:`_NullTerminal` instead: trainkit draws its step bar only on a
-        terminal, so its per-step cost shows only there.
-    """
-    with (
-        _NullTerminal() if terminal else open(os.devnull, "w") as sink,
-        contextlib.redirect_stdout(sink),
-        contextlib.redirect_stderr(sink),
-    ):
-        yield
-
-
-def weights_digest(module: nn.Module) -> str:
-    """SHA-256 of every parameter's bytes, in registration order (names differ across wrappers)."""
-    digest = hashlib.sha256()
-    for param in module.parameters():
-        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()[:16]
 
 
 def fsync_dir(directory: Path) -> None:
@@ -629,12 +591,7 @@ def raw_run(wl: Workload, tmp: Path, feature: str, spin_s: float = 0.0) -> tuple
                 best = val
                 best_epoch = epoch
                 improvements += 1
-                state = model.state_dict()
-                if best_state is None:
-                    best_state = {k: v.detach().clone() for k, v in state.items()}
-                else:
-                    with torch.no_grad():
-                        torch._foreach_copy_(list(best_state.values()), [v.detach() for v in state.values()])
+                best_state = keep_weights(best_state, model)
                 best_payload: dict[str, Any] = {"model": best_state, "epoch": epoch}
                 if same_as_trainkit:
                     best_payload.update(best=best_record(best, epoch), config=config)
@@ -834,12 +791,11 @@ def lightning_available() -> str | None:
     """Import Lightning; returns None when usable, else the reason it is skipped."""
     if _LIGHTNING:
         return None
-    try:
-        with quiet(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import lightning.pytorch as pl
-    except Exception as exc:  # noqa: BLE001 - any import failure means "skip"
-        return f"{type(exc).__name__}: {exc}"
+    why = lightning_missing()
+    if why is not None:
+        return why
+    import lightning.pytorch as pl
+
     if torch.__version__ != _TORCH_VERSION_AT_START:
         return f"lightning changed torch ({_TORCH_VERSION_AT_START} -> {torch.__version__})"
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
@@ -2087,13 +2043,6 @@ def wandb_apart(report: Report, res: GridResult, shapes: list[Shape], names: lis
 # ---------------------------------------------------------------------------------------------- output
 
 
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001 - metadata only
-        return ""
-
-
 def _verdict_text(verdict: str | None, pairs_to_decide: int | None = None) -> str:
     if verdict is None:
         return "info"
@@ -2304,9 +2253,15 @@ _TORCH_VERSION_AT_START = torch.__version__
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the sections asked for, write ``latest.json`` and ``latest.md``, and judge the gates.
+
+    :param argv: The command line's arguments (default: ``sys.argv[1:]``).
+    :returns: The exit status: 0 when no gate FAILs, 1 when one does (full mode, or ``--enforce-gates``), 2 when
+        contestants did different work, 3 when a section raised.
+    """
     parser = argparse.ArgumentParser(description="trainkit overhead benchmarks (see benchmarks/README.md)")
     parser.add_argument("--quick", action="store_true", help="smoke mode: small sizes, 3 rounds, gates advisory")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="output folder")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="output folder")
     parser.add_argument(
         "--rounds", type=int, default=None, help="measured rounds of every section (default 15, --quick 3 / engine 1)"
     )
@@ -2350,23 +2305,15 @@ def main(argv: list[str] | None = None) -> int:
             f"--engine-groups: unknown or no groups in {args.engine_groups!r} (choose from {', '.join(ENGINE_GROUPS)})"
         )
     enforce = args.enforce_gates or not args.quick
-    torch.set_num_threads(1)
-    with contextlib.suppress(RuntimeError):
-        torch.set_num_interop_threads(1)
+    one_thread()
     if args.resamples < 100:
         parser.error("--resamples must be at least 100")
     report = Report(settings=s, enforce=enforce, clock_mode=args.clock, resamples=args.resamples)
     start = time.perf_counter()
     meta: dict[str, Any] = {
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
+        **run_meta(),
         "torch_threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
         "trainkit": trainkit.__version__,
-        "git": (_git("rev-parse", "--short", "HEAD") or "?")
-        + (" + uncommitted trainkit changes" if _git("status", "--porcelain", "--", "trainkit") else ""),
-        "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
     if s.mode == "full" and s.rounds < 7:
         report.notes.append(f"only {s.rounds} measured rounds (--rounds); the gates are meant for 7 or more")
@@ -2406,9 +2353,9 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     finally:
         shutil.rmtree(_SESSION_TMP, ignore_errors=True)
-    meta["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    meta["loadavg_end"] = load_average()
     meta["seconds"] = round(time.perf_counter() - start, 1)
-    if float(meta["loadavg_start"].split()[0]) > 1.5 or float(meta["loadavg_end"].split()[0]) > 1.5:
+    if machine_was_busy(meta):
         report.notes.append(
             f"the machine was busy (load average {meta['loadavg_start']} at the start, {meta['loadavg_end']} at the "
             f"end, on {meta['cpus']} CPUs): other processes competed for the CPUs, so single rounds are noisy; "

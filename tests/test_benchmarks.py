@@ -12,14 +12,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
-    """Run a benchmark script from the repository root, its output captured, bounded by 300 s."""
-    return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def run_script(module: str, *args: str) -> subprocess.CompletedProcess:
+    """Run a benchmark as a module from the repository root (``python -m benchmarks.NAME``), its output captured,
+    bounded by 300 s."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_overhead_quick_mode_runs_and_checks_same_work(tmp_path):
-    """benchmarks/overhead.py --quick runs every section and writes its JSON and Markdown tables."""
-    proc = run_script("benchmarks/overhead.py", "--quick", "--no-lightning", "--out", str(tmp_path))
+    """python -m benchmarks.overhead --quick runs every section and writes its JSON and Markdown tables."""
+    proc = run_script("benchmarks.overhead", "--quick", "--no-lightning", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "latest.md").is_file()
     report = json.loads((tmp_path / "latest.json").read_text())
@@ -50,13 +53,13 @@ def test_overhead_quick_mode_runs_and_checks_same_work(tmp_path):
 
 def test_overhead_refuses_an_unknown_engine_group():
     """--engine-groups names the group it does not know and the ones there are."""
-    proc = run_script("benchmarks/overhead.py", "--quick", "--only", "engine", "--engine-groups", "off,wand")
+    proc = run_script("benchmarks.overhead", "--quick", "--only", "engine", "--engine-groups", "off,wand")
     assert proc.returncode == 2 and "'off,wand'" in proc.stderr and "guard" in proc.stderr, proc.stderr
 
 
 def test_gpu_check_cpu_smoke_runs(tmp_path):
-    """benchmarks/gpu_check.py --cpu-smoke exercises the GPU check's code paths and reports the same work."""
-    proc = run_script("benchmarks/gpu_check.py", "--cpu-smoke", "--out", str(tmp_path))
+    """python -m benchmarks.gpu_check --cpu-smoke exercises the GPU check's code paths and reports the same work."""
+    proc = run_script("benchmarks.gpu_check", "--cpu-smoke", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check_smoke.json").read_text())
     assert report["failures"] == []
@@ -67,20 +70,20 @@ def test_gpu_check_cpu_smoke_runs(tmp_path):
 
 
 def test_async_save_benchmark_runs(tmp_path):
-    """benchmarks/async_save.py measures blocked and lost time (gates apply at ~600 MB, not at this size)."""
-    proc = run_script("benchmarks/async_save.py", "--mb", "16", "--rounds", "1", "--out", str(tmp_path))
+    """python -m benchmarks.async_save measures blocked and lost time (gates apply at ~600 MB, not at this size)."""
+    proc = run_script("benchmarks.async_save", "--mb", "16", "--rounds", "1", "--out", str(tmp_path))
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     report = json.loads((tmp_path / "async_save.json").read_text())
     assert report["median_s"]["sync_s"] > 0 and report["median_s"]["blocked_s"] > 0
 
 
 def test_step_resume_quick_mode_runs_and_resumes_exactly(tmp_path):
-    """benchmarks/step_resume.py --quick: latency vs position, blocked time, and trainkit's exact mid-epoch resume.
+    """python -m benchmarks.step_resume --quick: latency vs position, blocked time, trainkit's exact mid-epoch resume.
 
     Lightning is left out (--no-lightning): the smoke run needs only trainkit; the README's table comes from a
     full run with Lightning installed.
     """
-    proc = run_script("benchmarks/step_resume.py", "--quick", "--no-lightning", "--out", str(tmp_path))
+    proc = run_script("benchmarks.step_resume", "--quick", "--no-lightning", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "step_resume.md").is_file()
     report = json.loads((tmp_path / "step_resume.json").read_text())
@@ -104,9 +107,9 @@ def test_step_resume_quick_mode_runs_and_resumes_exactly(tmp_path):
 
 @pytest.mark.ddp
 def test_sharded_save_quick_mode_runs(tmp_path):
-    """benchmarks/sharded_save.py --quick: every variant saves through trainkit on 2 gloo ranks and reports blocked
-    seconds, peak memory per rank and the disk's own speed (the goals apply at full size, not here)."""
-    proc = run_script("benchmarks/sharded_save.py", "--quick", "--out", str(tmp_path))
+    """python -m benchmarks.sharded_save --quick: every variant saves through trainkit on 2 gloo ranks and reports
+    blocked seconds, peak memory per rank and the disk's own speed (the goals apply at full size, not here)."""
+    proc = run_script("benchmarks.sharded_save", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "sharded_save_quick.json").read_text())
     (row,) = report["rows"]
@@ -120,21 +123,13 @@ def test_sharded_save_quick_mode_runs(tmp_path):
 # ------------------------------------------------------------------ the confidence rule and the engine section
 
 
-def _confidence_module():
-    """benchmarks/confidence.py, imported from its file (benchmarks/ is not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_confidence", ROOT / "benchmarks" / "confidence.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_confidence_doctests_pass():
     """The examples in benchmarks/confidence.py's docstrings hold (pytest's doctest run does not reach benchmarks/)."""
     import doctest
 
-    result = doctest.testmod(_confidence_module(), optionflags=doctest.NORMALIZE_WHITESPACE)
+    from benchmarks import confidence
+
+    result = doctest.testmod(confidence, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 10 and result.failed == 0, result
 
 
@@ -143,7 +138,8 @@ def test_a_straddling_interval_is_undecided_not_pass():
     old median rule passed it), with a pair count that would decide it; clear cases PASS and FAIL."""
     import numpy as np
 
-    conf = _confidence_module()
+    from benchmarks import confidence as conf
+
     rng = np.random.default_rng(3)
     limit = 1.02
     straddling = 1.015 + rng.normal(0.0, 0.03, size=40)  # median ~1.015, spread far wider than the margin
@@ -166,7 +162,8 @@ def test_cost_fit_recovers_planted_costs_exactly():
     samples, and its bootstrap interval holds the truth when noise is added."""
     import numpy as np
 
-    conf = _confidence_module()
+    from benchmarks import confidence as conf
+
     shapes = [(1, 10), (1, 200), (10, 10)]
     design = conf.design_matrix(shapes)
     truth = np.array([2e-3, 40e-6, 5e-6])  # 2 ms per run, 40 us per epoch, 5 us per step
@@ -178,10 +175,11 @@ def test_cost_fit_recovers_planted_costs_exactly():
 
 
 _PLANTED = """
-import json, sys
-sys.path.insert(0, "benchmarks")
-import overhead as ov
+import json
+
 import torch
+
+from benchmarks import overhead as ov
 
 torch.set_num_threads(1)
 shapes = [(1, 10), (1, 200), (10, 10)]
@@ -231,3 +229,4 @@ def _engine_fit_problems(fit: dict) -> list[str]:
         f"planted run {fit['planted']['run']}": abs(fit["planted"]["run"]["us"]) < 500.0,
     }
     return [name for name, ok in checks.items() if not ok]
+
