@@ -179,18 +179,22 @@ import json
 
 import torch
 
-from benchmarks import overhead as ov
+from benchmarks.contestants import raw_run
+from benchmarks.engine import fitted_costs
+from benchmarks.harness import Contestant, isolate_environment, run_grid
+from benchmarks.workloads import null_workload
 
+isolate_environment()
 torch.set_num_threads(1)
 shapes = [(1, 10), (1, 200), (10, 10)]
-workloads = {sh: ov.null_workload(*sh) for sh in shapes}
+workloads = {sh: null_workload(*sh) for sh in shapes}
 contestants = [
-    ov.Contestant("raw", lambda wl, tmp: ov.raw_run(wl, tmp, "off"), "raw"),
-    ov.Contestant("raw (again)", lambda wl, tmp: ov.raw_run(wl, tmp, "off"), "raw"),
-    ov.Contestant("planted", lambda wl, tmp: ov.raw_run(wl, tmp, "off", spin_s=5e-6), "raw"),
+    Contestant("raw", lambda wl, tmp: raw_run(wl, tmp, "off"), "raw"),
+    Contestant("raw (again)", lambda wl, tmp: raw_run(wl, tmp, "off"), "raw"),
+    Contestant("planted", lambda wl, tmp: raw_run(wl, tmp, "off", spin_s=5e-6), "raw"),
 ]
-res = ov.run_grid("planted", workloads, contestants, rounds=20, reps=3)
-print(json.dumps({name: ov.fitted_costs(res, name, "raw", shapes, 4000) for name in ("raw (again)", "planted")}))
+res = run_grid("planted", workloads, contestants, rounds=20, reps=3)
+print(json.dumps({name: fitted_costs(res, name, "raw", shapes, 4000) for name in ("raw (again)", "planted")}))
 """
 
 
