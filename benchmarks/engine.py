@@ -1,8 +1,9 @@
 """``overhead.py``'s engine section: what trainkit costs per step, per epoch and per run, with the model's work out.
 
 Every contestant runs the null workload at several run lengths; the paired differences to the baseline are fitted
-to ``run + epoch * epochs + step * steps`` (:mod:`benchmarks.confidence`), in CPU microseconds with 95 % intervals,
-and judged against :data:`~benchmarks.settings.ENGINE_GATES`.
+to ``run + epoch * epochs + step * steps`` (:mod:`benchmarks.confidence`). A gate is judged on that cost as a
+fraction of the group baseline's own cost per step in the same run (the raw step), so its verdict means the same
+on a host of any speed; the microseconds are reported beside it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from benchmarks.common import log
 from benchmarks.contestants import checkpoint_config, raw_run, trainkit_run, wandb_config
 from benchmarks.harness import APART, Contestant, GridResult, Shape, Timings, run_grid, wandb_calls_apart
 from benchmarks.lightning_contestant import LIGHTNING_NOTES, lightning_run
-from benchmarks.settings import ENGINE_GATES, Settings
+from benchmarks.settings import ENGINE_FRACTION_GATES, ENGINE_GATES, Settings
 from benchmarks.verdicts import Report
 from benchmarks.workloads import Workload, null_workload
 
@@ -54,8 +55,54 @@ def fitted_costs(
     }
 
 
+def fitted_fractions(
+    res: GridResult, ours: str, base: str, raw: str, shapes: list[Shape], resamples: int
+) -> dict[str, dict[str, float]]:
+    """:func:`fitted_costs` over ``raw``'s own CPU cost per step in the same runs, with 95 % intervals.
+
+    The resamples draw the same repetitions as :func:`fitted_costs` (the same seed): the interval comes from the
+    pairs the microseconds came from.
+
+    :param res: The engine group's samples.
+    :param ours: The contestant.
+    :param base: Its baseline.
+    :param raw: The group's reference loop, whose own step is the unit (the group's baseline).
+    :param shapes: The run lengths, in the order of the design.
+    :param resamples: Bootstrap resamples.
+    :returns: ``{unit: {"fraction", "low", "high"}}`` for ``run``, ``epoch`` and ``step``, in raw steps.
+    """
+    own = np.array([res.times[(raw, sh)].cpu for sh in shapes])
+    est, lo, hi = confidence.bootstrap_cost_fractions(
+        _deltas(res, ours, base, shapes, "cpu"), own, confidence.design_matrix(shapes), resamples
+    )
+    return {unit: {"fraction": est[i], "low": lo[i], "high": hi[i]} for i, unit in enumerate(_UNITS)}
+
+
+def raw_step(res: GridResult, raw: str, shapes: list[Shape], resamples: int) -> dict[str, Any]:
+    """A loop's own fitted CPU cost per step, with its 95 % interval: the unit of the engine gates.
+
+    :param res: The engine group's samples.
+    :param raw: The loop (the group's baseline).
+    :param shapes: The run lengths, in the order of the design.
+    :param resamples: Bootstrap resamples.
+    :returns: ``{"contestant", "us", "low", "high"}``.
+    """
+    own = np.array([res.times[(raw, sh)].cpu for sh in shapes])
+    est, lo, hi = confidence.bootstrap_costs(own, confidence.design_matrix(shapes), resamples)
+    return {"contestant": raw, "us": est[2] * 1e6, "low": lo[2] * 1e6, "high": hi[2] * 1e6}
+
+
 def _fmt_cost(c: dict[str, float]) -> str:
     return f"{c['us']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}]"
+
+
+def fmt_fraction(c: dict[str, float]) -> str:
+    """A cost in raw steps with its interval, as the log and the tables show it.
+
+    :param c: ``{"fraction", "low", "high"}`` (:func:`fitted_fractions`).
+    :returns: ``0.04695 [0.03736, 0.05339]``.
+    """
+    return f"{c['fraction']:.4g} [{c['low']:.4g}, {c['high']:.4g}]"
 
 
 def add_cost_row(
@@ -68,8 +115,12 @@ def add_cost_row(
     gates: dict[str, str],
     anchor: str | None = None,
     note: str = "",
+    raw: str | None = None,
 ) -> dict[str, Any]:
     """Fit, judge and record one engine row: what ``ours`` adds to ``base``.
+
+    A gated cost is judged in raw steps (:data:`ENGINE_FRACTION_GATES`): over the reference loop's own cost per
+    step in the same run. Its microseconds and their limit (:data:`ENGINE_GATES`) are recorded as information.
 
     :param report: Where the row and its verdicts go.
     :param res: The group's samples.
@@ -77,12 +128,15 @@ def add_cost_row(
     :param feature: The feature (the row's label).
     :param ours: The contestant.
     :param base: Its baseline.
-    :param gates: Unit (``step``, ``epoch``, ``run``) to the name of the gate in :data:`ENGINE_GATES` it is judged by.
+    :param gates: Unit (``step``, ``epoch``, ``run``) to the name of the gate it is judged by.
     :param anchor: A contestant (Lightning) whose per-step cost against the same baseline is shown beside the row.
     :param note: What the row measures, for the table.
+    :param raw: The group's reference loop, whose own step a gated cost is a fraction of (default: ``base``).
     :returns: The row.
     """
+    raw = raw or base
     costs = fitted_costs(res, ours, base, shapes, report.resamples)
+    fractions = fitted_fractions(res, ours, base, raw, shapes, report.resamples) if gates else {}
     pairs = len(res.times[(ours, shapes[0])].cpu)
     row: dict[str, Any] = {
         "feature": feature,
@@ -94,17 +148,26 @@ def add_cost_row(
         **{f"per_{unit}": costs[unit] for unit in _UNITS},
         "gates": {},
         "anchor": None,
+        "raw_step": raw_step(res, raw, shapes, report.resamples) if gates else None,
     }
     parts = []
     for unit in ("step", "epoch", "run"):
         text = f"{unit} {_fmt_cost(costs[unit])}"
         gate = gates.get(unit)
         if gate is not None:
-            limit = ENGINE_GATES[gate]
-            c = costs[unit]
-            verdict = report.judge_gate(gate, limit, "us", c["us"], c["low"], c["high"], pairs)
-            row["gates"][unit] = {"gate": gate, "limit": limit, "verdict": verdict}
-            text += f" {verdict} (<= {limit:g})"
+            limit, limit_us = ENGINE_FRACTION_GATES[gate], ENGINE_GATES[gate]
+            c, f = costs[unit], fractions[unit]
+            us = {
+                "limit": limit_us,
+                "estimate": c["us"],
+                "ci_low": c["low"],
+                "ci_high": c["high"],
+                "verdict": confidence.judge(c["low"], c["high"], limit_us, pairs),
+            }
+            information = {"us": us, "raw_step": row["raw_step"]}
+            verdict = report.judge_gate(gate, limit, "raw_step", f["fraction"], f["low"], f["high"], pairs, information)
+            row["gates"][unit] = {"gate": gate, "limit": limit, "limit_us": limit_us, "verdict": verdict, **f}
+            text += f" (<= {limit_us:g} us) = {fmt_fraction(f)} raw steps {verdict} (<= {limit:g})"
         parts.append(text)
     if anchor is not None and (anchor, shapes[0]) in res.times:
         row["anchor"] = {"contestant": anchor, **fitted_costs(res, anchor, base, shapes, report.resamples)["step"]}
@@ -251,6 +314,7 @@ def bench_engine(report: Report, s: Settings, use_lightning: bool, only: tuple[s
                     lightning,
                     "ckpt.every_n_steps past the run's end (the tracked loop and the step-boundary check, none due) "
                     "against the hand-written loop writing the same last.pt at every epoch end, as ckpt.enable does",
+                    raw=base,
                 )
                 add_cost_row(
                     report,
@@ -261,6 +325,7 @@ def bench_engine(report: Report, s: Settings, use_lightning: bool, only: tuple[s
                     "trainkit (ckpt last)",
                     {"epoch": "engine/steps/epoch"},
                     note="the tracked loop alone: against trainkit writing the same last.pt at every epoch end",
+                    raw=base,
                 )
                 for row_feature, ours_name, base_name, note in (
                     (
@@ -322,6 +387,7 @@ def bench_engine(report: Report, s: Settings, use_lightning: bool, only: tuple[s
                     note="guard.nonfinite=rollback with nothing non-finite against the same loop with the guard off, "
                     "both with ckpt.every_n_steps (none due), as a run that rolls back to a step has it: the verdict "
                     "and the positions of each step's batches",
+                    raw=base,
                 )
                 add_cost_row(
                     report,

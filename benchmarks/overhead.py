@@ -7,9 +7,10 @@ Run from the repository root, as a module (the ``trainkit`` measured is this che
 
 The engine section (``--only engine``) runs the loop with the model's work taken out (a null workload) at
 three run lengths and fits what each contestant adds to its baseline, in CPU microseconds per optimizer step,
-per epoch and per run, with bootstrap 95 % intervals. Every gate, ratio or microseconds, is judged on its
-interval (``confidence.py``): PASS when it lies under the limit, FAIL when it lies over it, UNDECIDED (exit 0,
-printed with the pairs that would decide it) when it straddles the limit or rests on fewer than 8 pairs.
+per epoch and per run, with bootstrap 95 % intervals; an engine gate is judged on that cost over the group
+baseline's own cost per step in the same run (raw steps), so that a slower host does not fail it. Every gate is
+judged on its interval (``confidence.py``): PASS when it lies under the limit, FAIL when it lies over it, UNDECIDED
+(exit 0, printed with the pairs that would decide it) when it straddles the limit or rests on fewer than 8 pairs.
 
 Everything runs in one process (the import gate aside, which needs fresh interpreters), single-threaded
 (``torch.set_num_threads(1)``). Contestants of a group run interleaved, in a shuffled order, for one

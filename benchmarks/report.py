@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import confidence
+from benchmarks.engine import fmt_fraction
 from benchmarks.lightning_contestant import LIGHTNING_NOTES
 from benchmarks.verdicts import Report
 
@@ -67,7 +68,8 @@ def engine_table(report: Report) -> list[str]:
         judged = row["gates"].get(unit)
         if judged is not None:
             record = gates[judged["gate"]]
-            text += f" <= {judged['limit']:g}: {_verdict_text(judged['verdict'], record['pairs_to_decide'])}"
+            verdict = _verdict_text(judged["verdict"], record["pairs_to_decide"])
+            text += f" (<= {judged['limit_us']:g}) = {fmt_fraction(judged)} raw steps <= {judged['limit']:g}: {verdict}"
         return text
 
     lines = [
@@ -114,14 +116,22 @@ def gate_summary(report: Report) -> list[str]:
     :param report: The report.
     :returns: The table's lines.
     """
-    lines = ["| gate | limit | estimate | 95% interval | pairs | result |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| gate | limit | estimate | 95% interval | pairs | result | microseconds (information) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for g in report.gates:
-        digits = ".4f" if g["unit"] == "ratio" else ".2f"
-        unit = "" if g["unit"] == "ratio" else " us"
+        digits = ".4f" if g["unit"] == "ratio" else ".4g"
+        unit = "" if g["unit"] == "ratio" else " raw steps"
+        us, step = g.get("us"), g.get("raw_step")
+        info = "-"
+        if us is not None and step is not None:
+            info = f"{us['estimate']:+.2f} [{us['ci_low']:+.2f}, {us['ci_high']:+.2f}] us <= {us['limit']:g}"
+            info += f"; {step['contestant']} step {step['us']:.1f} us"
         lines.append(
             f"| {g['gate']} | <= {g['limit']:g}{unit} | {g['estimate']:{digits}} "
             f"| [{g['ci_low']:{digits}}, {g['ci_high']:{digits}}] | {g['pairs']} "
-            f"| {_verdict_text(g['verdict'], g['pairs_to_decide'])} |"
+            f"| {_verdict_text(g['verdict'], g['pairs_to_decide'])} | {info} |"
         )
     return lines
 
@@ -174,7 +184,9 @@ def write_outputs(report: Report, out_dir: Path, meta: dict[str, Any]) -> tuple[
         "",
         "Gates are judged on 95% bootstrap intervals: PASS when the interval's upper end is under the limit, "
         "FAIL when its lower end is over it, UNDECIDED (exit 0) when it straddles the limit or rests on fewer "
-        f"than {confidence.MIN_PAIRS} pairs, with about the pairs that would decide it.",
+        f"than {confidence.MIN_PAIRS} pairs, with about the pairs that would decide it. An engine gate is judged "
+        "in raw steps: the cost a contestant adds, over its group baseline's own CPU cost per step in the same run "
+        "(the same on a host of any speed); its microseconds and their limit are information.",
         "",
         *gate_summary(report),
         "",
@@ -185,7 +197,9 @@ def write_outputs(report: Report, out_dir: Path, meta: dict[str, Any]) -> tuple[
                 "Added CPU microseconds, contestant minus baseline, fitted over the run lengths "
                 f"{', '.join(f'{e}x{b}' for e, b in s.engine_shapes)} (epochs x steps per epoch) to "
                 "`run + epoch * epochs + step * steps`; median of the paired differences at each length, 95% "
-                "bootstrap interval over repetitions in brackets. `raw (again) - raw` is the noise floor.",
+                "bootstrap interval over repetitions in brackets. `raw (again) - raw` is the noise floor. A gated "
+                "cost shows its microsecond limit, then the same cost in raw steps (over the group baseline's own "
+                "cost per step, listed below), whose limit decides.",
                 "",
                 *engine_table(report),
                 "",

@@ -1,4 +1,9 @@
-"""``overhead.py``'s run modes (sizes, rounds) and the limits of its gates (:data:`GATES`, :data:`ENGINE_GATES`)."""
+"""``overhead.py``'s run modes (sizes, rounds) and the limits of its gates.
+
+The ratio gates (:data:`GATES`) hold on any host: both sides of a ratio ran on it. The engine section's costs are
+absolute (CPU microseconds), so each of its gates is judged as a fraction of the raw loop's own cost per step in
+the same run (:data:`ENGINE_FRACTION_GATES`); the microseconds (:data:`ENGINE_GATES`) are printed as information.
+"""
 
 from __future__ import annotations
 
@@ -104,9 +109,10 @@ GATES = {
     "micro/ckpt_save": 1.10,
 }
 
-# the engine section's gates: added CPU microseconds per optimizer step / epoch / run (construction to the end
-# of train()), judged on the fit's 95 % bootstrap interval. W&B's per-run gate leaves out wandb.init and
-# Run.finish (timed apart); steps' per-epoch gate is against trainkit with the same epoch-end writes
+# the engine section's limits in added CPU microseconds per optimizer step / epoch / run (construction to the end
+# of train()), set on a 2-core host whose raw null step cost ~30 us. W&B's per-run gate leaves out wandb.init and
+# Run.finish (timed apart); steps' per-epoch gate is against trainkit with the same epoch-end writes. Information
+# now: a host twice as slow pays every line of the engine twice, so the verdicts come from ENGINE_FRACTION_GATES
 ENGINE_GATES = {
     "engine/off/step": 2.0,
     "engine/off/epoch": 150.0,
@@ -122,3 +128,18 @@ ENGINE_GATES = {
     "engine/guard/step": 2.0,
     "engine/guard/rollback/step": 2.0,
 }
+
+RAW_STEP_US_AT_LIMITS = {"off": 30.12, "steps": 30.12, "tqdm": 30.98, "wandb": 78.11, "guard": 49.82}
+"""The raw step the microsecond limits were judged against: each engine group's baseline's own fitted CPU cost
+per step (``raw`` for ``off`` and ``steps``, ``raw_tqdm``, ``raw_wandb``, ``trainkit (clip)`` for ``guard``) in
+the last full run before the fraction gates (6031f83, 2026-12-06 04:16 UTC; ``engine.baselines`` of
+``benchmarks/results/latest.json``), read to 0.01 us."""
+
+ENGINE_FRACTION_GATES = {
+    gate: float(f"{limit_us / RAW_STEP_US_AT_LIMITS[gate.split('/')[1]]:.3g}")
+    for gate, limit_us in ENGINE_GATES.items()
+}
+"""The engine gates' limits, in the group's raw steps: what a contestant adds per step, per epoch or per run over
+its baseline, divided by the group baseline's own cost per step in the same run, must stay under
+``ENGINE_GATES[gate] / RAW_STEP_US_AT_LIMITS[group]`` (3 significant digits), the microsecond limit read on the
+host that set it. The fraction is the same on a host of any speed: both sides scale with it."""

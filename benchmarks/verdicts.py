@@ -52,16 +52,27 @@ class Report:
         """The clock a gate uses: its natural one (``auto``), or the one forced with ``--clock``."""
         return natural if self.clock_mode == "auto" else self.clock_mode
 
-    def judge_gate(self, gate: str, limit: float, unit: str, estimate: float, lo: float, hi: float, pairs: int) -> str:
+    def judge_gate(
+        self,
+        gate: str,
+        limit: float,
+        unit: str,
+        estimate: float,
+        lo: float,
+        hi: float,
+        pairs: int,
+        information: dict[str, Any] | None = None,
+    ) -> str:
         """Judge one gate on its interval (:func:`confidence.judge`) and record it.
 
         :param gate: The gate's name.
         :param limit: Its limit, in ``unit``.
-        :param unit: ``"ratio"`` or ``"us"``.
+        :param unit: ``"ratio"``, or ``"raw_step"`` for an engine gate (its cost over the raw loop's own step).
         :param estimate: The point estimate (median ratio, fitted cost).
         :param lo: The 95 % interval's lower end.
         :param hi: Its upper end.
         :param pairs: The pairs behind the interval.
+        :param information: More of the record (an engine gate's microseconds and the raw step), not judged.
         :returns: ``"PASS"``, ``"FAIL"`` or ``"UNDECIDED"``.
         """
         verdict = confidence.judge(lo, hi, limit, pairs)
@@ -76,6 +87,7 @@ class Report:
                 "pairs": pairs,
                 "verdict": verdict,
                 "pairs_to_decide": confidence.pairs_to_decide(estimate, lo, hi, limit, pairs),
+                **(information or {}),
             }
         )
         return verdict

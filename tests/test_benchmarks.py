@@ -234,3 +234,53 @@ def _engine_fit_problems(fit: dict) -> list[str]:
     }
     return [name for name, ok in checks.items() if not ok]
 
+
+def _synthetic_group(scale: float, added_per_step_s: float):
+    """An engine group's samples, made up: a raw loop of 30 us per step, 50 us per epoch and 500 us per run, and a
+    contestant that adds ``added_per_step_s`` per step. The two runs of a pair see the same machine (a speed drawn
+    anew for each pair, +/-10 %) and their own small noise; ``scale`` multiplies every sample (a slower host)."""
+    import numpy as np
+
+    from benchmarks.harness import GridResult, Timings
+
+    rng = np.random.default_rng(5)
+    shapes = [(1, 10), (1, 200), (10, 10)]
+    times = {}
+    for epochs, batches in shapes:
+        steps = epochs * batches
+        raw = 500e-6 + 50e-6 * epochs + 30e-6 * steps
+        machine = rng.uniform(0.9, 1.1, size=60)
+        own = rng.normal(1.0, 0.002, size=(2, 60))
+        samples = {"raw": raw * machine * own[0], "trainkit": (raw + added_per_step_s * steps) * machine * own[1]}
+        for name, values in samples.items():
+            series = (scale * values).tolist()
+            times[(name, (epochs, batches))] = Timings(wall=series, cpu=list(series))
+    return GridResult(times, {}, {}, {}), shapes
+
+
+@pytest.mark.parametrize(("added_us", "verdict"), [(1.5, "PASS"), (2.5, "FAIL")])
+def test_engine_gate_in_raw_steps_reads_the_same_on_a_host_twice_as_slow(added_us, verdict):
+    """engine/off/step is judged in raw steps: the same planted cost on a host twice as slow (every sample doubled)
+    gets the same fraction, interval and verdict, while its microseconds double (1.5 us, under the 2 us limit that
+    was set on a 30 us raw step, reads 3 us there)."""
+    from benchmarks.engine import add_cost_row
+    from benchmarks.settings import ENGINE_FRACTION_GATES, QUICK
+    from benchmarks.verdicts import Report
+
+    records = {}
+    for scale in (1.0, 2.0):
+        res, shapes = _synthetic_group(scale, added_us * 1e-6)
+        report = Report(settings=QUICK, enforce=True, clock_mode="auto", resamples=2000)
+        add_cost_row(report, res, shapes, "off", "trainkit", "raw", {"step": "engine/off/step"})
+        (records[scale],) = report.gates
+    one, two = records[1.0], records[2.0]
+    assert one["unit"] == "raw_step" and one["limit"] == ENGINE_FRACTION_GATES["engine/off/step"]
+    assert one["verdict"] == two["verdict"] == verdict, (one, two)
+    for key in ("estimate", "ci_low", "ci_high"):
+        assert two[key] == pytest.approx(one[key], rel=1e-9), key
+    assert one["estimate"] == pytest.approx(added_us / 30.0, rel=0.05)
+    # the microseconds, information now: they double with the host, and a verdict on them would flip
+    assert two["us"]["estimate"] == pytest.approx(2 * one["us"]["estimate"], rel=1e-9)
+    assert one["us"]["estimate"] == pytest.approx(added_us, rel=0.05)
+    assert (one["us"]["verdict"], two["us"]["verdict"]) == ((verdict, "FAIL"))
+    assert two["raw_step"]["us"] == pytest.approx(2 * one["raw_step"]["us"], rel=1e-9)
