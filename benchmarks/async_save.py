@@ -1,6 +1,6 @@
 """Gate for ``ckpt.async_save``: how long a save blocks the loop, and how much training the writer costs.
 
-    python benchmarks/async_save.py [--mb 600] [--rounds 3] [--device cpu|cuda] [--out benchmarks/results]
+    python -m benchmarks.async_save [--mb 600] [--rounds 3] [--device cpu|cuda] [--out benchmarks/results]
 
 A ~600 MB state (a model's weights plus Adam's two moments) is saved three ways, interleaved:
 - sync: :func:`trainkit.checkpoint.atomic_save` (temp file, fsync, replace, directory fsync);
@@ -24,10 +24,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from trainkit.checkpoint.async_save import AsyncCheckpointWriter, StagingBuffers
+from benchmarks.common import RESULTS, write_json
 from trainkit.checkpoint import atomic_save
+from trainkit.checkpoint.async_save import AsyncCheckpointWriter, StagingBuffers
 
 GATE_BLOCKED = 0.15
 GATE_BLOCKED_PLUS_LOST = 0.5
@@ -65,7 +64,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--mb", type=int, default=600, help="state size in MB")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(1)
@@ -115,9 +114,7 @@ def main(argv: list[str]) -> int:
     if blocked_plus_lost > GATE_BLOCKED_PLUS_LOST:
         failures.append(f"(blocked + lost) / sync = {blocked_plus_lost:.3f} > {GATE_BLOCKED_PLUS_LOST}")
     report["failures"] = failures
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    name = "async_save.json" if device.type == "cpu" else "async_save_cuda.json"
-    (Path(args.out) / name).write_text(json.dumps(report, indent=2))
+    write_json(args.out, "async_save.json" if device.type == "cpu" else "async_save_cuda.json", report)
     print(json.dumps(report, indent=2))
     return 1 if failures else 0
 

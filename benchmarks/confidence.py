@@ -1,6 +1,6 @@
 """Gates decided by confidence: bootstrap intervals, the verdict rule, and the per-step/epoch/run cost fit.
 
-Pure functions (numpy only, no side effects), shared by ``overhead.py`` and its tests. A gate is judged
+Pure functions (numpy only, no side effects), shared by ``overhead.py``'s modules and their tests. A gate is judged
 on the 95 % interval of its statistic, never on the point estimate alone: PASS when the whole interval is
 under the limit, FAIL when the whole interval is over it, UNDECIDED when it straddles the limit or rests on
 fewer than :data:`MIN_PAIRS` pairs (more pairs would decide it; :func:`pairs_to_decide` says about how many,
@@ -24,6 +24,7 @@ __all__ = [
     "design_matrix",
     "fit_costs",
     "bootstrap_costs",
+    "bootstrap_cost_fractions",
 ]
 
 LEVEL = 0.95
@@ -116,7 +117,7 @@ def pairs_to_decide(estimate: float, lo: float, hi: float, limit: float, pairs: 
     :param limit: The gate's limit.
     :param pairs: The pairs the interval came from.
     :returns: The pair count (at least :data:`MIN_PAIRS`), the current count when the gate is decided already,
-        or None when the estimate sits on the limit (no pair count decides it).
+        or None when the estimate sits on the limit or the interval is unbounded (no pair count decides it).
 
     >>> pairs_to_decide(1.01, 1.00, 1.03, 1.02, 50)  # upper half 0.02 must shrink to 0.01: 4x the pairs
     200
@@ -133,6 +134,8 @@ def pairs_to_decide(estimate: float, lo: float, hi: float, limit: float, pairs: 
         return pairs
     if judge(lo, hi, limit) != "UNDECIDED":
         return MIN_PAIRS
+    if not (math.isfinite(lo) and math.isfinite(hi) and math.isfinite(estimate)):
+        return None  # an unbounded interval (bootstrap_cost_fractions) does not shrink as one over sqrt(pairs)
     if estimate < limit:
         half, gap = hi - estimate, limit - estimate
     elif estimate > limit:
@@ -179,6 +182,8 @@ def why_undecided(estimate: float, lo: float, hi: float, limit: float, pairs: in
         noun = "pair" if pairs == 1 else "pairs"
         few = f"fewer than the {MIN_PAIRS} that decide a gate"
         return f"{shown} {side} the limit {limit:g}, but on {pairs} {noun}, {few}"
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return f"{shown} is unbounded: what it is a fraction of did not come out above zero in every resample"
     decide = pairs_to_decide(estimate, lo, hi, limit, pairs)
     if decide is None:
         return f"{shown} straddles the limit {limit:g}; the estimate sits on the limit: no number of pairs decides it"
@@ -243,10 +248,68 @@ def bootstrap_costs(
     (True, True)
     """
     data = np.asarray(deltas, dtype=float)
-    n = data.shape[1]
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, n, size=(resamples, n))
-    medians = np.median(data[:, picks], axis=2)  # (shapes, resamples)
-    draws = np.linalg.pinv(design) @ medians  # (3, resamples)
-    lo, hi = _percentiles(draws, level)
+    lo, hi = _percentiles(_fitted_draws(data, design, _repetitions(data.shape[1], resamples, seed)), level)
     return fit_costs(data, design), lo, hi
+
+
+def _repetitions(n: int, resamples: int, seed: int) -> np.ndarray:
+    """``(resamples, n)``: the repetitions each resample draws, with replacement."""
+    return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+
+
+def _fitted_draws(data: np.ndarray, design: np.ndarray, picks: np.ndarray) -> np.ndarray:
+    """``(3, resamples)``: :func:`fit_costs` of every resample of ``(shapes, pairs)`` samples."""
+    return np.linalg.pinv(design) @ np.median(data[:, picks], axis=2)
+
+
+def bootstrap_cost_fractions(
+    deltas: np.ndarray,
+    base: np.ndarray,
+    design: np.ndarray,
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = 0,
+    level: float = LEVEL,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`bootstrap_costs` of ``deltas`` over the per-step cost of ``base``: a cost in the baseline's own steps.
+
+    A microsecond figure holds only on the host that measured it: a host twice as slow pays every line twice.
+    Divided by a reference loop's own cost per step, measured in the same runs, the figure reads the same on any
+    host. Each resample draws whole repetitions, the same for both (and, with the same ``seed``, the same as
+    :func:`bootstrap_costs` draws for ``deltas`` alone): the ratio's interval comes from the same pairs as the
+    microseconds, and a repetition the machine slowed down counts in both its numerator and its denominator.
+
+    :param deltas: ``(shapes, pairs)`` paired differences, seconds; pair ``i`` of each shape is repetition ``i``.
+    :param base: ``(shapes, pairs)`` the reference loop's own times, seconds, from the same repetitions.
+    :param design: :func:`design_matrix` of the shapes.
+    :param resamples: Bootstrap resamples.
+    :param seed: Seed of the resampling.
+    :param level: Confidence level.
+    :returns: ``(estimate, lower ends, upper ends)``, each ``[per run, per epoch, per step]`` in reference steps;
+        the interval is ``[-inf, inf]`` where the reference's cost per step is not above zero in every resample.
+    :raises ValueError: When ``deltas`` and ``base`` differ in shape.
+
+    >>> design = design_matrix([(1, 10), (1, 100), (10, 10)])
+    >>> rng = np.random.default_rng(2)
+    >>> base = (design @ np.array([5e-4, 4e-5, 3e-5]))[:, None] * rng.uniform(0.9, 1.1, size=(3, 40))
+    >>> deltas = (design @ np.array([0.0, 0.0, 1.5e-6]))[:, None] + rng.normal(0.0, 2e-6, size=(3, 40))
+    >>> est, lo, hi = bootstrap_cost_fractions(deltas, base, design)
+    >>> bool(lo[2] < 0.05 < hi[2])  # 1.5 us over a 30 us step
+    True
+    >>> est2, lo2, hi2 = bootstrap_cost_fractions(2 * deltas, 2 * base, design)  # a host twice as slow
+    >>> bool(np.allclose(est2, est) and np.allclose(lo2, lo) and np.allclose(hi2, hi))
+    True
+    """
+    data = np.asarray(deltas, dtype=float)
+    own = np.asarray(base, dtype=float)
+    if data.shape != own.shape:
+        raise ValueError(f"deltas {data.shape} and base {own.shape} must hold the same repetitions")
+    picks = _repetitions(data.shape[1], resamples, seed)
+    costs = _fitted_draws(data, design, picks)
+    steps = _fitted_draws(own, design, picks)[2]
+    step = fit_costs(own, design)[2]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        estimate = fit_costs(data, design) / step
+    if step <= 0.0 or np.any(steps <= 0.0):
+        return estimate, np.full(3, -np.inf), np.full(3, np.inf)
+    lo, hi = _percentiles(costs / steps, level)
+    return estimate, lo, hi

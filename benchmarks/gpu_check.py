@@ -1,8 +1,8 @@
 """GPU check: no host syncs on trainkit's per-step path, overhead vs a raw loop, snapshots, memory, exact resume.
 
-Run on a CUDA machine (a few minutes)::
+Run on a CUDA machine (a few minutes), from the repository root, as a module::
 
-    python benchmarks/gpu_check.py [--out benchmarks/results] [--rounds 7]
+    python -m benchmarks.gpu_check [--out benchmarks/results] [--rounds 7]
 
 Sections (each runs even when an earlier one failed; a failure is reported, and the exit status is 1):
 
@@ -51,14 +51,13 @@ if "--cpu-smoke" in sys.argv:  # the trainer picks a GPU when it sees one: the s
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import torch  # noqa: E402
-from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from torch import nn  # noqa: E402
 
 import trainkit  # noqa: E402
+from benchmarks.common import RESULTS, keep_weights, write_json  # noqa: E402
 from trainkit.checkpoint.async_save import StagingBuffers
-from trainkit.state.modules import module_state
 from trainkit.loop.snapshot import WeightSnapshot
+from trainkit.state.modules import module_state
 
 GATE_SNAPSHOT = 1.3
 GATE_PEAK = 1.001
@@ -137,11 +136,7 @@ def raw_run(data: dict, device: torch.device, variant: str) -> dict:
             score = float(val_loss(model, data))
             if score < best:
                 best = score
-                state = model.state_dict()
-                if best_state is None:
-                    best_state = {k: v.detach().clone() for k, v in state.items()}
-                else:
-                    torch._foreach_copy_(list(best_state.values()), [v.detach() for v in state.values()])
+                best_state = keep_weights(best_state, model)
     return {"loss": float(loss), "history": history}
 
 
@@ -559,7 +554,7 @@ def check_sharded(device: torch.device, smoke: bool, rounds: int) -> dict:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="run the code paths on the CPU, tiny sizes, no gates")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
     smoke = args.cpu_smoke
@@ -592,8 +587,7 @@ def main(argv: list[str]) -> int:
         failures += [f"{name}: {f}" for f in report[name]["failures"]]
         print(f"[{name}] done in {report[name]['seconds']} s; failures: {report[name]['failures']}", flush=True)
     report["failures"] = failures
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / ("gpu_check_smoke.json" if smoke else "gpu_check.json")).write_text(json.dumps(report, indent=2))
+    write_json(args.out, "gpu_check_smoke.json" if smoke else "gpu_check.json", report)
     print(json.dumps(report, indent=2))
     return 1 if failures else 0
 

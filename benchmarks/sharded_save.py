@@ -1,6 +1,6 @@
 """Sharded checkpoints (``ckpt.format=sharded``) against today's rank-0 file, on 2 gloo ranks.
 
-    python benchmarks/sharded_save.py [--sizes 10,100,1000] [--rounds 5] [--quick] [--out benchmarks/results]
+    python -m benchmarks.sharded_save [--sizes 10,100,1000] [--rounds 5] [--quick] [--out benchmarks/results]
 
 For each checkpoint size (MB of weights plus AdamW's two moments, float32) five trainers of 2 processes
 each save the same state, ``rounds`` times after one warm-up save, the first three through trainkit's own
@@ -54,9 +54,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from trainkit import BaseTrainer, Config, fork_server  # noqa: E402
+from benchmarks.common import RESULTS, write_json
+from trainkit import BaseTrainer, Config, fork_server
 from trainkit.distributed.collectives import all_gather_objects, free_port
 
 GATE_ASYNC = 0.1
@@ -289,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="10,100,1000", help="checkpoint sizes in MB, comma-separated")
     parser.add_argument("--rounds", type=int, default=5, help="timed saves per variant (after one warm-up)")
     parser.add_argument("--quick", action="store_true", help="10 MB, 1 round; goals only reported")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="where the results go")
+    parser.add_argument("--out", default=str(RESULTS), help="where the results go")
     parser.add_argument("--dir", default=None, help="the folder to write checkpoints into (a temp dir by default)")
     args = parser.parse_args(argv)
     sizes = [10] if args.quick else [int(size) for size in args.sizes.split(",")]
@@ -330,7 +329,6 @@ def main(argv: list[str] | None = None) -> int:
             if row["sync throughput / disk"] < GATE_THROUGHPUT:
                 missed.append(f"{mb} MB: sync throughput/disk {row['sync throughput / disk']} < {GATE_THROUGHPUT}")
             print(json.dumps(row), flush=True)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
     name = "sharded_save_quick.json" if args.quick else "sharded_save.json"
     meta = {
         "torch": torch.__version__,
@@ -338,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": rounds,
         "goals": {"async / sync": f"<= {GATE_ASYNC}", "sync throughput / disk": f">= {GATE_THROUGHPUT}"},
     }
-    (Path(args.out) / name).write_text(json.dumps({"meta": meta, "rows": rows, "missed": missed}, indent=1))
+    write_json(args.out, name, {"meta": meta, "rows": rows, "missed": missed}, indent=1)
     for line in missed:
         print(f"goal missed: {line}")
     return 1 if missed and not args.quick else 0

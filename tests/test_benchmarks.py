@@ -12,14 +12,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
-    """Run a benchmark script from the repository root, its output captured, bounded by 300 s."""
-    return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def run_script(module: str, *args: str) -> subprocess.CompletedProcess:
+    """Run a benchmark as a module from the repository root (``python -m benchmarks.NAME``), its output captured,
+    bounded by 300 s."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_overhead_quick_mode_runs_and_checks_same_work(tmp_path):
-    """benchmarks/overhead.py --quick runs every section and writes its JSON and Markdown tables."""
-    proc = run_script("benchmarks/overhead.py", "--quick", "--no-lightning", "--out", str(tmp_path))
+    """python -m benchmarks.overhead --quick runs every section and writes its JSON and Markdown tables."""
+    proc = run_script("benchmarks.overhead", "--quick", "--no-lightning", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "latest.md").is_file()
     report = json.loads((tmp_path / "latest.json").read_text())
@@ -50,13 +53,13 @@ def test_overhead_quick_mode_runs_and_checks_same_work(tmp_path):
 
 def test_overhead_refuses_an_unknown_engine_group():
     """--engine-groups names the group it does not know and the ones there are."""
-    proc = run_script("benchmarks/overhead.py", "--quick", "--only", "engine", "--engine-groups", "off,wand")
+    proc = run_script("benchmarks.overhead", "--quick", "--only", "engine", "--engine-groups", "off,wand")
     assert proc.returncode == 2 and "'off,wand'" in proc.stderr and "guard" in proc.stderr, proc.stderr
 
 
 def test_gpu_check_cpu_smoke_runs(tmp_path):
-    """benchmarks/gpu_check.py --cpu-smoke exercises the GPU check's code paths and reports the same work."""
-    proc = run_script("benchmarks/gpu_check.py", "--cpu-smoke", "--out", str(tmp_path))
+    """python -m benchmarks.gpu_check --cpu-smoke exercises the GPU check's code paths and reports the same work."""
+    proc = run_script("benchmarks.gpu_check", "--cpu-smoke", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check_smoke.json").read_text())
     assert report["failures"] == []
@@ -67,20 +70,20 @@ def test_gpu_check_cpu_smoke_runs(tmp_path):
 
 
 def test_async_save_benchmark_runs(tmp_path):
-    """benchmarks/async_save.py measures blocked and lost time (gates apply at ~600 MB, not at this size)."""
-    proc = run_script("benchmarks/async_save.py", "--mb", "16", "--rounds", "1", "--out", str(tmp_path))
+    """python -m benchmarks.async_save measures blocked and lost time (gates apply at ~600 MB, not at this size)."""
+    proc = run_script("benchmarks.async_save", "--mb", "16", "--rounds", "1", "--out", str(tmp_path))
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     report = json.loads((tmp_path / "async_save.json").read_text())
     assert report["median_s"]["sync_s"] > 0 and report["median_s"]["blocked_s"] > 0
 
 
 def test_step_resume_quick_mode_runs_and_resumes_exactly(tmp_path):
-    """benchmarks/step_resume.py --quick: latency vs position, blocked time, and trainkit's exact mid-epoch resume.
+    """python -m benchmarks.step_resume --quick: latency vs position, blocked time, trainkit's exact mid-epoch resume.
 
     Lightning is left out (--no-lightning): the smoke run needs only trainkit; the README's table comes from a
     full run with Lightning installed.
     """
-    proc = run_script("benchmarks/step_resume.py", "--quick", "--no-lightning", "--out", str(tmp_path))
+    proc = run_script("benchmarks.step_resume", "--quick", "--no-lightning", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "step_resume.md").is_file()
     report = json.loads((tmp_path / "step_resume.json").read_text())
@@ -104,9 +107,9 @@ def test_step_resume_quick_mode_runs_and_resumes_exactly(tmp_path):
 
 @pytest.mark.ddp
 def test_sharded_save_quick_mode_runs(tmp_path):
-    """benchmarks/sharded_save.py --quick: every variant saves through trainkit on 2 gloo ranks and reports blocked
-    seconds, peak memory per rank and the disk's own speed (the goals apply at full size, not here)."""
-    proc = run_script("benchmarks/sharded_save.py", "--quick", "--out", str(tmp_path))
+    """python -m benchmarks.sharded_save --quick: every variant saves through trainkit on 2 gloo ranks and reports
+    blocked seconds, peak memory per rank and the disk's own speed (the goals apply at full size, not here)."""
+    proc = run_script("benchmarks.sharded_save", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "sharded_save_quick.json").read_text())
     (row,) = report["rows"]
@@ -120,21 +123,13 @@ def test_sharded_save_quick_mode_runs(tmp_path):
 # ------------------------------------------------------------------ the confidence rule and the engine section
 
 
-def _confidence_module():
-    """benchmarks/confidence.py, imported from its file (benchmarks/ is not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_confidence", ROOT / "benchmarks" / "confidence.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_confidence_doctests_pass():
     """The examples in benchmarks/confidence.py's docstrings hold (pytest's doctest run does not reach benchmarks/)."""
     import doctest
 
-    result = doctest.testmod(_confidence_module(), optionflags=doctest.NORMALIZE_WHITESPACE)
+    from benchmarks import confidence
+
+    result = doctest.testmod(confidence, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 10 and result.failed == 0, result
 
 
@@ -143,7 +138,8 @@ def test_a_straddling_interval_is_undecided_not_pass():
     old median rule passed it), with a pair count that would decide it; clear cases PASS and FAIL."""
     import numpy as np
 
-    conf = _confidence_module()
+    from benchmarks import confidence as conf
+
     rng = np.random.default_rng(3)
     limit = 1.02
     straddling = 1.015 + rng.normal(0.0, 0.03, size=40)  # median ~1.015, spread far wider than the margin
@@ -166,7 +162,8 @@ def test_cost_fit_recovers_planted_costs_exactly():
     samples, and its bootstrap interval holds the truth when noise is added."""
     import numpy as np
 
-    conf = _confidence_module()
+    from benchmarks import confidence as conf
+
     shapes = [(1, 10), (1, 200), (10, 10)]
     design = conf.design_matrix(shapes)
     truth = np.array([2e-3, 40e-6, 5e-6])  # 2 ms per run, 40 us per epoch, 5 us per step
@@ -178,21 +175,26 @@ def test_cost_fit_recovers_planted_costs_exactly():
 
 
 _PLANTED = """
-import json, sys
-sys.path.insert(0, "benchmarks")
-import overhead as ov
+import json
+
 import torch
 
+from benchmarks.contestants import raw_run
+from benchmarks.engine import fitted_costs
+from benchmarks.harness import Contestant, isolate_environment, run_grid
+from benchmarks.workloads import null_workload
+
+isolate_environment()
 torch.set_num_threads(1)
 shapes = [(1, 10), (1, 200), (10, 10)]
-workloads = {sh: ov.null_workload(*sh) for sh in shapes}
+workloads = {sh: null_workload(*sh) for sh in shapes}
 contestants = [
-    ov.Contestant("raw", lambda wl, tmp: ov.raw_run(wl, tmp, "off"), "raw"),
-    ov.Contestant("raw (again)", lambda wl, tmp: ov.raw_run(wl, tmp, "off"), "raw"),
-    ov.Contestant("planted", lambda wl, tmp: ov.raw_run(wl, tmp, "off", spin_s=5e-6), "raw"),
+    Contestant("raw", lambda wl, tmp: raw_run(wl, tmp, "off"), "raw"),
+    Contestant("raw (again)", lambda wl, tmp: raw_run(wl, tmp, "off"), "raw"),
+    Contestant("planted", lambda wl, tmp: raw_run(wl, tmp, "off", spin_s=5e-6), "raw"),
 ]
-res = ov.run_grid("planted", workloads, contestants, rounds=20, reps=3)
-print(json.dumps({name: ov.fitted_costs(res, name, "raw", shapes, 4000) for name in ("raw (again)", "planted")}))
+res = run_grid("planted", workloads, contestants, rounds=20, reps=3)
+print(json.dumps({name: fitted_costs(res, name, "raw", shapes, 4000) for name in ("raw (again)", "planted")}))
 """
 
 
@@ -231,3 +233,54 @@ def _engine_fit_problems(fit: dict) -> list[str]:
         f"planted run {fit['planted']['run']}": abs(fit["planted"]["run"]["us"]) < 500.0,
     }
     return [name for name, ok in checks.items() if not ok]
+
+
+def _synthetic_group(scale: float, added_per_step_s: float):
+    """An engine group's samples, made up: a raw loop of 30 us per step, 50 us per epoch and 500 us per run, and a
+    contestant that adds ``added_per_step_s`` per step. The two runs of a pair see the same machine (a speed drawn
+    anew for each pair, +/-10 %) and their own small noise; ``scale`` multiplies every sample (a slower host)."""
+    import numpy as np
+
+    from benchmarks.harness import GridResult, Timings
+
+    rng = np.random.default_rng(5)
+    shapes = [(1, 10), (1, 200), (10, 10)]
+    times = {}
+    for epochs, batches in shapes:
+        steps = epochs * batches
+        raw = 500e-6 + 50e-6 * epochs + 30e-6 * steps
+        machine = rng.uniform(0.9, 1.1, size=60)
+        own = rng.normal(1.0, 0.002, size=(2, 60))
+        samples = {"raw": raw * machine * own[0], "trainkit": (raw + added_per_step_s * steps) * machine * own[1]}
+        for name, values in samples.items():
+            series = (scale * values).tolist()
+            times[(name, (epochs, batches))] = Timings(wall=series, cpu=list(series))
+    return GridResult(times, {}, {}, {}), shapes
+
+
+@pytest.mark.parametrize(("added_us", "verdict"), [(1.5, "PASS"), (2.5, "FAIL")])
+def test_engine_gate_in_raw_steps_reads_the_same_on_a_host_twice_as_slow(added_us, verdict):
+    """engine/off/step is judged in raw steps: the same planted cost on a host twice as slow (every sample doubled)
+    gets the same fraction, interval and verdict, while its microseconds double (1.5 us, under the 2 us limit that
+    was set on a 30 us raw step, reads 3 us there)."""
+    from benchmarks.engine import add_cost_row
+    from benchmarks.settings import ENGINE_FRACTION_GATES, QUICK
+    from benchmarks.verdicts import Report
+
+    records = {}
+    for scale in (1.0, 2.0):
+        res, shapes = _synthetic_group(scale, added_us * 1e-6)
+        report = Report(settings=QUICK, enforce=True, clock_mode="auto", resamples=2000)
+        add_cost_row(report, res, shapes, "off", "trainkit", "raw", {"step": "engine/off/step"})
+        (records[scale],) = report.gates
+    one, two = records[1.0], records[2.0]
+    assert one["unit"] == "raw_step" and one["limit"] == ENGINE_FRACTION_GATES["engine/off/step"]
+    assert one["verdict"] == two["verdict"] == verdict, (one, two)
+    for key in ("estimate", "ci_low", "ci_high"):
+        assert two[key] == pytest.approx(one[key], rel=1e-9), key
+    assert one["estimate"] == pytest.approx(added_us / 30.0, rel=0.05)
+    # the microseconds, information now: they double with the host, and a verdict on them would flip
+    assert two["us"]["estimate"] == pytest.approx(2 * one["us"]["estimate"], rel=1e-9)
+    assert one["us"]["estimate"] == pytest.approx(added_us, rel=0.05)
+    assert (one["us"]["verdict"], two["us"]["verdict"]) == ((verdict, "FAIL"))
+    assert two["raw_step"]["us"] == pytest.approx(2 * one["raw_step"]["us"], rel=1e-9)
