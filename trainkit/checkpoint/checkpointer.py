@@ -159,6 +159,10 @@ class Checkpointer:
             "sharded": ShardedStorage(shards, rank=rank, world_size=world_size, background=ckpt.async_save),
         }
         self._storage = self._readers[ckpt.format]
+        self.last_path: Path = self._storage.last_path
+        """Where ``last`` is written: ``out_dir/last.pt``, or the directory ``out_dir/last.ckpt``."""
+        self.best_path: Path = self._storage.best_path
+        """Where ``best`` is written: ``out_dir/best.pt``, or the directory ``out_dir/best.ckpt``."""
         self._best_changed = False
         self._kept = KeptCheckpoints(out_dir, ckpt.keep, writes=ckpt.enable and rank == 0, sharded=in_shards)
         self._minimize = bool((config.get("val") or {}).get("minimize", False))
@@ -169,16 +173,6 @@ class Checkpointer:
     def config(self) -> dict[str, Any]:
         """The config as saved in every checkpoint (``public_config``: no secrets); not to be changed."""
         return self._config
-
-    @property
-    def last_path(self) -> Path:
-        """Where ``last`` is written: ``out_dir/last.pt``, or the directory ``out_dir/last.ckpt``."""
-        return self._storage.last_path
-
-    @property
-    def best_path(self) -> Path:
-        """Where ``best`` is written: ``out_dir/best.pt``, or the directory ``out_dir/best.ckpt``."""
-        return self._storage.best_path
 
     @property
     def last_seconds(self) -> float | None:

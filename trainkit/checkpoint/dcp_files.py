@@ -43,22 +43,16 @@ class ShardedFiles:
         self, out_dir: Path, *, enabled: bool, rank: int, world_size: int, async_save: bool, timeout_s: float
     ) -> None:
         self.out_dir = out_dir
+        self.last_path = out_dir / sharded.LAST_DIR
+        """``out_dir/last.ckpt``."""
+        self.best_path = out_dir / sharded.BEST_DIR
+        """``out_dir/best.ckpt``."""
         self.enabled = enabled
         self.rank = rank
         self.world_size = world_size
         self._background = sharded.BackgroundSave(timeout_s) if async_save else None
         self._saves = 0
         self._after: Callable[[], None] | None = None  # what runs once the background save in flight is published
-
-    @property
-    def last_path(self) -> Path:
-        """``out_dir/last.ckpt``."""
-        return self.out_dir / sharded.LAST_DIR
-
-    @property
-    def best_path(self) -> Path:
-        """``out_dir/best.ckpt``."""
-        return self.out_dir / sharded.BEST_DIR
 
     @staticmethod
     def published(directory: Path) -> list[Path]:

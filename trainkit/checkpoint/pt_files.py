@@ -46,6 +46,10 @@ class RunFiles:
 
     def __init__(self, out_dir: Path, *, enabled: bool, writer: bool, async_save: bool) -> None:
         self.out_dir = out_dir
+        self.last_path = out_dir / LAST_CKPT
+        """``out_dir/last.pt``."""
+        self.best_path = out_dir / BEST_CKPT
+        """``out_dir/best.pt``."""
         self.enabled = enabled
         self.writer = writer
         self.writes = enabled and writer
@@ -55,16 +59,6 @@ class RunFiles:
         self._staging = StagingBuffers() if async_save else None
         self._space_checked = False
         self._lock = RunLock(out_dir)
-
-    @property
-    def last_path(self) -> Path:
-        """``out_dir/last.pt``."""
-        return self.out_dir / LAST_CKPT
-
-    @property
-    def best_path(self) -> Path:
-        """``out_dir/best.pt``."""
-        return self.out_dir / BEST_CKPT
 
     @property
     def metrics_path(self) -> Path:

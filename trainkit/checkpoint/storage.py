@@ -88,11 +88,10 @@ class BestWeights:
 class Storage(Protocol):
     """What the :class:`~trainkit.checkpoint.checkpointer.Checkpointer` asks of a checkpoint format (both do it)."""
 
-    @property
-    def last_path(self) -> Path: ...
-
-    @property
-    def best_path(self) -> Path: ...
+    last_path: Path
+    """Where ``last`` is written."""
+    best_path: Path
+    """Where ``best`` is written."""
 
     @property
     def last_seconds(self) -> float | None: ...
@@ -128,19 +127,10 @@ class FileStorage:
 
     def __init__(self, files: RunFiles, *, rank: int, world_size: int, device: torch.device) -> None:
         self._files = files
+        self.last_path, self.best_path = files.last_path, files.best_path  # plain values, not a chain of properties
         self._rank = rank
         self._world_size = world_size
         self._device = device
-
-    @property
-    def last_path(self) -> Path:
-        """``out_dir/last.pt``."""
-        return self._files.last_path
-
-    @property
-    def best_path(self) -> Path:
-        """``out_dir/best.pt``."""
-        return self._files.best_path
 
     @property
     def last_seconds(self) -> float | None:
@@ -247,20 +237,11 @@ class ShardedStorage:
 
     def __init__(self, shards: ShardedFiles, *, rank: int, world_size: int, background: bool) -> None:
         self._shards = shards
+        self.last_path, self.best_path = shards.last_path, shards.best_path
         self._rank = rank
         self._world_size = world_size
         self._background = background
         self._last_seconds: float | None = None
-
-    @property
-    def last_path(self) -> Path:
-        """``out_dir/last.ckpt``."""
-        return self._shards.last_path
-
-    @property
-    def best_path(self) -> Path:
-        """``out_dir/best.ckpt``."""
-        return self._shards.best_path
 
     @property
     def last_seconds(self) -> float | None:

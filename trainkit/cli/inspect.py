@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainkit.cli.report import _format
+from trainkit.cli.report import format_value
 
 __all__ = [
     "describe_checkpoint",
@@ -116,10 +116,10 @@ def describe_checkpoint(path: str | Path, *, all_tensors: bool = False) -> list[
     else:
         lines.append(f"best epoch:   {payload['epoch']}")
     if best is not None:
-        metrics = ", ".join(f"{k}={_format(v)}" for k, v in sorted((best.get("metrics") or {}).items()))
+        metrics = ", ".join(f"{k}={format_value(v)}" for k, v in sorted((best.get("metrics") or {}).items()))
         direction = "minimize" if best.get("minimize") else "maximize"
         lines.append(
-            f"best:         score {_format(best.get('score'))} at epoch {best.get('epoch')} ({direction}, "
+            f"best:         score {format_value(best.get('score'))} at epoch {best.get('epoch')} ({direction}, "
             f"min_delta {best.get('min_delta')}){'; ' + metrics if metrics else ''}"
         )
     patience = payload.get("patience")

@@ -21,6 +21,7 @@ __all__ = [
     "curve_panels",
     "plot_curves",
     "report",
+    "format_value",
 ]
 
 
@@ -167,7 +168,15 @@ def plot_curves(out_dir: str | Path, summary: dict[str, Any]) -> Path:
     return path
 
 
-def _format(value: Any) -> str:
+def format_value(value: Any) -> str:
+    """A value as the command-line tools print it: a float to 4 significant digits, anything else as ``str``.
+
+    :param value: The value.
+    :returns: Its text.
+
+    >>> format_value(0.123456), format_value(3)
+    ('0.1235', '3')
+    """
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
@@ -182,11 +191,11 @@ def report(out_dir: str, plot: bool = True) -> int:
     print(f"run:          {out_dir}")
     print(f"epochs run:   {summary.get('epochs_run')}")
     print(f"stop reason:  {summary.get('stop_reason')}")
-    print(f"best epoch:   {summary.get('best_epoch')}  (score {_format(summary.get('best_score'))})")
+    print(f"best epoch:   {summary.get('best_epoch')}  (score {format_value(summary.get('best_score'))})")
     for key, value in sorted((summary.get("best_metrics") or {}).items()):
-        print(f"  {key}: {_format(value)}")
+        print(f"  {key}: {format_value(value)}")
     for key, value in sorted(summary["test_metrics"].items()):
-        print(f"{key}: {_format(value)}")
+        print(f"{key}: {format_value(value)}")
     if plot:
         try:
             path = plot_curves(out_dir, summary)

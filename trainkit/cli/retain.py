@@ -15,6 +15,7 @@ from pathlib import Path
 from trainkit import bookkeeping as core
 from trainkit.checkpoint.kept import KEPT_DIR, kept_path, read_kept, remove_kept, write_index
 from trainkit.checkpoint.pt_files import BEST_CKPT, LAST_CKPT
+from trainkit.cli.inspect import format_bytes
 from trainkit.errors import BookkeepingError, ConfigError, OutDirError
 from trainkit.run.lock import RunLock
 
@@ -35,13 +36,12 @@ def is_run_folder(path: Path) -> bool:
 
 
 def _size(path: Path) -> str:
-    from trainkit.cli.inspect import _size as size
-
+    """What ``path`` takes on disk, as people read it; a directory's files together (none of them followed)."""
     try:
         info = os.lstat(path)
         if stat.S_ISDIR(info.st_mode):  # a sharded checkpoint: its files together (none of them followed)
-            return size(sum(entry.stat(follow_symlinks=False).st_size for entry in os.scandir(path)))
-        return size(info.st_size)
+            return format_bytes(sum(entry.stat(follow_symlinks=False).st_size for entry in os.scandir(path)))
+        return format_bytes(info.st_size)
     except OSError:
         return "?"
 
