@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from tests.trainers import TinyTrainer, make_cfg
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import TinyTrainer
 from trainkit import BookkeepingError, DistributedError, RegistryError, UsageError
 from trainkit.distributed import collectives as dist_utils
 from trainkit.trainer import BaseTrainer

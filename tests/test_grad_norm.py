@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.host_syncs import HOST_SYNCS, count_host_syncs
+from tests.helpers.host_syncs import HOST_SYNCS, count_host_syncs
 from trainkit import BaseTrainer
 from trainkit.loop.metrics import LogBuffer
 

@@ -9,8 +9,8 @@ import attrs
 from torch import nn
 
 import trainkit
-from tests.host_syncs import count_host_syncs
-from tests.trainers import TinyConfig, TinyTrainer
+from tests.helpers.host_syncs import count_host_syncs
+from tests.helpers.trainers import TinyConfig, TinyTrainer
 from trainkit.loop.metrics import LogBuffer
 
 TRAINKIT_DIR = str(Path(trainkit.__file__).parent)

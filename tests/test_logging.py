@@ -12,8 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.host_syncs import count_host_syncs
-from tests.trainers import TinyTrainer
+from tests.helpers.host_syncs import count_host_syncs
+from tests.helpers.trainers import TinyTrainer
 from trainkit.loop.metrics import LogBuffer
 
 

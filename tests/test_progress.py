@@ -10,7 +10,7 @@ import sys
 import pytest
 import tqdm.std
 
-from tests.trainers import TinyTrainer
+from tests.helpers.trainers import TinyTrainer
 from trainkit.loop.progress import NON_TTY_INTERVAL_S, TTY_INTERVAL_S, EpochBar, step_bar
 
 

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import trainkit
-from tests.trainers import TinyConfig, TinyTrainer
+from tests.helpers.trainers import TinyConfig, TinyTrainer
 from trainkit.config import (
     Config,
     is_secret_key,

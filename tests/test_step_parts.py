@@ -20,13 +20,13 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 import trainkit
 from tests.faults.harness import ROOT, child_env
-from tests.trainers import Crash, StepTrainer
-from trainkit.loop.batches import SampleIndex, draws_only_from_torch, iterator_rng
+from tests.helpers.trainers import Crash, StepTrainer
 from trainkit.bookkeeping import EpochPosition, next_step_checkpoint, position_mismatch, step_checkpoint_due
+from trainkit.checkpoint.payload import validate_last
 from trainkit.errors import BookkeepingError, CheckpointCorruptError, CheckpointMismatchError, TrainingInterrupted
+from trainkit.loop.batches import SampleIndex, draws_only_from_torch, iterator_rng
 from trainkit.loop.metrics import LogBuffer
 from trainkit.loop.optim import RunningMean
-from trainkit.checkpoint.payload import validate_last
 from trainkit.run.lock import RunLock
 
 QUIET = {"wandb": {"mode": "disabled"}, "progress": {"enable": False}}
@@ -62,7 +62,7 @@ def test_only_torch_samplers_let_the_iterator_states_hold_torch_alone():
     """Python's and numpy's states are left out only where the iterator cannot reach them."""
     from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
 
-    from tests.trainers import PythonShuffleSampler
+    from tests.helpers.trainers import PythonShuffleSampler
 
     data = torch.utils.data.TensorDataset(torch.arange(10.0))
 

@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.host_syncs import count_host_syncs
-from tests.trainers import TinyTrainer
+from tests.helpers.host_syncs import count_host_syncs
+from tests.helpers.trainers import TinyTrainer
 from trainkit.errors import UsageError
 from trainkit.loop.metrics import LogBuffer
 from trainkit.loop.throughput import CountedBatches, Throughput

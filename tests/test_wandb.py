@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import trainkit
-from tests.trainers import TinyConfig, TinyTrainer
+from tests.helpers.trainers import TinyConfig, TinyTrainer
 
 BLOCK = 32 * 1024
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4

@@ -556,24 +556,7 @@ def whole_best(trainer: BaseTrainer) -> dict:
             for name, value in best.items()}
 
 
-# ---------------------------------------------------------------------------------- helpers of the tests
-
-
-def make_cfg(tmp_path, **overrides):
-    """A quiet config in tmp_path: W&B disabled, no bars."""
-    cfg = {
-        "epochs": 4,
-        "out_dir": str(tmp_path),
-        "wandb": {"mode": "disabled"},
-        "progress": {"enable": False},
-        "val": {"minimize": True},
-    }
-    for key, value in overrides.items():
-        if isinstance(value, dict):
-            cfg[key] = {**cfg.get(key, {}), **value}
-        else:
-            cfg[key] = value
-    return cfg
+# ------------------------------------------------------------------------------------------ a crash in the loop
 
 
 class Crash(Exception):
@@ -595,21 +578,6 @@ def dying(epoch: int, where: str = "train_epoch"):
             return super().test_epoch()
 
     return Dying
-
-
-def flip_bit_in_tensor_data(path, offset_in_member=7):
-    """Flip one bit inside the first tensor storage of a torch zip checkpoint."""
-    import zipfile
-
-    with zipfile.ZipFile(path) as archive:
-        info = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size > 16)
-    raw = bytearray(path.read_bytes())
-    header = info.header_offset
-    name_len = int.from_bytes(raw[header + 26 : header + 28], "little")
-    extra_len = int.from_bytes(raw[header + 28 : header + 30], "little")
-    data_start = header + 30 + name_len + extra_len
-    raw[data_start + offset_in_member] ^= 0x10
-    path.write_bytes(bytes(raw))
 
 
 @attrs.frozen(kw_only=True)
