@@ -662,7 +662,7 @@ def test_a_hard_link_planted_as_the_lock_or_the_journal_is_refused_and_its_targe
 def test_a_wandb_file_with_history_but_no_run_record_is_not_taken_as_sent(tmp_path):
     """A planted .wandb file holding history at steps 0..999 but no run record (W&B writes that first) is warned
     about and not counted: the history still ends where the real files end, so later rows are sent."""
-    from tests.test_wandb import history_record, leveldb_log
+    from tests.helpers.wandb_files import history_record, leveldb_log
     from trainkit.run.wandb_run import read_wandb_history
 
     folder = tmp_path / "wandb" / "offline-run-20200101_000000-abcd1234"

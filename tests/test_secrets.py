@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import trainkit
 from tests.helpers.trainers import TinyConfig, TinyTrainer
+from tests.helpers.wandb_files import offline_runs, read_records
 from trainkit.config import (
     Config,
     is_secret_key,
@@ -540,8 +541,6 @@ def test_no_secret_reaches_any_file_or_message_of_a_real_offline_run(tmp_path):
     Needs the trainer wired to ``public_config(self.cfg)`` and ``WandbSink(..., config_class=self.cfg)``:
     until then the declared secret (SENTINEL_E) reaches last.pt, and this test fails there by design.
     """
-    from tests.test_wandb import offline_runs, read_records
-
     out = tmp_path / "run"
     common = [f"out_dir={out}", "wandb.mode=offline", "progress.enable=false", "val.minimize=true"]
     first = start_run(
@@ -600,15 +599,10 @@ def test_no_secret_reaches_any_file_or_message_of_a_real_offline_run(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_wandb_sink_masks_the_command_line_it_records_and_restores_sys_argv(tmp_path, monkeypatch):
+def test_wandb_sink_masks_the_command_line_it_records_and_restores_sys_argv(tmp_path, monkeypatch, wandb_env):
     """In this process, WandbSink shows W&B a masked sys.argv and gives the program back its own list unchanged."""
-    from tests.test_wandb import offline_runs
     from trainkit.run.wandb_run import WandbSink
 
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    for name in ("WANDB_DIR", "WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_RUN_ID", "WANDB_RESUME"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home"))
     argv = ["train.py", "epochs=1", "hub_login=argv-secret-7", "--password", "argv-secret-8", "tokenizer=gpt2"]
     monkeypatch.setattr(sys, "argv", argv)
     cfg = DeclaredConfig(epochs=1, hub_login="argv-secret-7", out_dir=str(tmp_path))

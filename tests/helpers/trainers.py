@@ -556,6 +556,62 @@ def whole_best(trainer: BaseTrainer) -> dict:
             for name, value in best.items()}
 
 
+# --------------------------------------------------------------------------------------------- W&B runs
+
+
+@attrs.frozen(kw_only=True)
+class SecretConfig(TinyConfig):
+    """TinyConfig with a credential-looking key that must not reach W&B."""
+
+    api_token: str = "not-for-wandb"
+
+
+class CrashingTrainer(TinyTrainer):
+    """TinyTrainer that dies at the start of epoch ``crash_at``, before it logs anything."""
+
+    config_class = SecretConfig
+    crash_at: int | None = None
+
+    def train_epoch(self):
+        if self.epoch == self.crash_at:
+            raise RuntimeError(f"injected crash at epoch {self.epoch}")
+        super().train_epoch()
+
+
+class PerStepTrainer(CrashingTrainer):
+    """TinyTrainer that pushes a row after every batch; at ``KILL_AT=epoch,batch`` it dies after that batch's row.
+
+    ``KILL_HOW`` picks how: ``sigkill`` (the process is killed, W&B's service loses what it had not
+    written) or ``raise`` (an exception; W&B finishes the run as failed). ``BIAS`` is added to the logged
+    batch loss: a resumed run with another bias is a rerun that is not bit-exact.
+    """
+
+    def train_epoch(self):
+        kill_at = os.environ.get("KILL_AT")
+        self.model.train()
+        for batch, (x, y) in enumerate(self.progress(self.loader), start=self.first_batch):
+            loss = torch.nn.functional.mse_loss(self.model(x), y)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            self.log({"train/batch_loss": loss.detach() + float(os.environ.get("BIAS", "0"))})
+            self.push_logs()
+            if kill_at == f"{self.epoch},{batch}":
+                if os.environ.get("KILL_HOW") == "sigkill":
+                    import signal
+
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError("injected crash")
+
+
+def train_and_close(trainer: BaseTrainer):
+    """Train, then close the trainer (its W&B run finished) even when training raised; return what train() did."""
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
 # ------------------------------------------------------------------------------------------ a crash in the loop
 
 
