@@ -32,7 +32,7 @@ from trainkit.config import (
     secret_field,
     strip_secrets,
 )
-from trainkit.config.schema import _Section
+from trainkit.config.schema import Section
 from trainkit.errors import ConfigError
 
 SECRET_NAMES = [
@@ -235,7 +235,7 @@ def test_strings_without_credentials_are_left_alone(text):
 
 
 @attrs.frozen(kw_only=True)
-class DbSection(_Section):  # a section record, like ValConfig
+class DbSection(Section):  # a section record, like ValConfig
     """A user's own section with one secret leaf."""
 
     host: str = "db.example.com"
@@ -243,7 +243,7 @@ class DbSection(_Section):  # a section record, like ValConfig
 
 
 @attrs.frozen(kw_only=True)
-class AuthSection(_Section):
+class AuthSection(Section):
     """A section whose own name is secret: everything under it is."""
 
     method: str = "oauth"
@@ -373,7 +373,7 @@ def test_strip_secrets_cleans_an_old_checkpoint_config():
 
 
 @attrs.frozen(kw_only=True)
-class VaultSection(_Section):
+class VaultSection(Section):
     """A section whose declarations go against the name rule both ways."""
 
     address: str = "vault.example.com"
