@@ -8,12 +8,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 QUIET = ["wandb.mode=disabled", "progress.enable=false"]
 
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 
 def readme_commands() -> list[str]:
@@ -79,3 +78,4 @@ def test_the_trainer_class_stays_thin():
     assert len(attributes) <= 20, sorted(attributes)
     reads_format = [node.lineno for node in ast.walk(cls) if isinstance(node, ast.Attribute) and node.attr == "format"]
     assert not reads_format, f"BaseTrainer reads ckpt.format at lines {reads_format}: the checkpointer picks the format"
+

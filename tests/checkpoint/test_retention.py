@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import ROOT
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import TinyTrainer
 from trainkit import ConfigError
@@ -28,7 +29,6 @@ from trainkit.run.lock import RunLock
 STEPS_PER_EPOCH = 6
 """TinyTrainer's 192 training samples in batches of 32."""
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(out: Path, **overrides) -> TinyTrainer:
@@ -140,7 +140,8 @@ KILLED_CHILD = textwrap.dedent(
     import os, sys, time
     from pathlib import Path
     import trainkit.checkpoint.kept as files
-    from tests.helpers.configs import make_cfg
+    from tests.helpers import ROOT
+from tests.helpers.configs import make_cfg
     from tests.helpers.trainers import TinyTrainer
 
     out, marker = Path(sys.argv[1]), Path(sys.argv[2])
@@ -191,7 +192,8 @@ KILLED_BEFORE_KEEPING = textwrap.dedent(
     import os, signal, sys
     from pathlib import Path
     import trainkit.checkpoint.kept as files
-    from tests.helpers.configs import make_cfg
+    from tests.helpers import ROOT
+from tests.helpers.configs import make_cfg
     from tests.helpers.trainers import TinyTrainer
 
     out, step = Path(sys.argv[1]), int(sys.argv[2])

@@ -11,11 +11,10 @@ import sys
 
 import pytest
 
+from tests.helpers import ROOT
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import TinyTrainer
 from trainkit.cli.replay import replay_guard_run, replay_run
-
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 SETTINGS = [
     {"patience": 1, "min_delta": 0.05},

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import trainkit
+from tests.helpers import ROOT
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import CrashingTrainer, PerStepTrainer, TinyTrainer, train_and_close
 from tests.helpers.wandb_files import BLOCK, OfflineRun, history_record, leveldb_log, offline_runs, run_record
@@ -147,6 +148,7 @@ def test_a_clean_signal_stop_is_not_a_failed_wandb_run(tmp_path):
 
 PER_STEP_SCRIPT = f"""
 import os, sys
+from tests.helpers import ROOT
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import PerStepTrainer, train_and_close
 every = os.environ.get("EVERY_N_STEPS")
@@ -164,7 +166,7 @@ def per_step_run(out_dir: Path, **env: str) -> subprocess.CompletedProcess:
     parent = {key: value for key, value in os.environ.items() if key != "WANDB_SERVICE"}
     return subprocess.run(
         [sys.executable, "-c", PER_STEP_SCRIPT, str(out_dir)],
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=ROOT,
         env={**parent, **env},
         capture_output=True,
         text=True,
@@ -256,7 +258,7 @@ def test_a_killed_and_resumed_run_syncs_as_one_history(tmp_path, every_n_steps):
     assert starts == sorted(starts)  # wandb sync uploads the folders of one run in this order
 
     # the README's upload command, pointed at this run and dry
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     (command,) = [line for line in readme.splitlines() if line.startswith(".venv/bin/wandb sync ")]
     program, *args = shlex.split(command)
     assert args == ["sync", "runs/digits/wandb"], command

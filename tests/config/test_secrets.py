@@ -3,7 +3,7 @@
 The name rule is pinned both ways by tables; the end-to-end test runs a real training process with an
 offline W&B run and secrets in its config and on its command line, then greps every byte it wrote.
 
-Run as ``python -m tests.test_secrets WORD...``, this module trains :class:`LeakyTrainer` on the config
+Run as ``python -m tests.config.test_secrets WORD...``, this module trains :class:`LeakyTrainer` on the config
 those command-line words build: the end-to-end test starts it that way, so W&B sees a real ``sys.argv``.
 """
 
@@ -526,12 +526,12 @@ class LeakyTrainer(TinyTrainer):
 
 
 def start_run(tmp_path, log_name, words):
-    """Start ``python -m tests.test_secrets WORDS`` with an isolated, offline W&B home; return the running process."""
+    """Start ``python -m tests.config.test_secrets WORDS`` with an isolated, offline W&B home; return the process."""
     from tests.faults.harness import Run, offline_wandb_env
 
     env = offline_wandb_env(tmp_path / "wandb-home")
     env.pop("WANDB_API_KEY", None)
-    return Run(["-m", "tests.test_secrets", *words], tmp_path / log_name, env)
+    return Run(["-m", __name__, *words], tmp_path / log_name, env)
 
 
 @pytest.mark.timeout(300)
