@@ -30,7 +30,6 @@ STEPS_PER_EPOCH = 6
 """TinyTrainer's 192 training samples in batches of 32."""
 
 
-
 def run(out: Path, **overrides) -> TinyTrainer:
     """Train a TinyTrainer in ``out`` to the end and close it."""
     trainer = TinyTrainer(make_cfg(out, **overrides))
@@ -140,8 +139,7 @@ KILLED_CHILD = textwrap.dedent(
     import os, sys, time
     from pathlib import Path
     import trainkit.checkpoint.kept as files
-    from tests.helpers import ROOT
-from tests.helpers.configs import make_cfg
+    from tests.helpers.configs import make_cfg
     from tests.helpers.trainers import TinyTrainer
 
     out, marker = Path(sys.argv[1]), Path(sys.argv[2])
@@ -192,8 +190,7 @@ KILLED_BEFORE_KEEPING = textwrap.dedent(
     import os, signal, sys
     from pathlib import Path
     import trainkit.checkpoint.kept as files
-    from tests.helpers import ROOT
-from tests.helpers.configs import make_cfg
+    from tests.helpers.configs import make_cfg
     from tests.helpers.trainers import TinyTrainer
 
     out, step = Path(sys.argv[1]), int(sys.argv[2])

@@ -148,7 +148,6 @@ def test_a_clean_signal_stop_is_not_a_failed_wandb_run(tmp_path):
 
 PER_STEP_SCRIPT = f"""
 import os, sys
-from tests.helpers import ROOT
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import PerStepTrainer, train_and_close
 every = os.environ.get("EVERY_N_STEPS")
