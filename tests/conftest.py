@@ -1,10 +1,45 @@
-"""Suite-wide settings: one torch thread per test process.
+"""Suite-wide settings and the fixtures the test files share.
 
-The suite runs one pytest worker per core (``-n auto``), and the training processes the tests start run
-with ``OMP_NUM_THREADS=1``; a worker that also used every core for its own tensors would only contend
-with them, and with one thread it computes what those processes compute.
+One torch thread per test process: the suite runs one pytest worker per core (``-n auto``), and the training
+processes the tests start run with ``OMP_NUM_THREADS=1``; a worker that also used every core for its own tensors
+would only contend with them, and with one thread it computes what those processes compute.
+
+The helpers these fixtures build on (trainers, config builders, file readers) live in ``tests/helpers/``.
 """
 
+from __future__ import annotations
+
+import pytest
 import torch
 
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import TinyTrainer
+
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def tiny_trainer(tmp_path):
+    """A factory of TinyTrainers on ``make_cfg(tmp_path, **overrides)``; each one made is closed when the test ends."""
+    made: list[TinyTrainer] = []
+
+    def make(**overrides) -> TinyTrainer:
+        trainer = TinyTrainer(make_cfg(tmp_path, **overrides))
+        made.append(trainer)
+        return trainer
+
+    yield make
+    for trainer in made:
+        trainer.close()
+
+
+@pytest.fixture
+def wandb_env(monkeypatch, tmp_path):
+    """Quiet, offline-friendly W&B settings that no user file or variable can change: a fresh W&B home in tmp_path."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for name in ("WANDB_DIR", "WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_RUN_ID", "WANDB_RESUME"):
+        monkeypatch.delenv(name, raising=False)
+    home = tmp_path / "wandb-home"
+    home.mkdir()
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(home))
+    monkeypatch.setenv("NETRC", str(home / "netrc"))

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from tests.trainers import TinyTrainer, make_cfg
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import TinyTrainer
 from trainkit import BookkeepingError, DistributedError, RegistryError, UsageError
 from trainkit.distributed import collectives as dist_utils
 from trainkit.trainer import BaseTrainer
@@ -69,25 +70,25 @@ def test_optimizer_helpers_without_a_model_name_the_fix(tmp_path):
 
 
 @pytest.mark.parametrize("score", [True, "0.5", torch.ones(3)])
-def test_scores_that_are_not_numbers_are_refused(tmp_path, score):
+def test_scores_that_are_not_numbers_are_refused(tiny_trainer, score):
     """A bool, a string or a multi-element tensor is not a score."""
-    trainer = TinyTrainer(make_cfg(tmp_path))
+    trainer = tiny_trainer()
     with pytest.raises(BookkeepingError, match="must be a real number"):
         trainer.save_if_best(score)
 
 
-def test_nan_scores_are_misses_that_exhaust_patience(tmp_path):
+def test_nan_scores_are_misses_that_exhaust_patience(tiny_trainer):
     """A diverged run (NaN scores) never improves: patience runs out and the best weights stay the finite ones."""
     scores = (2.0, float("nan"), float("nan"), float("nan"), 1.0)
-    trainer = TinyTrainer(make_cfg(tmp_path, epochs=5, scripted_scores=scores, val={"patience": 2}))
+    trainer = tiny_trainer(epochs=5, scripted_scores=scores, val={"patience": 2})
     trainer.train()
     assert trainer.epochs_trained == [0, 1, 2]
     assert trainer.best_state.score == 2.0 and not math.isnan(trainer.best_state.score)
 
 
-def test_non_scalar_logged_value_names_the_key(tmp_path):
+def test_non_scalar_logged_value_names_the_key(tiny_trainer):
     """log() refuses a vector or a string, naming the metric."""
-    trainer = TinyTrainer(make_cfg(tmp_path))
+    trainer = tiny_trainer()
     with pytest.raises(TypeError, match="'train/vec' must be a 1-element tensor"):
         trainer.log({"train/vec": torch.ones(2)})
     with pytest.raises(TypeError, match="'train/name' must be a number or a tensor"):
@@ -97,9 +98,9 @@ def test_non_scalar_logged_value_names_the_key(tmp_path):
         trainer.log({"train/phase": torch.ones(1, dtype=torch.complex64)})
 
 
-def test_samplers_need_set_epoch(tmp_path):
+def test_samplers_need_set_epoch(tiny_trainer):
     """add_samplers() refuses an object without set_epoch()."""
-    trainer = TinyTrainer(make_cfg(tmp_path))
+    trainer = tiny_trainer()
     with pytest.raises(UsageError, match="set_epoch"):
         trainer.add_samplers(object())
 

@@ -10,7 +10,8 @@ import pytest
 import torch.multiprocessing as mp
 
 import trainkit
-from tests.trainers import EchoTrainer, ReportingTrainer, make_cfg
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import EchoTrainer, ReportingTrainer
 
 pytestmark = pytest.mark.ddp
 
@@ -99,7 +100,7 @@ def test_pooled_score_stops_both_ranks_at_the_same_epoch(tmp_path):
 def test_spawn_reports_the_rank_that_failed_first_not_the_first_to_exit(tmp_path):
     """Rank 1 fails and then takes a while to exit; rank 0, left waiting in a collective, fails at its timeout
     and exits first. spawn raises rank 1's error, the cause, and names rank 0's after it."""
-    from tests.trainers import SlowToExitTrainer
+    from tests.helpers.trainers import SlowToExitTrainer
 
     failing = cfg(tmp_path, fail_rank=1, fail_epoch=1, fail_in="val", dist={"timeout_s": 3})
     with pytest.raises(Exception, match="injected failure on rank 1 at epoch 1") as raised:
@@ -112,7 +113,7 @@ def test_spawn_reports_the_rank_that_failed_first_not_the_first_to_exit(tmp_path
 def test_spawn_reports_a_killed_rank_even_when_another_rank_raised_after_it(tmp_path):
     """Rank 1 is SIGKILLed (no traceback, no record of when); rank 0 fails later at its collective timeout. The
     kill is the cause: spawn reports rank 1's death, not rank 0's recorded timeout."""
-    from tests.trainers import KilledTrainer
+    from tests.helpers.trainers import KilledTrainer
 
     with pytest.raises(mp.ProcessExitedException, match="process 1 terminated with signal SIGKILL"):
         trainkit.spawn(KilledTrainer, cfg(tmp_path, fail_rank=1, fail_epoch=1, dist={"timeout_s": 3}), 2)

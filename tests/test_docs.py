@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 # The public methods on the BaseTrainer API page (shared/spec/BaseTrainer-api.txt).
 BASE_TRAINER_METHODS = [

@@ -8,12 +8,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 QUIET = ["wandb.mode=disabled", "progress.enable=false"]
 
 
@@ -166,7 +166,8 @@ def test_a_python_caller_of_config_from_argv_still_gets_the_config_error():
 
 def test_a_misspelled_resume_mode_names_the_choices(tmp_path):
     """ckpt.resume=sometimes is reported as not auto, never or an existing checkpoint path."""
-    from tests.trainers import TinyTrainer, make_cfg
+    from tests.helpers.configs import make_cfg
+    from tests.helpers.trainers import TinyTrainer
     from trainkit import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"ckpt.resume must be 'auto', 'never' or the path of an existing"):
@@ -176,7 +177,8 @@ def test_a_misspelled_resume_mode_names_the_choices(tmp_path):
 def test_inspect_shows_what_a_checkpoint_holds(tmp_path):
     """python -m trainkit inspect prints epoch, step, config, items with tensor shapes/dtypes/bytes, best and
     patience records and RNG owners, for last.pt and best.pt."""
-    from tests.trainers import TinyTrainer, make_cfg
+    from tests.helpers.configs import make_cfg
+    from tests.helpers.trainers import TinyTrainer
 
     TinyTrainer(make_cfg(tmp_path, epochs=3, scripted_scores=(3.0, 1.0, 2.0), val={"patience": 4})).train()
     last = run([sys.executable, "-m", "trainkit", "inspect", str(tmp_path / "last.pt")])

@@ -25,7 +25,9 @@ import torch
 
 import trainkit.checkpoint as ckpt_io
 from tests.faults.harness import SIGTERM_CODE, assert_equal_state, assert_same_training, load, train, write_run
-from tests.trainers import Crash, TinyTrainer, dying, flip_bit_in_tensor_data, make_cfg, param_digest
+from tests.helpers.checkpoint_files import flip_bit_in_tensor_data
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import Crash, TinyTrainer, dying, param_digest
 from trainkit import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, RegistryError
 
 SLOW = os.environ.get("TRAINKIT_SLOW") == "1"

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import trainkit
-from tests.trainers import ShardTrainer, make_cfg
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import ShardTrainer
 from trainkit.cli import main as cli_main
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(300)]
@@ -19,7 +20,8 @@ pytestmark = [pytest.mark.ddp, pytest.mark.timeout(300)]
 @pytest.fixture(scope="module", autouse=True)
 def one_fork_server():
     """One fork server for the module's ~30 spawns: torch imported once, not once per call (~4 s of CPU each)."""
-    with trainkit.fork_server(preload=["torch.distributed.checkpoint", "torch.distributed.fsdp", "tests.trainers"]):
+    preload = ["torch.distributed.checkpoint", "torch.distributed.fsdp", "tests.helpers.trainers"]
+    with trainkit.fork_server(preload=preload):
         yield
 
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from trainkit.bookkeeping import RESERVED_NAMES, BestState, LoopState, PatienceState
-from trainkit.errors import CheckpointError, CheckpointMismatchError, OutDirError
-from trainkit.checkpoint.payload import BEST_PT, LAST_PT, best_payload, last_payload, validate_best, validate_last
-from trainkit.state.rng import capture_rng
-from trainkit.checkpoint.pt_files import RunFiles
 from trainkit.checkpoint.dcp import SHARDED
 from trainkit.checkpoint.dcp_files import ShardedFiles
+from trainkit.checkpoint.payload import BEST_PT, LAST_PT, best_payload, last_payload, validate_best, validate_last
+from trainkit.checkpoint.pt_files import RunFiles
+from trainkit.errors import CheckpointError, CheckpointMismatchError, OutDirError
 from trainkit.loop.signals import StopSignals
+from trainkit.state.rng import capture_rng
 
 # ---------------------------------------------------------------------------------- signals
 

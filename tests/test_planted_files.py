@@ -27,11 +27,12 @@ import torch
 import trainkit
 from tests.faults.harness import ROOT, child_env
 from tests.faults.hostile import Reduces
-from tests.test_hostile_loads import rewrite, small_checkpoint
-from tests.trainers import ShardTrainer, TinyTrainer, make_cfg
+from tests.helpers.checkpoint_files import rewrite, small_checkpoint
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import ShardTrainer, TinyTrainer
 from trainkit import CheckpointCorruptError, CheckpointUnsafeError
-from trainkit.cli import main as cli_main
 from trainkit.checkpoint.dcp_read import read_metadata
+from trainkit.cli import main as cli_main
 
 needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
 needs_dev_zero = pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="no /dev/zero")
@@ -160,7 +161,7 @@ def cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
 
 RESUME = (
     "import sys, warnings; warnings.simplefilter('ignore')\n"
-    "from tests.trainers import TinyTrainer\nfrom tests.trainers import make_cfg\n"
+    "from tests.helpers.trainers import TinyTrainer\nfrom tests.helpers.configs import make_cfg\n"
     "try:\n    TinyTrainer(make_cfg({out!r}, epochs=3, ckpt={ckpt!r})).train()\n"
     "except Exception as exc:\n    print(type(exc).__name__, exc)\n    sys.exit(2)\n"
     "print('resumed')\n"
@@ -512,7 +513,8 @@ def test_two_ranks_refuse_a_planted_directory_together_and_fall_back_past_a_fifo
         return make_cfg(out, **{"epochs": 2, "dist": {"timeout_s": 60}, "ckpt": SHARDED, "report": False, **overrides})
 
     out = tmp_path / "run"
-    with trainkit.fork_server(preload=["torch.distributed.checkpoint", "tests.trainers"]):  # torch once, 3 spawns
+    # torch imported once for the 3 spawns
+    with trainkit.fork_server(preload=["torch.distributed.checkpoint", "tests.helpers.trainers"]):
         trainkit.spawn(ShardTrainer, cfg(out), 2)
         fifo_at(out / "last.ckpt" / "__1_0.distcp")
         result = trainkit.spawn(ShardTrainer, cfg(out, epochs=3), 2)  # a rank blocked on the FIFO would time out
@@ -660,7 +662,7 @@ def test_a_hard_link_planted_as_the_lock_or_the_journal_is_refused_and_its_targe
 def test_a_wandb_file_with_history_but_no_run_record_is_not_taken_as_sent(tmp_path):
     """A planted .wandb file holding history at steps 0..999 but no run record (W&B writes that first) is warned
     about and not counted: the history still ends where the real files end, so later rows are sent."""
-    from tests.test_wandb import history_record, leveldb_log
+    from tests.helpers.wandb_files import history_record, leveldb_log
     from trainkit.run.wandb_run import read_wandb_history
 
     folder = tmp_path / "wandb" / "offline-run-20200101_000000-abcd1234"

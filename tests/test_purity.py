@@ -15,7 +15,9 @@ import trainkit
 
 PACKAGE = Path(trainkit.__file__).parent
 HEAVY = ("torch", "wandb", "tqdm")
-CORE_MODULES = sorted((PACKAGE / "bookkeeping").glob("*.py")) + sorted((PACKAGE / "config").glob("*.py")) + [PACKAGE / "errors.py"]
+CORE_MODULES = [
+    *sorted((PACKAGE / "bookkeeping").glob("*.py")), *sorted((PACKAGE / "config").glob("*.py")), PACKAGE / "errors.py"
+]
 ALLOWED_THIRD_PARTY = {"attrs"}
 ALLOWED_TRAINKIT = ("trainkit.bookkeeping", "trainkit.config", "trainkit.errors")
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 
 def readme_commands() -> list[str]:
@@ -79,3 +78,25 @@ def test_the_trainer_class_stays_thin():
     assert len(attributes) <= 20, sorted(attributes)
     reads_format = [node.lineno for node in ast.walk(cls) if isinstance(node, ast.Attribute) and node.attr == "format"]
     assert not reads_format, f"BaseTrainer reads ckpt.format at lines {reads_format}: the checkpointer picks the format"
+
+
+TEST_IMPORT = re.compile(r"^\s*(?:from|import)\s+(?:tests(?:\.\w+)*\.test_\w+|\.+test_\w+)", re.M)
+
+
+def test_no_test_file_imports_another():
+    """What tests share comes from tests/helpers or tests/faults: no file under tests/ imports a test file."""
+    importers = {
+        str(path.relative_to(ROOT)): TEST_IMPORT.findall(path.read_text())
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+    }
+    assert not {path: found for path, found in importers.items() if found}
+    assert TEST_IMPORT.search("x = 1\nfrom tests.run.test_wandb import offline_runs\n")  # the check can see one
+
+
+def test_the_test_folders_mirror_the_package():
+    """Every folder of test files under tests/ is a package named for one of trainkit's subpackages."""
+    subpackages = {path.parent.name for path in (ROOT / "trainkit").glob("*/__init__.py")}
+    folders = {path.parent for path in (ROOT / "tests").rglob("test_*.py")} - {ROOT / "tests"}
+    assert folders and all((folder / "__init__.py").is_file() for folder in folders)
+    assert sorted(folder.name for folder in folders if folder.name not in subpackages) == []
+    assert not list((ROOT / "tests" / "helpers").glob("test_*.py"))  # the helpers hold no test file

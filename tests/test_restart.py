@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tests.faults.harness import Run, assert_same_training, write_run
-from tests.trainers import make_cfg
+from tests.helpers.configs import make_cfg
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(240)]
 
@@ -51,5 +51,5 @@ def test_exception_on_one_rank_ends_the_torchrun_job_promptly(tmp_path):
     assert code != 0
     assert elapsed < 25, f"the job took {elapsed:.0f} s to end: a rank waited for the 30 s collective timeout"
     assert "Traceback" in run.stderr and "RuntimeError: injected failure on rank 1 at epoch 1" in run.stderr
-    assert "tests/trainers.py" in run.stderr  # the original frame, not just torchrun's summary
+    assert "tests/helpers/trainers.py" in run.stderr  # the original frame, not just torchrun's summary
     assert len(run.worker_pids()) == 2

@@ -13,7 +13,8 @@ import torch
 
 from tests.faults.harness import ROOT, child_env, offline_wandb_env, train, write_run
 from tests.faults.hostile import CODE_RUNNING, SENTINEL_NAME, build_corpus
-from tests.trainers import TinyTrainer, make_cfg
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import TinyTrainer
 from trainkit import CheckpointCorruptError, CheckpointMismatchError, CheckpointUnsafeError
 from trainkit.checkpoint import load_checkpoint
 
@@ -146,7 +147,8 @@ def test_secret_named_config_keys_never_reach_a_checkpoint(tmp_path):
     import attrs
     import torch
 
-    from tests.trainers import TinyConfig, TinyTrainer, make_cfg
+    from tests.helpers.configs import make_cfg
+    from tests.helpers.trainers import TinyConfig, TinyTrainer
 
     @attrs.frozen(kw_only=True)
     class WithToken(TinyConfig):

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.trainers import Crash, TinyConfig, TinyTrainer, dying, make_cfg, param_digest
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import Crash, TinyConfig, TinyTrainer, dying, param_digest
 from trainkit.run.read_metrics import read_metrics
 
 

@@ -11,7 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests.trainers import Crash, TinyTrainer, dying, flip_bit_in_tensor_data, make_cfg, param_digest
+from tests.helpers.checkpoint_files import flip_bit_in_tensor_data
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import Crash, TinyTrainer, dying, param_digest
 from trainkit import (
     CheckpointCorruptError,
     CheckpointError,

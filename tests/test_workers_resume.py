@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.trainers import Crash, TinyTrainer, make_cfg, param_digest
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import Crash, TinyTrainer, param_digest
 
 
 class LoaderTrainer(TinyTrainer):

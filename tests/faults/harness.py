@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -115,7 +115,8 @@ CODE_RUNNING = (
 
 def try_all(corpus: Path, out: Path) -> list[dict[str, str]]:
     """Try to load and to resume from every file in ``corpus``; report what each attempt raised."""
-    from tests.trainers import TinyTrainer, make_cfg
+    from tests.helpers.configs import make_cfg
+    from tests.helpers.trainers import TinyTrainer
     from trainkit.checkpoint import load_checkpoint
 
     results = []

@@ -36,7 +36,7 @@ import torch.distributed  # noqa: F401
 import torch.nn.parallel  # noqa: F401
 
 import trainkit
-from tests import trainers
+from tests.helpers import trainers
 from trainkit.distributed.collectives import free_port
 
 TIMEOUT_S = float(os.environ.get("STEP_KILLS_TIMEOUT_S", "180"))

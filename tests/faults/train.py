@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import trainkit
-from tests.trainers import TinyTrainer
+from tests.helpers.trainers import TinyTrainer
 
 
 class FaultTrainer(TinyTrainer):

@@ -64,7 +64,7 @@ __all__ = [
     "DEFAULT_NO_WEIGHT_DECAY",
 ]
 
-C = TypeVar("C", bound="_Section")
+C = TypeVar("C", bound="Section")
 
 DEFAULT_NO_WEIGHT_DECAY = ("bias", "norm", "_emb")
 """Name fragments that exempt a parameter from weight decay: biases, norm layers and ``*_emb`` tables."""
@@ -73,7 +73,7 @@ WANDB_MODES = ("offline", "online", "disabled")
 
 
 @attrs.frozen(kw_only=True)
-class _Section:
+class Section:
     """Shared machinery of every config record: type checks, dict round trips, mapping construction."""
 
     def __attrs_post_init__(self) -> None:
@@ -91,7 +91,7 @@ class _Section:
         out: dict[str, Any] = {}
         for field in attrs.fields(type(self)):
             value = getattr(self, field.name)
-            if isinstance(value, _Section):
+            if isinstance(value, Section):
                 value = value.to_dict()
             elif isinstance(value, tuple):
                 value = list(value)
@@ -218,7 +218,7 @@ def public_config(cfg: Config) -> dict[str, Any]:
 
 
 @attrs.frozen(kw_only=True)
-class ValConfig(_Section):
+class ValConfig(Section):
     """``val.*``: the validation schedule, the selection direction and early stopping."""
 
     every_n_epochs: int = attrs.field(default=1, validator=at_least(1))
@@ -229,7 +229,7 @@ class ValConfig(_Section):
 
 
 @attrs.frozen(kw_only=True)
-class TestConfig(_Section):
+class TestConfig(Section):
     """``test.*``: whether ``train()`` ends with ``test()`` on the best weights."""
 
     __test__ = False  # a config record, not a pytest test class
@@ -238,7 +238,7 @@ class TestConfig(_Section):
 
 
 @attrs.frozen(kw_only=True)
-class CkptConfig(_Section):
+class CkptConfig(Section):
     """``ckpt.*``: checkpoint writing and resuming.
 
     ``resume`` is ``"auto"`` (resume from ``out_dir/last.pt`` when it exists), ``"never"`` (start fresh;
@@ -272,7 +272,7 @@ class CkptConfig(_Section):
 
 
 @attrs.frozen(kw_only=True)
-class WandbConfig(_Section):
+class WandbConfig(Section):
     """``wandb.*``: the W&B run; ``mode`` is ``"offline"`` (local files), ``"online"`` or ``"disabled"``."""
 
     mode: str = attrs.field(default="offline", validator=one_of(*WANDB_MODES))
@@ -283,14 +283,14 @@ class WandbConfig(_Section):
 
 
 @attrs.frozen(kw_only=True)
-class ProgressConfig(_Section):
+class ProgressConfig(Section):
     """``progress.*``: tqdm bars on rank 0."""
 
     enable: bool = True
 
 
 @attrs.frozen(kw_only=True)
-class DistConfig(_Section):
+class DistConfig(Section):
     """``dist.*``: the process group; every collective is bounded by ``timeout_s``."""
 
     backend: str = attrs.field(default="auto", validator=one_of("auto", "gloo", "nccl"))
@@ -325,7 +325,7 @@ def skip_batches(cfg: GuardConfig) -> dict[int, frozenset[int]]:
 
 
 @attrs.frozen(kw_only=True)
-class GuardConfig(_Section):
+class GuardConfig(Section):
     """``guard.*``: the divergence guard, acting on optimizer steps whose total grad norm is not finite.
 
     ``nonfinite`` is ``"off"`` (the default: nothing is installed), ``"raise"`` (stop before the optimizer step
@@ -347,7 +347,7 @@ class GuardConfig(_Section):
 
 
 @attrs.frozen(kw_only=True)
-class Config(_Section):
+class Config(Section):
     """The engine's configuration. Subclass it (with ``@attrs.frozen(kw_only=True)``) to add your own keys.
 
     >>> cfg = Config(epochs=10)

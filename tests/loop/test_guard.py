@@ -9,8 +9,9 @@ import torch
 
 import trainkit
 import trainkit.loop.guard
-from tests.host_syncs import count_host_syncs
-from tests.trainers import GuardTrainer, make_cfg
+from tests.helpers.configs import make_cfg
+from tests.helpers.host_syncs import count_host_syncs
+from tests.helpers.trainers import GuardTrainer
 from trainkit.errors import ConfigError, DivergenceError
 
 GUARD_FILE = trainkit.loop.guard.__file__
@@ -19,7 +20,7 @@ GUARD_FILE = trainkit.loop.guard.__file__
 @pytest.fixture(scope="module", autouse=True)
 def one_fork_server():
     """One fork server for the module's 2-rank spawns: torch imported once, not once per call (~4 s of CPU each)."""
-    with trainkit.fork_server(preload=["tests.trainers"]):
+    with trainkit.fork_server(preload=["tests.helpers.trainers"]):
         yield
 
 

@@ -10,7 +10,8 @@ import sys
 import pytest
 import tqdm.std
 
-from tests.trainers import TinyTrainer
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import TinyTrainer, train_and_close
 from trainkit.loop.progress import NON_TTY_INTERVAL_S, TTY_INTERVAL_S, EpochBar, step_bar
 
 
@@ -21,22 +22,9 @@ class TTYStream(io.StringIO):
         return True
 
 
-def config(tmp_path, enable=True, **overrides):
-    return {
-        "epochs": 2,
-        "out_dir": str(tmp_path),
-        "ckpt": {"enable": False},
-        "wandb": {"mode": "disabled"},
-        "progress": {"enable": enable},
-        **overrides,
-    }
-
-
-def run(trainer):
-    try:
-        return trainer.train()
-    finally:
-        trainer.close()
+BARS = {"epochs": 2, "ckpt": {"enable": False}, "progress": {"enable": True}, "val": {"minimize": False}}
+"""What this module's runs put over make_cfg's defaults: 2 epochs, no checkpoints, the bars on, and the engine's
+default direction (the validation loss maximized)."""
 
 
 def fake_terminal(monkeypatch) -> TTYStream:
@@ -61,8 +49,8 @@ def redraws(text: str, desc: str) -> int:
 
 def test_epoch_bar_shows_best_metrics_without_prefix(tmp_path, capsys):
     """With progress.enable a run writes an epoch bar to stderr whose postfix is the best metrics minus best/val/."""
-    trainer = TinyTrainer(config(tmp_path))
-    run(trainer)
+    trainer = TinyTrainer(make_cfg(tmp_path, BARS))
+    train_and_close(trainer)
     err = capsys.readouterr().err
     best = trainer.best_metrics["best/val/loss"]
     final = err.rsplit("\r", 1)[-1]
@@ -75,8 +63,8 @@ def test_epoch_bar_shows_best_metrics_without_prefix(tmp_path, capsys):
 def test_a_run_on_a_terminal_also_draws_step_bars(tmp_path, monkeypatch):
     """On a terminal self.progress() adds a transient per-step bar labelled with the epoch under the epoch bar."""
     tty = fake_terminal(monkeypatch)
-    trainer = TinyTrainer(config(tmp_path))
-    run(trainer)
+    trainer = TinyTrainer(make_cfg(tmp_path, BARS))
+    train_and_close(trainer)
     out = tty.getvalue()
     assert redraws(out, "epoch 0") >= 1 and redraws(out, "epoch 1") >= 1
     assert f"loss={trainer.best_metrics['best/val/loss']:.4g}" in out
@@ -84,7 +72,7 @@ def test_a_run_on_a_terminal_also_draws_step_bars(tmp_path, monkeypatch):
 
 def test_disabled_progress_writes_nothing_to_stderr(tmp_path, capfd):
     """With progress.enable false a whole run writes nothing to stderr."""
-    run(TinyTrainer(config(tmp_path, enable=False)))
+    train_and_close(TinyTrainer(make_cfg(tmp_path, BARS, progress={"enable": False})))
     captured = capfd.readouterr()
     assert captured.err == ""
     assert captured.out.startswith("trainkit: ")  # the rank-0 summary still prints, to stdout
@@ -129,7 +117,7 @@ def test_step_bar_on_a_terminal_redraws_often(monkeypatch, slow_clock):
 
 def test_long_run_off_a_terminal_writes_few_lines(tmp_path, capsys, slow_clock):
     """A real 192-step epoch with stderr not a terminal writes only a handful of bar redraws in all."""
-    run(TinyTrainer(config(tmp_path, epochs=1, batch_size=1)))
+    train_and_close(TinyTrainer(make_cfg(tmp_path, BARS, epochs=1, batch_size=1)))
     err = capsys.readouterr().err
     assert redraws(err, "epoch 0") <= 192 / NON_TTY_INTERVAL_S + 3
     assert 1 <= redraws(err, "epochs") <= 3
@@ -145,11 +133,11 @@ def test_disabled_step_bar_is_the_iterable_itself():
 def test_non_main_rank_gets_no_bars(tmp_path, monkeypatch, capsys):
     """Off rank 0, progress() returns the iterable itself and a whole run draws no bar, even on a terminal."""
     tty = fake_terminal(monkeypatch)
-    trainer = TinyTrainer(config(tmp_path))
+    trainer = TinyTrainer(make_cfg(tmp_path, BARS))
     trainer.is_main = False  # what rank 1 of a process group sees; progress.enable stays true
     batches = [1, 2, 3]
     assert trainer.progress(batches) is batches
-    run(trainer)
+    train_and_close(trainer)
     assert tty.getvalue() == ""
     assert capsys.readouterr().out == ""  # the summary is rank 0's too
 
@@ -157,7 +145,7 @@ def test_non_main_rank_gets_no_bars(tmp_path, monkeypatch, capsys):
 def test_main_rank_progress_wraps_the_iterable(tmp_path, monkeypatch):
     """On rank 0 with bars on (and a terminal), progress() yields the same items under a bar labelled with the epoch."""
     tty = fake_terminal(monkeypatch)
-    trainer = TinyTrainer(config(tmp_path))
+    trainer = TinyTrainer(make_cfg(tmp_path, BARS))
     try:
         trainer.epoch = 3
         batches = [1, 2, 3]

@@ -12,94 +12,26 @@ import os
 import re
 import shlex
 import signal
-import struct
 import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
 
-import attrs
 import pytest
 import torch
 
 import trainkit
-from tests.trainers import TinyConfig, TinyTrainer
+from tests.helpers import ROOT
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import CrashingTrainer, PerStepTrainer, TinyTrainer, train_and_close
+from tests.helpers.wandb_files import BLOCK, OfflineRun, history_record, leveldb_log, offline_runs, run_record
 
-BLOCK = 32 * 1024
-FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+pytestmark = pytest.mark.usefixtures("wandb_env")  # conftest's isolated W&B home, for every test here
 
-
-@pytest.fixture(autouse=True)
-def wandb_env(monkeypatch, tmp_path):
-    """Quiet, offline-friendly W&B settings that no user file or variable can change."""
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    for name in ("WANDB_DIR", "WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_RUN_ID", "WANDB_RESUME"):
-        monkeypatch.delenv(name, raising=False)
-    home = tmp_path / "wandb-home"
-    home.mkdir()
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(home))
-    monkeypatch.setenv("NETRC", str(home / "netrc"))
-
-
-def read_records(path: Path):
-    """Yield the protobuf records of a ``.wandb`` file."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B", f"{path} is not a W&B datastore"
-    pos, pending = 7, b""
-    while pos + 7 <= len(data):
-        left = BLOCK - pos % BLOCK
-        if left < 7:  # a block's tail too short for a header is zero padding
-            pos += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if kind == 0 and length == 0:
-            pos += left
-            continue
-        pending += data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (FULL, LAST):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            yield record
-
-
-def item_key(item) -> str:
-    return item.key or "/".join(item.nested_key)
-
-
-@attrs.frozen
-class OfflineRun:
-    """What one offline run folder holds."""
-
-    folder: Path
-    run_id: str
-    config: dict
-    history: list[dict]
-    summary: dict
-    exit_code: int | None
-
-    @classmethod
-    def read(cls, folder: Path) -> OfflineRun:
-        (datastore,) = folder.glob("run-*.wandb")
-        run_id, config, history, summary, exit_code = None, {}, [], {}, None
-        for record in read_records(datastore):
-            kind = record.WhichOneof("record_type")
-            if kind == "run":
-                run_id = record.run.run_id
-                config.update({item_key(i): json.loads(i.value_json) for i in record.run.config.update})
-            elif kind == "config":
-                config.update({item_key(i): json.loads(i.value_json) for i in record.config.update})
-            elif kind == "history":
-                history.append({item_key(i): json.loads(i.value_json) for i in record.history.item})
-            elif kind == "summary":
-                summary.update({item_key(i): json.loads(i.value_json) for i in record.summary.update if item_key(i)})
-            elif kind == "exit":
-                exit_code = record.exit.exit_code
-        return cls(folder=folder, run_id=run_id, config=config, history=history, summary=summary, exit_code=exit_code)
+OFFLINE = {"epochs": 3, "wandb": {"mode": "offline"}, "val": {"minimize": False}}
+"""What this module's runs put over make_cfg's defaults: 3 epochs, W&B offline, and the engine's default direction
+(the validation loss maximized), as these runs have always had."""
 
 
 def named_for(folder: Path, run_id: str) -> bool:
@@ -107,59 +39,15 @@ def named_for(folder: Path, run_id: str) -> bool:
     return re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", folder.name) is not None
 
 
-def offline_runs(out_dir: Path, timeout_s: float = 30.0) -> list[OfflineRun]:
-    """Every finished offline run under ``out_dir/wandb``, oldest first.
-
-    ``run.finish()`` returns before W&B's service has written the run's records, so this waits until each
-    datastore holds its exit record.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        runs = [OfflineRun.read(folder) for folder in sorted((out_dir / "wandb").glob("offline-run-*"))]
-        if all(part.exit_code is not None for part in runs) or time.monotonic() > deadline:
-            return runs
-        time.sleep(0.05)
-
-
-@attrs.frozen(kw_only=True)
-class SecretConfig(TinyConfig):
-    """TinyConfig with a credential-looking key that must not reach W&B."""
-
-    api_token: str = "not-for-wandb"
-
-
-class CrashingTrainer(TinyTrainer):
-    """TinyTrainer that dies at the start of epoch ``crash_at``, before it logs anything."""
-
-    config_class = SecretConfig
-    crash_at: int | None = None
-
-    def train_epoch(self):
-        if self.epoch == self.crash_at:
-            raise RuntimeError(f"injected crash at epoch {self.epoch}")
-        super().train_epoch()
-
-
 class CrashAt1(CrashingTrainer):
     crash_at = 1
 
 
-def config(tmp_path, mode="offline", **overrides):
-    return {"epochs": 3, "out_dir": str(tmp_path), "wandb": {"mode": mode}, "progress": {"enable": False}, **overrides}
-
-
-def run(trainer):
-    try:
-        return trainer.train()
-    finally:
-        trainer.close()
-
-
 def test_offline_run_is_resumed_under_the_same_id(tmp_path):
     """A crashed offline run and its resume write two run folders with last.pt's run id, the config, ordered history."""
-    cfg = config(tmp_path)
+    cfg = make_cfg(tmp_path, OFFLINE)
     with pytest.raises(RuntimeError, match="injected crash"):
-        run(CrashAt1(cfg))
+        train_and_close(CrashAt1(cfg))
     run_id = torch.load(tmp_path / "last.pt", weights_only=True)["wandb_run_id"]
     (first,) = offline_runs(tmp_path)
     assert named_for(first.folder, run_id)
@@ -167,7 +55,7 @@ def test_offline_run_is_resumed_under_the_same_id(tmp_path):
     assert first.exit_code == 1  # the crash marks the run failed
 
     resumed = CrashingTrainer(cfg)
-    result = run(resumed)
+    result = train_and_close(resumed)
 
     first, second = offline_runs(tmp_path)
     assert named_for(second.folder, run_id) and second.run_id == run_id
@@ -194,13 +82,13 @@ def test_offline_run_is_resumed_under_the_same_id(tmp_path):
     assert second.summary["stop_reason"] == "max_epochs" and second.summary["epochs_run"] == 3
 
     again = CrashingTrainer(cfg)  # the run has finished: resuming it only returns its results
-    assert run(again) == result
+    assert train_and_close(again) == result
     assert len(offline_runs(tmp_path)) == 2
 
 
 def test_disabled_mode_creates_no_wandb_folder(tmp_path):
     """wandb.mode=disabled runs without creating out_dir/wandb."""
-    run(TinyTrainer(config(tmp_path, mode="disabled", epochs=1)))
+    train_and_close(TinyTrainer(make_cfg(tmp_path, OFFLINE, wandb={"mode": "disabled"}, epochs=1)))
     assert (tmp_path / "metrics.jsonl").exists()
     assert not (tmp_path / "wandb").exists()
 
@@ -210,11 +98,11 @@ def test_failing_online_init_falls_back_to_offline_with_one_warning(tmp_path, mo
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = TinyTrainer(config(tmp_path, mode="online", epochs=1))
+        trainer = TinyTrainer(make_cfg(tmp_path, OFFLINE, wandb={"mode": "online"}, epochs=1))
     runtime = [w for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(runtime) == 1, [str(w.message) for w in runtime]
     assert "online" in str(runtime[0].message) and "offline" in str(runtime[0].message)
-    run(trainer)
+    train_and_close(trainer)
     (part,) = offline_runs(tmp_path)
     assert [row["trainer/epoch"] for row in part.history] == [0]
     assert part.config["wandb"]["mode"] == "online"
@@ -224,7 +112,7 @@ def test_failing_online_init_falls_back_to_offline_with_one_warning(tmp_path, mo
 @pytest.mark.timeout(120)
 def test_only_rank_zero_creates_a_run(tmp_path):
     """In a 2-process run only rank 0 starts W&B: out_dir/wandb holds one offline run, with one row per epoch."""
-    result = trainkit.spawn(TinyTrainer, config(tmp_path, epochs=2, dist={"backend": "gloo"}), 2)
+    result = trainkit.spawn(TinyTrainer, make_cfg(tmp_path, OFFLINE, epochs=2, dist={"backend": "gloo"}), 2)
     assert result is not None
     (part,) = offline_runs(tmp_path)
     assert [row["trainer/epoch"] for row in part.history] == [0, 1]
@@ -249,7 +137,7 @@ def test_a_clean_signal_stop_is_not_a_failed_wandb_run(tmp_path):
     from trainkit import TrainingInterrupted
 
     with pytest.raises(TrainingInterrupted):
-        run(StopsOnSigterm(config(tmp_path)))
+        train_and_close(StopsOnSigterm(make_cfg(tmp_path, OFFLINE)))
     (first,) = offline_runs(tmp_path)
     assert first.exit_code == 0
     assert [row["trainer/epoch"] for row in first.history] == [0, 1]
@@ -258,36 +146,13 @@ def test_a_clean_signal_stop_is_not_a_failed_wandb_run(tmp_path):
 # ------------------------------------------------------------------ one run across offline folders
 
 
-class PerStepTrainer(CrashingTrainer):
-    """TinyTrainer that pushes a row after every batch; at ``KILL_AT=epoch,batch`` it dies after that batch's row.
-
-    ``KILL_HOW`` picks how: ``sigkill`` (the process is killed, W&B's service loses what it had not
-    written) or ``raise`` (an exception; W&B finishes the run as failed). ``BIAS`` is added to the logged
-    batch loss: a resumed run with another bias is a rerun that is not bit-exact.
-    """
-
-    def train_epoch(self):
-        kill_at = os.environ.get("KILL_AT")
-        self.model.train()
-        for batch, (x, y) in enumerate(self.progress(self.loader), start=self.first_batch):
-            loss = torch.nn.functional.mse_loss(self.model(x), y)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
-            self.log({"train/batch_loss": loss.detach() + float(os.environ.get("BIAS", "0"))})
-            self.push_logs()
-            if kill_at == f"{self.epoch},{batch}":
-                if os.environ.get("KILL_HOW") == "sigkill":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                raise RuntimeError("injected crash")
-
-
-PER_STEP_SCRIPT = """
+PER_STEP_SCRIPT = f"""
 import os, sys
-from tests.test_wandb import PerStepTrainer, config, run
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import PerStepTrainer, train_and_close
 every = os.environ.get("EVERY_N_STEPS")
-steps = {"ckpt": {"every_n_steps": int(every)}} if every else {}
-run(PerStepTrainer(config(__import__("pathlib").Path(sys.argv[1]), **steps)))
+steps = {{"ckpt": {{"every_n_steps": int(every)}}}} if every else {{}}
+train_and_close(PerStepTrainer(make_cfg(sys.argv[1], {OFFLINE!r}, **steps)))
 """
 
 
@@ -300,7 +165,7 @@ def per_step_run(out_dir: Path, **env: str) -> subprocess.CompletedProcess:
     parent = {key: value for key, value in os.environ.items() if key != "WANDB_SERVICE"}
     return subprocess.run(
         [sys.executable, "-c", PER_STEP_SCRIPT, str(out_dir)],
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=ROOT,
         env={**parent, **env},
         capture_output=True,
         text=True,
@@ -392,7 +257,7 @@ def test_a_killed_and_resumed_run_syncs_as_one_history(tmp_path, every_n_steps):
     assert starts == sorted(starts)  # wandb sync uploads the folders of one run in this order
 
     # the README's upload command, pointed at this run and dry
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     (command,) = [line for line in readme.splitlines() if line.startswith(".venv/bin/wandb sync ")]
     program, *args = shlex.split(command)
     assert args == ["sync", "runs/digits/wandb"], command
@@ -411,7 +276,7 @@ def test_rows_wandb_holds_are_not_sent_again_and_a_changed_rerun_is_reported(tmp
     """
     monkeypatch.setenv("KILL_AT", "1,3")
     with pytest.raises(RuntimeError, match="injected crash"):
-        run(PerStepTrainer(config(tmp_path)))
+        train_and_close(PerStepTrainer(make_cfg(tmp_path, OFFLINE)))
     monkeypatch.delenv("KILL_AT")
     (first,) = offline_runs(tmp_path)
     held = [row["_step"] for row in first.history]
@@ -420,7 +285,7 @@ def test_rows_wandb_holds_are_not_sent_again_and_a_changed_rerun_is_reported(tmp
 
     monkeypatch.setenv("BIAS", "1.0")  # the rerun logs other values: not bit-exact
     capsys.readouterr()
-    run(PerStepTrainer(config(tmp_path)))
+    train_and_close(PerStepTrainer(make_cfg(tmp_path, OFFLINE)))
     err = capsys.readouterr().err
     assert "W&B already held steps 7-10 of this run" in err and "4 of those 4 rows differ" in err, err
 
@@ -440,7 +305,7 @@ def test_reading_wandb_folders_survives_torn_and_garbage_files(tmp_path):
 
     from trainkit.run.wandb_run import read_wandb_history
 
-    run(TinyTrainer(config(tmp_path, epochs=2)))
+    train_and_close(TinyTrainer(make_cfg(tmp_path, OFFLINE, epochs=2)))
     (part,) = offline_runs(tmp_path)
     (datastore,) = part.folder.glob("run-*.wandb")
     whole = read_wandb_history([tmp_path / "wandb"], part.run_id)
@@ -464,50 +329,6 @@ def test_reading_wandb_folders_survives_torn_and_garbage_files(tmp_path):
         assert read_wandb_history([tmp_path / "wandb"], part.run_id).next_step in {0, 1, 2}
     datastore.write_bytes(os.urandom(5000))
     assert read_wandb_history([tmp_path / "wandb"], part.run_id).next_step == 0
-
-
-def leveldb_log(records: list[bytes], header: bytes = b":W&B\x00\x00\x01") -> bytes:
-    """Frame records as W&B's writer does (LevelDB's log format with W&B's CRC-32)."""
-    import zlib
-
-    out = bytearray(header)
-    for record in records:
-        rest, first = record, True
-        while True:
-            left = BLOCK - len(out) % BLOCK
-            if left < 7:
-                out += b"\0" * left
-                continue
-            fragment, rest = rest[: left - 7], rest[left - 7 :]
-            kind = (FULL if not rest else FIRST) if first else (LAST if not rest else MIDDLE)
-            out += struct.pack("<IHB", zlib.crc32(fragment, zlib.crc32(bytes((kind,)))), len(fragment), kind)
-            out += fragment
-            first = False
-            if not rest:
-                break
-    return bytes(out)
-
-
-def run_record(run_id: str) -> bytes:
-    """A serialized W&B run record, the first record W&B writes to a ``.wandb`` file."""
-    from wandb.proto import wandb_internal_pb2
-
-    record = wandb_internal_pb2.Record()
-    record.run.run_id = run_id
-    return record.SerializeToString()
-
-
-def history_record(step: int, padding: int) -> bytes:
-    """A serialized W&B history record at ``step`` with a ``padding``-character string item (to size it)."""
-    from wandb.proto import wandb_internal_pb2
-
-    record = wandb_internal_pb2.Record()
-    record.history.step.num = step
-    for key, value in (("_step", step), ("trainer/step", step * 10), ("note", "x" * padding)):
-        item = record.history.item.add()
-        item.key = key
-        item.value_json = json.dumps(value)
-    return record.SerializeToString()
 
 
 def test_wandb_history_is_read_across_block_ends(tmp_path):
@@ -591,9 +412,9 @@ def test_hostile_wandb_files_are_skipped_with_a_warning_and_every_row_reaches_wa
     (none hangs, none raises), and W&B gets every row of metrics.jsonl (the 2**62 record silenced them all before)."""
     from trainkit.run.wandb_run import read_wandb_history
 
-    cfg = config(tmp_path)
+    cfg = make_cfg(tmp_path, OFFLINE)
     with pytest.raises(RuntimeError, match="injected crash"):
-        run(CrashAt1(cfg))
+        train_and_close(CrashAt1(cfg))
     run_id = torch.load(tmp_path / "last.pt", weights_only=True)["wandb_run_id"]
     planted = plant_wandb_files(tmp_path, run_id)
     with warnings.catch_warnings(record=True) as caught:
@@ -606,7 +427,7 @@ def test_hostile_wandb_files_are_skipped_with_a_warning_and_every_row_reaches_wa
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        run(CrashingTrainer(cfg))
+        train_and_close(CrashingTrainer(cfg))
     parts = [OfflineRun.read(folder) for folder in sorted((tmp_path / "wandb").glob("offline-run-*"))
              if not folder.name.startswith("offline-run-20200101_")]
     deadline = time.monotonic() + 30

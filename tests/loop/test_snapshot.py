@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.trainers import TinyTrainer, make_cfg
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import TinyTrainer
 from trainkit.loop.snapshot import WeightSnapshot
 
 

@@ -15,19 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.trainers import TinyTrainer, make_cfg
+from tests.helpers import ROOT
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import TinyTrainer
 from trainkit import ConfigError
 from trainkit.checkpoint import load_checkpoint
-from trainkit.cli import main
-from trainkit.checkpoint.payload import validate_last
-from trainkit.checkpoint.kept import read_kept
-from trainkit.run.lock import RunLock
 from trainkit.checkpoint.dcp import read_engine
+from trainkit.checkpoint.kept import read_kept
+from trainkit.checkpoint.payload import validate_last
+from trainkit.cli import main
+from trainkit.run.lock import RunLock
 
 STEPS_PER_EPOCH = 6
 """TinyTrainer's 192 training samples in batches of 32."""
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(out: Path, **overrides) -> TinyTrainer:
@@ -139,7 +139,8 @@ KILLED_CHILD = textwrap.dedent(
     import os, sys, time
     from pathlib import Path
     import trainkit.checkpoint.kept as files
-    from tests.trainers import TinyTrainer, make_cfg
+    from tests.helpers.configs import make_cfg
+    from tests.helpers.trainers import TinyTrainer
 
     out, marker = Path(sys.argv[1]), Path(sys.argv[2])
     real = files.remove_kept
@@ -189,7 +190,8 @@ KILLED_BEFORE_KEEPING = textwrap.dedent(
     import os, signal, sys
     from pathlib import Path
     import trainkit.checkpoint.kept as files
-    from tests.trainers import TinyTrainer, make_cfg
+    from tests.helpers.configs import make_cfg
+    from tests.helpers.trainers import TinyTrainer
 
     out, step = Path(sys.argv[1]), int(sys.argv[2])
     real = files.KeptCheckpoints.publish

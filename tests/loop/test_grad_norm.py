@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.host_syncs import HOST_SYNCS, count_host_syncs
+from tests.helpers.configs import make_cfg
+from tests.helpers.host_syncs import HOST_SYNCS, count_host_syncs
 from trainkit import BaseTrainer
 from trainkit.loop.metrics import LogBuffer
 
@@ -54,15 +55,9 @@ def make_trainer(tmp_path):
     made = []
 
     def make(**overrides):
-        cfg = {
-            "epochs": 2,
-            "out_dir": str(tmp_path),
-            "ckpt": {"enable": False},
-            "wandb": {"mode": "disabled"},
-            "progress": {"enable": False},
-            **overrides,
-        }
-        trainer = NetTrainer(cfg)
+        # 2 epochs, no checkpoints, and the engine's default direction (the validation loss maximized)
+        trainer = NetTrainer(make_cfg(tmp_path, {"epochs": 2, "ckpt": {"enable": False}, "val": {"minimize": False}},
+                                      **overrides))
         made.append(trainer)
         return trainer
 

@@ -29,7 +29,9 @@ import torch
 
 import trainkit.files.weights_only_load as safe_load
 from tests.faults.harness import ROOT, child_env
-from tests.trainers import TinyTrainer, make_cfg
+from tests.helpers.checkpoint_files import members_of, rewrite, small_checkpoint
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import TinyTrainer
 from trainkit import CheckpointCorruptError, CheckpointUnsafeError
 from trainkit.bookkeeping import RESERVED_NAMES
 from trainkit.checkpoint import load_checkpoint, verify_checkpoint
@@ -153,27 +155,6 @@ def write_zip(path: Path, entries: list[Entry]) -> None:
         file.write(struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, count, count, cd_size, cd_offset))
         file.write(struct.pack("<4sLQL", b"PK\x06\x07", 0, end64, 1))
         file.write(struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 2**32 - 1, 2**32 - 1, 0))
-
-
-def members_of(path: Path) -> dict[str, bytes]:
-    """Every member of a real torch.save archive, by name, in file order."""
-    with zipfile.ZipFile(path) as archive:
-        return {info.filename: archive.read(info) for info in archive.infolist()}
-
-
-def rewrite(source: Path, target: Path, compression: int = zipfile.ZIP_STORED, **replace: bytes) -> None:
-    """Rewrite a real archive with Python's zipfile, members replaced by suffix (``data_pkl=...``) and compressed."""
-    with zipfile.ZipFile(target, "w", compression) as archive:
-        for name, data in members_of(source).items():
-            key = name.split("/", 1)[1].replace("/", "_").replace(".", "_")
-            archive.writestr(name, replace.get(key, data))
-
-
-def small_checkpoint(tmp_path: Path, payload: dict | None = None) -> Path:
-    """A real torch.save file of a small payload with tensors."""
-    path = tmp_path / "small.pt"
-    torch.save(payload or {"w": torch.arange(6.0), "n": 3}, path)
-    return path
 
 
 def refused(path: Path, *fragments: str) -> str:

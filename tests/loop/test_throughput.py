@@ -8,16 +8,16 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.host_syncs import count_host_syncs
-from tests.trainers import TinyTrainer
+from tests.helpers.configs import make_cfg
+from tests.helpers.host_syncs import count_host_syncs
+from tests.helpers.trainers import TinyTrainer
 from trainkit.errors import UsageError
 from trainkit.loop.metrics import LogBuffer
 from trainkit.loop.throughput import CountedBatches, Throughput
 
-
-def config(tmp_path, **overrides):
-    return {"epochs": 2, "out_dir": str(tmp_path), "wandb": {"mode": "disabled"}, "progress": {"enable": False},
-            **overrides}
+RUNS = {"epochs": 2, "val": {"minimize": False}}
+"""What this module's runs put over make_cfg's defaults: 2 epochs and the engine's default direction (the validation
+loss maximized)."""
 
 
 def rows(tmp_path):
@@ -46,7 +46,7 @@ class TokenTrainer(TinyTrainer):
 def test_every_row_after_training_carries_the_rates(tmp_path):
     """Each epoch's row has samples/s, steps/s and tokens/s whose ratios are the data's: 32 samples a step, 8
     tokens a sample; the metrics the run returns are the trainer's as without it."""
-    trainer = TokenTrainer(config(tmp_path, log_throughput=True, ckpt={"every_n_steps": 4}))
+    trainer = TokenTrainer(make_cfg(tmp_path, RUNS, log_throughput=True, ckpt={"every_n_steps": 4}))
     try:
         result = trainer.train()
     finally:
@@ -64,7 +64,7 @@ def test_every_row_after_training_carries_the_rates(tmp_path):
 def test_off_by_default_and_count_tokens_says_what_is_missing(tmp_path):
     """Without log_throughput no row has a perf/ key, progress() returns the loader itself, and count_tokens
     raises naming the key that turns it on."""
-    trainer = TinyTrainer(config(tmp_path))
+    trainer = TinyTrainer(make_cfg(tmp_path, RUNS))
     try:
         with pytest.raises(UsageError, match="log_throughput"):
             trainer.count_tokens(5)
@@ -135,7 +135,7 @@ def test_counting_tokens_on_the_device_waits_for_nothing(monkeypatch):
 @pytest.mark.parametrize("value", ["12", None, True, [3]])
 def test_count_tokens_refuses_what_is_not_a_count(tmp_path, value):
     """count_tokens takes a number or a tensor; anything else is a TypeError that shows it."""
-    trainer = TinyTrainer(config(tmp_path, log_throughput=True))
+    trainer = TinyTrainer(make_cfg(tmp_path, RUNS, log_throughput=True))
     try:
         with pytest.raises(TypeError, match="count_tokens"):
             trainer.count_tokens(value)

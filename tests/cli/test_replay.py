@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from tests.trainers import TinyTrainer, make_cfg
+from tests.helpers import ROOT
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import TinyTrainer
 from trainkit.cli.replay import replay_guard_run, replay_run
-
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 SETTINGS = [
     {"patience": 1, "min_delta": 0.05},
@@ -104,7 +104,7 @@ def test_replay_errors_are_one_line(tmp_path):
 def test_the_guard_replay_fires_where_the_guard_of_a_real_run_fires(tmp_path):
     """A run that skipped three planted NaNs (one row per step) replays, under a budget of 2 within 3 steps, into
     a stop at the step where a run trained with that budget stopped; the command says so without torch."""
-    from tests.trainers import GuardTrainer
+    from tests.helpers.trainers import GuardTrainer
     from trainkit.errors import DivergenceError
 
     planted = {"nan_batches": (3, 7, 9), "push_every_step": True, "epochs": 2}

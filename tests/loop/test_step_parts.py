@@ -20,17 +20,15 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 import trainkit
 from tests.faults.harness import ROOT, child_env
-from tests.trainers import Crash, StepTrainer
-from trainkit.loop.batches import SampleIndex, draws_only_from_torch, iterator_rng
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import Crash, StepTrainer
 from trainkit.bookkeeping import EpochPosition, next_step_checkpoint, position_mismatch, step_checkpoint_due
+from trainkit.checkpoint.payload import validate_last
 from trainkit.errors import BookkeepingError, CheckpointCorruptError, CheckpointMismatchError, TrainingInterrupted
+from trainkit.loop.batches import SampleIndex, draws_only_from_torch, iterator_rng
 from trainkit.loop.metrics import LogBuffer
 from trainkit.loop.optim import RunningMean
-from trainkit.checkpoint.payload import validate_last
 from trainkit.run.lock import RunLock
-
-QUIET = {"wandb": {"mode": "disabled"}, "progress": {"enable": False}}
-
 
 # --- the pure core ----------------------------------------------------------------------------------------------
 
@@ -62,7 +60,7 @@ def test_only_torch_samplers_let_the_iterator_states_hold_torch_alone():
     """Python's and numpy's states are left out only where the iterator cannot reach them."""
     from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
 
-    from tests.trainers import PythonShuffleSampler
+    from tests.helpers.trainers import PythonShuffleSampler
 
     data = torch.utils.data.TensorDataset(torch.arange(10.0))
 
@@ -185,22 +183,22 @@ class CountingTrainer(StepTrainer):
             del self.push_logs
 
 
-def step_cfg(tmp_path, **overrides):
-    return {"epochs": 1, "out_dir": str(tmp_path), "ckpt": {"every_n_steps": 1}, "push_every": 1, **QUIET,
-            **overrides}
+STEPS = {"epochs": 1, "ckpt": {"every_n_steps": 1}, "push_every": 1, "val": {"minimize": False}}
+"""What the step-checkpoint runs here put over make_cfg's defaults: 1 epoch, a checkpoint and a push at every step,
+and the engine's default direction (the validation loss maximized)."""
 
 
 def test_a_resume_skips_the_consumed_batches_without_loading_them(tmp_path):
     """Stopped after batch 4 (a step boundary): the resumed epoch loads only the samples of batches 4..7."""
     CountingTrainer.term_at = 3
-    first = CountingTrainer(step_cfg(tmp_path), 0, 1)
+    first = CountingTrainer(make_cfg(tmp_path, STEPS), 0, 1)
     with pytest.raises(TrainingInterrupted, match="after step 2, batch 4 of 8 of epoch 0") as stopped:
         first.train()
     assert stopped.value.exit_code == 128 + signal.SIGTERM
     consumed = first.loaded[:16]
     first.close()
     CountingTrainer.term_at = None
-    second = CountingTrainer(step_cfg(tmp_path), 0, 1)
+    second = CountingTrainer(make_cfg(tmp_path, STEPS), 0, 1)
     assert second.first_batch == 4
     second.train()
     second.close()
@@ -210,7 +208,7 @@ def test_a_resume_skips_the_consumed_batches_without_loading_them(tmp_path):
 
 def test_a_resume_inside_an_epoch_with_another_batch_size_is_refused_and_loses_nothing(tmp_path):
     CountingTrainer.term_at = 3
-    first = CountingTrainer(step_cfg(tmp_path), 0, 1)
+    first = CountingTrainer(make_cfg(tmp_path, STEPS), 0, 1)
     with pytest.raises(TrainingInterrupted):
         first.train()
     first.close()
@@ -218,7 +216,7 @@ def test_a_resume_inside_an_epoch_with_another_batch_size_is_refused_and_loses_n
     last = (tmp_path / "last.pt").read_bytes()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the changed config is warned about; the refusal is the point
-        second = CountingTrainer(step_cfg(tmp_path, batch_size=5), 0, 1)
+        second = CountingTrainer(make_cfg(tmp_path, STEPS, batch_size=5), 0, 1)
     with pytest.raises(CheckpointMismatchError, match=r"batch size: 4 then, 5 now; .*batches per epoch: 8 then, 6 now"):
         second.train()
     second.close()
@@ -235,7 +233,7 @@ class ListTrainer(StepTrainer):
 
 
 def test_a_loop_over_something_trainkit_cannot_skip_into_warns_and_keeps_epoch_checkpoints(tmp_path):
-    trainer = ListTrainer(step_cfg(tmp_path, epochs=2), 0, 1)
+    trainer = ListTrainer(make_cfg(tmp_path, STEPS, epochs=2), 0, 1)
     with pytest.warns(RuntimeWarning, match="needs progress\\(\\) to be given a DataLoader.*got a list") as caught:
         trainer.train()
     trainer.close()
@@ -256,7 +254,7 @@ def test_a_loop_over_something_trainkit_cannot_skip_into_warns_and_keeps_epoch_c
 )
 def test_a_hostile_step_checkpoint_is_refused_naming_the_key(tmp_path, path, value, message):
     CountingTrainer.term_at = 3
-    trainer = CountingTrainer(step_cfg(tmp_path, epochs=2), 0, 1)
+    trainer = CountingTrainer(make_cfg(tmp_path, STEPS, epochs=2), 0, 1)
     with pytest.raises(TrainingInterrupted):
         trainer.train()
     trainer.close()
@@ -300,7 +298,7 @@ def test_workers_of_a_killed_run_do_not_keep_its_folder_locked(tmp_path):
 
 def test_inspect_says_where_inside_the_epoch_a_checkpoint_stands(tmp_path):
     CountingTrainer.term_at = 3
-    trainer = CountingTrainer(step_cfg(tmp_path, epochs=2), 0, 1)
+    trainer = CountingTrainer(make_cfg(tmp_path, STEPS, epochs=2), 0, 1)
     with pytest.raises(TrainingInterrupted):
         trainer.train()
     trainer.close()
@@ -324,7 +322,7 @@ class TwoPasses(StepTrainer):
 
 def test_a_second_pass_over_the_same_batches_is_not_counted(tmp_path):
     """The second pass warns, writes no step checkpoint; the epoch's end checkpoint is written as usual."""
-    trainer = TwoPasses(step_cfg(tmp_path, ckpt={"every_n_steps": 100}), 0, 1)
+    trainer = TwoPasses(make_cfg(tmp_path, STEPS, ckpt={"every_n_steps": 100}), 0, 1)
     with pytest.warns(RuntimeWarning, match="iterated a second time"):
         trainer.train()
     trainer.close()
@@ -413,7 +411,8 @@ class EchoTrainer(trainkit.BaseTrainer):
 
 def echo_run(out_dir, kind, ckpt, crash_at=None):
     EchoTrainer.kind, EchoTrainer.crash_at = kind, crash_at
-    trainer = EchoTrainer({"epochs": 3, "out_dir": str(out_dir), "ckpt": ckpt, **QUIET}, 0, 1)
+    # 3 epochs and the engine's default direction (the validation loss maximized)
+    trainer = EchoTrainer(make_cfg(out_dir, {"epochs": 3, "val": {"minimize": False}}, ckpt=ckpt), 0, 1)
     try:
         trainer.train()
     finally:

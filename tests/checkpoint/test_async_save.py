@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import trainkit.checkpoint.async_save
-from tests.trainers import Crash, TinyTrainer, dying, make_cfg
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import Crash, TinyTrainer, dying
 from trainkit.checkpoint.async_save import AsyncCheckpointWriter, StagingBuffers
 
 

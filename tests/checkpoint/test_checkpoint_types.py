@@ -23,8 +23,8 @@ import torch
 
 from tests.faults.harness import ROOT, child_env
 from trainkit import CheckpointCorruptError, CheckpointError, CheckpointUnsafeError
-from trainkit.checkpoint.async_save import StagingBuffers
 from trainkit.checkpoint import atomic_save, check_loadable, load_checkpoint
+from trainkit.checkpoint.async_save import StagingBuffers
 
 np = pytest.importorskip("numpy")
 
@@ -224,19 +224,19 @@ REFUSED = {
     "numpy_random_state": (np.random.RandomState(0), "numpy.random.mtrand.RandomState"),
     "lambda": (lambda: 0, "function"),
     "function": (plain_function, "function"),
-    "user_class": (Unlisted(), "tests.test_checkpoint_types.Unlisted"),
+    "user_class": (Unlisted(), f"{__name__}.Unlisted"),
     "datetime": (datetime.datetime(2024, 1, 2), "datetime.datetime"),
     "timedelta": (datetime.timedelta(seconds=3), "datetime.timedelta"),
     "path": (pathlib.Path("/data/x"), "pathlib."),
     "fraction": (fractions.Fraction(1, 3), "fractions.Fraction"),
-    "enum": (Colour.RED, "tests.test_checkpoint_types.Colour"),
-    "namedtuple": (Point(1, 2), "tests.test_checkpoint_types.Point"),
+    "enum": (Colour.RED, f"{__name__}.Colour"),
+    "namedtuple": (Point(1, 2), f"{__name__}.Point"),
     "frozenset": (frozenset({1}), "frozenset"),
     "range": (range(3), "range"),
     "defaultdict": (collections.defaultdict(int), "collections.defaultdict"),
     "class_object": (int, "type"),
     "torch_generator": (torch.Generator(), "torch._C.Generator"),
-    "tensor_subclass": (torch.ones(2).as_subclass(MyTensor), "tests.test_checkpoint_types.MyTensor"),
+    "tensor_subclass": (torch.ones(2).as_subclass(MyTensor), f"{__name__}.MyTensor"),
     "datetime64_array": (np.array(["2024-01-02"], dtype="datetime64[D]"), "dtype datetime64[D]"),
     "structured_array": (np.zeros(2, dtype=[("a", "i4"), ("b", "f8")]), "numpy.ndarray of dtype"),
     "string_array": (np.array(["ab"]), "numpy.ndarray of dtype <U2"),
@@ -333,9 +333,9 @@ def test_an_intact_file_holding_a_refused_type_is_unsafe_not_corrupt(tmp_path):
     with pytest.raises(CheckpointUnsafeError) as info:
         load_checkpoint(path)
     message = str(info.value)
-    assert message.startswith(f"checkpoint {path} was refused: it holds tests.test_checkpoint_types.Unlisted")
+    assert message.startswith(f"checkpoint {path} was refused: it holds {__name__}.Unlisted")
     assert "return plain values" in message and "weights_only=True" in message
-    assert info.value.type_name == "tests.test_checkpoint_types.Unlisted"
+    assert info.value.type_name == f"{__name__}.Unlisted"
     assert isinstance(info.value, CheckpointError) and not isinstance(info.value, CheckpointCorruptError)
 
 

@@ -3,7 +3,7 @@
 The name rule is pinned both ways by tables; the end-to-end test runs a real training process with an
 offline W&B run and secrets in its config and on its command line, then greps every byte it wrote.
 
-Run as ``python -m tests.test_secrets WORD...``, this module trains :class:`LeakyTrainer` on the config
+Run as ``python -m tests.config.test_secrets WORD...``, this module trains :class:`LeakyTrainer` on the config
 those command-line words build: the end-to-end test starts it that way, so W&B sees a real ``sys.argv``.
 """
 
@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import trainkit
-from tests.trainers import TinyConfig, TinyTrainer
+from tests.helpers.trainers import TinyConfig, TinyTrainer
+from tests.helpers.wandb_files import offline_runs, read_records
 from trainkit.config import (
     Config,
     is_secret_key,
@@ -31,7 +32,7 @@ from trainkit.config import (
     secret_field,
     strip_secrets,
 )
-from trainkit.config.schema import _Section
+from trainkit.config.schema import Section
 from trainkit.errors import ConfigError
 
 SECRET_NAMES = [
@@ -234,7 +235,7 @@ def test_strings_without_credentials_are_left_alone(text):
 
 
 @attrs.frozen(kw_only=True)
-class DbSection(_Section):  # a section record, like ValConfig
+class DbSection(Section):  # a section record, like ValConfig
     """A user's own section with one secret leaf."""
 
     host: str = "db.example.com"
@@ -242,7 +243,7 @@ class DbSection(_Section):  # a section record, like ValConfig
 
 
 @attrs.frozen(kw_only=True)
-class AuthSection(_Section):
+class AuthSection(Section):
     """A section whose own name is secret: everything under it is."""
 
     method: str = "oauth"
@@ -372,7 +373,7 @@ def test_strip_secrets_cleans_an_old_checkpoint_config():
 
 
 @attrs.frozen(kw_only=True)
-class VaultSection(_Section):
+class VaultSection(Section):
     """A section whose declarations go against the name rule both ways."""
 
     address: str = "vault.example.com"
@@ -525,12 +526,12 @@ class LeakyTrainer(TinyTrainer):
 
 
 def start_run(tmp_path, log_name, words):
-    """Start ``python -m tests.test_secrets WORDS`` with an isolated, offline W&B home; return the running process."""
+    """Start ``python -m tests.config.test_secrets WORDS`` with an isolated, offline W&B home; return the process."""
     from tests.faults.harness import Run, offline_wandb_env
 
     env = offline_wandb_env(tmp_path / "wandb-home")
     env.pop("WANDB_API_KEY", None)
-    return Run(["-m", "tests.test_secrets", *words], tmp_path / log_name, env)
+    return Run(["-m", __name__, *words], tmp_path / log_name, env)
 
 
 @pytest.mark.timeout(300)
@@ -540,8 +541,6 @@ def test_no_secret_reaches_any_file_or_message_of_a_real_offline_run(tmp_path):
     Needs the trainer wired to ``public_config(self.cfg)`` and ``WandbSink(..., config_class=self.cfg)``:
     until then the declared secret (SENTINEL_E) reaches last.pt, and this test fails there by design.
     """
-    from tests.test_wandb import offline_runs, read_records
-
     out = tmp_path / "run"
     common = [f"out_dir={out}", "wandb.mode=offline", "progress.enable=false", "val.minimize=true"]
     first = start_run(
@@ -600,15 +599,10 @@ def test_no_secret_reaches_any_file_or_message_of_a_real_offline_run(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_wandb_sink_masks_the_command_line_it_records_and_restores_sys_argv(tmp_path, monkeypatch):
+def test_wandb_sink_masks_the_command_line_it_records_and_restores_sys_argv(tmp_path, monkeypatch, wandb_env):
     """In this process, WandbSink shows W&B a masked sys.argv and gives the program back its own list unchanged."""
-    from tests.test_wandb import offline_runs
     from trainkit.run.wandb_run import WandbSink
 
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    for name in ("WANDB_DIR", "WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_RUN_ID", "WANDB_RESUME"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home"))
     argv = ["train.py", "epochs=1", "hub_login=argv-secret-7", "--password", "argv-secret-8", "tokenizer=gpt2"]
     monkeypatch.setattr(sys, "argv", argv)
     cfg = DeclaredConfig(epochs=1, hub_login="argv-secret-7", out_dir=str(tmp_path))

@@ -9,8 +9,9 @@ import attrs
 from torch import nn
 
 import trainkit
-from tests.host_syncs import count_host_syncs
-from tests.trainers import TinyConfig, TinyTrainer
+from tests.helpers.configs import make_cfg
+from tests.helpers.host_syncs import count_host_syncs
+from tests.helpers.trainers import TinyConfig, TinyTrainer
 from trainkit.loop.metrics import LogBuffer
 
 TRAINKIT_DIR = str(Path(trainkit.__file__).parent)
@@ -56,9 +57,7 @@ def test_no_host_sync_per_step(tmp_path, monkeypatch):
     takes with ``LogBuffer.read_cpu_at_log`` off.
     """
     monkeypatch.setattr(LogBuffer, "read_cpu_at_log", False)
-    cfg = {"epochs": 2, "out_dir": str(tmp_path), "wandb": {"mode": "disabled"}, "progress": {"enable": True},
-           "grad_clip": 0.5, "val": {"minimize": True}}
-    trainer = CountingTrainer(cfg)
+    trainer = CountingTrainer(make_cfg(tmp_path, epochs=2, progress={"enable": True}, grad_clip=0.5))
     trainer.train()
     assert trainer.step > 10
     assert trainer.syncs == Counter()
@@ -66,9 +65,7 @@ def test_no_host_sync_per_step(tmp_path, monkeypatch):
 
 def test_cpu_tensors_are_read_once_each_at_log_time(tmp_path):
     """On the CPU, the per-step helpers read each logged CPU tensor once with item() (nothing to wait for), no more."""
-    cfg = {"epochs": 1, "out_dir": str(tmp_path), "wandb": {"mode": "disabled"}, "progress": {"enable": True},
-           "grad_clip": 0.5, "val": {"minimize": True}}
-    trainer = CountingTrainer(cfg)
+    trainer = CountingTrainer(make_cfg(tmp_path, epochs=1, progress={"enable": True}, grad_clip=0.5))
     trainer.train()
     # per step: the loss and the grad norm (clip_and_log_grad_norm); the lr is a float, the statistics a vector
     assert set(trainer.syncs) <= {key for key in trainer.syncs if key.startswith("item from metrics.py:")}

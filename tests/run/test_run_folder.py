@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tests.faults.harness import train, write_run
-from tests.trainers import TinyTrainer, make_cfg, param_digest
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import TinyTrainer, param_digest
 from trainkit import OutDirError
 from trainkit import checkpoint as ckpt_io
 from trainkit.run.lock import LOCK_FILE, RunLock

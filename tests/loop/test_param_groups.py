@@ -12,6 +12,7 @@ import io
 import torch
 from torch import nn
 
+from tests.helpers.configs import make_cfg
 from trainkit import BaseTrainer
 from trainkit.config import DEFAULT_NO_WEIGHT_DECAY
 from trainkit.loop.optim import make_param_groups, named_trainable_parameters, trainable_parameters
@@ -86,15 +87,8 @@ class LMTrainer(BaseTrainer):
 
 
 def make_trainer(tmp_path, cls=LMTrainer, **overrides):
-    cfg = {
-        "epochs": 2,
-        "out_dir": str(tmp_path),
-        "weight_decay": 0.1,
-        "wandb": {"mode": "disabled"},
-        "progress": {"enable": False},
-        **overrides,
-    }
-    return cls(cfg)
+    """A ``cls`` on 2 epochs, weight decay 0.1, and the engine's default direction (the validation loss maximized)."""
+    return cls(make_cfg(tmp_path, {"epochs": 2, "weight_decay": 0.1, "val": {"minimize": False}}, **overrides))
 
 
 def default_groups(model: nn.Module) -> list[dict]:

@@ -556,24 +556,63 @@ def whole_best(trainer: BaseTrainer) -> dict:
             for name, value in best.items()}
 
 
-# ---------------------------------------------------------------------------------- helpers of the tests
+# --------------------------------------------------------------------------------------------- W&B runs
 
 
-def make_cfg(tmp_path, **overrides):
-    """A quiet config in tmp_path: W&B disabled, no bars."""
-    cfg = {
-        "epochs": 4,
-        "out_dir": str(tmp_path),
-        "wandb": {"mode": "disabled"},
-        "progress": {"enable": False},
-        "val": {"minimize": True},
-    }
-    for key, value in overrides.items():
-        if isinstance(value, dict):
-            cfg[key] = {**cfg.get(key, {}), **value}
-        else:
-            cfg[key] = value
-    return cfg
+@attrs.frozen(kw_only=True)
+class SecretConfig(TinyConfig):
+    """TinyConfig with a credential-looking key that must not reach W&B."""
+
+    api_token: str = "not-for-wandb"
+
+
+class CrashingTrainer(TinyTrainer):
+    """TinyTrainer that dies at the start of epoch ``crash_at``, before it logs anything."""
+
+    config_class = SecretConfig
+    crash_at: int | None = None
+
+    def train_epoch(self):
+        if self.epoch == self.crash_at:
+            raise RuntimeError(f"injected crash at epoch {self.epoch}")
+        super().train_epoch()
+
+
+class PerStepTrainer(CrashingTrainer):
+    """TinyTrainer that pushes a row after every batch; at ``KILL_AT=epoch,batch`` it dies after that batch's row.
+
+    ``KILL_HOW`` picks how: ``sigkill`` (the process is killed, W&B's service loses what it had not
+    written) or ``raise`` (an exception; W&B finishes the run as failed). ``BIAS`` is added to the logged
+    batch loss: a resumed run with another bias is a rerun that is not bit-exact.
+    """
+
+    def train_epoch(self):
+        kill_at = os.environ.get("KILL_AT")
+        self.model.train()
+        for batch, (x, y) in enumerate(self.progress(self.loader), start=self.first_batch):
+            loss = torch.nn.functional.mse_loss(self.model(x), y)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            self.log({"train/batch_loss": loss.detach() + float(os.environ.get("BIAS", "0"))})
+            self.push_logs()
+            if kill_at == f"{self.epoch},{batch}":
+                if os.environ.get("KILL_HOW") == "sigkill":
+                    import signal
+
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError("injected crash")
+
+
+def train_and_close(trainer: BaseTrainer):
+    """Train, then close the trainer (its W&B run finished) even when training raised; return what train() did."""
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+# ------------------------------------------------------------------------------------------ a crash in the loop
 
 
 class Crash(Exception):
@@ -595,21 +634,6 @@ def dying(epoch: int, where: str = "train_epoch"):
             return super().test_epoch()
 
     return Dying
-
-
-def flip_bit_in_tensor_data(path, offset_in_member=7):
-    """Flip one bit inside the first tensor storage of a torch zip checkpoint."""
-    import zipfile
-
-    with zipfile.ZipFile(path) as archive:
-        info = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size > 16)
-    raw = bytearray(path.read_bytes())
-    header = info.header_offset
-    name_len = int.from_bytes(raw[header + 26 : header + 28], "little")
-    extra_len = int.from_bytes(raw[header + 28 : header + 30], "little")
-    data_start = header + 30 + name_len + extra_len
-    raw[data_start + offset_in_member] ^= 0x10
-    path.write_bytes(bytes(raw))
 
 
 @attrs.frozen(kw_only=True)

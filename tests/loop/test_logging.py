@@ -12,24 +12,19 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.host_syncs import count_host_syncs
-from tests.trainers import TinyTrainer
+from tests.helpers.configs import make_cfg
+from tests.helpers.host_syncs import count_host_syncs
+from tests.helpers.trainers import TinyTrainer
 from trainkit.loop.metrics import LogBuffer
 
-
-def config(tmp_path, **overrides):
-    return {
-        "epochs": 3,
-        "out_dir": str(tmp_path),
-        "wandb": {"mode": "disabled"},
-        "progress": {"enable": False},
-        **overrides,
-    }
+RUNS = {"epochs": 3, "val": {"minimize": False}}
+"""What this module's runs put over make_cfg's defaults: 3 epochs and the engine's default direction (the validation
+loss maximized)."""
 
 
 @pytest.fixture
 def trainer(tmp_path):
-    trainer = TinyTrainer(config(tmp_path, log_weight_stats=True))
+    trainer = TinyTrainer(make_cfg(tmp_path, RUNS, log_weight_stats=True))
     yield trainer
     trainer.close()
 
@@ -165,7 +160,7 @@ def test_push_writes_one_jsonl_row_with_step_and_epoch(trainer):
 
 def test_a_run_writes_one_row_per_epoch(tmp_path):
     """A plain run pushes once per epoch: rows with epochs 0..n-1 and the step after each epoch's optimizer steps."""
-    trainer = TinyTrainer(config(tmp_path))
+    trainer = TinyTrainer(make_cfg(tmp_path, RUNS))
     try:
         result = trainer.train()
     finally:
@@ -218,8 +213,8 @@ def check_monotone(rows):
 
 def test_resume_after_a_crash_leaves_no_duplicate_or_backward_rows(tmp_path):
     """After a crash mid-epoch and a resume with the same config, metrics.jsonl equals an uninterrupted run's."""
-    cfg_a = config(tmp_path / "a", epochs=4)
-    cfg_b = config(tmp_path / "b", epochs=4)
+    cfg_a = make_cfg(tmp_path / "a", RUNS, epochs=4)
+    cfg_b = make_cfg(tmp_path / "b", RUNS, epochs=4)
     run(PushingTrainer, cfg_a)
     with pytest.raises(Crash):
         run(crashing(2), cfg_b)
@@ -241,8 +236,8 @@ def test_resume_after_a_crash_leaves_no_duplicate_or_backward_rows(tmp_path):
 
 def test_resume_twice_and_after_finishing_adds_no_rows(tmp_path):
     """Two crashes and resumes give the uninterrupted file; resuming a finished run appends nothing."""
-    cfg_a = config(tmp_path / "a", epochs=4)
-    cfg_b = config(tmp_path / "b", epochs=4)
+    cfg_a = make_cfg(tmp_path / "a", RUNS, epochs=4)
+    cfg_b = make_cfg(tmp_path / "b", RUNS, epochs=4)
     run(PushingTrainer, cfg_a)
     for at in (1, 3):
         with pytest.raises(Crash):
@@ -257,7 +252,7 @@ def test_resume_twice_and_after_finishing_adds_no_rows(tmp_path):
 
 def test_crash_before_the_first_checkpoint_leaves_no_stale_rows(tmp_path):
     """A run that died in epoch 0 (before any last.pt) and is started again leaves no rows of the dead attempt."""
-    cfg = config(tmp_path, epochs=2)
+    cfg = make_cfg(tmp_path, RUNS, epochs=2)
     with pytest.raises(Crash):
         run(crashing(0), cfg)
     assert not (tmp_path / "last.pt").exists()

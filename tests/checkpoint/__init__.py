@@ -1,0 +1,1 @@
+"""Tests of :mod:`trainkit.checkpoint`: saving, loading and verifying checkpoints, kept checkpoints, hostile files."""

@@ -1,0 +1,1 @@
+"""Tests of :mod:`trainkit.config`: the config records, overrides and secrets."""

@@ -1,0 +1,1 @@
+"""Tests of :mod:`trainkit.files`: the pickle pre-scan under the safe loads."""
