@@ -155,3 +155,50 @@ def test_no_part_reads_the_trainers_private_attributes():
         if PRIVATE_REACH.search(line)
     ]
     assert reaching == []
+
+
+FOREIGN_PRIVATE = {
+    ("os", "_exit"),  # the standard library's exit without cleanup: a kill at an exact moment
+    ("sys", "_getframe"),
+    ("torch", "_foreach_copy_"),
+    ("usage", "_replace"),  # a namedtuple's public API, underscored so as not to clash with field names
+    ("state", "_metadata"),  # torch's state-dict convention
+    ("metadata", "_metadata"),
+}
+"""Underscored names of the standard library's, torch's and namedtuples' own, which tests and benchmarks may use."""
+
+
+def trainer_private_names() -> set[str]:
+    """The trainer's own underscored attributes, the parts and records it holds (what a trainer subclass in a test
+    must not reach as ``self._x``)."""
+    names = set()
+    for node in ast.walk(ast.parse((PACKAGE / "trainer.py").read_text())):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        for target in targets:
+            for element in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(element, ast.Attribute) and ast.unparse(element.value) == "self":
+                    names.add(element.attr)
+    return {name for name in names if name.startswith("_") and not name.startswith("__")}
+
+
+def test_no_test_or_benchmark_reads_a_private_attribute():
+    """Tests and benchmarks observe trainkit through its public surface: no ``obj._x`` (but ``self._x`` of their
+    own classes, never one of the trainer's, and the foreign names above), no ``from trainkit... import _x``."""
+    trainers = trainer_private_names()
+    assert {"_position", "_metrics", "_checkpointer"} <= trainers
+    reads = []
+    for folder in ("tests", "benchmarks"):
+        for path in (PACKAGE.parent / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                    base = node.value.id if isinstance(node.value, ast.Name) else ast.unparse(node.value)
+                    own = base in ("self", "cls") and node.attr not in trainers
+                    if not own and (base, node.attr) not in FOREIGN_PRIVATE:
+                        reads.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {base}.{node.attr}")
+                elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("trainkit"):
+                    reads += [
+                        f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: from {node.module} import {alias.name}"
+                        for alias in node.names
+                        if alias.name.startswith("_")
+                    ]
+    assert reads == []

@@ -41,7 +41,7 @@ from trainkit.loop.snapshot import WeightSnapshot, modes_kept, weights_swapped_i
 from trainkit.loop.throughput import CountedBatches, Throughput
 from trainkit.messages import say, warn_user
 from trainkit.run.log import RunLog, new_run_id, open_run_log
-from trainkit.state.modules import load_module_state, module_state
+from trainkit.state.modules import module_state
 from trainkit.state.rng import GeneratorItem, seed_everything, start_persistent_workers
 
 __all__ = ["BaseTrainer", "CHECKPOINT_SCHEMA_VERSION"]
@@ -375,7 +375,7 @@ class BaseTrainer(abc.ABC):
         if self._results is not None:
             self._checkpointer.release_folder()
             if self.cfg.test.enable:  # as the run that finished left it: the tested (best) weights loaded
-                self._load_best_into_model()
+                self._best.load_into(dist_utils.unwrap(self.model))
             return dict(self._results) or None
         try:
             with self._signals:  # installed until the cleanup is done: a signal during it is recorded, not fatal
@@ -510,20 +510,12 @@ class BaseTrainer(abc.ABC):
         """
         self._checkpointer.wait_local()
         model = dist_utils.unwrap(self.model)
-        if not self._load_best_into_model() and model is not None:
+        if not self._best.load_into(model) and model is not None:
             warn_user("test(): no best model was recorded (save_if_best never improved); testing the current weights")
         with modes_kept(model):
             result = self.test_epoch()
         self.log(_test_metrics(result))
         return {key: value for key, value in self.push_logs().items() if key.startswith("test/")}
-
-    def _load_best_into_model(self) -> bool:
-        """Load the best weights into ``self.model``; False (nothing loaded) when either is missing."""
-        model, best = dist_utils.unwrap(self.model), self._best.state
-        if model is None or best is None:
-            return False
-        load_module_state(model, best)  # a copy into the model's own tensors: the snapshot stays apart
-        return True
 
     def log_training_results(self) -> None:
         """Log the training results, at the end of training.
@@ -579,6 +571,11 @@ class BaseTrainer(abc.ABC):
     def checkpointer(self) -> Checkpointer:
         """The checkpointer part (:class:`~trainkit.checkpoint.checkpointer.Checkpointer`): the checkpoint files."""
         return self._checkpointer
+
+    @property
+    def guard(self) -> DivergenceGuard | None:
+        """The divergence guard part (:class:`~trainkit.loop.guard.DivergenceGuard`); None with guard.nonfinite off."""
+        return self._metrics.guard
 
     @property
     def last_ckpt_path(self) -> Path:

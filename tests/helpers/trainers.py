@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from tests.helpers.checkpoint_files import flip_bit_in_tensor_data
 from trainkit import BaseTrainer, Config
 
 
@@ -663,8 +664,8 @@ class GuardTrainer(TinyTrainer):
     def setup(self, ckpt):
         super().setup(ckpt)
         self.batches_seen = 0
-        if self.cfg.guard_on_device and self._metrics.guard is not None:
-            self._metrics.guard.device_path_on_cpu = True
+        if self.cfg.guard_on_device and self.guard is not None:
+            self.guard.device_path_on_cpu = True
 
     def make_ddp(self, module, find_unused_parameters=False):
         return super().make_ddp(module, find_unused_parameters) if self.cfg.wrap_ddp else module.to(self.device)
@@ -679,11 +680,14 @@ class GuardTrainer(TinyTrainer):
     def train_epoch(self):
         cfg = self.cfg
         self.model.train()
-        for index, (x, y) in enumerate(self.progress(self.loader), start=self.first_batch):
+        batches = self.progress(self.loader)
+        for index, (x, y) in enumerate(batches, start=self.first_batch):
             x, y = x.to(self.device), y.to(self.device)
             loss = nn.functional.mse_loss(self.model(x), y)
-            planted = f"{self.epoch}:{self._position.current_batch()}" in cfg.nan_positions
-            if f"{self.epoch}:{self._position.current_batch()}" == cfg.damage_last_at:
+            # the batch's position in the epoch: a counted loop's (batches left out included), else the index
+            position = f"{self.epoch}:{getattr(batches, 'consumed', index + 1) - 1}"
+            planted = position in cfg.nan_positions
+            if position == cfg.damage_last_at:
                 flip_bit_in_tensor_data(self.last_ckpt_path)
             if (self.batches_seen in cfg.nan_batches or planted) and cfg.nan_rank in (None, self.rank):
                 loss = loss * float("inf")
@@ -719,11 +723,11 @@ class GuardTrainer(TinyTrainer):
         try:
             return super().train()
         finally:
-            guard = self._metrics.guard
+            guard = self.guard
             report = {
                 "digest": param_digest(self.model),
                 "optimizer": optimizer_digest(self.optimizer),
-                "skipped": None if guard is None else int(guard.count()["guard/skipped_steps"]),
+                "skipped": None if guard is None else int(guard.count()["guard/skipped_steps"]),  # no .item()
                 "on_device": None if guard is None else guard.on_device,
             }
             Path(self.cfg.out_dir, f"guard{self.rank}.json").write_text(json.dumps(report))

@@ -95,14 +95,21 @@ def test_skip_raises_once_max_skips_non_finite_steps_fall_within_the_window(tmp_
         run(tmp_path / "b", nan_batches=(2, 6, 8), guard={"nonfinite": "skip", "max_skips": 2, "window": 3})
 
 
-def test_off_installs_nothing(tmp_path):
-    """The default guard.nonfinite=off hangs no hook on the optimizer and builds no guard."""
+def test_off_installs_nothing(tmp_path, monkeypatch):
+    """The default guard.nonfinite=off builds no guard, hangs no hook on any optimizer, and logs no skip count."""
+    hooked = []
+    register = torch.optim.Optimizer.register_step_pre_hook
+    monkeypatch.setattr(
+        torch.optim.Optimizer, "register_step_pre_hook", lambda self, hook: hooked.append(hook) or register(self, hook)
+    )
     trainer = GuardTrainer(make_cfg(tmp_path, epochs=1))
     try:
-        assert trainer._metrics.guard is None
-        assert not trainer.optimizer._optimizer_step_pre_hooks
+        assert trainer.guard is None
+        trainer.train()
     finally:
         trainer.close()
+    assert hooked == []
+    assert not any("guard/skipped_steps" in row for row in journal(tmp_path))
 
 
 def test_an_unknown_mode_is_refused_naming_the_key(tmp_path):

@@ -92,6 +92,17 @@ class WeightSnapshot:
         """
         return self._state
 
+    def load_into(self, model: torch.nn.Module | None) -> bool:
+        """Copy the best weights into ``model``'s own tensors (the snapshot stays apart from it).
+
+        :param model: The unwrapped model, or None.
+        :returns: Whether anything was loaded (False when there is no model or no best yet).
+        """
+        if model is None or self._state is None:
+            return False
+        load_module_state(model, self._state)
+        return True
+
     def hand_out(self) -> dict[str, Any] | None:
         """Return the snapshot to code outside trainkit; from now on its tensors are never written again.
 
