@@ -18,11 +18,11 @@ import torch
 from tests.trainers import TinyTrainer, make_cfg
 from trainkit import ConfigError
 from trainkit.checkpoint import load_checkpoint
-from trainkit.cli import main
-from trainkit.checkpoint.payload import validate_last
-from trainkit.checkpoint.kept import read_kept
-from trainkit.run.lock import RunLock
 from trainkit.checkpoint.dcp import read_engine
+from trainkit.checkpoint.kept import read_kept
+from trainkit.checkpoint.payload import validate_last
+from trainkit.cli import main
+from trainkit.run.lock import RunLock
 
 STEPS_PER_EPOCH = 6
 """TinyTrainer's 192 training samples in batches of 32."""
@@ -360,3 +360,31 @@ def test_sharded_kept_directories_resume_leave_links_alone_and_retain_lists_them
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == ["index.json", "step-24.ckpt", "step-3.ckpt"]
     assert (elsewhere / "precious").exists()
+
+
+# ---------------------------------------------------------------------------------------------- issue 43
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file name in ``folder`` with its bytes (what an attack must leave as it was)."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_retain_refuses_a_checkpoints_folder_that_is_a_symbolic_link(tmp_path, capsys):
+    """retain on a run folder whose checkpoints/ is a symlink to another folder deletes nothing and writes nothing
+    there (exit 2, naming the link), dry run included; inspect says it is not followed."""
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    for step in (6, 12, 18):
+        (elsewhere / f"step-{step}.pt").write_bytes(b"precious %d" % step)
+    (elsewhere / "index.json").write_text('{"format": 1, "minimize": true, "keep": null, "kept": {}}')
+    before = snapshot(elsewhere)
+    (out / "checkpoints").symlink_to(elsewhere, target_is_directory=True)
+    for dry in ([], ["--dry-run"]):
+        assert main(["retain", str(out), "--keep", "latest:1", *dry]) == 2
+        assert "checkpoints is a symbolic link" in capsys.readouterr().err
+        assert snapshot(elsewhere) == before
+    assert main(["inspect", str(out)]) == 0
+    assert "checkpoints is a symbolic link, not a directory trainkit made: not followed" in capsys.readouterr().out
+    assert (out / "checkpoints").is_symlink() and snapshot(elsewhere) == before

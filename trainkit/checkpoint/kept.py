@@ -59,6 +59,7 @@ __all__ = [
     "run_folder_of",
     "read_kept",
     "remove_kept",
+    "directory_problem",
 ]
 
 KEPT_DIR = "checkpoints"
@@ -138,7 +139,11 @@ def remove_kept(path: Path) -> bool:
 
     :param path: ``checkpoints/step-<step>.pt`` or ``checkpoints/step-<step>.ckpt``.
     :returns: Whether it was deleted (False: gone already, or not of the kind trainkit writes, which is warned about).
+    :raises NotADirectoryError: When the folder holding it is a symbolic link or not a directory (nothing is deleted).
     """
+    problem = directory_problem(path.parent)
+    if problem is not None:
+        raise NotADirectoryError(f"{problem}; nothing is deleted through it")
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -188,6 +193,26 @@ def _describe(entry: Any, step: int) -> core.Checkpoint | None:
         )
     except (BookkeepingError, TypeError):
         return None
+
+
+def directory_problem(directory: Path) -> str | None:
+    """Say why ``directory`` (``out_dir/checkpoints``) cannot hold kept checkpoints, or None when it can.
+
+    A symbolic link (even to a directory) or anything but a directory in its place is refused: whatever trainkit
+    writes or deletes stays inside the run folder, so a link out of it is never followed.
+
+    :param directory: ``out_dir/checkpoints``.
+    :returns: The reason (naming the path and what is there), or None for a directory or no entry at all.
+    """
+    try:
+        info = os.lstat(directory)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{directory} cannot be examined ({exc})"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{directory} is {_kind(info.st_mode)}, not a directory trainkit made"
+    return None
 
 
 def read_index(directory: Path) -> tuple[dict[int, core.Checkpoint], bool | None, tuple[str, ...] | None]:
@@ -255,6 +280,8 @@ def on_disk(directory: Path, known: Mapping[int, core.Checkpoint]) -> tuple[list
     described: list[core.Checkpoint] = []
     refused: list[str] = []
     seen: set[int] = set()
+    if directory_problem(directory) is not None:  # a link out of the run folder is never followed, even to read
+        return [], []
     try:
         entries = sorted(os.scandir(directory), key=lambda e: e.name)
     except OSError:
@@ -298,7 +325,12 @@ def write_index(
     :param kept: The descriptions to record.
     :param minimize: The run's direction (for ``best`` rules without one, read by ``trainkit retain``).
     :param keep: The run's ``ckpt.keep`` (what ``trainkit inspect`` explains the kept ones by).
+    :raises NotADirectoryError: When ``directory`` is a symbolic link or not a directory (nothing is written).
+    :raises OSError: When the file cannot be written; the index before it is left as it was.
     """
+    problem = directory_problem(directory)
+    if problem is not None:
+        raise NotADirectoryError(f"{problem}; {INDEX_FILE} is not written through it")
     data = {
         "format": INDEX_FORMAT,
         "minimize": minimize,
@@ -319,17 +351,6 @@ def write_index(
             os.unlink(tmp)
         raise
     fsync_directory(directory)
-
-
-def _refuse_links(directory: Path) -> str | None:
-    """Why ``directory`` cannot take kept checkpoints (a link or a non-directory in its place), or None."""
-    try:
-        info = os.lstat(directory)
-    except FileNotFoundError:
-        return None
-    if not stat.S_ISDIR(info.st_mode):
-        return f"{directory} is {_kind(info.st_mode)}, not a directory trainkit made"
-    return None
 
 
 class KeptCheckpoints:
@@ -370,7 +391,7 @@ class KeptCheckpoints:
         self.join()
         if self._disabled:
             return
-        problem = _refuse_links(self.directory)
+        problem = directory_problem(self.directory)
         if problem is not None:
             self._disabled = True
             warn_user(f"{problem}; no checkpoints are kept there in this run (move it away to keep them)")

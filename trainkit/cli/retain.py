@@ -13,7 +13,7 @@ import stat
 from pathlib import Path
 
 from trainkit import bookkeeping as core
-from trainkit.checkpoint.kept import KEPT_DIR, kept_path, read_kept, remove_kept, write_index
+from trainkit.checkpoint.kept import KEPT_DIR, directory_problem, kept_path, read_kept, remove_kept, write_index
 from trainkit.checkpoint.pt_files import BEST_CKPT, LAST_CKPT
 from trainkit.errors import BookkeepingError, ConfigError, OutDirError
 from trainkit.run.lock import RunLock
@@ -87,6 +87,10 @@ def describe_run_folder(out_dir: str | Path) -> list[str]:
         if (out / name).exists():
             lines.append(f"  {name}: {_size(out / name)}")
     directory = out / KEPT_DIR
+    problem = directory_problem(directory)
+    if problem is not None:
+        lines.append(f"  {problem}: not followed (a run keeps nothing there, retain refuses it)")
+        return lines
     described, refused, minimize, keep = read_kept(directory)
     if not described and not refused:
         lines.append(f"  no kept checkpoints in {directory} (ckpt.keep is empty, or nothing was kept yet)")
@@ -114,7 +118,8 @@ def retain_run(out_dir: str | Path, keep: str, *, dry_run: bool) -> list[str]:
     :param dry_run: Only say what would be deleted.
     :returns: The lines to print.
     :raises ConfigError: On bad rules (naming ``--keep``).
-    :raises OutDirError: When the folder does not exist or a live run holds it.
+    :raises OutDirError: When the folder does not exist, a live run holds it, or its ``checkpoints`` is a symbolic
+        link (or not a directory): nothing outside the run folder is ever deleted or written.
     """
     out = Path(out_dir)
     if not out.is_dir():
@@ -123,6 +128,12 @@ def retain_run(out_dir: str | Path, keep: str, *, dry_run: bool) -> list[str]:
     lock.acquire()  # refused while a run holds the folder; and no run starts while this deletes
     try:
         directory = out / KEPT_DIR
+        problem = directory_problem(directory)
+        if problem is not None:
+            raise OutDirError(
+                f"{problem}; retain never deletes nor writes through it (a run keeps nothing there either): "
+                "move it away, or put the checkpoints themselves in a directory of that name"
+            )
         described, refused, minimize, recorded = read_kept(directory)
         policy = _policy(keep, minimize, where="--keep")
         reasons = core.keep_reasons(policy, described)
