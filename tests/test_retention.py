@@ -388,3 +388,37 @@ def test_retain_refuses_a_checkpoints_folder_that_is_a_symbolic_link(tmp_path, c
     assert main(["inspect", str(out)]) == 0
     assert "checkpoints is a symbolic link, not a directory trainkit made: not followed" in capsys.readouterr().out
     assert (out / "checkpoints").is_symlink() and snapshot(elsewhere) == before
+
+
+HUGE = "1" + "0" * 400
+"""An int too large for a float, as JSON spells it (10**400)."""
+
+
+def test_ints_too_large_for_a_float_in_the_index_are_bad_entries_not_a_crash(tmp_path, capsys):
+    """10**400 as a score or a time in index.json is a bad entry, warned about and judged by its step: the run
+    keeps checkpoints and finishes, inspect and retain list and apply rules without a traceback."""
+    out = tmp_path / "run"
+    directory = out / "checkpoints"
+    directory.mkdir(parents=True)
+    for step in (1, 2):
+        (directory / f"step-{step}.pt").write_bytes(b"x")
+    (directory / "index.json").write_text(
+        '{"format": 1, "minimize": true, "keep": ["latest:1"], "kept": {'
+        f'"1": {{"epoch": 1, "time": {HUGE}}}, "2": {{"epoch": 1, "scores": {{"score": {HUGE}}}}}}}}}'
+    )
+    with pytest.warns(RuntimeWarning, match="2 entries do not check out"):
+        described = read_kept(directory)[0]
+    assert [(c.step, c.epoch_end, dict(c.scores)) for c in described] == [(1, False, {}), (2, False, {})]
+    with pytest.warns(RuntimeWarning, match="2 entries do not check out"):
+        run(out, epochs=2, ckpt={"keep": "every_epochs:1"})
+    assert kept_steps(out) == [6, 12]  # the first save's read of the index did not kill the run
+    (directory / "index.json").write_text(
+        '{"format": 1, "minimize": true, "keep": ["latest:1"], "kept": {'
+        f'"6": {{"epoch": 1, "scores": {{"score": {HUGE}}}}}, "12": {{"epoch": 2, "time": -{HUGE}}}}}}}'
+    )
+    with pytest.warns(RuntimeWarning, match="2 entries do not check out"):
+        assert main(["inspect", str(out)]) == 0
+    assert "2 kept checkpoints" in capsys.readouterr().out
+    with pytest.warns(RuntimeWarning, match="2 entries do not check out"):
+        assert main(["retain", str(out), "--keep", "latest:1"]) == 0
+    assert "1 deleted, 1 kept" in capsys.readouterr().out and kept_steps(out) == [12]

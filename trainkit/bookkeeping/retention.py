@@ -29,7 +29,7 @@ from typing import Any
 
 import attrs
 
-from trainkit.bookkeeping._records import as_float, is_int, is_real
+from trainkit.bookkeeping._records import as_float, is_finite_real, is_int
 from trainkit.errors import BookkeepingError
 
 __all__ = [
@@ -74,8 +74,14 @@ def _check_bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 
 def _check_time(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if not is_real(value) or not math.isfinite(value):
-        raise BookkeepingError(f"Checkpoint.time must be a finite number, got {value!r}")
+    if not is_finite_real(value):
+        raise BookkeepingError(f"Checkpoint.time must be a finite number, got {_short(value)}")
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut short: a hostile index's int of 400 digits is named by its size, not printed whole."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
 
 
 def _scores(value: Mapping[str, Any] | None) -> Mapping[str, float]:
@@ -166,8 +172,8 @@ class KeepEvery:
 
 
 def _check_seconds(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if not is_real(value) or not math.isfinite(value) or value <= 0:
-        raise BookkeepingError(f"KeepEverySeconds.seconds must be a finite number > 0, got {value!r}")
+    if not is_finite_real(value) or value <= 0:
+        raise BookkeepingError(f"KeepEverySeconds.seconds must be a finite number > 0, got {_short(value)}")
 
 
 @attrs.frozen
