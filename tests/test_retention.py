@@ -422,3 +422,52 @@ def test_ints_too_large_for_a_float_in_the_index_are_bad_entries_not_a_crash(tmp
     with pytest.warns(RuntimeWarning, match="2 entries do not check out"):
         assert main(["retain", str(out), "--keep", "latest:1"]) == 0
     assert "1 deleted, 1 kept" in capsys.readouterr().out and kept_steps(out) == [12]
+
+
+KILLED_AT_THE_LINK = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pathlib import Path
+    import trainkit.checkpoint.kept as files
+    from tests.trainers import TinyTrainer, make_cfg
+
+    out, step, where, fmt = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    name = "_link_directory" if fmt == "sharded" else "_link"
+    real = getattr(files.KeptCheckpoints, name)
+    def killed_at(self, source, target, **kwargs):
+        if target.name.startswith(f"step-{step}."):
+            if where == "before":  # last is published, its kept copy not made yet
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(self, source, target, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)  # the kept copy is visible, nothing after it ran
+        real(self, source, target, **kwargs)
+    setattr(files.KeptCheckpoints, name, killed_at)
+    scores = (0.9, 0.5, 0.7, 0.6, 0.8)
+    TinyTrainer(make_cfg(out, epochs=5, scripted_scores=scores, ckpt={"keep": "best:2", "format": fmt})).train()
+    """
+)
+SECOND_BEST_DOES_NOT_IMPROVE = (0.9, 0.5, 0.7, 0.6, 0.8)
+"""Minimized: the best two are epoch 1 (0.5, the best) and epoch 3 (0.6, which did not improve the best)."""
+
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_kill_around_the_link_of_a_kept_checkpoint_keeps_its_description(tmp_path, where, fmt):
+    """SIGKILL just before or just after the link that keeps step 24 (the second best, an epoch that did not
+    improve the best, so its score is in no checkpoint): the resumed run still ranks it by its score and ends
+    with the kept set of an uninterrupted run, {12, 24, 30}."""
+    out = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.run(
+        [sys.executable, "-c", KILLED_AT_THE_LINK, str(out), "24", where, fmt],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
+    assert kept_steps(out) == ([12, 18, 24] if where == "after" else [12, 18])
+    run(out, epochs=5, scripted_scores=SECOND_BEST_DOES_NOT_IMPROVE, ckpt={"keep": "best:2", "format": fmt})
+    assert kept_steps(out) == [12, 24, 30]
+    described = {c.step: c for c in read_kept(out / "checkpoints")[0]}
+    assert described[24].scores["score"] == 0.6 and described[24].epoch == 4 and described[24].epoch_end

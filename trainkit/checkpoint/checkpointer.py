@@ -469,15 +469,15 @@ class Checkpointer:
             config=self._config,
             epoch=record.loop.epoch,
             step=record.loop.step,
-            before=before,
-            after=self._keep_after(record),
+            **self._keeping(record, before),
         )
         return self._storage.save(request)
 
-    def _keep_after(self, record: SaveRecord) -> Callable[[], None] | None:
-        """What keeps this save's ``last`` under ``checkpoints/`` (``ckpt.keep``; rank 0), or None."""
+    def _keeping(self, record: SaveRecord, before: Callable[[], None]) -> dict[str, Callable[[], None] | None]:
+        """The save's ``before`` and ``after`` under ``ckpt.keep`` (rank 0): describe the checkpoint in
+        ``checkpoints/index.json`` before it is written, keep it under ``checkpoints/`` once it is published."""
         if not self._kept.active:
-            return None
+            return {"before": before, "after": None}
         description = describe_save(
             step=record.loop.step,
             epoch=record.loop.epoch,
@@ -487,7 +487,15 @@ class Checkpointer:
             latest_metrics=record.latest_metrics,
         )
         minimize = record.best.minimize if record.best is not None else self._minimize
-        return functools.partial(self._kept.publish, self.last_path, description, minimize=minimize)
+
+        def announce_then_before() -> None:
+            before()
+            self._kept.announce(description, minimize=minimize)
+
+        return {
+            "before": announce_then_before,
+            "after": functools.partial(self._kept.publish, self.last_path, description, minimize=minimize),
+        }
 
     def _payload(
         self,

@@ -356,6 +356,10 @@ def write_index(
 class KeptCheckpoints:
     """Rank 0's kept checkpoints of one run folder: publish each new one, delete what the policy lets go.
 
+    A save describes its checkpoint in ``index.json`` (:meth:`announce`) before the checkpoint is written, and
+    keeps it (:meth:`publish`) once it is published: a kill at any moment between leaves the description on disk,
+    where the link, or the resume that makes it (:meth:`keep_resumed`), finds it.
+
     :param out_dir: The run folder.
     :param keep: ``ckpt.keep``: the rules (see :func:`~trainkit.bookkeeping.parse_keep`).
     :param writes: Whether this process writes checkpoints (rank 0 of a run with ``ckpt.enable``).
@@ -368,7 +372,9 @@ class KeptCheckpoints:
         self._keep = keep
         self._suffix = ".ckpt" if sharded else ".pt"
         self.active = writes and bool(keep)
-        self._known: dict[int, core.Checkpoint] | None = None  # read from disk at the first publish
+        self._known: dict[int, core.Checkpoint] | None = None  # read from disk at the first use
+        self._recorded: dict[int, core.Checkpoint] = {}  # what index.json described then, files or not
+        self._announced: core.Checkpoint | None = None  # in index.json already, its checkpoint not kept yet
         self._deleter: threading.Thread | None = None
         self._disabled = False
 
@@ -376,12 +382,57 @@ class KeptCheckpoints:
         """The rules as a policy, ``best`` rules without a direction taking ``minimize``."""
         return core.parse_keep(self._keep, minimize=minimize)
 
+    def _ready(self) -> bool:
+        """Make ``checkpoints/`` and read what it keeps (at the first use); False when this run keeps nothing there
+        (a link in its place: warned once)."""
+        if self._disabled:
+            return False
+        problem = directory_problem(self.directory)
+        if problem is not None:
+            self._disabled = True
+            warn_user(f"{problem}; no checkpoints are kept there in this run (move it away to keep them)")
+            return False
+        self.directory.mkdir(exist_ok=True)
+        if self._known is None:
+            self._remove_stale_temp_files()
+            self._recorded = read_index(self.directory)[0]
+            self._known = {c.step: c for c in on_disk(self.directory, self._recorded)[0]}
+        return True
+
+    def _on_disk(self) -> dict[int, core.Checkpoint]:
+        """The kept checkpoints on disk now, by step (a file removed or added by hand meanwhile counts as it is)."""
+        return {c.step: c for c in on_disk(self.directory, self._known or {})[0]}
+
+    def announce(self, description: core.Checkpoint, *, minimize: bool) -> None:
+        """Describe a checkpoint in ``index.json`` before it is written, so that no kill can lose its description:
+        one after ``last`` is published and before it is kept leaves it for the resume that keeps it.
+
+        Runs before the save's first write (in the writer thread of ``ckpt.async_save``). A failure is warned
+        about: the save goes on, and :meth:`publish` writes the index again.
+
+        :param description: What retention needs to know of the checkpoint about to be written.
+        :param minimize: The run's direction.
+        """
+        if not self.active:
+            return
+        self.join()
+        try:
+            if not self._ready():
+                return
+            entries = {**self._on_disk(), description.step: description}
+            write_index(self.directory, entries.values(), minimize, self._keep)
+        except OSError as exc:
+            warn_user(f"describing step {description.step} in {self.directory / INDEX_FILE} failed: {exc}")
+            return
+        self._announced = description
+
     def publish(self, source: Path, description: core.Checkpoint, *, minimize: bool) -> None:
         """Keep ``source`` (the ``last.pt`` just published) as ``checkpoints/step-<step>.pt`` (``last.ckpt/`` as
         ``checkpoints/step-<step>.ckpt/``), then start deleting in the background what the policy does not keep.
 
         Runs where the save's writes run (the writer thread of ``ckpt.async_save``; rank 0 after every rank's
-        shards are published, for a sharded one), after them.
+        shards are published, for a sharded one), after them. ``index.json`` describes it before the link is made
+        (by :meth:`announce`, else here).
 
         :param source: The published checkpoint file (or directory).
         :param description: What retention needs to know of it.
@@ -389,18 +440,9 @@ class KeptCheckpoints:
         :raises OSError: When the link (or copy) cannot be made; the checkpoint in ``source`` is intact.
         """
         self.join()
-        if self._disabled:
+        announced, self._announced = self._announced, None
+        if not self._ready():
             return
-        problem = directory_problem(self.directory)
-        if problem is not None:
-            self._disabled = True
-            warn_user(f"{problem}; no checkpoints are kept there in this run (move it away to keep them)")
-            return
-        self.directory.mkdir(exist_ok=True)
-        if self._known is None:
-            self._remove_stale_temp_files()
-            found = read_kept(self.directory)[0]
-            self._known = {c.step: c for c in found}
         target = self.directory / kept_name(description.step, self._suffix)
         try:
             info = os.lstat(target)
@@ -412,14 +454,14 @@ class KeptCheckpoints:
                 f"{description.step} is not kept"
             )
             return
+        known = {**self._on_disk(), description.step: description}
+        if announced != description:  # the description goes to disk before the link is visible
+            write_index(self.directory, known.values(), minimize, self._keep)
         if self._suffix == ".ckpt":
             self._link_directory(source, target, replace=info is not None)
         else:
             self._link(source, target)
-        self._known[description.step] = description
-        # what is on disk now (a file removed or added by hand meanwhile counts as it is)
-        self._known = {c.step: c for c in on_disk(self.directory, self._known)[0]}
-        write_index(self.directory, self._known.values(), minimize, self._keep)
+        self._known = known
         keep = core.retain(self.policy(minimize), self._known.values())
         doomed = sorted(step for step in self._known if step not in keep)
         if doomed:
@@ -433,11 +475,14 @@ class KeptCheckpoints:
         it and keeping it (a few milliseconds, or a background save's whole write) left it unkept, and the
         policy would have kept it, at least as the newest.
 
+        It is described as its save described it in ``index.json`` (scores included), when that entry is there and
+        agrees with ``description`` on the epoch; else by ``description``.
+
         A link that cannot be made is warned about; the run goes on.
 
         :param source: The resumed checkpoint (``last.pt`` or ``last.prev.pt``; a sharded directory), of the
             kind this run keeps.
-        :param description: What retention needs to know of it.
+        :param description: What the checkpoint itself says of it (the score only of an epoch that improved).
         :param minimize: The run's direction.
         :returns: Whether it was kept now.
         """
@@ -446,6 +491,14 @@ class KeptCheckpoints:
         if any(os.path.lexists(self.directory / kept_name(description.step, suffix)) for suffix in SUFFIXES):
             return False
         try:
+            if not self._ready():
+                return False
+            recorded = self._recorded.get(description.step)
+            if recorded is not None and (recorded.epoch, recorded.epoch_end) == (
+                description.epoch,
+                description.epoch_end,
+            ):
+                description = recorded  # what the save announced before it wrote the checkpoint
             self.publish(source, description, minimize=minimize)
         except OSError as exc:
             warn_user(f"keeping {source} as step {description.step} failed ({exc}); it is not kept")
