@@ -42,7 +42,7 @@ def run(out: Path, **overrides) -> TinyTrainer:
 
 def kept_steps(out: Path) -> list[int]:
     """The steps of the kept checkpoint files in ``out/checkpoints`` (regular files named step-<int>.pt)."""
-    return [c.step for c in read_kept(out / "checkpoints")[0]]
+    return [c.step for c in read_kept(out / "checkpoints").described]
 
 
 def assert_loads(path: Path, step: int) -> dict:
@@ -75,7 +75,7 @@ def test_kept_checkpoints_follow_the_policy_and_each_loads(tmp_path):
         assert_loads(tmp_path / "checkpoints" / f"step-{step}.pt", step)
     best = assert_loads(tmp_path / "checkpoints" / f"step-{epoch_steps[3]}.pt", epoch_steps[3])
     assert best["best"]["epoch"] == 3 and best["best"]["score"] == 0.3
-    described = {c.step: c for c in read_kept(tmp_path / "checkpoints")[0]}
+    described = {c.step: c for c in read_kept(tmp_path / "checkpoints").described}
     assert described[epoch_steps[1]].scores["score"] == 0.5
     assert described[epoch_steps[1]].epoch == 2 and described[epoch_steps[1]].epoch_end
 
@@ -85,7 +85,7 @@ def test_step_checkpoints_are_kept_with_async_saves(tmp_path):
     every_steps:4 keeps the multiples of 4 (plus the newest)."""
     run(tmp_path, epochs=2, ckpt={"keep": "every_steps:4", "every_n_steps": 2, "async_save": True})
     assert kept_steps(tmp_path) == [4, 8, 12]
-    inside = {c.step: c for c in read_kept(tmp_path / "checkpoints")[0]}[4]
+    inside = {c.step: c for c in read_kept(tmp_path / "checkpoints").described}[4]
     assert not inside.epoch_end and not inside.scores
     assert_loads(tmp_path / "checkpoints" / "step-4.pt", 4)
 
@@ -224,7 +224,9 @@ def test_a_kill_between_publishing_last_and_keeping_it_is_kept_on_resume(tmp_pat
     assert "kept " in capfd.readouterr().err
     assert kept_steps(out) == kept_steps(reference) == [6, 12, 18, 24, 30]
     assert_loads(out / "checkpoints" / "step-24.pt", 24)
-    got, expected = ({c.step: c for c in read_kept(folder / "checkpoints")[0]}[24] for folder in (out, reference))
+    got, expected = (
+        {c.step: c for c in read_kept(folder / "checkpoints").described}[24] for folder in (out, reference)
+    )
     assert (got.epoch, got.epoch_end, dict(got.scores)) == (expected.epoch, expected.epoch_end, dict(expected.scores))
     assert got.scores["score"] == 0.3
 
@@ -283,7 +285,8 @@ def test_a_hostile_index_is_read_entry_by_entry(tmp_path):
         '"12": {"epoch": 2, "epoch_end": true, "time": 5.0, "scores": {"score": 0.5}}}}'
     )
     with pytest.warns(RuntimeWarning, match="3 entries do not check out"):
-        described, refused, minimize, keep = read_kept(directory)
+        folder = read_kept(directory)
+    described, refused, minimize, keep = folder.described, folder.refused, folder.minimize, folder.keep
     by_step = {c.step: c for c in described}
     assert sorted(by_step) == [6, 12, 18] and not refused
     assert by_step[12].scores["score"] == 0.5 and by_step[12].epoch_end
@@ -293,7 +296,8 @@ def test_a_hostile_index_is_read_entry_by_entry(tmp_path):
     (directory / "index.json").unlink()
     (directory / "index.json").symlink_to(tmp_path / "elsewhere.json")
     with pytest.warns(RuntimeWarning, match="symbolic link"):
-        described, _, minimize, _ = read_kept(directory)
+        folder = read_kept(directory)
+    described, minimize = folder.described, folder.minimize
     assert minimize is None and all(not c.scores for c in described)
 
 
@@ -407,7 +411,7 @@ def test_ints_too_large_for_a_float_in_the_index_are_bad_entries_not_a_crash(tmp
         f'"1": {{"epoch": 1, "time": {HUGE}}}, "2": {{"epoch": 1, "scores": {{"score": {HUGE}}}}}}}}}'
     )
     with pytest.warns(RuntimeWarning, match="2 entries do not check out"):
-        described = read_kept(directory)[0]
+        described = read_kept(directory).described
     assert [(c.step, c.epoch_end, dict(c.scores)) for c in described] == [(1, False, {}), (2, False, {})]
     with pytest.warns(RuntimeWarning, match="2 entries do not check out"):
         run(out, epochs=2, ckpt={"keep": "every_epochs:1"})
@@ -469,5 +473,30 @@ def test_a_kill_around_the_link_of_a_kept_checkpoint_keeps_its_description(tmp_p
     assert kept_steps(out) == ([12, 18, 24] if where == "after" else [12, 18])
     run(out, epochs=5, scripted_scores=SECOND_BEST_DOES_NOT_IMPROVE, ckpt={"keep": "best:2", "format": fmt})
     assert kept_steps(out) == [12, 24, 30]
-    described = {c.step: c for c in read_kept(out / "checkpoints")[0]}
+    described = {c.step: c for c in read_kept(out / "checkpoints").described}
     assert described[24].scores["score"] == 0.6 and described[24].epoch == 4 and described[24].epoch_end
+
+
+def test_planted_higher_steps_and_newline_names_never_displace_the_real_newest(tmp_path, capsys):
+    """A planted step-999.pt and a step-998.pt name with a trailing newline: the run keeps its own newest under
+    latest:1 (the planted 999 is left alone, ranked by no rule), the newline name is foreign and untouched, and
+    retain, which takes the newest from the index, does the same; guard.skip_batches refuses "0:1\\n"."""
+    out = tmp_path / "run"
+    directory = out / "checkpoints"
+    directory.mkdir(parents=True)
+    planted = {"step-999.pt": b"planted", "step-998.pt\n": b"newline"}
+    for name, data in planted.items():
+        (directory / name).write_bytes(data)
+    run(out, epochs=2, ckpt={"keep": "latest:1"})
+    assert kept_steps(out) == [12, 999]
+    assert_loads(directory / "step-12.pt", 12)
+    assert all((directory / name).read_bytes() == data for name, data in planted.items())
+    assert main(["inspect", str(out)]) == 0
+    listing = capsys.readouterr().out
+    assert "newest, latest:1" in listing and "after the newest" in listing
+    assert main(["retain", str(out), "--keep", "latest:1"]) == 0
+    assert "keep    step-999.pt  (after the newest)" in capsys.readouterr().out
+    assert kept_steps(out) == [12, 999]
+    assert all((directory / name).read_bytes() == data for name, data in planted.items())
+    with pytest.raises(ConfigError, match="guard.skip_batches must be a list of 'EPOCH:BATCH' strings"):
+        TinyTrainer.config_class.from_mapping({"epochs": 1, "guard": {"skip_batches": ["0:1\n"]}})

@@ -3,7 +3,9 @@
 Pure: stdlib and attrs only. A policy is a frozen record; :func:`retain` says which checkpoints it keeps and
 :func:`keep_reasons` which rule keeps each one. The files are the shell's (:mod:`trainkit.checkpoint.kept`):
 it describes what is on disk, asks here, and deletes the rest. Two checkpoints are never candidates for
-deletion whatever the policy: the newest one (the largest step) and any being written.
+deletion whatever the policy: the newest one (the largest step, or the step the caller says the run wrote last)
+and any being written. One with a larger step than that newest (planted, or left by a history that a resume
+from an older checkpoint abandoned) is not the run's: it is kept, and no rule ranks it.
 
 Policies, and their spellings in ``ckpt.keep`` (:func:`parse_keep`):
 
@@ -45,12 +47,15 @@ __all__ = [
     "parse_keep",
     "NEWEST",
     "WRITING",
+    "AHEAD",
 ]
 
 NEWEST = "newest"
 """The reason :func:`keep_reasons` gives for the newest checkpoint, which no policy may delete."""
 WRITING = "being written"
 """The reason :func:`keep_reasons` gives for a checkpoint a background save is writing."""
+AHEAD = "after the newest"
+"""The reason :func:`keep_reasons` gives for a checkpoint with a larger step than the newest the run wrote."""
 
 
 def _check_count(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -303,22 +308,34 @@ def _in_order(checkpoints: Iterable[Checkpoint]) -> tuple[Checkpoint, ...]:
     return ordered
 
 
-def keep_reasons(policy: Policy, checkpoints: Iterable[Checkpoint]) -> dict[int, tuple[str, ...]]:
+def keep_reasons(
+    policy: Policy, checkpoints: Iterable[Checkpoint], *, newest: int | None = None
+) -> dict[int, tuple[str, ...]]:
     """Say, for every checkpoint, which rules keep it (none: it may be deleted).
 
     Pure. The rules are the policy's items as ``ckpt.keep`` spells them (``"latest:3"``), in the policy's
     order, after ``"newest"`` for the newest checkpoint and ``"being written"`` for one a background save writes.
+    A checkpoint with a larger step than ``newest`` gives ``"after the newest"`` alone: the run did not write
+    it, so it neither counts for a rule nor is deleted.
 
     :param policy: The policy.
     :param checkpoints: The checkpoints, in any order.
+    :param newest: The step of the newest checkpoint the run wrote (the largest step at most this one is the
+        newest); None: the largest step of all.
     :returns: Each checkpoint's step, in step order, mapped to its reasons.
     :raises BookkeepingError: On two checkpoints with the same step, or something that is not a policy.
 
     >>> cs = [Checkpoint(step=s, scores={"score": x}) for s, x in [(10, 0.9), (20, 0.1), (30, 0.5)]]
     >>> keep_reasons(KeepAny(KeepBest(1, minimize=True), KeepLatest(1)), cs)
     {10: (), 20: ('best:1:score:min',), 30: ('newest', 'latest:1')}
+    >>> keep_reasons(KeepLatest(1), cs, newest=20)
+    {10: (), 20: ('newest', 'latest:1'), 30: ('after the newest',)}
     """
+    if newest is not None and not is_int(newest):
+        raise BookkeepingError(f"newest must be a step (an int) or None, got {newest!r}")
     ordered = _in_order(checkpoints)
+    ahead = tuple(c for c in ordered if newest is not None and c.step > newest)
+    ordered = ordered[: len(ordered) - len(ahead)]
     rules = _rules(policy)
     keeps = [(rule.spec, rule._keeps(ordered)) for rule in rules]
     reasons: dict[int, tuple[str, ...]] = {}
@@ -328,16 +345,20 @@ def keep_reasons(policy: Policy, checkpoints: Iterable[Checkpoint]) -> dict[int,
             own.append(WRITING)
         own.extend(spec for spec, steps in keeps if c.step in steps)
         reasons[c.step] = tuple(dict.fromkeys(own))
+    for c in ahead:
+        reasons[c.step] = (AHEAD,)
     return reasons
 
 
-def retain(policy: Policy, checkpoints: Iterable[Checkpoint]) -> frozenset[int]:
+def retain(policy: Policy, checkpoints: Iterable[Checkpoint], *, newest: int | None = None) -> frozenset[int]:
     """Decide which checkpoints a policy keeps; the shell deletes the others.
 
-    Pure. The newest checkpoint and any being written are always kept.
+    Pure. The newest checkpoint, any being written, and any after the newest (see :func:`keep_reasons`) are
+    always kept.
 
     :param policy: The policy.
     :param checkpoints: The checkpoints, in any order (steps unique).
+    :param newest: The step of the newest checkpoint the run wrote; None: the largest step.
     :returns: The steps of the checkpoints kept.
     :raises BookkeepingError: On two checkpoints with the same step, or something that is not a policy.
 
@@ -349,7 +370,7 @@ def retain(policy: Policy, checkpoints: Iterable[Checkpoint]) -> frozenset[int]:
     >>> retain(KeepLatest(1), [])
     frozenset()
     """
-    return frozenset(step for step, reasons in keep_reasons(policy, checkpoints).items() if reasons)
+    return frozenset(step for step, reasons in keep_reasons(policy, checkpoints, newest=newest).items() if reasons)
 
 
 def _count(text: str, item: str, name: str) -> int:

@@ -253,7 +253,7 @@ class Checkpointer:
             resume = self.load(cfg, path, quiet=True)
             if resume is not None and resume.ckpt["step"] <= first_bad_step:
                 return resume
-        kept, _, _, _ = read_kept(self._kept.directory)
+        kept = read_kept(self._kept.directory).described
         chosen = core.rollback_candidate([(c.step, c.step) for c in kept], first_bad_step)
         return None if chosen is None else self.load(cfg, kept_path(self._kept.directory, chosen), quiet=True)
 

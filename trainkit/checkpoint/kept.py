@@ -43,6 +43,8 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from trainkit import bookkeeping as core
 from trainkit.errors import BookkeepingError
 from trainkit.files.bounded_read import UnreadableFile, load_json, read_regular
@@ -58,6 +60,7 @@ __all__ = [
     "kept_path",
     "run_folder_of",
     "read_kept",
+    "KeptFolder",
     "remove_kept",
     "directory_problem",
 ]
@@ -68,10 +71,9 @@ INDEX_FORMAT = 1
 MAX_INDEX_BYTES = 16 << 20
 """The most bytes ``index.json`` may hold (a million checkpoints' entries fit in far less)."""
 
-_KEPT_NAME = re.compile(r"^step-(0|[1-9][0-9]{0,17})\.(pt|ckpt)$")
-_TEMP_NAME = re.compile(
-    r"^\.(?:step-(?:0|[1-9][0-9]{0,17})\.(?:pt|ckpt)|index\.json)\.(?P<pid>\d+)\.\d+\.(?:tmp|trash)$"
-)
+# matched whole (fullmatch): "$" would also admit a name ending in a newline, which no kept path spells
+_KEPT_NAME = re.compile(r"step-(0|[1-9][0-9]{0,17})\.(pt|ckpt)")
+_TEMP_NAME = re.compile(r"\.(?:step-(?:0|[1-9][0-9]{0,17})\.(?:pt|ckpt)|index\.json)\.(?P<pid>\d+)\.\d+\.(?:tmp|trash)")
 SUFFIXES = (".pt", ".ckpt")
 """A kept checkpoint's name ends in ``.pt`` (a file, ``ckpt.format="file"``) or ``.ckpt`` (a directory)."""
 _COUNTER = itertools.count()
@@ -89,10 +91,10 @@ def kept_name(step: int, suffix: str = ".pt") -> str:
 def kept_step(name: str) -> int | None:
     """The step a kept checkpoint's name holds, or None for a name trainkit does not write.
 
-    >>> kept_step("step-1200.pt"), kept_step("step-7.ckpt"), kept_step("step-01.pt"), kept_step("step-5.pt.bak")
+    >>> kept_step("step-1200.pt"), kept_step("step-7.ckpt"), kept_step("step-01.pt"), kept_step("step-5.pt\\n")
     (1200, 7, None, None)
     """
-    found = _KEPT_NAME.match(name)
+    found = _KEPT_NAME.fullmatch(name)
     return int(found[1]) if found else None
 
 
@@ -215,12 +217,16 @@ def directory_problem(directory: Path) -> str | None:
     return None
 
 
-def read_index(directory: Path) -> tuple[dict[int, core.Checkpoint], bool | None, tuple[str, ...] | None]:
-    """Read ``checkpoints/index.json`` as hostile input: the entries that check out, the run's direction and rules.
+def read_index(
+    directory: Path,
+) -> tuple[dict[int, core.Checkpoint], bool | None, tuple[str, ...] | None, int | None]:
+    """Read ``checkpoints/index.json`` as hostile input: the entries that check out, the run's direction and rules,
+    and the step of the newest checkpoint the run kept.
 
     :param directory: ``out_dir/checkpoints``.
-    :returns: ``({step: description}, minimize, keep)``; ``({}, None, None)`` when there is no usable index
-        (warned unless it is missing); ``keep`` is None when the recorded rules do not parse.
+    :returns: ``({step: description}, minimize, keep, newest)``; ``({}, None, None, None)`` when there is no
+        usable index (warned unless it is missing); ``keep`` is None when the recorded rules do not parse,
+        ``newest`` when the index records none (or not a step).
     """
     path = directory / INDEX_FILE
     try:
@@ -228,13 +234,13 @@ def read_index(directory: Path) -> tuple[dict[int, core.Checkpoint], bool | None
     except UnreadableFile as exc:
         if exc.reason != "missing":
             warn_user(f"{exc}; the kept checkpoints are judged by their steps alone")
-        return {}, None, None
+        return {}, None, None, None
     except ValueError as exc:
         warn_user(f"{path} is not JSON ({exc}); the kept checkpoints are judged by their steps alone")
-        return {}, None, None
+        return {}, None, None, None
     if not isinstance(data, dict) or data.get("format") != INDEX_FORMAT or not isinstance(data.get("kept"), dict):
         warn_user(f"{path} is not a trainkit index of kept checkpoints; they are judged by their steps alone")
-        return {}, None, None
+        return {}, None, None, None
     found: dict[int, core.Checkpoint] = {}
     bad = 0
     for key, entry in data["kept"].items():
@@ -252,20 +258,40 @@ def read_index(directory: Path) -> tuple[dict[int, core.Checkpoint], bool | None
         rules = tuple(keep) if isinstance(keep, list) and core.parse_keep(keep) is not None else None
     except BookkeepingError:
         rules = None
-    return found, minimize if isinstance(minimize, bool) else None, rules
+    newest = data.get("newest")
+    if not (type(newest) is int and 0 <= newest < 10**18):
+        newest = None  # absent (an older index) or not a step: the largest step on disk is the newest
+    return found, minimize if isinstance(minimize, bool) else None, rules, newest
 
 
-def read_kept(directory: Path) -> tuple[list[core.Checkpoint], list[str], bool | None, tuple[str, ...] | None]:
-    """Describe the kept checkpoints in ``directory``: regular files named ``step-<int>.pt`` only.
+@attrs.frozen(kw_only=True)
+class KeptFolder:
+    """What a run folder's ``checkpoints/`` holds, as :func:`read_kept` found it.
+
+    :ivar described: The kept checkpoints, in step order (from the index, else from the name and the file's time).
+    :ivar refused: The entries under a kept name that trainkit did not write (links, other kinds), with their kind.
+    :ivar minimize: The run's direction, as the index recorded it (None: not recorded).
+    :ivar keep: The run's ``ckpt.keep``, as the index recorded it (None: not recorded, or not rules).
+    :ivar newest: The step of the newest checkpoint the run kept (None: not recorded; the largest step is).
+    """
+
+    described: tuple[core.Checkpoint, ...] = attrs.field(converter=tuple)
+    refused: tuple[str, ...] = attrs.field(converter=tuple)
+    minimize: bool | None
+    keep: tuple[str, ...] | None
+    newest: int | None
+
+
+def read_kept(directory: Path) -> KeptFolder:
+    """Describe the kept checkpoints in ``directory``: regular files named ``step-<int>.pt`` and directories named
+    ``step-<int>.ckpt`` only, never through a link.
 
     :param directory: ``out_dir/checkpoints``.
-    :returns: The descriptions (from the index, else from the name and the file's time), the names of the
-        entries refused (links and other kinds under a kept name), and the direction and rules the index
-        recorded.
+    :returns: What is there, and what the index recorded of the run.
     """
-    index, minimize, keep = read_index(directory)
+    index, minimize, keep, newest = read_index(directory)
     described, refused = on_disk(directory, index)
-    return described, refused, minimize, keep
+    return KeptFolder(described=described, refused=refused, minimize=minimize, keep=keep, newest=newest)
 
 
 def on_disk(directory: Path, known: Mapping[int, core.Checkpoint]) -> tuple[list[core.Checkpoint], list[str]]:
@@ -317,7 +343,12 @@ def _index_entry(c: core.Checkpoint) -> dict[str, Any]:
 
 
 def write_index(
-    directory: Path, kept: Iterable[core.Checkpoint], minimize: bool | None, keep: tuple[str, ...] | None
+    directory: Path,
+    kept: Iterable[core.Checkpoint],
+    minimize: bool | None,
+    keep: tuple[str, ...] | None,
+    *,
+    newest: int | None = None,
 ) -> None:
     """Write ``checkpoints/index.json`` atomically and durably (a temp file of its own, renamed into place).
 
@@ -325,6 +356,8 @@ def write_index(
     :param kept: The descriptions to record.
     :param minimize: The run's direction (for ``best`` rules without one, read by ``trainkit retain``).
     :param keep: The run's ``ckpt.keep`` (what ``trainkit inspect`` explains the kept ones by).
+    :param newest: The step of the newest checkpoint the run wrote (a kept one with a larger step is not the
+        run's, see :func:`~trainkit.bookkeeping.keep_reasons`); None: the largest step is.
     :raises NotADirectoryError: When ``directory`` is a symbolic link or not a directory (nothing is written).
     :raises OSError: When the file cannot be written; the index before it is left as it was.
     """
@@ -335,6 +368,7 @@ def write_index(
         "format": INDEX_FORMAT,
         "minimize": minimize,
         "keep": list(keep) if keep is not None else None,
+        "newest": newest,
         "kept": {str(c.step): _index_entry(c) for c in sorted(kept, key=lambda c: c.step)},
     }
     text = json.dumps(data, indent=1, allow_nan=False).encode()
@@ -420,7 +454,7 @@ class KeptCheckpoints:
             if not self._ready():
                 return
             entries = {**self._on_disk(), description.step: description}
-            write_index(self.directory, entries.values(), minimize, self._keep)
+            write_index(self.directory, entries.values(), minimize, self._keep, newest=description.step)
         except OSError as exc:
             warn_user(f"describing step {description.step} in {self.directory / INDEX_FILE} failed: {exc}")
             return
@@ -456,17 +490,22 @@ class KeptCheckpoints:
             return
         known = {**self._on_disk(), description.step: description}
         if announced != description:  # the description goes to disk before the link is visible
-            write_index(self.directory, known.values(), minimize, self._keep)
+            write_index(self.directory, known.values(), minimize, self._keep, newest=description.step)
         if self._suffix == ".ckpt":
             self._link_directory(source, target, replace=info is not None)
         else:
             self._link(source, target)
         self._known = known
-        keep = core.retain(self.policy(minimize), self._known.values())
+        # the newest is the one just kept: a larger step on disk is not this run's (planted, or abandoned by a
+        # resume from an older checkpoint), so it neither displaces this run's checkpoints nor is deleted
+        keep = core.retain(self.policy(minimize), self._known.values(), newest=description.step)
         doomed = sorted(step for step in self._known if step not in keep)
         if doomed:
             self._deleter = threading.Thread(
-                target=self._delete, args=(doomed, minimize), name="trainkit-retention", daemon=False
+                target=self._delete,
+                args=(doomed, minimize, description.step),
+                name="trainkit-retention",
+                daemon=False,
             )
             self._deleter.start()
 
@@ -549,21 +588,21 @@ class KeptCheckpoints:
             raise
         fsync_directory(self.directory)
 
-    def _delete(self, steps: list[int], minimize: bool) -> None:
+    def _delete(self, steps: list[int], minimize: bool, newest: int) -> None:
         known = self._known if self._known is not None else {}
         try:
             for step in steps:
                 remove_kept(kept_path(self.directory, step))
                 known.pop(step, None)
             fsync_directory(self.directory)
-            write_index(self.directory, known.values(), minimize, self._keep)
+            write_index(self.directory, known.values(), minimize, self._keep, newest=newest)
         except Exception as exc:  # noqa: BLE001 - a checkpoint not deleted is no reason to stop training
             warn_user(f"deleting kept checkpoints in {self.directory} failed: {exc!r}; they are left in place")
 
     def _remove_stale_temp_files(self) -> None:
         with suppress(OSError):
             for entry in os.scandir(self.directory):
-                found = _TEMP_NAME.match(entry.name)
+                found = _TEMP_NAME.fullmatch(entry.name)
                 if not found or not _process_gone(int(found["pid"])):
                     continue
                 if entry.is_dir(follow_symlinks=False) and ".ckpt." in entry.name:

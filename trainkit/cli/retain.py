@@ -91,18 +91,19 @@ def describe_run_folder(out_dir: str | Path) -> list[str]:
     if problem is not None:
         lines.append(f"  {problem}: not followed (a run keeps nothing there, retain refuses it)")
         return lines
-    described, refused, minimize, keep = read_kept(directory)
-    if not described and not refused:
+    folder = read_kept(directory)
+    described = list(folder.described)
+    if not described and not folder.refused:
         lines.append(f"  no kept checkpoints in {directory} (ckpt.keep is empty, or nothing was kept yet)")
         return lines
     try:
-        policy = _policy(keep or (), minimize, where="ckpt.keep")
+        policy = _policy(folder.keep or (), folder.minimize, where="ckpt.keep")
     except ConfigError:
         policy = core.KeepAny()
     rules = policy.spec or "none recorded"
     lines.append(f"  {len(described)} kept checkpoints in {directory} (ckpt.keep={rules}):")
-    lines.extend(_rows(described, core.keep_reasons(policy, described), directory))
-    lines.extend(f"  {name}: not a file trainkit wrote; never followed nor deleted" for name in refused)
+    lines.extend(_rows(described, core.keep_reasons(policy, described, newest=folder.newest), directory))
+    lines.extend(f"  {name}: not a file trainkit wrote; never followed nor deleted" for name in folder.refused)
     return lines
 
 
@@ -134,9 +135,11 @@ def retain_run(out_dir: str | Path, keep: str, *, dry_run: bool) -> list[str]:
                 f"{problem}; retain never deletes nor writes through it (a run keeps nothing there either): "
                 "move it away, or put the checkpoints themselves in a directory of that name"
             )
-        described, refused, minimize, recorded = read_kept(directory)
+        folder = read_kept(directory)
+        described, minimize = list(folder.described), folder.minimize
         policy = _policy(keep, minimize, where="--keep")
-        reasons = core.keep_reasons(policy, described)
+        # the newest is the one the run recorded: a larger step (a planted step-999.pt) is left alone
+        reasons = core.keep_reasons(policy, described, newest=folder.newest)
         doomed = [c for c in described if not reasons[c.step]]
         verb = "would delete" if dry_run else "deleted"
         lines = [f"{directory}: {len(described)} kept checkpoints; rules {policy.spec or '(none)'}"]
@@ -144,12 +147,12 @@ def retain_run(out_dir: str | Path, keep: str, *, dry_run: bool) -> list[str]:
             what = ", ".join(reasons[c.step]) if reasons[c.step] else None
             name = kept_path(directory, c.step).name
             lines.append(f"  keep    {name}  ({what})" if what else f"  {verb:<7} {name}")
-        lines.extend(f"  ignore  {name}: not a file trainkit wrote" for name in refused)
+        lines.extend(f"  ignore  {name}: not a file trainkit wrote" for name in folder.refused)
         if not dry_run and doomed:
             for c in doomed:
                 remove_kept(kept_path(directory, c.step))
             left = [c for c in described if reasons[c.step]]
-            write_index(directory, left, minimize, recorded)
+            write_index(directory, left, minimize, folder.keep, newest=folder.newest)
         lines.append(f"{len(doomed)} {'to delete' if dry_run else 'deleted'}, {len(described) - len(doomed)} kept")
         return lines
     finally:
