@@ -500,3 +500,25 @@ def test_planted_higher_steps_and_newline_names_never_displace_the_real_newest(t
     assert all((directory / name).read_bytes() == data for name, data in planted.items())
     with pytest.raises(ConfigError, match="guard.skip_batches must be a list of 'EPOCH:BATCH' strings"):
         TinyTrainer.config_class.from_mapping({"epochs": 1, "guard": {"skip_batches": ["0:1\n"]}})
+
+
+def test_retain_refuses_empty_rules_and_a_best_rule_that_ranks_nothing(tmp_path, capsys):
+    """retain --keep '' or ' , ' is refused (it would delete all but the newest), and so is a best rule on a metric no
+    checkpoint has (a typo), naming the rule and the scores there are; --dry-run says so; nothing is deleted. A run
+    whose ckpt.keep has such a rule warns once."""
+    with pytest.warns(RuntimeWarning, match="ckpt.keep rule best:1:val/acc:min ranks no kept checkpoint") as seen:
+        run(tmp_path, epochs=3, scripted_scores=SCORES, ckpt={"keep": "every_epochs:1,best:1:val/acc"})
+    assert len([w for w in seen if "ranks no kept" in str(w.message)]) == 1
+    assert kept_steps(tmp_path) == [6, 12, 18]
+    for keep in ("", " , "):
+        assert main(["retain", str(tmp_path), "--keep", keep]) == 2
+        assert "--keep must name at least one retention rule" in capsys.readouterr().err
+    assert main(["retain", str(tmp_path), "--keep", "best:1:val/los"]) == 2
+    err = capsys.readouterr().err
+    assert "best:1:val/los:min ranks no checkpoint: none has a finite 'val/los'" in err
+    assert "the scores recorded are score, val/loss" in err
+    assert main(["retain", str(tmp_path), "--keep", "best:1:val/los", "--dry-run"]) == 0
+    assert "warning: best:1:val/los:min ranks no checkpoint" in capsys.readouterr().out
+    assert kept_steps(tmp_path) == [6, 12, 18]
+    assert main(["retain", str(tmp_path), "--keep", "best:1:val/loss"]) == 0
+    assert kept_steps(tmp_path) == [12, 18]

@@ -35,6 +35,7 @@ from trainkit.bookkeeping.retention import (
     keep_reasons,
     parse_keep,
     retain,
+    unranked,
 )
 from trainkit.bookkeeping.schedule import (
     STOP_EARLY,
@@ -92,6 +93,7 @@ __all__ = [
     "KeepAny",
     "Policy",
     "retain",
+    "unranked",
     "keep_reasons",
     "parse_keep",
 ]

@@ -44,6 +44,7 @@ __all__ = [
     "Policy",
     "retain",
     "keep_reasons",
+    "unranked",
     "parse_keep",
     "NEWEST",
     "WRITING",
@@ -371,6 +372,29 @@ def retain(policy: Policy, checkpoints: Iterable[Checkpoint], *, newest: int | N
     frozenset()
     """
     return frozenset(step for step, reasons in keep_reasons(policy, checkpoints, newest=newest).items() if reasons)
+
+
+def unranked(policy: Policy, checkpoints: Iterable[Checkpoint], *, newest: int | None = None) -> tuple[KeepBest, ...]:
+    """Name the ``best`` rules of a policy that rank none of the checkpoints: none has a finite score of the rule's
+    metric (a misspelt metric, or scores never recorded), so the rule keeps nothing.
+
+    Pure. Checkpoints after ``newest`` do not count, as in :func:`keep_reasons`.
+
+    :param policy: The policy.
+    :param checkpoints: The checkpoints, in any order.
+    :param newest: The step of the newest checkpoint the run wrote; None: the largest step.
+    :returns: Those rules, in the policy's order.
+
+    >>> cs = [Checkpoint(step=10, scores={"score": 0.5, "val/loss": 0.5})]
+    >>> unranked(parse_keep("best:1,best:1:val/acc,latest:2"), cs)
+    (KeepBest(n=1, metric='val/acc', minimize=False),)
+    """
+    mine = [c for c in checkpoints if newest is None or c.step <= newest]
+    return tuple(
+        rule
+        for rule in _rules(policy)
+        if isinstance(rule, KeepBest) and not any(is_finite_real(c.scores.get(rule.metric)) for c in mine)
+    )
 
 
 def _count(text: str, item: str, name: str) -> int:

@@ -411,6 +411,7 @@ class KeptCheckpoints:
         self._announced: core.Checkpoint | None = None  # in index.json already, its checkpoint not kept yet
         self._deleter: threading.Thread | None = None
         self._disabled = False
+        self._unranked: set[str] = set()  # the best rules warned about as ranking nothing
 
     def policy(self, minimize: bool) -> core.KeepAny:
         """The rules as a policy, ``best`` rules without a direction taking ``minimize``."""
@@ -498,7 +499,9 @@ class KeptCheckpoints:
         self._known = known
         # the newest is the one just kept: a larger step on disk is not this run's (planted, or abandoned by a
         # resume from an older checkpoint), so it neither displaces this run's checkpoints nor is deleted
-        keep = core.retain(self.policy(minimize), self._known.values(), newest=description.step)
+        policy = self.policy(minimize)
+        keep = core.retain(policy, self._known.values(), newest=description.step)
+        self._warn_unranked(policy, description.step)
         doomed = sorted(step for step in self._known if step not in keep)
         if doomed:
             self._deleter = threading.Thread(
@@ -508,6 +511,20 @@ class KeptCheckpoints:
                 daemon=False,
             )
             self._deleter.start()
+
+    def _warn_unranked(self, policy: core.KeepAny, newest: int) -> None:
+        """Warn once about a ``best`` rule that ranks nothing although validation scores were recorded (a misspelt
+        metric keeps nothing, silently otherwise)."""
+        mine = [c for c in (self._known or {}).values() if c.step <= newest]
+        names = sorted({name for c in mine for name in c.scores})
+        idle = [rule.spec for rule in core.unranked(policy, mine) if rule.spec not in self._unranked]
+        if not names or not idle:
+            return
+        self._unranked.update(idle)
+        warn_user(
+            f"ckpt.keep rule {', '.join(idle)} ranks no kept checkpoint: none has a finite score of that name (the "
+            f"scores recorded are {', '.join(names)}); it keeps nothing until one does (check the metric's name)"
+        )
 
     def keep_resumed(self, source: Path, description: core.Checkpoint, *, minimize: bool) -> bool:
         """Keep the ``last`` a run resumes from when no checkpoint of its step is kept: a kill between publishing

@@ -52,6 +52,13 @@ def _policy(keep: tuple[str, ...] | str, minimize: bool | None, *, where: str) -
         lower, higher = core.parse_keep(keep, minimize=True), core.parse_keep(keep, minimize=False)
     except BookkeepingError as exc:
         raise ConfigError(where, "must be comma-separated retention rules", keep, hint=str(exc)) from None
+    if where == "--keep" and not lower.policies:  # no rule would keep only the newest: say so, delete nothing
+        raise ConfigError(
+            where,
+            "must name at least one retention rule (with none, every kept checkpoint but the newest is deleted)",
+            keep,
+            hint="e.g. --keep latest:3; to keep only the newest, say --keep latest:1",
+        )
     if lower != higher and minimize is None:
         raise ConfigError(
             where,
@@ -60,6 +67,13 @@ def _policy(keep: tuple[str, ...] | str, minimize: bool | None, *, where: str) -
             hint="write best:N:score:min or best:N:score:max",
         )
     return lower if minimize else higher
+
+
+def _ranks_nothing(rule: core.KeepBest, described: list[core.Checkpoint]) -> str:
+    """Say why a ``best`` rule ranks nothing, with the scores the kept checkpoints do have."""
+    names = sorted({name for c in described for name in c.scores})
+    have = f"the scores recorded are {', '.join(names)}" if names else "no kept checkpoint has a score"
+    return f"{rule.spec} ranks no checkpoint: none has a finite {rule.metric!r} ({have})"
 
 
 def _rows(described: list[core.Checkpoint], reasons: dict[int, tuple[str, ...]], directory: Path) -> list[str]:
@@ -141,8 +155,18 @@ def retain_run(out_dir: str | Path, keep: str, *, dry_run: bool) -> list[str]:
         # the newest is the one the run recorded: a larger step (a planted step-999.pt) is left alone
         reasons = core.keep_reasons(policy, described, newest=folder.newest)
         doomed = [c for c in described if not reasons[c.step]]
+        idle = [_ranks_nothing(rule, described) for rule in core.unranked(policy, described, newest=folder.newest)]
+        if idle and described and not dry_run:
+            raise ConfigError(
+                "--keep",
+                f"has a best rule that ranks no checkpoint, which would keep nothing: {'; '.join(idle)}",
+                keep,
+                hint="fix the metric's name or drop the rule; --dry-run shows what the rules keep",
+            )
         verb = "would delete" if dry_run else "deleted"
         lines = [f"{directory}: {len(described)} kept checkpoints; rules {policy.spec or '(none)'}"]
+        if described:
+            lines.extend(f"  warning: {why}; without --dry-run nothing is deleted while it is so" for why in idle)
         for c in described:
             what = ", ".join(reasons[c.step]) if reasons[c.step] else None
             name = kept_path(directory, c.step).name
