@@ -522,3 +522,26 @@ def test_retain_refuses_empty_rules_and_a_best_rule_that_ranks_nothing(tmp_path,
     assert kept_steps(tmp_path) == [6, 12, 18]
     assert main(["retain", str(tmp_path), "--keep", "best:1:val/loss"]) == 0
     assert kept_steps(tmp_path) == [12, 18]
+
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_a_directory_planted_as_the_index_stops_keeping_not_the_run(tmp_path, capsys, fmt):
+    """A directory at checkpoints/index.json: the run warns once, keeps nothing there and trains to the end, resume
+    included; retain refuses the folder before deleting anything; inspect says why; the directory is untouched."""
+    out = tmp_path / "run"
+    planted = out / "checkpoints" / "index.json"
+    planted.mkdir(parents=True)
+    (planted / "mine").write_text("mine")
+    for epochs in (2, 3):  # a fresh run, then a resume
+        with pytest.warns(RuntimeWarning, match="index.json is a directory, not the index trainkit writes") as seen:
+            trainer = run(out, epochs=epochs, ckpt={"keep": "latest:1", "format": fmt})
+        assert trainer.epochs_trained == ([0, 1] if epochs == 2 else [2])
+        assert len([w for w in seen if "index.json is a directory" in str(w.message)]) == 1
+    assert kept_steps(out) == [] and (planted / "mine").read_text() == "mine"
+    for step in (6, 12):
+        (out / "checkpoints" / f"step-{step}.pt").write_bytes(b"x")
+    assert main(["retain", str(out), "--keep", "latest:1"]) == 2
+    assert "index.json is a directory, not the index trainkit writes" in capsys.readouterr().err
+    assert kept_steps(out) == [6, 12] and (planted / "mine").read_text() == "mine"
+    assert main(["inspect", str(out)]) == 0
+    assert "a run keeps nothing there while it is so" in capsys.readouterr().out

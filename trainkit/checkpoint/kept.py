@@ -63,6 +63,7 @@ __all__ = [
     "KeptFolder",
     "remove_kept",
     "directory_problem",
+    "folder_problem",
 ]
 
 KEPT_DIR = "checkpoints"
@@ -198,7 +199,7 @@ def _describe(entry: Any, step: int) -> core.Checkpoint | None:
 
 
 def directory_problem(directory: Path) -> str | None:
-    """Say why ``directory`` (``out_dir/checkpoints``) cannot hold kept checkpoints, or None when it can.
+    """Say why ``directory`` (``out_dir/checkpoints``) cannot be read or written through, or None when it can.
 
     A symbolic link (even to a directory) or anything but a directory in its place is refused: whatever trainkit
     writes or deletes stays inside the run folder, so a link out of it is never followed.
@@ -214,6 +215,30 @@ def directory_problem(directory: Path) -> str | None:
         return f"{directory} cannot be examined ({exc})"
     if not stat.S_ISDIR(info.st_mode):
         return f"{directory} is {_kind(info.st_mode)}, not a directory trainkit made"
+    return None
+
+
+def folder_problem(directory: Path) -> str | None:
+    """Say why checkpoints cannot be kept (nor deleted by rules) in ``directory``, or None when they can.
+
+    :func:`directory_problem`'s reasons, and anything but a regular file at ``index.json`` (a directory, a link, a
+    FIFO): the index could not be written, and a kept checkpoint without its description would be judged by its
+    name alone.
+
+    :param directory: ``out_dir/checkpoints``.
+    :returns: The reason (naming the path and what is there), or None.
+    """
+    problem = directory_problem(directory)
+    if problem is not None:
+        return problem
+    try:
+        index = os.lstat(directory / INDEX_FILE)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        return f"{directory / INDEX_FILE} cannot be examined ({exc})"
+    if not stat.S_ISREG(index.st_mode):
+        return f"{directory / INDEX_FILE} is {_kind(index.st_mode)}, not the index trainkit writes"
     return None
 
 
@@ -361,9 +386,9 @@ def write_index(
     :raises NotADirectoryError: When ``directory`` is a symbolic link or not a directory (nothing is written).
     :raises OSError: When the file cannot be written; the index before it is left as it was.
     """
-    problem = directory_problem(directory)
+    problem = folder_problem(directory)
     if problem is not None:
-        raise NotADirectoryError(f"{problem}; {INDEX_FILE} is not written through it")
+        raise NotADirectoryError(f"{problem}; {INDEX_FILE} is not written there")
     data = {
         "format": INDEX_FORMAT,
         "minimize": minimize,
@@ -422,7 +447,7 @@ class KeptCheckpoints:
         (a link in its place: warned once)."""
         if self._disabled:
             return False
-        problem = directory_problem(self.directory)
+        problem = folder_problem(self.directory)
         if problem is not None:
             self._disabled = True
             warn_user(f"{problem}; no checkpoints are kept there in this run (move it away to keep them)")

@@ -13,7 +13,15 @@ import stat
 from pathlib import Path
 
 from trainkit import bookkeeping as core
-from trainkit.checkpoint.kept import KEPT_DIR, directory_problem, kept_path, read_kept, remove_kept, write_index
+from trainkit.checkpoint.kept import (
+    KEPT_DIR,
+    directory_problem,
+    folder_problem,
+    kept_path,
+    read_kept,
+    remove_kept,
+    write_index,
+)
 from trainkit.checkpoint.pt_files import BEST_CKPT, LAST_CKPT
 from trainkit.errors import BookkeepingError, ConfigError, OutDirError
 from trainkit.run.lock import RunLock
@@ -105,6 +113,9 @@ def describe_run_folder(out_dir: str | Path) -> list[str]:
     if problem is not None:
         lines.append(f"  {problem}: not followed (a run keeps nothing there, retain refuses it)")
         return lines
+    problem = folder_problem(directory)
+    if problem is not None:
+        lines.append(f"  {problem}: a run keeps nothing there while it is so, retain refuses the folder")
     folder = read_kept(directory)
     described = list(folder.described)
     if not described and not folder.refused:
@@ -143,11 +154,10 @@ def retain_run(out_dir: str | Path, keep: str, *, dry_run: bool) -> list[str]:
     lock.acquire()  # refused while a run holds the folder; and no run starts while this deletes
     try:
         directory = out / KEPT_DIR
-        problem = directory_problem(directory)
+        problem = folder_problem(directory)  # before anything is deleted: the index must be writable after
         if problem is not None:
             raise OutDirError(
-                f"{problem}; retain never deletes nor writes through it (a run keeps nothing there either): "
-                "move it away, or put the checkpoints themselves in a directory of that name"
+                f"{problem}; retain deletes and writes nothing there (a run keeps nothing there either): move it away"
             )
         folder = read_kept(directory)
         described, minimize = list(folder.described), folder.minimize
