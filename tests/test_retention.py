@@ -545,3 +545,43 @@ def test_a_directory_planted_as_the_index_stops_keeping_not_the_run(tmp_path, ca
     assert kept_steps(out) == [6, 12] and (planted / "mine").read_text() == "mine"
     assert main(["inspect", str(out)]) == 0
     assert "a run keeps nothing there while it is so" in capsys.readouterr().out
+
+
+@pytest.fixture
+def read_only_checkpoints(tmp_path):
+    """A run folder whose checkpoints/ cannot be written: a read-only tmpfs mounted there (root ignores modes), or a
+    folder of mode 0555 for anyone else; skipped where neither is possible."""
+    out = tmp_path / "run"
+    directory = out / "checkpoints"
+    directory.mkdir(parents=True)
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        yield out
+        directory.chmod(0o755)
+        return
+    try:
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(directory)], capture_output=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot run mount: {exc}")
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a read-only tmpfs is not permitted here: {mounted.stderr.decode().strip()}")
+    try:
+        yield out
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], capture_output=True, timeout=30)
+
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_a_read_only_checkpoints_folder_is_warned_about_and_the_run_trains_on(read_only_checkpoints, fmt):
+    """A checkpoints/ that cannot be written: both formats warn at each save that the step is not kept, and train to
+    the end with last and best written as ever."""
+    out = read_only_checkpoints
+    with pytest.warns(RuntimeWarning, match=r"step 6 is not kept"):
+        trainer = run(out, epochs=2, ckpt={"keep": "latest:1", "format": fmt})
+    assert trainer.epochs_trained == [0, 1] and kept_steps(out) == []
+    last = out / ("last.ckpt" if fmt == "sharded" else "last.pt")
+    assert last.exists() and (out / ("best.ckpt" if fmt == "sharded" else "best.pt")).exists()
+    if fmt == "file":
+        assert_loads(last, 12)

@@ -467,8 +467,8 @@ class KeptCheckpoints:
         """Describe a checkpoint in ``index.json`` before it is written, so that no kill can lose its description:
         one after ``last`` is published and before it is kept leaves it for the resume that keeps it.
 
-        Runs before the save's first write (in the writer thread of ``ckpt.async_save``). A failure is warned
-        about: the save goes on, and :meth:`publish` writes the index again.
+        Runs before the save's first write (in the writer thread of ``ckpt.async_save``). A failure does not stop
+        the save: :meth:`publish` writes the index again (and warns when it cannot).
 
         :param description: What retention needs to know of the checkpoint about to be written.
         :param minimize: The run's direction.
@@ -481,28 +481,42 @@ class KeptCheckpoints:
                 return
             entries = {**self._on_disk(), description.step: description}
             write_index(self.directory, entries.values(), minimize, self._keep, newest=description.step)
-        except OSError as exc:
-            warn_user(f"describing step {description.step} in {self.directory / INDEX_FILE} failed: {exc}")
-            return
+        except OSError:
+            return  # publish() writes the index again, and warns if that fails too: one warning per failed keep
         self._announced = description
 
-    def publish(self, source: Path, description: core.Checkpoint, *, minimize: bool) -> None:
+    def publish(self, source: Path, description: core.Checkpoint, *, minimize: bool) -> bool:
         """Keep ``source`` (the ``last.pt`` just published) as ``checkpoints/step-<step>.pt`` (``last.ckpt/`` as
         ``checkpoints/step-<step>.ckpt/``), then start deleting in the background what the policy does not keep.
 
         Runs where the save's writes run (the writer thread of ``ckpt.async_save``; rank 0 after every rank's
         shards are published, for a sharded one), after them. ``index.json`` describes it before the link is made
-        (by :meth:`announce`, else here).
+        (by :meth:`announce`, else here). A failure to keep it (a read-only or full ``checkpoints/``) is warned
+        about, in both formats alike, and the run goes on: ``source`` is whole, and raising on rank 0 would leave
+        the other ranks waiting.
 
         :param source: The published checkpoint file (or directory).
         :param description: What retention needs to know of it.
         :param minimize: The run's direction.
-        :raises OSError: When the link (or copy) cannot be made; the checkpoint in ``source`` is intact.
+        :returns: Whether it was kept.
         """
         self.join()
         announced, self._announced = self._announced, None
+        try:
+            return self._publish(source, description, announced, minimize=minimize)
+        except OSError as exc:
+            name = kept_name(description.step, self._suffix)
+            warn_user(
+                f"keeping {source} as {self.directory / name} failed ({exc}); {source} itself is whole, and step "
+                f"{description.step} is not kept"
+            )
+            return False
+
+    def _publish(
+        self, source: Path, description: core.Checkpoint, announced: core.Checkpoint | None, *, minimize: bool
+    ) -> bool:
         if not self._ready():
-            return
+            return False
         target = self.directory / kept_name(description.step, self._suffix)
         try:
             info = os.lstat(target)
@@ -513,7 +527,7 @@ class KeptCheckpoints:
                 f"{target} is {_kind(info.st_mode)}, not a checkpoint trainkit wrote; it is left alone, step "
                 f"{description.step} is not kept"
             )
-            return
+            return False
         known = {**self._on_disk(), description.step: description}
         if announced != description:  # the description goes to disk before the link is visible
             write_index(self.directory, known.values(), minimize, self._keep, newest=description.step)
@@ -536,6 +550,7 @@ class KeptCheckpoints:
                 daemon=False,
             )
             self._deleter.start()
+        return True
 
     def _warn_unranked(self, policy: core.KeepAny, newest: int) -> None:
         """Warn once about a ``best`` rule that ranks nothing although validation scores were recorded (a misspelt
@@ -574,17 +589,13 @@ class KeptCheckpoints:
         try:
             if not self._ready():
                 return False
-            recorded = self._recorded.get(description.step)
-            if recorded is not None and (recorded.epoch, recorded.epoch_end) == (
-                description.epoch,
-                description.epoch_end,
-            ):
-                description = recorded  # what the save announced before it wrote the checkpoint
-            self.publish(source, description, minimize=minimize)
         except OSError as exc:
             warn_user(f"keeping {source} as step {description.step} failed ({exc}); it is not kept")
             return False
-        return True
+        recorded = self._recorded.get(description.step)
+        if recorded is not None and (recorded.epoch, recorded.epoch_end) == (description.epoch, description.epoch_end):
+            description = recorded  # what the save announced before it wrote the checkpoint
+        return self.publish(source, description, minimize=minimize)
 
     def _link(self, source: Path, target: Path) -> None:
         tmp = str(self.directory / f".{target.name}.{os.getpid()}.{next(_COUNTER)}.tmp")
