@@ -585,3 +585,52 @@ def test_a_read_only_checkpoints_folder_is_warned_about_and_the_run_trains_on(re
     assert last.exists() and (out / ("best.ckpt" if fmt == "sharded" else "best.pt")).exists()
     if fmt == "file":
         assert_loads(last, 12)
+
+
+KILLED_IN_THE_LAST_DELETION = textwrap.dedent(
+    """
+    import os, shutil, signal, sys
+    from pathlib import Path
+    import trainkit.checkpoint.kept as files
+    from tests.trainers import TinyTrainer, make_cfg
+
+    out, fmt = Path(sys.argv[1]), sys.argv[2]
+    last = out / "checkpoints" / ("step-24.ckpt" if fmt == "sharded" else "step-24.pt")
+    real_remove, real_rmtree = files.remove_kept, shutil.rmtree
+    def remove_then_die(path):  # a file deleted, the others not yet
+        real_remove(path)
+        if last.exists():
+            os.kill(os.getpid(), signal.SIGKILL)
+    def die_in_rmtree(path, *args, **kwargs):  # a directory renamed to its trash name, not removed yet
+        if last.exists() and str(path).endswith(".trash"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_rmtree(path, *args, **kwargs)
+    files.remove_kept = remove_then_die if fmt == "file" else files.remove_kept
+    files.shutil.rmtree = die_in_rmtree
+    scores = (0.9, 0.5, 0.7, 0.3)  # best:1 keeps 12 and 18 (the newest) until 24 improves: both go at once
+    TinyTrainer(make_cfg(out, epochs=4, scripted_scores=scores, ckpt={"keep": "best:1", "format": fmt})).train()
+    """
+)
+
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_a_kill_in_the_deletion_after_the_last_save_is_finished_by_resuming_the_finished_run(tmp_path, fmt):
+    """SIGKILL during the background deletion that follows a run's last save: resuming the finished run trains
+    nothing and finishes the deletion (the kept set of an uninterrupted run), a sharded trash directory included."""
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.run(
+        [sys.executable, "-c", KILLED_IN_THE_LAST_DELETION, str(out), fmt],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
+    left = sorted(p.name for p in (out / "checkpoints").iterdir())
+    trash = [name for name in left if name.endswith(".trash")]
+    assert kept_steps(out) == [18, 24] and len(trash) == (fmt == "sharded"), left  # 12 deleted (or in the trash)
+    trainer = run(out, epochs=4, scripted_scores=(0.9, 0.5, 0.7, 0.3), ckpt={"keep": "best:1", "format": fmt})
+    assert trainer.epochs_trained == []
+    name = "step-24.ckpt" if fmt == "sharded" else "step-24.pt"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["index.json", name]

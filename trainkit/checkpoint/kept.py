@@ -538,19 +538,20 @@ class KeptCheckpoints:
         self._known = known
         # the newest is the one just kept: a larger step on disk is not this run's (planted, or abandoned by a
         # resume from an older checkpoint), so it neither displaces this run's checkpoints nor is deleted
+        self._apply(minimize, newest=description.step)
+        return True
+
+    def _apply(self, minimize: bool, *, newest: int) -> None:
+        """Start deleting in the background what the policy does not keep of ``self._known``."""
         policy = self.policy(minimize)
-        keep = core.retain(policy, self._known.values(), newest=description.step)
-        self._warn_unranked(policy, description.step)
-        doomed = sorted(step for step in self._known if step not in keep)
+        keep = core.retain(policy, (self._known or {}).values(), newest=newest)
+        self._warn_unranked(policy, newest)
+        doomed = sorted(step for step in self._known or {} if step not in keep)
         if doomed:
             self._deleter = threading.Thread(
-                target=self._delete,
-                args=(doomed, minimize, description.step),
-                name="trainkit-retention",
-                daemon=False,
+                target=self._delete, args=(doomed, minimize, newest), name="trainkit-retention", daemon=False
             )
             self._deleter.start()
-        return True
 
     def _warn_unranked(self, policy: core.KeepAny, newest: int) -> None:
         """Warn once about a ``best`` rule that ranks nothing although validation scores were recorded (a misspelt
@@ -567,12 +568,14 @@ class KeptCheckpoints:
         )
 
     def keep_resumed(self, source: Path, description: core.Checkpoint, *, minimize: bool) -> bool:
-        """Keep the ``last`` a run resumes from when no checkpoint of its step is kept: a kill between publishing
-        it and keeping it (a few milliseconds, or a background save's whole write) left it unkept, and the
-        policy would have kept it, at least as the newest.
+        """Finish what a kill left undone for the ``last`` a run resumes from: keep it when no checkpoint of its
+        step is kept (a kill between publishing it and keeping it, a few milliseconds, or a background save's whole
+        write), and delete what the policy does not keep (a kill during the deletion after its save, the last
+        save of a finished run included), leftovers of a killed deletion removed first.
 
         It is described as its save described it in ``index.json`` (scores included), when that entry is there and
-        agrees with ``description`` on the epoch; else by ``description``.
+        agrees with ``description`` on the epoch; else by ``description``. The deletion runs in the background,
+        as after a save, with this checkpoint as the newest.
 
         A link that cannot be made is warned about; the run goes on.
 
@@ -584,10 +587,12 @@ class KeptCheckpoints:
         """
         if not self.active or self._disabled:
             return False
-        if any(os.path.lexists(self.directory / kept_name(description.step, suffix)) for suffix in SUFFIXES):
-            return False
         try:
             if not self._ready():
+                return False
+            if any(os.path.lexists(self.directory / kept_name(description.step, suffix)) for suffix in SUFFIXES):
+                self._known = self._on_disk()
+                self._apply(minimize, newest=description.step)
                 return False
         except OSError as exc:
             warn_user(f"keeping {source} as step {description.step} failed ({exc}); it is not kept")
