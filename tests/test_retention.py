@@ -634,3 +634,17 @@ def test_a_kill_in_the_deletion_after_the_last_save_is_finished_by_resuming_the_
     assert trainer.epochs_trained == []
     name = "step-24.ckpt" if fmt == "sharded" else "step-24.pt"
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["index.json", name]
+
+
+def test_the_kept_checkpoint_a_run_resumed_from_is_kept_so_the_command_reruns(tmp_path, capsys):
+    """ckpt.resume=<out_dir>/checkpoints/step-12.pt into the same folder under latest:1: step 12 is never deleted
+    by that run (the kept set is {12, 24}), so running the same command again
+    resumes from it again."""
+    out = tmp_path / "run"
+    run(out, epochs=4, ckpt={"keep": "every_epochs:1"})
+    again = {"keep": "latest:1", "resume": str(out / "checkpoints" / "step-12.pt")}
+    for _ in range(2):  # the command, then the same command again
+        trainer = run(out, epochs=4, ckpt=again)
+        assert trainer.epochs_trained == [2, 3]
+        assert kept_steps(out) == [12, 24]
+    assert_loads(out / "checkpoints" / "step-24.pt", 24)

@@ -49,6 +49,7 @@ __all__ = [
     "NEWEST",
     "WRITING",
     "AHEAD",
+    "RESUMED",
 ]
 
 NEWEST = "newest"
@@ -57,6 +58,9 @@ WRITING = "being written"
 """The reason :func:`keep_reasons` gives for a checkpoint a background save is writing."""
 AHEAD = "after the newest"
 """The reason :func:`keep_reasons` gives for a checkpoint with a larger step than the newest the run wrote."""
+RESUMED = "resumed from"
+"""The reason :func:`keep_reasons` gives for the kept checkpoint the run resumed from (rerunning its command
+resumes from it again)."""
 
 
 def _check_count(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -310,19 +314,21 @@ def _in_order(checkpoints: Iterable[Checkpoint]) -> tuple[Checkpoint, ...]:
 
 
 def keep_reasons(
-    policy: Policy, checkpoints: Iterable[Checkpoint], *, newest: int | None = None
+    policy: Policy, checkpoints: Iterable[Checkpoint], *, newest: int | None = None, resumed_from: int | None = None
 ) -> dict[int, tuple[str, ...]]:
     """Say, for every checkpoint, which rules keep it (none: it may be deleted).
 
     Pure. The rules are the policy's items as ``ckpt.keep`` spells them (``"latest:3"``), in the policy's
     order, after ``"newest"`` for the newest checkpoint and ``"being written"`` for one a background save writes.
     A checkpoint with a larger step than ``newest`` gives ``"after the newest"`` alone: the run did not write
-    it, so it neither counts for a rule nor is deleted.
+    it, so it neither counts for a rule nor is deleted. The checkpoint of step ``resumed_from`` gives
+    ``"resumed from"`` first: the run's command names it, so running that command again must find it.
 
     :param policy: The policy.
     :param checkpoints: The checkpoints, in any order.
     :param newest: The step of the newest checkpoint the run wrote (the largest step at most this one is the
         newest); None: the largest step of all.
+    :param resumed_from: The step of the kept checkpoint the run resumed from, if it did.
     :returns: Each checkpoint's step, in step order, mapped to its reasons.
     :raises BookkeepingError: On two checkpoints with the same step, or something that is not a policy.
 
@@ -331,9 +337,12 @@ def keep_reasons(
     {10: (), 20: ('best:1:score:min',), 30: ('newest', 'latest:1')}
     >>> keep_reasons(KeepLatest(1), cs, newest=20)
     {10: (), 20: ('newest', 'latest:1'), 30: ('after the newest',)}
+    >>> keep_reasons(KeepLatest(1), cs, resumed_from=10)
+    {10: ('resumed from',), 20: (), 30: ('newest', 'latest:1')}
     """
-    if newest is not None and not is_int(newest):
-        raise BookkeepingError(f"newest must be a step (an int) or None, got {newest!r}")
+    for name, value in (("newest", newest), ("resumed_from", resumed_from)):
+        if value is not None and not is_int(value):
+            raise BookkeepingError(f"{name} must be a step (an int) or None, got {value!r}")
     ordered = _in_order(checkpoints)
     ahead = tuple(c for c in ordered if newest is not None and c.step > newest)
     ordered = ordered[: len(ordered) - len(ahead)]
@@ -341,7 +350,9 @@ def keep_reasons(
     keeps = [(rule.spec, rule._keeps(ordered)) for rule in rules]
     reasons: dict[int, tuple[str, ...]] = {}
     for c in ordered:
-        own = [NEWEST] if c is ordered[-1] else []
+        own = [RESUMED] if c.step == resumed_from else []
+        if c is ordered[-1]:
+            own.append(NEWEST)
         if c.writing:
             own.append(WRITING)
         own.extend(spec for spec, steps in keeps if c.step in steps)
@@ -351,15 +362,18 @@ def keep_reasons(
     return reasons
 
 
-def retain(policy: Policy, checkpoints: Iterable[Checkpoint], *, newest: int | None = None) -> frozenset[int]:
+def retain(
+    policy: Policy, checkpoints: Iterable[Checkpoint], *, newest: int | None = None, resumed_from: int | None = None
+) -> frozenset[int]:
     """Decide which checkpoints a policy keeps; the shell deletes the others.
 
-    Pure. The newest checkpoint, any being written, and any after the newest (see :func:`keep_reasons`) are
-    always kept.
+    Pure. The newest checkpoint, any being written, any after the newest and the one the run resumed from (see
+    :func:`keep_reasons`) are always kept.
 
     :param policy: The policy.
     :param checkpoints: The checkpoints, in any order (steps unique).
     :param newest: The step of the newest checkpoint the run wrote; None: the largest step.
+    :param resumed_from: The step of the kept checkpoint the run resumed from, if it did.
     :returns: The steps of the checkpoints kept.
     :raises BookkeepingError: On two checkpoints with the same step, or something that is not a policy.
 
@@ -371,7 +385,8 @@ def retain(policy: Policy, checkpoints: Iterable[Checkpoint], *, newest: int | N
     >>> retain(KeepLatest(1), [])
     frozenset()
     """
-    return frozenset(step for step, reasons in keep_reasons(policy, checkpoints, newest=newest).items() if reasons)
+    reasons = keep_reasons(policy, checkpoints, newest=newest, resumed_from=resumed_from)
+    return frozenset(step for step, why in reasons.items() if why)
 
 
 def unranked(policy: Policy, checkpoints: Iterable[Checkpoint], *, newest: int | None = None) -> tuple[KeepBest, ...]:

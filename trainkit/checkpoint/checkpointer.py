@@ -28,7 +28,15 @@ from torch import nn
 from trainkit import bookkeeping as core
 from trainkit.checkpoint import dcp as sharded
 from trainkit.checkpoint.dcp_files import ShardedFiles
-from trainkit.checkpoint.kept import KeptCheckpoints, describe_save, kept_path, read_kept, run_folder_of
+from trainkit.checkpoint.kept import (
+    KEPT_DIR,
+    KeptCheckpoints,
+    describe_save,
+    kept_path,
+    kept_step,
+    read_kept,
+    run_folder_of,
+)
 from trainkit.checkpoint.payload import last_payload, mid_epoch_state
 from trainkit.checkpoint.pt_files import RunFiles
 from trainkit.checkpoint.storage import BestWeights, FileStorage, SaveRequest, ShardedStorage, Storage
@@ -237,6 +245,9 @@ class Checkpointer:
         if not quiet:
             self._say_resuming(path, records, ckpt.get("trainkit"))
             self._keep_resumed(path, ckpt, records)
+            if path.parent.name == KEPT_DIR and same_directory(path.parent.parent, self._files.out_dir):
+                # ckpt.resume names a kept checkpoint of this folder: rerunning the command must find it again
+                self._kept.resumed_from = kept_step(path.name)
         results = None if records.more else ckpt.get("results")  # a finished run that continues has none yet
         return Resume(ckpt=ckpt, path=path, records=records, results=dict(results) if results is not None else None)
 

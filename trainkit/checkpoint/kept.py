@@ -437,6 +437,9 @@ class KeptCheckpoints:
         self._deleter: threading.Thread | None = None
         self._disabled = False
         self._unranked: set[str] = set()  # the best rules warned about as ranking nothing
+        self.resumed_from: int | None = None
+        """The step of the kept checkpoint of this folder the run resumed from (``ckpt.resume`` named it): never
+        deleted while the run goes on, so the same command run again finds it."""
 
     def policy(self, minimize: bool) -> core.KeepAny:
         """The rules as a policy, ``best`` rules without a direction taking ``minimize``."""
@@ -544,7 +547,7 @@ class KeptCheckpoints:
     def _apply(self, minimize: bool, *, newest: int) -> None:
         """Start deleting in the background what the policy does not keep of ``self._known``."""
         policy = self.policy(minimize)
-        keep = core.retain(policy, (self._known or {}).values(), newest=newest)
+        keep = core.retain(policy, (self._known or {}).values(), newest=newest, resumed_from=self.resumed_from)
         self._warn_unranked(policy, newest)
         doomed = sorted(step for step in self._known or {} if step not in keep)
         if doomed:
