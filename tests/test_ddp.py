@@ -130,3 +130,30 @@ def test_one_fork_server_serves_every_spawn_with_the_callers_environment_and_out
             out = capfd.readouterr().out
             assert f"rank 0 saw {mark}" in out and f"rank 1 saw {mark}" in out, out
     no_children_left()
+
+
+@pytest.mark.timeout(120)
+def test_the_ranks_of_a_spawn_die_with_a_parent_killed_by_sigkill(tmp_path):
+    """SIGKILL the process that called trainkit.spawn while its 2 ranks train: the fork server and both ranks are
+    gone within seconds (a parent-death signal), not training on to the end of an epoch that never ends; no
+    process of the job is left."""
+    import signal
+
+    from tests.faults.harness import Run
+
+    run = Run(["-m", "tests.faults.orphans", str(tmp_path / "run")], tmp_path / "log")
+    try:
+        deadline = time.monotonic() + 90
+        while run.stdout.count(" pid ") < 2 and run.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [int(line.rsplit(" ", 1)[1]) for line in run.stdout.splitlines() if line.startswith("rank ")]
+        assert len(pids) == 2, run.stderr[-3000:]
+        run.signal(signal.SIGKILL)
+        assert run.proc.wait(timeout=30) == -signal.SIGKILL
+        gone = time.monotonic() + 15
+        while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids):
+            assert time.monotonic() < gone, f"ranks {pids} outlived their parent"
+            time.sleep(0.05)
+        run.assert_nothing_left(grace=15)  # the fork server and multiprocessing's resource tracker too
+    finally:
+        run.kill_session()

@@ -127,6 +127,24 @@ def test_signals_at_random_moments_resume_bit_identically(tmp_path, reference):
     assert_same_training(out, reference)
 
 
+@pytest.mark.timeout(120)
+def test_a_sigint_inherited_as_ignored_is_left_ignored(tmp_path):
+    """A run started with SIGINT ignored (a shell's background job, nohup) is not stopped by SIGINT: it trains to
+    its last epoch and exits 0, as Python leaves such a SIGINT ignored."""
+    out = tmp_path / "run"
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the disposition the child inherits through exec
+    try:
+        run = train(write_run(tmp_path / "run.json", make_cfg(out, epochs=4), {"batch_sleep": BATCH_SLEEP}),
+                    tmp_path / "log")
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert run.wait_for("epoch 1 ")
+    run.signal(signal.SIGINT)
+    assert run.wait() == 0, run.stderr[-3000:]
+    assert "SIGINT received" not in run.stderr
+    assert load(out / "last.pt")["epoch"] == 4
+
+
 # ---------------------------------------------------------------------------------------------- SIGKILL
 
 

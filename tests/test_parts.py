@@ -37,7 +37,7 @@ def test_stop_signals_record_the_signal_and_put_the_handlers_back():
 
 def test_a_second_ctrl_c_aborts_at_once():
     """The first SIGINT is recorded; a second raises KeyboardInterrupt where the program is; the handler before the
-    block comes back (Python's default, or SIG_IGN where the process started as a shell's background job)."""
+    block comes back (Python's default: tests/conftest.py puts it back where the suite started in the background)."""
     before = signal.getsignal(signal.SIGINT)
     with StopSignals(["SIGINT"]) as signals:
         os.kill(os.getpid(), signal.SIGINT)
@@ -45,6 +45,22 @@ def test_a_second_ctrl_c_aborts_at_once():
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) == before
+
+
+def test_a_signal_inherited_as_ignored_stays_ignored():
+    """SIGINT ignored when the block starts (a shell's background job, nohup) stays ignored inside it and after it;
+    the other signals are installed as ever."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopSignals(["SIGINT", "SIGUSR1"]) as signals:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)
+            assert signals.received is None
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert signals.received == signal.SIGUSR1
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_off_the_main_thread_nothing_is_installed():

@@ -9,6 +9,8 @@ weights, optimizer state and metrics.jsonl must equal the uninterrupted run's.
 from __future__ import annotations
 
 import json
+import os
+import random
 import subprocess
 import sys
 
@@ -27,10 +29,10 @@ BASE = {
 }
 
 
-def run_scenario(tmp_path, runs, world_size=1, **config):
+def run_scenario(tmp_path, runs, world_size=1, op_counts=False, **config):
     """Run the reference and every kill sequence of ``runs``; return (reference summary, results)."""
     scenario = {"config": {**BASE, **config, "out_dir": str(tmp_path / "out")}, "world_size": world_size,
-                "runs": [[], *runs]}
+                "runs": [[], *runs], "op_counts": op_counts}
     path = tmp_path / "scenario.json"
     path.write_text(json.dumps(scenario))
     report = tmp_path / "report.json"
@@ -126,3 +128,48 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_boundary(tmp_path):
     steps = [json.loads((tmp_path / "out" / f"run1.json.stopped{rank}").read_text())["step"] for rank in (0, 1)]
     # the signal lands in step 1; the vote cast at its boundary is read at the next one
     assert steps == [2, 2]
+
+
+SLOW = os.environ.get("TRAINKIT_SLOW") == "1"
+
+KEEP = "latest:2,best:1,every_epochs:2"
+"""Rules that keep, delete and rank at every save: the two newest, the best validation, every second epoch's end."""
+
+
+@pytest.mark.parametrize(
+    ("fmt", "world_size", "trials"),
+    [
+        ("file", 1, 24 if SLOW else 5),
+        pytest.param("sharded", 2, 16 if SLOW else 2, marks=pytest.mark.ddp),
+    ],
+)
+def test_sigkill_fuzz_with_retention_keeps_the_uninterrupted_kept_set(tmp_path, fmt, world_size, trials):
+    """SIGKILL just before or just after a random one of the file operations that save and keep checkpoints
+    (publishing last and best, writing index.json, linking a kept checkpoint, deleting one, removing a kept
+    directory's trash), once or twice a run, with ckpt.keep on: every run ends with the uninterrupted run's kept
+    set, the same descriptions (epoch, epoch end, scores), no leftover name in checkpoints/, and bit-identical
+    training. Sharded: 2 gloo ranks, both killed with rank 0."""
+    rng = random.Random(4300 + world_size + trials)
+    runs = [
+        [["op", rng.uniform(0.0, 1.0), rng.choice(["before", "after"])] for _ in range(rng.choice([1, 1, 2]))]
+        for _ in range(trials)
+    ]
+    config = {"epochs": 3, "ckpt": {"every_n_steps": 1, "keep": KEEP, "format": fmt}}
+    if world_size > 1:
+        config.update(distributed_sampler=True, dist={"backend": "gloo", "timeout_s": 30})
+    reference, results, stderr = run_scenario(tmp_path, runs, world_size=world_size, op_counts=True, **config)
+    kept = reference["kept"]
+    assert len(kept["described"]) >= 3 and kept["names"][0] == "index.json", kept
+    assert all(name == "index.json" or name.startswith("step-") for name in kept["names"]), kept
+    landed = 0
+    for result in results:
+        codes = result["exit_codes"]
+        assert codes[0] == [-9] * world_size, (result["kills"], codes, stderr[-3000:])  # the first kill always lands
+        assert all(code in ([-9] * world_size, [0] * world_size) for code in codes[1:-1]), (result, stderr[-3000:])
+        assert codes[-1] == [0] * world_size, (result["kills"], codes, stderr[-3000:])
+        landed += sum(code == [-9] * world_size for code in codes)
+        summary = result["summary"]
+        assert summary["kept"] == kept, f"kept set differs after kills at {result['kills']} of {result['ops']} ops"
+        for key in ("model", "optimizer", "metrics_text", "step"):
+            assert summary[key] == reference[key], f"{key} differs after kills at {result['kills']}"
+    print(f"retention fuzz ({fmt}, {world_size} rank(s)): {trials} runs, {landed} kills over {results[0]['ops']} ops")

@@ -19,7 +19,7 @@ from trainkit.bookkeeping import (
     parse_keep,
     retain,
 )
-from trainkit.bookkeeping.retention import NEWEST, WRITING
+from trainkit.bookkeeping.retention import AHEAD, NEWEST, WRITING
 from trainkit.errors import BookkeepingError
 
 
@@ -301,3 +301,14 @@ def test_spec_round_trips_through_parse_keep(policy):
     flat = parse_keep(policy.spec, minimize=True)
     assert parse_keep(policy.spec, minimize=False) == flat
     assert flat.spec == policy.spec
+
+
+@given(histories(), policies, st.integers(0, 10_000))
+def test_checkpoints_after_the_newest_the_run_wrote_are_kept_and_ranked_by_no_rule(cs, policy, newest):
+    """With newest=n, checkpoints above step n are kept (reason "after the newest" alone) and what the rest keep
+    is exactly what the policy keeps of the rest on their own (a planted larger step displaces nothing)."""
+    mine = [c for c in cs if c.step <= newest]
+    reasons = keep_reasons(policy, cs, newest=newest)
+    assert {s for s, why in reasons.items() if why == (AHEAD,)} == {c.step for c in cs if c.step > newest}
+    assert retain(policy, cs, newest=newest) == retain(policy, mine) | {c.step for c in cs if c.step > newest}
+    assert keep_reasons(policy, cs, newest=None) == keep_reasons(policy, cs)

@@ -42,7 +42,7 @@ def run(out: Path, **overrides) -> TinyTrainer:
 
 def kept_steps(out: Path) -> list[int]:
     """The steps of the kept checkpoint files in ``out/checkpoints`` (regular files named step-<int>.pt)."""
-    return [c.step for c in read_kept(out / "checkpoints")[0]]
+    return [c.step for c in read_kept(out / "checkpoints").described]
 
 
 def assert_loads(path: Path, step: int) -> dict:
@@ -75,7 +75,7 @@ def test_kept_checkpoints_follow_the_policy_and_each_loads(tmp_path):
         assert_loads(tmp_path / "checkpoints" / f"step-{step}.pt", step)
     best = assert_loads(tmp_path / "checkpoints" / f"step-{epoch_steps[3]}.pt", epoch_steps[3])
     assert best["best"]["epoch"] == 3 and best["best"]["score"] == 0.3
-    described = {c.step: c for c in read_kept(tmp_path / "checkpoints")[0]}
+    described = {c.step: c for c in read_kept(tmp_path / "checkpoints").described}
     assert described[epoch_steps[1]].scores["score"] == 0.5
     assert described[epoch_steps[1]].epoch == 2 and described[epoch_steps[1]].epoch_end
 
@@ -85,7 +85,7 @@ def test_step_checkpoints_are_kept_with_async_saves(tmp_path):
     every_steps:4 keeps the multiples of 4 (plus the newest)."""
     run(tmp_path, epochs=2, ckpt={"keep": "every_steps:4", "every_n_steps": 2, "async_save": True})
     assert kept_steps(tmp_path) == [4, 8, 12]
-    inside = {c.step: c for c in read_kept(tmp_path / "checkpoints")[0]}[4]
+    inside = {c.step: c for c in read_kept(tmp_path / "checkpoints").described}[4]
     assert not inside.epoch_end and not inside.scores
     assert_loads(tmp_path / "checkpoints" / "step-4.pt", 4)
 
@@ -226,7 +226,9 @@ def test_a_kill_between_publishing_last_and_keeping_it_is_kept_on_resume(tmp_pat
     assert "kept " in capfd.readouterr().err
     assert kept_steps(out) == kept_steps(reference) == [6, 12, 18, 24, 30]
     assert_loads(out / "checkpoints" / "step-24.pt", 24)
-    got, expected = ({c.step: c for c in read_kept(folder / "checkpoints")[0]}[24] for folder in (out, reference))
+    got, expected = (
+        {c.step: c for c in read_kept(folder / "checkpoints").described}[24] for folder in (out, reference)
+    )
     assert (got.epoch, got.epoch_end, dict(got.scores)) == (expected.epoch, expected.epoch_end, dict(expected.scores))
     assert got.scores["score"] == 0.3
 
@@ -285,7 +287,8 @@ def test_a_hostile_index_is_read_entry_by_entry(tmp_path):
         '"12": {"epoch": 2, "epoch_end": true, "time": 5.0, "scores": {"score": 0.5}}}}'
     )
     with pytest.warns(RuntimeWarning, match="3 entries do not check out"):
-        described, refused, minimize, keep = read_kept(directory)
+        folder = read_kept(directory)
+    described, refused, minimize, keep = folder.described, folder.refused, folder.minimize, folder.keep
     by_step = {c.step: c for c in described}
     assert sorted(by_step) == [6, 12, 18] and not refused
     assert by_step[12].scores["score"] == 0.5 and by_step[12].epoch_end
@@ -295,7 +298,8 @@ def test_a_hostile_index_is_read_entry_by_entry(tmp_path):
     (directory / "index.json").unlink()
     (directory / "index.json").symlink_to(tmp_path / "elsewhere.json")
     with pytest.warns(RuntimeWarning, match="symbolic link"):
-        described, _, minimize, _ = read_kept(directory)
+        folder = read_kept(directory)
+    described, minimize = folder.described, folder.minimize
     assert minimize is None and all(not c.scores for c in described)
 
 
@@ -362,3 +366,287 @@ def test_sharded_kept_directories_resume_leave_links_alone_and_retain_lists_them
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == ["index.json", "step-24.ckpt", "step-3.ckpt"]
     assert (elsewhere / "precious").exists()
+
+
+# ---------------------------------------------------------------------------------------------- issue 43
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file name in ``folder`` with its bytes (what an attack must leave as it was)."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_retain_refuses_a_checkpoints_folder_that_is_a_symbolic_link(tmp_path, capsys):
+    """retain on a run folder whose checkpoints/ is a symlink to another folder deletes nothing and writes nothing
+    there (exit 2, naming the link), dry run included; inspect says it is not followed."""
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    for step in (6, 12, 18):
+        (elsewhere / f"step-{step}.pt").write_bytes(b"precious %d" % step)
+    (elsewhere / "index.json").write_text('{"format": 1, "minimize": true, "keep": null, "kept": {}}')
+    before = snapshot(elsewhere)
+    (out / "checkpoints").symlink_to(elsewhere, target_is_directory=True)
+    for dry in ([], ["--dry-run"]):
+        assert main(["retain", str(out), "--keep", "latest:1", *dry]) == 2
+        assert "checkpoints is a symbolic link" in capsys.readouterr().err
+        assert snapshot(elsewhere) == before
+    assert main(["inspect", str(out)]) == 0
+    assert "checkpoints is a symbolic link, not a directory trainkit made: not followed" in capsys.readouterr().out
+    assert (out / "checkpoints").is_symlink() and snapshot(elsewhere) == before
+
+
+HUGE = "1" + "0" * 400
+"""An int too large for a float, as JSON spells it (10**400)."""
+
+
+def test_ints_too_large_for_a_float_in_the_index_are_bad_entries_not_a_crash(tmp_path, capsys):
+    """10**400 as a score or a time in index.json is a bad entry, warned about and judged by its step: the run
+    keeps checkpoints and finishes, inspect and retain list and apply rules without a traceback."""
+    out = tmp_path / "run"
+    directory = out / "checkpoints"
+    directory.mkdir(parents=True)
+    for step in (1, 2):
+        (directory / f"step-{step}.pt").write_bytes(b"x")
+    (directory / "index.json").write_text(
+        '{"format": 1, "minimize": true, "keep": ["latest:1"], "kept": {'
+        f'"1": {{"epoch": 1, "time": {HUGE}}}, "2": {{"epoch": 1, "scores": {{"score": {HUGE}}}}}}}}}'
+    )
+    with pytest.warns(RuntimeWarning, match="2 entries do not check out"):
+        described = read_kept(directory).described
+    assert [(c.step, c.epoch_end, dict(c.scores)) for c in described] == [(1, False, {}), (2, False, {})]
+    with pytest.warns(RuntimeWarning, match="2 entries do not check out"):
+        run(out, epochs=2, ckpt={"keep": "every_epochs:1"})
+    assert kept_steps(out) == [6, 12]  # the first save's read of the index did not kill the run
+    (directory / "index.json").write_text(
+        '{"format": 1, "minimize": true, "keep": ["latest:1"], "kept": {'
+        f'"6": {{"epoch": 1, "scores": {{"score": {HUGE}}}}}, "12": {{"epoch": 2, "time": -{HUGE}}}}}}}'
+    )
+    with pytest.warns(RuntimeWarning, match="2 entries do not check out"):
+        assert main(["inspect", str(out)]) == 0
+    assert "2 kept checkpoints" in capsys.readouterr().out
+    with pytest.warns(RuntimeWarning, match="2 entries do not check out"):
+        assert main(["retain", str(out), "--keep", "latest:1"]) == 0
+    assert "1 deleted, 1 kept" in capsys.readouterr().out and kept_steps(out) == [12]
+
+
+KILLED_AT_THE_LINK = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pathlib import Path
+    import trainkit.checkpoint.kept as files
+    from tests.trainers import TinyTrainer, make_cfg
+
+    out, step, where, fmt = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    name = "_link_directory" if fmt == "sharded" else "_link"
+    real = getattr(files.KeptCheckpoints, name)
+    def killed_at(self, source, target, **kwargs):
+        if target.name.startswith(f"step-{step}."):
+            if where == "before":  # last is published, its kept copy not made yet
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(self, source, target, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)  # the kept copy is visible, nothing after it ran
+        real(self, source, target, **kwargs)
+    setattr(files.KeptCheckpoints, name, killed_at)
+    scores = (0.9, 0.5, 0.7, 0.6, 0.8)
+    TinyTrainer(make_cfg(out, epochs=5, scripted_scores=scores, ckpt={"keep": "best:2", "format": fmt})).train()
+    """
+)
+SECOND_BEST_DOES_NOT_IMPROVE = (0.9, 0.5, 0.7, 0.6, 0.8)
+"""Minimized: the best two are epoch 1 (0.5, the best) and epoch 3 (0.6, which did not improve the best)."""
+
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_kill_around_the_link_of_a_kept_checkpoint_keeps_its_description(tmp_path, where, fmt):
+    """SIGKILL just before or just after the link that keeps step 24 (the second best, an epoch that did not
+    improve the best, so its score is in no checkpoint): the resumed run still ranks it by its score and ends
+    with the kept set of an uninterrupted run, {12, 24, 30}."""
+    out = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.run(
+        [sys.executable, "-c", KILLED_AT_THE_LINK, str(out), "24", where, fmt],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
+    assert kept_steps(out) == ([12, 18, 24] if where == "after" else [12, 18])
+    run(out, epochs=5, scripted_scores=SECOND_BEST_DOES_NOT_IMPROVE, ckpt={"keep": "best:2", "format": fmt})
+    assert kept_steps(out) == [12, 24, 30]
+    described = {c.step: c for c in read_kept(out / "checkpoints").described}
+    assert described[24].scores["score"] == 0.6 and described[24].epoch == 4 and described[24].epoch_end
+
+
+def test_planted_higher_steps_and_newline_names_never_displace_the_real_newest(tmp_path, capsys):
+    """A planted step-999.pt and a step-998.pt name with a trailing newline: the run keeps its own newest under
+    latest:1 (the planted 999 is left alone, ranked by no rule), the newline name is foreign and untouched, and
+    retain, which takes the newest from the index, does the same; guard.skip_batches refuses "0:1\\n"."""
+    out = tmp_path / "run"
+    directory = out / "checkpoints"
+    directory.mkdir(parents=True)
+    planted = {"step-999.pt": b"planted", "step-998.pt\n": b"newline"}
+    for name, data in planted.items():
+        (directory / name).write_bytes(data)
+    run(out, epochs=2, ckpt={"keep": "latest:1"})
+    assert kept_steps(out) == [12, 999]
+    assert_loads(directory / "step-12.pt", 12)
+    assert all((directory / name).read_bytes() == data for name, data in planted.items())
+    assert main(["inspect", str(out)]) == 0
+    listing = capsys.readouterr().out
+    assert "newest, latest:1" in listing and "after the newest" in listing
+    assert main(["retain", str(out), "--keep", "latest:1"]) == 0
+    assert "keep    step-999.pt  (after the newest)" in capsys.readouterr().out
+    assert kept_steps(out) == [12, 999]
+    assert all((directory / name).read_bytes() == data for name, data in planted.items())
+    with pytest.raises(ConfigError, match="guard.skip_batches must be a list of 'EPOCH:BATCH' strings"):
+        TinyTrainer.config_class.from_mapping({"epochs": 1, "guard": {"skip_batches": ["0:1\n"]}})
+
+
+def test_retain_refuses_empty_rules_and_a_best_rule_that_ranks_nothing(tmp_path, capsys):
+    """retain --keep '' or ' , ' is refused (it would delete all but the newest), and so is a best rule on a metric no
+    checkpoint has (a typo), naming the rule and the scores there are; --dry-run says so; nothing is deleted. A run
+    whose ckpt.keep has such a rule warns once."""
+    with pytest.warns(RuntimeWarning, match="ckpt.keep rule best:1:val/acc:min ranks no kept checkpoint") as seen:
+        run(tmp_path, epochs=3, scripted_scores=SCORES, ckpt={"keep": "every_epochs:1,best:1:val/acc"})
+    assert len([w for w in seen if "ranks no kept" in str(w.message)]) == 1
+    assert kept_steps(tmp_path) == [6, 12, 18]
+    for keep in ("", " , "):
+        assert main(["retain", str(tmp_path), "--keep", keep]) == 2
+        assert "--keep must name at least one retention rule" in capsys.readouterr().err
+    assert main(["retain", str(tmp_path), "--keep", "best:1:val/los"]) == 2
+    err = capsys.readouterr().err
+    assert "best:1:val/los:min ranks no checkpoint: none has a finite 'val/los'" in err
+    assert "the scores recorded are score, val/loss" in err
+    assert main(["retain", str(tmp_path), "--keep", "best:1:val/los", "--dry-run"]) == 0
+    assert "warning: best:1:val/los:min ranks no checkpoint" in capsys.readouterr().out
+    assert kept_steps(tmp_path) == [6, 12, 18]
+    assert main(["retain", str(tmp_path), "--keep", "best:1:val/loss"]) == 0
+    assert kept_steps(tmp_path) == [12, 18]
+
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_a_directory_planted_as_the_index_stops_keeping_not_the_run(tmp_path, capsys, fmt):
+    """A directory at checkpoints/index.json: the run warns once, keeps nothing there and trains to the end, resume
+    included; retain refuses the folder before deleting anything; inspect says why; the directory is untouched."""
+    out = tmp_path / "run"
+    planted = out / "checkpoints" / "index.json"
+    planted.mkdir(parents=True)
+    (planted / "mine").write_text("mine")
+    for epochs in (2, 3):  # a fresh run, then a resume
+        with pytest.warns(RuntimeWarning, match="index.json is a directory, not the index trainkit writes") as seen:
+            trainer = run(out, epochs=epochs, ckpt={"keep": "latest:1", "format": fmt})
+        assert trainer.epochs_trained == ([0, 1] if epochs == 2 else [2])
+        assert len([w for w in seen if "index.json is a directory" in str(w.message)]) == 1
+    assert kept_steps(out) == [] and (planted / "mine").read_text() == "mine"
+    for step in (6, 12):
+        (out / "checkpoints" / f"step-{step}.pt").write_bytes(b"x")
+    assert main(["retain", str(out), "--keep", "latest:1"]) == 2
+    assert "index.json is a directory, not the index trainkit writes" in capsys.readouterr().err
+    assert kept_steps(out) == [6, 12] and (planted / "mine").read_text() == "mine"
+    assert main(["inspect", str(out)]) == 0
+    assert "a run keeps nothing there while it is so" in capsys.readouterr().out
+
+
+@pytest.fixture
+def read_only_checkpoints(tmp_path):
+    """A run folder whose checkpoints/ cannot be written: a read-only tmpfs mounted there (root ignores modes), or a
+    folder of mode 0555 for anyone else; skipped where neither is possible."""
+    out = tmp_path / "run"
+    directory = out / "checkpoints"
+    directory.mkdir(parents=True)
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        yield out
+        directory.chmod(0o755)
+        return
+    try:
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(directory)], capture_output=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot run mount: {exc}")
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a read-only tmpfs is not permitted here: {mounted.stderr.decode().strip()}")
+    try:
+        yield out
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], capture_output=True, timeout=30)
+
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_a_read_only_checkpoints_folder_is_warned_about_and_the_run_trains_on(read_only_checkpoints, fmt):
+    """A checkpoints/ that cannot be written: both formats warn at each save that the step is not kept, and train to
+    the end with last and best written as ever."""
+    out = read_only_checkpoints
+    with pytest.warns(RuntimeWarning, match=r"step 6 is not kept"):
+        trainer = run(out, epochs=2, ckpt={"keep": "latest:1", "format": fmt})
+    assert trainer.epochs_trained == [0, 1] and kept_steps(out) == []
+    last = out / ("last.ckpt" if fmt == "sharded" else "last.pt")
+    assert last.exists() and (out / ("best.ckpt" if fmt == "sharded" else "best.pt")).exists()
+    if fmt == "file":
+        assert_loads(last, 12)
+
+
+KILLED_IN_THE_LAST_DELETION = textwrap.dedent(
+    """
+    import os, shutil, signal, sys
+    from pathlib import Path
+    import trainkit.checkpoint.kept as files
+    from tests.trainers import TinyTrainer, make_cfg
+
+    out, fmt = Path(sys.argv[1]), sys.argv[2]
+    last = out / "checkpoints" / ("step-24.ckpt" if fmt == "sharded" else "step-24.pt")
+    real_remove, real_rmtree = files.remove_kept, shutil.rmtree
+    def remove_then_die(path):  # a file deleted, the others not yet
+        real_remove(path)
+        if last.exists():
+            os.kill(os.getpid(), signal.SIGKILL)
+    def die_in_rmtree(path, *args, **kwargs):  # a directory renamed to its trash name, not removed yet
+        if last.exists() and str(path).endswith(".trash"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_rmtree(path, *args, **kwargs)
+    files.remove_kept = remove_then_die if fmt == "file" else files.remove_kept
+    files.shutil.rmtree = die_in_rmtree
+    scores = (0.9, 0.5, 0.7, 0.3)  # best:1 keeps 12 and 18 (the newest) until 24 improves: both go at once
+    TinyTrainer(make_cfg(out, epochs=4, scripted_scores=scores, ckpt={"keep": "best:1", "format": fmt})).train()
+    """
+)
+
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_a_kill_in_the_deletion_after_the_last_save_is_finished_by_resuming_the_finished_run(tmp_path, fmt):
+    """SIGKILL during the background deletion that follows a run's last save: resuming the finished run trains
+    nothing and finishes the deletion (the kept set of an uninterrupted run), a sharded trash directory included."""
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.run(
+        [sys.executable, "-c", KILLED_IN_THE_LAST_DELETION, str(out), fmt],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
+    left = sorted(p.name for p in (out / "checkpoints").iterdir())
+    trash = [name for name in left if name.endswith(".trash")]
+    assert kept_steps(out) == [18, 24] and len(trash) == (fmt == "sharded"), left  # 12 deleted (or in the trash)
+    trainer = run(out, epochs=4, scripted_scores=(0.9, 0.5, 0.7, 0.3), ckpt={"keep": "best:1", "format": fmt})
+    assert trainer.epochs_trained == []
+    name = "step-24.ckpt" if fmt == "sharded" else "step-24.pt"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["index.json", name]
+
+
+def test_the_kept_checkpoint_a_run_resumed_from_is_kept_so_the_command_reruns(tmp_path, capsys):
+    """ckpt.resume=<out_dir>/checkpoints/step-12.pt into the same folder under latest:1: step 12 is never deleted
+    by that run (the kept set is {12, 24}), so running the same command again
+    resumes from it again."""
+    out = tmp_path / "run"
+    run(out, epochs=4, ckpt={"keep": "every_epochs:1"})
+    again = {"keep": "latest:1", "resume": str(out / "checkpoints" / "step-12.pt")}
+    for _ in range(2):  # the command, then the same command again
+        trainer = run(out, epochs=4, ckpt=again)
+        assert trainer.epochs_trained == [2, 3]
+        assert kept_steps(out) == [12, 24]
+    assert_loads(out / "checkpoints" / "step-24.pt", 24)

@@ -151,3 +151,46 @@ def test_a_mapping_batch_is_measured_by_its_first_tensor():
 
     assert samples_in(UserDict({"input_ids": torch.zeros(6, 10), "labels": torch.zeros(6)})) == 6
     assert samples_in([[[[torch.zeros(3)]]]]) is None  # deeper than three containers: not looked for
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1, -0.5, 10**400])
+def test_count_tokens_refuses_a_number_that_is_no_count_at_the_call(tmp_path, value):
+    """A NaN, infinite, negative or float-overflowing number is a ValueError naming count_tokens and the rule, at
+    the call (not an OverflowError, not a NaN rate for the rest of the run)."""
+    trainer = TinyTrainer(make_cfg(tmp_path, RUNS, log_throughput=True))
+    try:
+        with pytest.raises(ValueError, match=r"count_tokens\(n\) takes a finite count >= 0"):
+            trainer.count_tokens(value)
+        with pytest.raises(TypeError, match="count_tokens takes a real-valued tensor .*torch.complex64"):
+            trainer.count_tokens(torch.ones(3, dtype=torch.complex64))
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("read_cpu_at_log", [True, False])
+def test_a_poisoned_token_tensor_loses_one_rate_not_the_rest_of_the_run(monkeypatch, read_cpu_at_log):
+    """A NaN, an overflowed float16 or a negative tensor count (checked on the device, read in the push's one
+    transfer) leaves perf/tokens_per_s out of the next row with rates, with a warning naming count_tokens, and the
+    rows after it count right; 70000 float16 ones are summed in float32, not to inf."""
+    monkeypatch.setattr(LogBuffer, "read_cpu_at_log", read_cpu_at_log)
+    now, step = [0.0], [0]
+    counter = Throughput(lambda: step[0], world_size=1, clock=lambda: now[0])
+    buffer = LogBuffer()
+
+    def push(*counts):
+        for n in counts:
+            counter.count_tokens(n)
+        step[0] += 1
+        now[0] += 1.0
+        buffer.add({"train/loss": 1.0})
+        return counter.drain(buffer)
+
+    assert push(torch.tensor(5.0))["perf/tokens_per_s"] == 5.0
+    overflowed = torch.tensor(70000.0).half()  # a float16 sum that overflowed to inf
+    for poison in (torch.tensor(float("nan")), overflowed, torch.tensor([3, -4])):
+        with pytest.warns(RuntimeWarning, match="count_tokens got a tensor whose count is"):
+            row = push(torch.tensor(7.0), poison)
+        assert "perf/tokens_per_s" not in row and "perf/_tokens" not in row and row["perf/steps_per_s"] == 1.0
+        assert push(torch.tensor(2.0), 1)["perf/tokens_per_s"] == 3.0
+    assert push(torch.ones(70000, dtype=torch.float16))["perf/tokens_per_s"] == 70000.0
+    assert push(torch.ones(4, dtype=torch.bool))["perf/tokens_per_s"] == 4.0

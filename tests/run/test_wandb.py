@@ -416,6 +416,10 @@ def test_hostile_wandb_files_are_skipped_with_a_warning_and_every_row_reaches_wa
     with pytest.raises(RuntimeError, match="injected crash"):
         train_and_close(CrashAt1(cfg))
     run_id = torch.load(tmp_path / "last.pt", weights_only=True)["wandb_run_id"]
+    # run.finish() returns before W&B's service has written the run's records (a busy host showed an empty
+    # datastore here): wait for its exit record, as the resume below and every other test does, before planting
+    (crashed,) = offline_runs(tmp_path)
+    assert crashed.exit_code == 1 and [row["_step"] for row in crashed.history] == [0]
     planted = plant_wandb_files(tmp_path, run_id)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

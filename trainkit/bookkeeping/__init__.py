@@ -4,7 +4,7 @@ Imports only the standard library and attrs, so it can be embedded in any loop a
 without torch.
 """
 
-from trainkit.bookkeeping._records import as_verdict, is_bool_like, is_int, is_real
+from trainkit.bookkeeping._records import as_verdict, is_bool_like, is_finite_real, is_int, is_real
 from trainkit.bookkeeping.best import BestState, best_metric_key, retune_min_delta, save_if_best
 from trainkit.bookkeeping.guard import (
     GUARD_MODES,
@@ -38,6 +38,7 @@ from trainkit.bookkeeping.retention import (
     keep_reasons,
     parse_keep,
     retain,
+    unranked,
 )
 from trainkit.bookkeeping.schedule import (
     STOP_EARLY,
@@ -70,6 +71,7 @@ __all__ = [
     "is_bool_like",
     "is_int",
     "is_real",
+    "is_finite_real",
     "CkptRegistry",
     "RESERVED_NAMES",
     "register_items",
@@ -98,6 +100,7 @@ __all__ = [
     "KeepAny",
     "Policy",
     "retain",
+    "unranked",
     "keep_reasons",
     "parse_keep",
 ]

@@ -39,6 +39,23 @@ def is_real(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def is_finite_real(value: Any) -> bool:
+    """Tell whether ``value`` is an int or a float (not a bool) with a finite float value.
+
+    An int too large for a float (``10**400``, which JSON and pickles can hold) is not: comparing or converting
+    it raises ``OverflowError``, so it is refused like NaN rather than met later.
+
+    >>> is_finite_real(1.5), is_finite_real(7), is_finite_real(10**400), is_finite_real(float("nan"))
+    (True, True, False, False)
+    """
+    if not is_real(value):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}
@@ -111,13 +128,18 @@ def as_float(value: Any, name: str) -> float:
     :param value: The value to convert.
     :param name: What the value is, for the error message.
     :returns: ``float(value)``.
-    :raises BookkeepingError: When the value is a bool, None, or has no scalar float value.
+    :raises BookkeepingError: When the value is a bool, None, has no scalar float value, or is an int too large
+        for a float.
     """
     if value is None or isinstance(value, bool | str | bytes) or is_bool_like(value):
         raise BookkeepingError(f"{name} must be a real number, got {value!r}")
+    if is_int(value) and not is_finite_real(value):
+        raise BookkeepingError(
+            f"{name} must be a real number that fits a float, got an int of {value.bit_length()} bits"
+        )
     try:
         return float(value)
-    except (TypeError, ValueError, RuntimeError) as exc:
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
         raise BookkeepingError(f"{name} must be a real number (a float or a 1-element tensor), got {value!r}") from exc
 
 

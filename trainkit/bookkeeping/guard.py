@@ -7,13 +7,12 @@ it the grad norms and losses a ``metrics.jsonl`` recorded, to show where a guard
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
 
-from trainkit.bookkeeping._records import is_int, is_real
+from trainkit.bookkeeping._records import is_finite_real, is_int, is_real
 from trainkit.errors import BookkeepingError
 
 __all__ = [
@@ -140,7 +139,7 @@ def is_finite_value(value: Any) -> bool | None:
         return False
     if not is_real(value):
         return None
-    return math.isfinite(value)
+    return is_finite_real(value)  # an int too large for a float counts as not finite, never an OverflowError
 
 
 def replay_guard(steps: Iterable[tuple[int, bool]], state: GuardState) -> list[tuple[int, str]]:

@@ -3,7 +3,9 @@
 Pure: stdlib and attrs only. A policy is a frozen record; :func:`retain` says which checkpoints it keeps and
 :func:`keep_reasons` which rule keeps each one. The files are the shell's (:mod:`trainkit.checkpoint.kept`):
 it describes what is on disk, asks here, and deletes the rest. Two checkpoints are never candidates for
-deletion whatever the policy: the newest one (the largest step) and any being written.
+deletion whatever the policy: the newest one (the largest step, or the step the caller says the run wrote last)
+and any being written. One with a larger step than that newest (planted, or left by a history that a resume
+from an older checkpoint abandoned) is not the run's: it is kept, and no rule ranks it.
 
 Policies, and their spellings in ``ckpt.keep`` (:func:`parse_keep`):
 
@@ -29,7 +31,7 @@ from typing import Any
 
 import attrs
 
-from trainkit.bookkeeping._records import as_float, is_int, is_real
+from trainkit.bookkeeping._records import as_float, is_finite_real, is_int
 from trainkit.errors import BookkeepingError
 
 __all__ = [
@@ -42,15 +44,23 @@ __all__ = [
     "Policy",
     "retain",
     "keep_reasons",
+    "unranked",
     "parse_keep",
     "NEWEST",
     "WRITING",
+    "AHEAD",
+    "RESUMED",
 ]
 
 NEWEST = "newest"
 """The reason :func:`keep_reasons` gives for the newest checkpoint, which no policy may delete."""
 WRITING = "being written"
 """The reason :func:`keep_reasons` gives for a checkpoint a background save is writing."""
+AHEAD = "after the newest"
+"""The reason :func:`keep_reasons` gives for a checkpoint with a larger step than the newest the run wrote."""
+RESUMED = "resumed from"
+"""The reason :func:`keep_reasons` gives for the kept checkpoint the run resumed from (rerunning its command
+resumes from it again)."""
 
 
 def _check_count(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -74,8 +84,14 @@ def _check_bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 
 def _check_time(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if not is_real(value) or not math.isfinite(value):
-        raise BookkeepingError(f"Checkpoint.time must be a finite number, got {value!r}")
+    if not is_finite_real(value):
+        raise BookkeepingError(f"Checkpoint.time must be a finite number, got {_short(value)}")
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut short: a hostile index's int of 400 digits is named by its size, not printed whole."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
 
 
 def _scores(value: Mapping[str, Any] | None) -> Mapping[str, float]:
@@ -166,8 +182,8 @@ class KeepEvery:
 
 
 def _check_seconds(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if not is_real(value) or not math.isfinite(value) or value <= 0:
-        raise BookkeepingError(f"KeepEverySeconds.seconds must be a finite number > 0, got {value!r}")
+    if not is_finite_real(value) or value <= 0:
+        raise BookkeepingError(f"KeepEverySeconds.seconds must be a finite number > 0, got {_short(value)}")
 
 
 @attrs.frozen
@@ -297,41 +313,67 @@ def _in_order(checkpoints: Iterable[Checkpoint]) -> tuple[Checkpoint, ...]:
     return ordered
 
 
-def keep_reasons(policy: Policy, checkpoints: Iterable[Checkpoint]) -> dict[int, tuple[str, ...]]:
+def keep_reasons(
+    policy: Policy, checkpoints: Iterable[Checkpoint], *, newest: int | None = None, resumed_from: int | None = None
+) -> dict[int, tuple[str, ...]]:
     """Say, for every checkpoint, which rules keep it (none: it may be deleted).
 
     Pure. The rules are the policy's items as ``ckpt.keep`` spells them (``"latest:3"``), in the policy's
     order, after ``"newest"`` for the newest checkpoint and ``"being written"`` for one a background save writes.
+    A checkpoint with a larger step than ``newest`` gives ``"after the newest"`` alone: the run did not write
+    it, so it neither counts for a rule nor is deleted. The checkpoint of step ``resumed_from`` gives
+    ``"resumed from"`` first: the run's command names it, so running that command again must find it.
 
     :param policy: The policy.
     :param checkpoints: The checkpoints, in any order.
+    :param newest: The step of the newest checkpoint the run wrote (the largest step at most this one is the
+        newest); None: the largest step of all.
+    :param resumed_from: The step of the kept checkpoint the run resumed from, if it did.
     :returns: Each checkpoint's step, in step order, mapped to its reasons.
     :raises BookkeepingError: On two checkpoints with the same step, or something that is not a policy.
 
     >>> cs = [Checkpoint(step=s, scores={"score": x}) for s, x in [(10, 0.9), (20, 0.1), (30, 0.5)]]
     >>> keep_reasons(KeepAny(KeepBest(1, minimize=True), KeepLatest(1)), cs)
     {10: (), 20: ('best:1:score:min',), 30: ('newest', 'latest:1')}
+    >>> keep_reasons(KeepLatest(1), cs, newest=20)
+    {10: (), 20: ('newest', 'latest:1'), 30: ('after the newest',)}
+    >>> keep_reasons(KeepLatest(1), cs, resumed_from=10)
+    {10: ('resumed from',), 20: (), 30: ('newest', 'latest:1')}
     """
+    for name, value in (("newest", newest), ("resumed_from", resumed_from)):
+        if value is not None and not is_int(value):
+            raise BookkeepingError(f"{name} must be a step (an int) or None, got {value!r}")
     ordered = _in_order(checkpoints)
+    ahead = tuple(c for c in ordered if newest is not None and c.step > newest)
+    ordered = ordered[: len(ordered) - len(ahead)]
     rules = _rules(policy)
     keeps = [(rule.spec, rule._keeps(ordered)) for rule in rules]
     reasons: dict[int, tuple[str, ...]] = {}
     for c in ordered:
-        own = [NEWEST] if c is ordered[-1] else []
+        own = [RESUMED] if c.step == resumed_from else []
+        if c is ordered[-1]:
+            own.append(NEWEST)
         if c.writing:
             own.append(WRITING)
         own.extend(spec for spec, steps in keeps if c.step in steps)
         reasons[c.step] = tuple(dict.fromkeys(own))
+    for c in ahead:
+        reasons[c.step] = (AHEAD,)
     return reasons
 
 
-def retain(policy: Policy, checkpoints: Iterable[Checkpoint]) -> frozenset[int]:
+def retain(
+    policy: Policy, checkpoints: Iterable[Checkpoint], *, newest: int | None = None, resumed_from: int | None = None
+) -> frozenset[int]:
     """Decide which checkpoints a policy keeps; the shell deletes the others.
 
-    Pure. The newest checkpoint and any being written are always kept.
+    Pure. The newest checkpoint, any being written, any after the newest and the one the run resumed from (see
+    :func:`keep_reasons`) are always kept.
 
     :param policy: The policy.
     :param checkpoints: The checkpoints, in any order (steps unique).
+    :param newest: The step of the newest checkpoint the run wrote; None: the largest step.
+    :param resumed_from: The step of the kept checkpoint the run resumed from, if it did.
     :returns: The steps of the checkpoints kept.
     :raises BookkeepingError: On two checkpoints with the same step, or something that is not a policy.
 
@@ -343,7 +385,31 @@ def retain(policy: Policy, checkpoints: Iterable[Checkpoint]) -> frozenset[int]:
     >>> retain(KeepLatest(1), [])
     frozenset()
     """
-    return frozenset(step for step, reasons in keep_reasons(policy, checkpoints).items() if reasons)
+    reasons = keep_reasons(policy, checkpoints, newest=newest, resumed_from=resumed_from)
+    return frozenset(step for step, why in reasons.items() if why)
+
+
+def unranked(policy: Policy, checkpoints: Iterable[Checkpoint], *, newest: int | None = None) -> tuple[KeepBest, ...]:
+    """Name the ``best`` rules of a policy that rank none of the checkpoints: none has a finite score of the rule's
+    metric (a misspelt metric, or scores never recorded), so the rule keeps nothing.
+
+    Pure. Checkpoints after ``newest`` do not count, as in :func:`keep_reasons`.
+
+    :param policy: The policy.
+    :param checkpoints: The checkpoints, in any order.
+    :param newest: The step of the newest checkpoint the run wrote; None: the largest step.
+    :returns: Those rules, in the policy's order.
+
+    >>> cs = [Checkpoint(step=10, scores={"score": 0.5, "val/loss": 0.5})]
+    >>> unranked(parse_keep("best:1,best:1:val/acc,latest:2"), cs)
+    (KeepBest(n=1, metric='val/acc', minimize=False),)
+    """
+    mine = [c for c in checkpoints if newest is None or c.step <= newest]
+    return tuple(
+        rule
+        for rule in _rules(policy)
+        if isinstance(rule, KeepBest) and not any(is_finite_real(c.scores.get(rule.metric)) for c in mine)
+    )
 
 
 def _count(text: str, item: str, name: str) -> int:

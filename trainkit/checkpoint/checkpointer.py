@@ -28,7 +28,15 @@ from torch import nn
 from trainkit import bookkeeping as core
 from trainkit.checkpoint import dcp as sharded
 from trainkit.checkpoint.dcp_files import ShardedFiles
-from trainkit.checkpoint.kept import KeptCheckpoints, describe_save, kept_path, read_kept, run_folder_of
+from trainkit.checkpoint.kept import (
+    KEPT_DIR,
+    KeptCheckpoints,
+    describe_save,
+    kept_path,
+    kept_step,
+    read_kept,
+    run_folder_of,
+)
 from trainkit.checkpoint.payload import last_payload, mid_epoch_state
 from trainkit.checkpoint.pt_files import RunFiles
 from trainkit.checkpoint.storage import BestWeights, FileStorage, SaveRequest, ShardedStorage, Storage
@@ -237,6 +245,9 @@ class Checkpointer:
         if not quiet:
             self._say_resuming(path, records, ckpt.get("trainkit"))
             self._keep_resumed(path, ckpt, records)
+            if path.parent.name == KEPT_DIR and same_directory(path.parent.parent, self._files.out_dir):
+                # ckpt.resume names a kept checkpoint of this folder: rerunning the command must find it again
+                self._kept.resumed_from = kept_step(path.name)
         results = None if records.more else ckpt.get("results")  # a finished run that continues has none yet
         return Resume(ckpt=ckpt, path=path, records=records, results=dict(results) if results is not None else None)
 
@@ -255,8 +266,7 @@ class Checkpointer:
             resume = self._load_for_rollback(cfg, path)
             if resume is not None and resume.ckpt["step"] <= first_bad_step:
                 return resume
-        kept, _, _, _ = read_kept(self._kept.directory)
-        candidates = [(c.step, c.step) for c in kept]
+        candidates = [(c.step, c.step) for c in read_kept(self._kept.directory).described]
         while (chosen := core.rollback_candidate(candidates, first_bad_step)) is not None:  # one try per kept one
             resume = self._load_for_rollback(cfg, kept_path(self._kept.directory, chosen))
             if resume is not None:
@@ -483,15 +493,15 @@ class Checkpointer:
             config=self._config,
             epoch=record.loop.epoch,
             step=record.loop.step,
-            before=before,
-            after=self._keep_after(record),
+            **self._keeping(record, before),
         )
         return self._storage.save(request)
 
-    def _keep_after(self, record: SaveRecord) -> Callable[[], None] | None:
-        """What keeps this save's ``last`` under ``checkpoints/`` (``ckpt.keep``; rank 0), or None."""
+    def _keeping(self, record: SaveRecord, before: Callable[[], None]) -> dict[str, Callable[[], None] | None]:
+        """The save's ``before`` and ``after`` under ``ckpt.keep`` (rank 0): describe the checkpoint in
+        ``checkpoints/index.json`` before it is written, keep it under ``checkpoints/`` once it is published."""
         if not self._kept.active:
-            return None
+            return {"before": before, "after": None}
         description = describe_save(
             step=record.loop.step,
             epoch=record.loop.epoch,
@@ -501,7 +511,15 @@ class Checkpointer:
             latest_metrics=record.latest_metrics,
         )
         minimize = record.best.minimize if record.best is not None else self._minimize
-        return functools.partial(self._kept.publish, self.last_path, description, minimize=minimize)
+
+        def announce_then_before() -> None:
+            before()
+            self._kept.announce(description, minimize=minimize)
+
+        return {
+            "before": announce_then_before,
+            "after": functools.partial(self._kept.publish, self.last_path, description, minimize=minimize),
+        }
 
     def _payload(
         self,

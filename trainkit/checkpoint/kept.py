@@ -43,6 +43,8 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from trainkit import bookkeeping as core
 from trainkit.errors import BookkeepingError
 from trainkit.files.bounded_read import UnreadableFile, load_json, read_regular
@@ -58,7 +60,10 @@ __all__ = [
     "kept_path",
     "run_folder_of",
     "read_kept",
+    "KeptFolder",
     "remove_kept",
+    "directory_problem",
+    "folder_problem",
 ]
 
 KEPT_DIR = "checkpoints"
@@ -67,10 +72,9 @@ INDEX_FORMAT = 1
 MAX_INDEX_BYTES = 16 << 20
 """The most bytes ``index.json`` may hold (a million checkpoints' entries fit in far less)."""
 
-_KEPT_NAME = re.compile(r"^step-(0|[1-9][0-9]{0,17})\.(pt|ckpt)$")
-_TEMP_NAME = re.compile(
-    r"^\.(?:step-(?:0|[1-9][0-9]{0,17})\.(?:pt|ckpt)|index\.json)\.(?P<pid>\d+)\.\d+\.(?:tmp|trash)$"
-)
+# matched whole (fullmatch): "$" would also admit a name ending in a newline, which no kept path spells
+_KEPT_NAME = re.compile(r"step-(0|[1-9][0-9]{0,17})\.(pt|ckpt)")
+_TEMP_NAME = re.compile(r"\.(?:step-(?:0|[1-9][0-9]{0,17})\.(?:pt|ckpt)|index\.json)\.(?P<pid>\d+)\.\d+\.(?:tmp|trash)")
 SUFFIXES = (".pt", ".ckpt")
 """A kept checkpoint's name ends in ``.pt`` (a file, ``ckpt.format="file"``) or ``.ckpt`` (a directory)."""
 _COUNTER = itertools.count()
@@ -88,10 +92,10 @@ def kept_name(step: int, suffix: str = ".pt") -> str:
 def kept_step(name: str) -> int | None:
     """The step a kept checkpoint's name holds, or None for a name trainkit does not write.
 
-    >>> kept_step("step-1200.pt"), kept_step("step-7.ckpt"), kept_step("step-01.pt"), kept_step("step-5.pt.bak")
+    >>> kept_step("step-1200.pt"), kept_step("step-7.ckpt"), kept_step("step-01.pt"), kept_step("step-5.pt\\n")
     (1200, 7, None, None)
     """
-    found = _KEPT_NAME.match(name)
+    found = _KEPT_NAME.fullmatch(name)
     return int(found[1]) if found else None
 
 
@@ -138,7 +142,11 @@ def remove_kept(path: Path) -> bool:
 
     :param path: ``checkpoints/step-<step>.pt`` or ``checkpoints/step-<step>.ckpt``.
     :returns: Whether it was deleted (False: gone already, or not of the kind trainkit writes, which is warned about).
+    :raises NotADirectoryError: When the folder holding it is a symbolic link or not a directory (nothing is deleted).
     """
+    problem = directory_problem(path.parent)
+    if problem is not None:
+        raise NotADirectoryError(f"{problem}; nothing is deleted through it")
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -190,12 +198,60 @@ def _describe(entry: Any, step: int) -> core.Checkpoint | None:
         return None
 
 
-def read_index(directory: Path) -> tuple[dict[int, core.Checkpoint], bool | None, tuple[str, ...] | None]:
-    """Read ``checkpoints/index.json`` as hostile input: the entries that check out, the run's direction and rules.
+def directory_problem(directory: Path) -> str | None:
+    """Say why ``directory`` (``out_dir/checkpoints``) cannot be read or written through, or None when it can.
+
+    A symbolic link (even to a directory) or anything but a directory in its place is refused: whatever trainkit
+    writes or deletes stays inside the run folder, so a link out of it is never followed.
 
     :param directory: ``out_dir/checkpoints``.
-    :returns: ``({step: description}, minimize, keep)``; ``({}, None, None)`` when there is no usable index
-        (warned unless it is missing); ``keep`` is None when the recorded rules do not parse.
+    :returns: The reason (naming the path and what is there), or None for a directory or no entry at all.
+    """
+    try:
+        info = os.lstat(directory)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{directory} cannot be examined ({exc})"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{directory} is {_kind(info.st_mode)}, not a directory trainkit made"
+    return None
+
+
+def folder_problem(directory: Path) -> str | None:
+    """Say why checkpoints cannot be kept (nor deleted by rules) in ``directory``, or None when they can.
+
+    :func:`directory_problem`'s reasons, and anything but a regular file at ``index.json`` (a directory, a link, a
+    FIFO): the index could not be written, and a kept checkpoint without its description would be judged by its
+    name alone.
+
+    :param directory: ``out_dir/checkpoints``.
+    :returns: The reason (naming the path and what is there), or None.
+    """
+    problem = directory_problem(directory)
+    if problem is not None:
+        return problem
+    try:
+        index = os.lstat(directory / INDEX_FILE)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        return f"{directory / INDEX_FILE} cannot be examined ({exc})"
+    if not stat.S_ISREG(index.st_mode):
+        return f"{directory / INDEX_FILE} is {_kind(index.st_mode)}, not the index trainkit writes"
+    return None
+
+
+def read_index(
+    directory: Path,
+) -> tuple[dict[int, core.Checkpoint], bool | None, tuple[str, ...] | None, int | None]:
+    """Read ``checkpoints/index.json`` as hostile input: the entries that check out, the run's direction and rules,
+    and the step of the newest checkpoint the run kept.
+
+    :param directory: ``out_dir/checkpoints``.
+    :returns: ``({step: description}, minimize, keep, newest)``; ``({}, None, None, None)`` when there is no
+        usable index (warned unless it is missing); ``keep`` is None when the recorded rules do not parse,
+        ``newest`` when the index records none (or not a step).
     """
     path = directory / INDEX_FILE
     try:
@@ -203,13 +259,13 @@ def read_index(directory: Path) -> tuple[dict[int, core.Checkpoint], bool | None
     except UnreadableFile as exc:
         if exc.reason != "missing":
             warn_user(f"{exc}; the kept checkpoints are judged by their steps alone")
-        return {}, None, None
+        return {}, None, None, None
     except ValueError as exc:
         warn_user(f"{path} is not JSON ({exc}); the kept checkpoints are judged by their steps alone")
-        return {}, None, None
+        return {}, None, None, None
     if not isinstance(data, dict) or data.get("format") != INDEX_FORMAT or not isinstance(data.get("kept"), dict):
         warn_user(f"{path} is not a trainkit index of kept checkpoints; they are judged by their steps alone")
-        return {}, None, None
+        return {}, None, None, None
     found: dict[int, core.Checkpoint] = {}
     bad = 0
     for key, entry in data["kept"].items():
@@ -227,20 +283,40 @@ def read_index(directory: Path) -> tuple[dict[int, core.Checkpoint], bool | None
         rules = tuple(keep) if isinstance(keep, list) and core.parse_keep(keep) is not None else None
     except BookkeepingError:
         rules = None
-    return found, minimize if isinstance(minimize, bool) else None, rules
+    newest = data.get("newest")
+    if not (type(newest) is int and 0 <= newest < 10**18):
+        newest = None  # absent (an older index) or not a step: the largest step on disk is the newest
+    return found, minimize if isinstance(minimize, bool) else None, rules, newest
 
 
-def read_kept(directory: Path) -> tuple[list[core.Checkpoint], list[str], bool | None, tuple[str, ...] | None]:
-    """Describe the kept checkpoints in ``directory``: regular files named ``step-<int>.pt`` only.
+@attrs.frozen(kw_only=True)
+class KeptFolder:
+    """What a run folder's ``checkpoints/`` holds, as :func:`read_kept` found it.
+
+    :ivar described: The kept checkpoints, in step order (from the index, else from the name and the file's time).
+    :ivar refused: The entries under a kept name that trainkit did not write (links, other kinds), with their kind.
+    :ivar minimize: The run's direction, as the index recorded it (None: not recorded).
+    :ivar keep: The run's ``ckpt.keep``, as the index recorded it (None: not recorded, or not rules).
+    :ivar newest: The step of the newest checkpoint the run kept (None: not recorded; the largest step is).
+    """
+
+    described: tuple[core.Checkpoint, ...] = attrs.field(converter=tuple)
+    refused: tuple[str, ...] = attrs.field(converter=tuple)
+    minimize: bool | None
+    keep: tuple[str, ...] | None
+    newest: int | None
+
+
+def read_kept(directory: Path) -> KeptFolder:
+    """Describe the kept checkpoints in ``directory``: regular files named ``step-<int>.pt`` and directories named
+    ``step-<int>.ckpt`` only, never through a link.
 
     :param directory: ``out_dir/checkpoints``.
-    :returns: The descriptions (from the index, else from the name and the file's time), the names of the
-        entries refused (links and other kinds under a kept name), and the direction and rules the index
-        recorded.
+    :returns: What is there, and what the index recorded of the run.
     """
-    index, minimize, keep = read_index(directory)
+    index, minimize, keep, newest = read_index(directory)
     described, refused = on_disk(directory, index)
-    return described, refused, minimize, keep
+    return KeptFolder(described=described, refused=refused, minimize=minimize, keep=keep, newest=newest)
 
 
 def on_disk(directory: Path, known: Mapping[int, core.Checkpoint]) -> tuple[list[core.Checkpoint], list[str]]:
@@ -255,6 +331,8 @@ def on_disk(directory: Path, known: Mapping[int, core.Checkpoint]) -> tuple[list
     described: list[core.Checkpoint] = []
     refused: list[str] = []
     seen: set[int] = set()
+    if directory_problem(directory) is not None:  # a link out of the run folder is never followed, even to read
+        return [], []
     try:
         entries = sorted(os.scandir(directory), key=lambda e: e.name)
     except OSError:
@@ -290,7 +368,12 @@ def _index_entry(c: core.Checkpoint) -> dict[str, Any]:
 
 
 def write_index(
-    directory: Path, kept: Iterable[core.Checkpoint], minimize: bool | None, keep: tuple[str, ...] | None
+    directory: Path,
+    kept: Iterable[core.Checkpoint],
+    minimize: bool | None,
+    keep: tuple[str, ...] | None,
+    *,
+    newest: int | None = None,
 ) -> None:
     """Write ``checkpoints/index.json`` atomically and durably (a temp file of its own, renamed into place).
 
@@ -298,11 +381,19 @@ def write_index(
     :param kept: The descriptions to record.
     :param minimize: The run's direction (for ``best`` rules without one, read by ``trainkit retain``).
     :param keep: The run's ``ckpt.keep`` (what ``trainkit inspect`` explains the kept ones by).
+    :param newest: The step of the newest checkpoint the run wrote (a kept one with a larger step is not the
+        run's, see :func:`~trainkit.bookkeeping.keep_reasons`); None: the largest step is.
+    :raises NotADirectoryError: When ``directory`` is a symbolic link or not a directory (nothing is written).
+    :raises OSError: When the file cannot be written; the index before it is left as it was.
     """
+    problem = folder_problem(directory)
+    if problem is not None:
+        raise NotADirectoryError(f"{problem}; {INDEX_FILE} is not written there")
     data = {
         "format": INDEX_FORMAT,
         "minimize": minimize,
         "keep": list(keep) if keep is not None else None,
+        "newest": newest,
         "kept": {str(c.step): _index_entry(c) for c in sorted(kept, key=lambda c: c.step)},
     }
     text = json.dumps(data, indent=1, allow_nan=False).encode()
@@ -321,19 +412,12 @@ def write_index(
     fsync_directory(directory)
 
 
-def _refuse_links(directory: Path) -> str | None:
-    """Why ``directory`` cannot take kept checkpoints (a link or a non-directory in its place), or None."""
-    try:
-        info = os.lstat(directory)
-    except FileNotFoundError:
-        return None
-    if not stat.S_ISDIR(info.st_mode):
-        return f"{directory} is {_kind(info.st_mode)}, not a directory trainkit made"
-    return None
-
-
 class KeptCheckpoints:
     """Rank 0's kept checkpoints of one run folder: publish each new one, delete what the policy lets go.
+
+    A save describes its checkpoint in ``index.json`` (:meth:`announce`) before the checkpoint is written, and
+    keeps it (:meth:`publish`) once it is published: a kill at any moment between leaves the description on disk,
+    where the link, or the resume that makes it (:meth:`keep_resumed`), finds it.
 
     :param out_dir: The run folder.
     :param keep: ``ckpt.keep``: the rules (see :func:`~trainkit.bookkeeping.parse_keep`).
@@ -347,39 +431,95 @@ class KeptCheckpoints:
         self._keep = keep
         self._suffix = ".ckpt" if sharded else ".pt"
         self.active = writes and bool(keep)
-        self._known: dict[int, core.Checkpoint] | None = None  # read from disk at the first publish
+        self._known: dict[int, core.Checkpoint] | None = None  # read from disk at the first use
+        self._recorded: dict[int, core.Checkpoint] = {}  # what index.json described then, files or not
+        self._announced: core.Checkpoint | None = None  # in index.json already, its checkpoint not kept yet
         self._deleter: threading.Thread | None = None
         self._disabled = False
+        self._unranked: set[str] = set()  # the best rules warned about as ranking nothing
+        self.resumed_from: int | None = None
+        """The step of the kept checkpoint of this folder the run resumed from (``ckpt.resume`` named it): never
+        deleted while the run goes on, so the same command run again finds it."""
 
     def policy(self, minimize: bool) -> core.KeepAny:
         """The rules as a policy, ``best`` rules without a direction taking ``minimize``."""
         return core.parse_keep(self._keep, minimize=minimize)
 
-    def publish(self, source: Path, description: core.Checkpoint, *, minimize: bool) -> None:
+    def _ready(self) -> bool:
+        """Make ``checkpoints/`` and read what it keeps (at the first use); False when this run keeps nothing there
+        (a link in its place: warned once)."""
+        if self._disabled:
+            return False
+        problem = folder_problem(self.directory)
+        if problem is not None:
+            self._disabled = True
+            warn_user(f"{problem}; no checkpoints are kept there in this run (move it away to keep them)")
+            return False
+        self.directory.mkdir(exist_ok=True)
+        if self._known is None:
+            self._remove_stale_temp_files()
+            self._recorded = read_index(self.directory)[0]
+            self._known = {c.step: c for c in on_disk(self.directory, self._recorded)[0]}
+        return True
+
+    def _on_disk(self) -> dict[int, core.Checkpoint]:
+        """The kept checkpoints on disk now, by step (a file removed or added by hand meanwhile counts as it is)."""
+        return {c.step: c for c in on_disk(self.directory, self._known or {})[0]}
+
+    def announce(self, description: core.Checkpoint, *, minimize: bool) -> None:
+        """Describe a checkpoint in ``index.json`` before it is written, so that no kill can lose its description:
+        one after ``last`` is published and before it is kept leaves it for the resume that keeps it.
+
+        Runs before the save's first write (in the writer thread of ``ckpt.async_save``). A failure does not stop
+        the save: :meth:`publish` writes the index again (and warns when it cannot).
+
+        :param description: What retention needs to know of the checkpoint about to be written.
+        :param minimize: The run's direction.
+        """
+        if not self.active:
+            return
+        self.join()
+        try:
+            if not self._ready():
+                return
+            entries = {**self._on_disk(), description.step: description}
+            write_index(self.directory, entries.values(), minimize, self._keep, newest=description.step)
+        except OSError:
+            return  # publish() writes the index again, and warns if that fails too: one warning per failed keep
+        self._announced = description
+
+    def publish(self, source: Path, description: core.Checkpoint, *, minimize: bool) -> bool:
         """Keep ``source`` (the ``last.pt`` just published) as ``checkpoints/step-<step>.pt`` (``last.ckpt/`` as
         ``checkpoints/step-<step>.ckpt/``), then start deleting in the background what the policy does not keep.
 
         Runs where the save's writes run (the writer thread of ``ckpt.async_save``; rank 0 after every rank's
-        shards are published, for a sharded one), after them.
+        shards are published, for a sharded one), after them. ``index.json`` describes it before the link is made
+        (by :meth:`announce`, else here). A failure to keep it (a read-only or full ``checkpoints/``) is warned
+        about, in both formats alike, and the run goes on: ``source`` is whole, and raising on rank 0 would leave
+        the other ranks waiting.
 
         :param source: The published checkpoint file (or directory).
         :param description: What retention needs to know of it.
         :param minimize: The run's direction.
-        :raises OSError: When the link (or copy) cannot be made; the checkpoint in ``source`` is intact.
+        :returns: Whether it was kept.
         """
         self.join()
-        if self._disabled:
-            return
-        problem = _refuse_links(self.directory)
-        if problem is not None:
-            self._disabled = True
-            warn_user(f"{problem}; no checkpoints are kept there in this run (move it away to keep them)")
-            return
-        self.directory.mkdir(exist_ok=True)
-        if self._known is None:
-            self._remove_stale_temp_files()
-            found = read_kept(self.directory)[0]
-            self._known = {c.step: c for c in found}
+        announced, self._announced = self._announced, None
+        try:
+            return self._publish(source, description, announced, minimize=minimize)
+        except OSError as exc:
+            name = kept_name(description.step, self._suffix)
+            warn_user(
+                f"keeping {source} as {self.directory / name} failed ({exc}); {source} itself is whole, and step "
+                f"{description.step} is not kept"
+            )
+            return False
+
+    def _publish(
+        self, source: Path, description: core.Checkpoint, announced: core.Checkpoint | None, *, minimize: bool
+    ) -> bool:
+        if not self._ready():
+            return False
         target = self.directory / kept_name(description.step, self._suffix)
         try:
             info = os.lstat(target)
@@ -390,46 +530,80 @@ class KeptCheckpoints:
                 f"{target} is {_kind(info.st_mode)}, not a checkpoint trainkit wrote; it is left alone, step "
                 f"{description.step} is not kept"
             )
-            return
+            return False
+        known = {**self._on_disk(), description.step: description}
+        if announced != description:  # the description goes to disk before the link is visible
+            write_index(self.directory, known.values(), minimize, self._keep, newest=description.step)
         if self._suffix == ".ckpt":
             self._link_directory(source, target, replace=info is not None)
         else:
             self._link(source, target)
-        self._known[description.step] = description
-        # what is on disk now (a file removed or added by hand meanwhile counts as it is)
-        self._known = {c.step: c for c in on_disk(self.directory, self._known)[0]}
-        write_index(self.directory, self._known.values(), minimize, self._keep)
-        keep = core.retain(self.policy(minimize), self._known.values())
-        doomed = sorted(step for step in self._known if step not in keep)
+        self._known = known
+        # the newest is the one just kept: a larger step on disk is not this run's (planted, or abandoned by a
+        # resume from an older checkpoint), so it neither displaces this run's checkpoints nor is deleted
+        self._apply(minimize, newest=description.step)
+        return True
+
+    def _apply(self, minimize: bool, *, newest: int) -> None:
+        """Start deleting in the background what the policy does not keep of ``self._known``."""
+        policy = self.policy(minimize)
+        keep = core.retain(policy, (self._known or {}).values(), newest=newest, resumed_from=self.resumed_from)
+        self._warn_unranked(policy, newest)
+        doomed = sorted(step for step in self._known or {} if step not in keep)
         if doomed:
             self._deleter = threading.Thread(
-                target=self._delete, args=(doomed, minimize), name="trainkit-retention", daemon=False
+                target=self._delete, args=(doomed, minimize, newest), name="trainkit-retention", daemon=False
             )
             self._deleter.start()
 
+    def _warn_unranked(self, policy: core.KeepAny, newest: int) -> None:
+        """Warn once about a ``best`` rule that ranks nothing although validation scores were recorded (a misspelt
+        metric keeps nothing, silently otherwise)."""
+        mine = [c for c in (self._known or {}).values() if c.step <= newest]
+        names = sorted({name for c in mine for name in c.scores})
+        idle = [rule.spec for rule in core.unranked(policy, mine) if rule.spec not in self._unranked]
+        if not names or not idle:
+            return
+        self._unranked.update(idle)
+        warn_user(
+            f"ckpt.keep rule {', '.join(idle)} ranks no kept checkpoint: none has a finite score of that name (the "
+            f"scores recorded are {', '.join(names)}); it keeps nothing until one does (check the metric's name)"
+        )
+
     def keep_resumed(self, source: Path, description: core.Checkpoint, *, minimize: bool) -> bool:
-        """Keep the ``last`` a run resumes from when no checkpoint of its step is kept: a kill between publishing
-        it and keeping it (a few milliseconds, or a background save's whole write) left it unkept, and the
-        policy would have kept it, at least as the newest.
+        """Finish what a kill left undone for the ``last`` a run resumes from: keep it when no checkpoint of its
+        step is kept (a kill between publishing it and keeping it, a few milliseconds, or a background save's whole
+        write), and delete what the policy does not keep (a kill during the deletion after its save, the last
+        save of a finished run included), leftovers of a killed deletion removed first.
+
+        It is described as its save described it in ``index.json`` (scores included), when that entry is there and
+        agrees with ``description`` on the epoch; else by ``description``. The deletion runs in the background,
+        as after a save, with this checkpoint as the newest.
 
         A link that cannot be made is warned about; the run goes on.
 
         :param source: The resumed checkpoint (``last.pt`` or ``last.prev.pt``; a sharded directory), of the
             kind this run keeps.
-        :param description: What retention needs to know of it.
+        :param description: What the checkpoint itself says of it (the score only of an epoch that improved).
         :param minimize: The run's direction.
         :returns: Whether it was kept now.
         """
         if not self.active or self._disabled:
             return False
-        if any(os.path.lexists(self.directory / kept_name(description.step, suffix)) for suffix in SUFFIXES):
-            return False
         try:
-            self.publish(source, description, minimize=minimize)
+            if not self._ready():
+                return False
+            if any(os.path.lexists(self.directory / kept_name(description.step, suffix)) for suffix in SUFFIXES):
+                self._known = self._on_disk()
+                self._apply(minimize, newest=description.step)
+                return False
         except OSError as exc:
             warn_user(f"keeping {source} as step {description.step} failed ({exc}); it is not kept")
             return False
-        return True
+        recorded = self._recorded.get(description.step)
+        if recorded is not None and (recorded.epoch, recorded.epoch_end) == (description.epoch, description.epoch_end):
+            description = recorded  # what the save announced before it wrote the checkpoint
+        return self.publish(source, description, minimize=minimize)
 
     def _link(self, source: Path, target: Path) -> None:
         tmp = str(self.directory / f".{target.name}.{os.getpid()}.{next(_COUNTER)}.tmp")
@@ -475,21 +649,21 @@ class KeptCheckpoints:
             raise
         fsync_directory(self.directory)
 
-    def _delete(self, steps: list[int], minimize: bool) -> None:
+    def _delete(self, steps: list[int], minimize: bool, newest: int) -> None:
         known = self._known if self._known is not None else {}
         try:
             for step in steps:
                 remove_kept(kept_path(self.directory, step))
                 known.pop(step, None)
             fsync_directory(self.directory)
-            write_index(self.directory, known.values(), minimize, self._keep)
+            write_index(self.directory, known.values(), minimize, self._keep, newest=newest)
         except Exception as exc:  # noqa: BLE001 - a checkpoint not deleted is no reason to stop training
             warn_user(f"deleting kept checkpoints in {self.directory} failed: {exc!r}; they are left in place")
 
     def _remove_stale_temp_files(self) -> None:
         with suppress(OSError):
             for entry in os.scandir(self.directory):
-                found = _TEMP_NAME.match(entry.name)
+                found = _TEMP_NAME.fullmatch(entry.name)
                 if not found or not _process_gone(int(found["pid"])):
                     continue
                 if entry.is_dir(follow_symlinks=False) and ".ckpt." in entry.name:

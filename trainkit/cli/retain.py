@@ -13,7 +13,15 @@ import stat
 from pathlib import Path
 
 from trainkit import bookkeeping as core
-from trainkit.checkpoint.kept import KEPT_DIR, kept_path, read_kept, remove_kept, write_index
+from trainkit.checkpoint.kept import (
+    KEPT_DIR,
+    directory_problem,
+    folder_problem,
+    kept_path,
+    read_kept,
+    remove_kept,
+    write_index,
+)
 from trainkit.checkpoint.pt_files import BEST_CKPT, LAST_CKPT
 from trainkit.cli.inspect import format_bytes
 from trainkit.errors import BookkeepingError, ConfigError, OutDirError
@@ -52,6 +60,13 @@ def _policy(keep: tuple[str, ...] | str, minimize: bool | None, *, where: str) -
         lower, higher = core.parse_keep(keep, minimize=True), core.parse_keep(keep, minimize=False)
     except BookkeepingError as exc:
         raise ConfigError(where, "must be comma-separated retention rules", keep, hint=str(exc)) from None
+    if where == "--keep" and not lower.policies:  # no rule would keep only the newest: say so, delete nothing
+        raise ConfigError(
+            where,
+            "must name at least one retention rule (with none, every kept checkpoint but the newest is deleted)",
+            keep,
+            hint="e.g. --keep latest:3; to keep only the newest, say --keep latest:1",
+        )
     if lower != higher and minimize is None:
         raise ConfigError(
             where,
@@ -60,6 +75,13 @@ def _policy(keep: tuple[str, ...] | str, minimize: bool | None, *, where: str) -
             hint="write best:N:score:min or best:N:score:max",
         )
     return lower if minimize else higher
+
+
+def _ranks_nothing(rule: core.KeepBest, described: list[core.Checkpoint]) -> str:
+    """Say why a ``best`` rule ranks nothing, with the scores the kept checkpoints do have."""
+    names = sorted({name for c in described for name in c.scores})
+    have = f"the scores recorded are {', '.join(names)}" if names else "no kept checkpoint has a score"
+    return f"{rule.spec} ranks no checkpoint: none has a finite {rule.metric!r} ({have})"
 
 
 def _rows(described: list[core.Checkpoint], reasons: dict[int, tuple[str, ...]], directory: Path) -> list[str]:
@@ -87,18 +109,26 @@ def describe_run_folder(out_dir: str | Path) -> list[str]:
         if (out / name).exists():
             lines.append(f"  {name}: {_size(out / name)}")
     directory = out / KEPT_DIR
-    described, refused, minimize, keep = read_kept(directory)
-    if not described and not refused:
+    problem = directory_problem(directory)
+    if problem is not None:
+        lines.append(f"  {problem}: not followed (a run keeps nothing there, retain refuses it)")
+        return lines
+    problem = folder_problem(directory)
+    if problem is not None:
+        lines.append(f"  {problem}: a run keeps nothing there while it is so, retain refuses the folder")
+    folder = read_kept(directory)
+    described = list(folder.described)
+    if not described and not folder.refused:
         lines.append(f"  no kept checkpoints in {directory} (ckpt.keep is empty, or nothing was kept yet)")
         return lines
     try:
-        policy = _policy(keep or (), minimize, where="ckpt.keep")
+        policy = _policy(folder.keep or (), folder.minimize, where="ckpt.keep")
     except ConfigError:
         policy = core.KeepAny()
     rules = policy.spec or "none recorded"
     lines.append(f"  {len(described)} kept checkpoints in {directory} (ckpt.keep={rules}):")
-    lines.extend(_rows(described, core.keep_reasons(policy, described), directory))
-    lines.extend(f"  {name}: not a file trainkit wrote; never followed nor deleted" for name in refused)
+    lines.extend(_rows(described, core.keep_reasons(policy, described, newest=folder.newest), directory))
+    lines.extend(f"  {name}: not a file trainkit wrote; never followed nor deleted" for name in folder.refused)
     return lines
 
 
@@ -114,7 +144,8 @@ def retain_run(out_dir: str | Path, keep: str, *, dry_run: bool) -> list[str]:
     :param dry_run: Only say what would be deleted.
     :returns: The lines to print.
     :raises ConfigError: On bad rules (naming ``--keep``).
-    :raises OutDirError: When the folder does not exist or a live run holds it.
+    :raises OutDirError: When the folder does not exist, a live run holds it, or its ``checkpoints`` is a symbolic
+        link (or not a directory): nothing outside the run folder is ever deleted or written.
     """
     out = Path(out_dir)
     if not out.is_dir():
@@ -123,22 +154,39 @@ def retain_run(out_dir: str | Path, keep: str, *, dry_run: bool) -> list[str]:
     lock.acquire()  # refused while a run holds the folder; and no run starts while this deletes
     try:
         directory = out / KEPT_DIR
-        described, refused, minimize, recorded = read_kept(directory)
+        problem = folder_problem(directory)  # before anything is deleted: the index must be writable after
+        if problem is not None:
+            raise OutDirError(
+                f"{problem}; retain deletes and writes nothing there (a run keeps nothing there either): move it away"
+            )
+        folder = read_kept(directory)
+        described, minimize = list(folder.described), folder.minimize
         policy = _policy(keep, minimize, where="--keep")
-        reasons = core.keep_reasons(policy, described)
+        # the newest is the one the run recorded: a larger step (a planted step-999.pt) is left alone
+        reasons = core.keep_reasons(policy, described, newest=folder.newest)
         doomed = [c for c in described if not reasons[c.step]]
+        idle = [_ranks_nothing(rule, described) for rule in core.unranked(policy, described, newest=folder.newest)]
+        if idle and described and not dry_run:
+            raise ConfigError(
+                "--keep",
+                f"has a best rule that ranks no checkpoint, which would keep nothing: {'; '.join(idle)}",
+                keep,
+                hint="fix the metric's name or drop the rule; --dry-run shows what the rules keep",
+            )
         verb = "would delete" if dry_run else "deleted"
         lines = [f"{directory}: {len(described)} kept checkpoints; rules {policy.spec or '(none)'}"]
+        if described:
+            lines.extend(f"  warning: {why}; without --dry-run nothing is deleted while it is so" for why in idle)
         for c in described:
             what = ", ".join(reasons[c.step]) if reasons[c.step] else None
             name = kept_path(directory, c.step).name
             lines.append(f"  keep    {name}  ({what})" if what else f"  {verb:<7} {name}")
-        lines.extend(f"  ignore  {name}: not a file trainkit wrote" for name in refused)
+        lines.extend(f"  ignore  {name}: not a file trainkit wrote" for name in folder.refused)
         if not dry_run and doomed:
             for c in doomed:
                 remove_kept(kept_path(directory, c.step))
             left = [c for c in described if reasons[c.step]]
-            write_index(directory, left, minimize, recorded)
+            write_index(directory, left, minimize, folder.keep, newest=folder.newest)
         lines.append(f"{len(doomed)} {'to delete' if dry_run else 'deleted'}, {len(described) - len(doomed)} kept")
         return lines
     finally:

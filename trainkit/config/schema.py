@@ -300,12 +300,12 @@ class DistConfig(Section):
 GUARD_NONFINITE = ("off", "raise", "skip", "rollback")
 """The ``guard.nonfinite`` choices."""
 
-_SKIP_BATCH = re.compile(r"^(0|[1-9][0-9]{0,17}):(0|[1-9][0-9]{0,17})$")
+_SKIP_BATCH = re.compile(r"(0|[1-9][0-9]{0,17}):(0|[1-9][0-9]{0,17})")  # fullmatch: "$" admits "0:1\n"
 
 
 def _skip_batches(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     for item in value if isinstance(value, tuple) else ():
-        if not isinstance(item, str) or not _SKIP_BATCH.match(item):
+        if not isinstance(item, str) or not _SKIP_BATCH.fullmatch(item):
             raise ConfigError(
                 attribute.name, "must be a list of 'EPOCH:BATCH' strings (0-based ints, e.g. '0:3')", item
             )

@@ -8,11 +8,13 @@ the process group down.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -174,6 +176,38 @@ class _CallerFd:
         return handed.detach()
 
 
+_PR_SET_PDEATHSIG = 1
+"""``prctl(2)``'s option that asks the kernel for a signal when the parent process dies (Linux)."""
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ask the kernel to SIGKILL this rank when ``parent`` (the fork server) dies, as torchrun's workers die with
+    their agent, and let the server exit when :func:`spawn`'s caller does: a caller killed with SIGKILL leaves no
+    rank training on. The signal is Linux's (a no-op elsewhere).
+
+    torch's own wrapper asks for SIGINT, which trainkit takes as "stop after this epoch": a rank whose caller is
+    gone would train to its epoch's end, however long, with nobody to return to.
+
+    :param parent: The fork server's pid, the rank's parent.
+    """
+    # the server exits when no process holds its liveness pipe any more; each rank got a copy (for a fork server of
+    # its own it never uses: it would start a new one): let go of it, or the server would outlive the caller
+    alive = getattr(_server(), "_forkserver_alive_fd", None)
+    if alive is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive)
+        _server()._forkserver_alive_fd = None
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        done = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if done == 0 and os.getppid() != parent:  # the parent died before the request: no signal would come now
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _worker(
     rank: int,
     trainer_class: type,
@@ -183,7 +217,10 @@ def _worker(
     failures: str,
     environ: dict[str, str],
     stdio: tuple[int | None, int | None],
+    parent: int | None = None,
 ) -> None:
+    if parent is not None:
+        _die_with_parent(parent)
     # the fork server's environment and output are the ones it started with: each rank gets the caller's now
     os.environ.clear()
     os.environ.update(environ)
@@ -209,7 +246,9 @@ def spawn(trainer_class: type, cfg: Config | Mapping[str, Any], world_size: int)
     like spawned ones, they start clean (no thread, no state of this process) with this process's
     environment, working directory, ``sys.path``, standard output and error, and import the trainer's
     module anew. Picks a free port on 127.0.0.1 for the rendezvous. When any rank raises, the others are
-    terminated and the original traceback is raised here; no process is left behind. When several ranks
+    terminated and the original traceback is raised here; no process is left behind. On Linux the ranks die with
+    this process: killed with SIGKILL, it takes its fork server and, through a parent-death signal
+    (``PR_SET_PDEATHSIG``), every rank with it. When several ranks
     fail, the one that failed first is reported (the others' failures are usually its consequences, such as
     a connection the failed rank closed), whichever process happened to exit first; a rank that died without
     an exception (killed by a signal) is reported as torch reports it. A rank that timed out in DDP's
@@ -239,9 +278,10 @@ def spawn(trainer_class: type, cfg: Config | Mapping[str, Any], world_size: int)
         with fork_server():
             results = mp.get_context("forkserver").SimpleQueue()
             stdio = (_caller_fd(1), _caller_fd(2))
+            server = getattr(_server(), "_forkserver_pid", None)  # every rank's parent
             mp.start_processes(
                 _worker,
-                args=(trainer_class, cfg_arg, world_size, results, failures, dict(os.environ), stdio),
+                args=(trainer_class, cfg_arg, world_size, results, failures, dict(os.environ), stdio, server),
                 nprocs=world_size,
                 join=True,
                 start_method="forkserver",

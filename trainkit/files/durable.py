@@ -275,7 +275,7 @@ def warn_if_low_on_space(payload: Any, path: str | os.PathLike[str]) -> None:
         )
 
 
-_TEMP_NAME = re.compile(r"^\.(?:last|best)(?:\.prev)?\.pt\.(?P<pid>\d+)\.\d+\.tmp$")
+_TEMP_NAME = re.compile(r"\.(?:last|best)(?:\.prev)?\.pt\.(?P<pid>\d+)\.\d+\.tmp")  # matched whole: fullmatch
 """The temp files trainkit's own saves make: ``.last.pt.<pid>.<n>.tmp``, ``.best.prev.pt.<pid>.<n>.tmp``, ..."""
 
 
@@ -308,7 +308,7 @@ def remove_stale_temp_files(directory: str | os.PathLike[str]) -> list[Path]:
     except OSError:
         return removed
     for entry in entries:
-        found = _TEMP_NAME.match(entry.name)
+        found = _TEMP_NAME.fullmatch(entry.name)
         if found is None or not entry.is_file(follow_symlinks=False) or not _process_gone(int(found["pid"])):
             continue
         with suppress(OSError):

@@ -22,7 +22,9 @@ class StopSignals:
 
     A handler only records the signal (no I/O and no collectives run inside a handler); a second SIGINT
     while one is recorded raises ``KeyboardInterrupt`` at once, so a second Ctrl-C always aborts. Off the
-    main thread, where Python cannot install handlers, nothing is installed and nothing is recorded.
+    main thread, where Python cannot install handlers, nothing is installed and nothing is recorded. A signal
+    the process inherited as ignored (``SIG_IGN``: SIGINT of a job a shell started in the background, or under
+    ``nohup``) stays ignored, as Python itself leaves it: whoever started the run chose that it goes on.
 
     >>> with StopSignals(["SIGTERM"]) as signals:
     ...     signals.received is None
@@ -41,6 +43,8 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             try:
                 for number in self._numbers:
+                    if signal.getsignal(number) is signal.SIG_IGN:
+                        continue  # ignored by whoever started this process: theirs to decide, not ours to take
                     self._previous[number] = signal.signal(number, self._record)
             except BaseException:
                 self.__exit__(None, None, None)  # the ones already installed go back

@@ -7,17 +7,22 @@ host in the push's one transfer.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
+from trainkit.bookkeeping import is_finite_real
 from trainkit.bookkeeping.throughput import ThroughputMark, throughput_rates
+from trainkit.messages import warn_user
 
 __all__ = ["CountedBatches", "Throughput", "samples_in"]
 
 _TOKENS = "perf/_tokens"  # the device-side token count's key inside the buffer for one push (never pushed)
+_LEAST = "perf/_tokens_least"  # the least tensor count since the last push, read with it (never pushed)
+_REDUCED = (torch.float16, torch.bfloat16)  # summed in float32: 70000 ones in float16 would sum to inf
 
 
 def samples_in(batch: Any, depth: int = 0) -> int | None:
@@ -84,6 +89,8 @@ class Throughput:
         self._samples: int | None = 0
         self._tokens: float | None = None
         self._tokens_on_device: torch.Tensor | None = None
+        self._least_on_device: torch.Tensor | None = None  # the least tensor count since the last push
+        self._tokens_poisoned = False  # the next row with rates leaves perf/tokens_per_s out
         self._counted_any_batch = False
         self._rated_any_row = False
         self._mark = self._now()
@@ -106,13 +113,30 @@ class Throughput:
     def count_tokens(self, n: Any) -> None:
         """Add ``n`` tokens: a number, or a tensor summed on its device (read at the next push).
 
-        :raises TypeError: When ``n`` is neither a real number nor a tensor.
+        A number is checked here: it must be finite and >= 0. A tensor's values are on its device, where reading
+        them would wait for it: its dtype is checked here, its values at the next push, where a NaN, infinite or
+        negative count since the previous push leaves ``perf/tokens_per_s`` out of the next row with rates (with
+        a warning), and the count goes on from there: later rows are not poisoned.
+
+        :param n: A count of tokens: an int or a float, or a tensor of a real or bool dtype (summed).
+        :raises TypeError: When ``n`` is neither a real number nor a real-valued (or bool) tensor.
+        :raises ValueError: When the number ``n`` is NaN, infinite, too large for a float, or negative.
         """
         if isinstance(n, torch.Tensor):
-            total = n.detach().sum()
-            self._tokens_on_device = total if self._tokens_on_device is None else self._tokens_on_device + total
+            if n.is_complex():
+                raise TypeError(f"count_tokens takes a real-valued tensor (a count), got dtype {n.dtype}")
+            total = n.detach().sum(dtype=torch.float32 if n.dtype in _REDUCED else None)
+            if self._tokens_on_device is None or self._least_on_device is None:
+                self._tokens_on_device, self._least_on_device = total, total
+            else:
+                self._tokens_on_device = self._tokens_on_device + total
+                # the least count, on the device (one op, no sync): a negative one hides in a positive sum
+                self._least_on_device = torch.minimum(self._least_on_device, total)
         elif isinstance(n, int | float) and not isinstance(n, bool):
-            self._tokens = (self._tokens or 0.0) + n
+            if not is_finite_real(n) or n < 0:
+                shown = repr(n) if len(repr(n)) <= 40 else f"an int of {len(repr(n))} digits"
+                raise ValueError(f"count_tokens(n) takes a finite count >= 0, got {shown}")
+            self._tokens = (self._tokens or 0.0) + float(n)
         else:
             raise TypeError(f"count_tokens takes a number or a tensor, got {n!r}")
 
@@ -124,17 +148,30 @@ class Throughput:
         :returns: The drained metrics, with ``perf/*`` when steps were taken since; empty when nothing was logged.
         """
         if self._tokens_on_device is not None:
-            buffer.add({_TOKENS: self._tokens_on_device})
-            self._tokens_on_device = None
+            buffer.add({_TOKENS: self._tokens_on_device, _LEAST: self._least_on_device})
+            self._tokens_on_device = self._least_on_device = None
         metrics = buffer.drain()
         on_device = metrics.pop(_TOKENS, None)
+        negative = metrics.pop(_LEAST, 0.0) < 0
         if on_device is not None:
-            self._tokens = (self._tokens or 0.0) + on_device
+            if negative or not math.isfinite(on_device):
+                self._tokens_poisoned = True
+                what = "negative" if negative and math.isfinite(on_device) else f"{on_device}"
+                warn_user(
+                    f"count_tokens got a tensor whose count is {what} since the last push (a float16 sum that "
+                    "overflowed, a mask of the wrong sign?); perf/tokens_per_s is left out of the next row, and "
+                    "counting goes on after it"
+                )
+            else:
+                self._tokens = (self._tokens or 0.0) + on_device
         if not metrics:
             return metrics
         now = self._now()
         rates = throughput_rates(self._mark, now, self._world_size)
         if rates:
             self._mark, self._rated_any_row = now, True
+            if self._tokens_poisoned:  # that interval's tokens are unknown: no rate rather than a wrong one
+                rates.pop("perf/tokens_per_s", None)
+                self._tokens_poisoned = False
             metrics.update(rates)
         return metrics
