@@ -875,7 +875,9 @@ class BaseTrainer(abc.ABC):
         """Count tokens trained on, for ``perf/tokens_per_s`` (``log_throughput``); no host sync.
 
         :param n: A number, or a tensor (e.g. ``attention_mask.sum()``) summed on its device until the next push.
-        :raises UsageError: When ``log_throughput`` is off; TypeError when ``n`` is no number or tensor.
+        :raises UsageError: When ``log_throughput`` is off; TypeError when ``n`` is no number or real tensor.
+        :raises ValueError: When the number ``n`` is NaN, infinite, negative or too large for a float (a tensor's
+            count is checked on its device: a bad one drops the next row's token rate, with a warning).
         """
         _token_counter(self._metrics.throughput).count_tokens(n)
 

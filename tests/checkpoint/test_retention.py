@@ -434,20 +434,21 @@ KILLED_AT_THE_LINK = textwrap.dedent(
     """
     import os, signal, sys
     from pathlib import Path
-    import trainkit.checkpoint.kept as files
-    from tests.trainers import TinyTrainer, make_cfg
+    from tests.helpers.configs import make_cfg
+    from tests.helpers.trainers import TinyTrainer
 
     out, step, where, fmt = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    name = "_link_directory" if fmt == "sharded" else "_link"
-    real = getattr(files.KeptCheckpoints, name)
-    def killed_at(self, source, target, **kwargs):
-        if target.name.startswith(f"step-{step}."):
-            if where == "before":  # last is published, its kept copy not made yet
-                os.kill(os.getpid(), signal.SIGKILL)
-            real(self, source, target, **kwargs)
-            os.kill(os.getpid(), signal.SIGKILL)  # the kept copy is visible, nothing after it ran
-        real(self, source, target, **kwargs)
-    setattr(files.KeptCheckpoints, name, killed_at)
+    def killing(real):  # the rename that publishes the kept copy of step N (a file, or a directory of links)
+        def rename(src, dst, *args, **kwargs):
+            target = Path(os.fspath(dst))
+            if target.parent.name == "checkpoints" and target.name.startswith(f"step-{step}."):
+                if where == "before":  # last is published, its kept copy not made visible yet
+                    os.kill(os.getpid(), signal.SIGKILL)
+                real(src, dst, *args, **kwargs)
+                os.kill(os.getpid(), signal.SIGKILL)  # the kept copy is visible, nothing after it ran
+            return real(src, dst, *args, **kwargs)
+        return rename
+    os.replace, os.rename = killing(os.replace), killing(os.rename)
     scores = (0.9, 0.5, 0.7, 0.6, 0.8)
     TinyTrainer(make_cfg(out, epochs=5, scripted_scores=scores, ckpt={"keep": "best:2", "format": fmt})).train()
     """
@@ -594,7 +595,8 @@ KILLED_IN_THE_LAST_DELETION = textwrap.dedent(
     import os, shutil, signal, sys
     from pathlib import Path
     import trainkit.checkpoint.kept as files
-    from tests.trainers import TinyTrainer, make_cfg
+    from tests.helpers.configs import make_cfg
+    from tests.helpers.trainers import TinyTrainer
 
     out, fmt = Path(sys.argv[1]), sys.argv[2]
     last = out / "checkpoints" / ("step-24.ckpt" if fmt == "sharded" else "step-24.pt")

@@ -11,7 +11,8 @@ import sys
 import time
 
 import trainkit
-from tests.trainers import TinyTrainer, make_cfg
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import TinyTrainer
 
 
 class EndlessTrainer(TinyTrainer):
