@@ -147,7 +147,7 @@ class Rollback:
         drop_gradients(self._restore(resume))  # a step checkpoint puts its own unpushed logs back
         for _, epoch, batches in request.bad:
             position.leave_out(epoch, batches)
-        position.on_drop = self._journal_dropped
+        position.on_drop = _journal_dropped(position, self._run_log, self._is_main)
         left_out = [f"{epoch}:{batch}" for epoch, batch in position.left_out()]
         if self._is_main:
             step = position.step
@@ -179,13 +179,22 @@ class Rollback:
                 batch=request.batch,
             ) from request
 
-    def _journal_dropped(self, epoch: int, position: int, indices: Any) -> None:
-        """What the counted loop calls when it leaves a batch out: rank 0 journals its sample indices."""
-        if self._is_main:
+
+def _journal_dropped(position: EpochTracker, run_log: RunLog, is_main: bool) -> Callable[[int, int, Any], None]:
+    """What the counted loop calls when it leaves a batch out: rank 0 journals its sample indices.
+
+    It holds the position part and the run log only: the position part lives as long as the optimizer's step hook,
+    and a reference from it to the trainer would keep the trainer (and its process group) alive until the garbage
+    collector runs."""
+
+    def dropped(epoch: int, batch: int, indices: Any) -> None:
+        if is_main:
             drawn = indices if isinstance(indices, list | tuple) else [indices]
             samples = [int(i) if isinstance(i, int) else str(i) for i in drawn]  # a key of a dict-like data set
-            row = {"trainer/step": self._position.step, "trainer/epoch": epoch, SKIPPED_SAMPLES_KEY: samples}
-            self._run_log.log({**row, "guard/skipped_batch": position})
+            row = {"trainer/step": position.step, "trainer/epoch": epoch, SKIPPED_SAMPLES_KEY: samples}
+            run_log.log({**row, "guard/skipped_batch": batch})
+
+    return dropped
 
 
 _NEVER_ROLLED: contextlib.AbstractContextManager[Any] = contextlib.nullcontext(())
