@@ -458,3 +458,20 @@ def test_no_warnings_on_a_clean_run(tmp_path):
         warnings.simplefilter("error")
         TinyTrainer(make_cfg(tmp_path, epochs=2)).train()
         TinyTrainer(make_cfg(tmp_path, epochs=2)).train()
+
+
+@pytest.mark.parametrize("body", ["step = 0", "epoch = 0", "def step(self, batch):\n        return batch"])
+def test_a_subclass_that_defines_step_or_epoch_is_refused_when_made(body):
+    """step and epoch are the position part's, read by the loop through BaseTrainer's properties: a subclass's own
+    (a class-level default, a method named step) would hide them, and the run would record and save step 0 (its
+    journal's trainer/step all 0, no step checkpoint, a resume from step 0). Refused naming the attribute; a subclass
+    that only sets them, or annotates them, is fine."""
+    name = body.removeprefix("def ").split()[0].split("(")[0]
+    with pytest.raises(TypeError, match=f"Hiding defines '{name}' .*hides BaseTrainer.{name}"):
+        exec(f"class Hiding(TinyTrainer):\n    {body}\n", {"TinyTrainer": TinyTrainer})
+
+    class Annotated(TinyTrainer):
+        step: int
+        epoch: int
+
+    assert Annotated.step is BaseTrainer.step

@@ -230,6 +230,8 @@ class BaseTrainer(abc.ABC):
     A subclass reads ``cfg``, ``device`` (``cuda:LOCAL_RANK`` or cpu), ``rank``, ``world_size``, ``is_main``,
     ``epoch`` (0-based), ``step`` (optimizer steps: advanced by the first registered optimizer's ``step()``),
     :attr:`first_batch`, ``model`` (set in :meth:`setup`), :attr:`best_model` and :attr:`best_metrics`.
+    ``step`` and ``epoch`` live in the position part; a subclass may set them, but not define either itself (a
+    method named ``step``, a class-level ``epoch = 0``): that is refused with a ``TypeError`` when the class is made.
 
     :param cfg: A :class:`~trainkit.Config` (or this trainer's :attr:`config_class`), or a nested mapping
         validated into one.
@@ -239,6 +241,19 @@ class BaseTrainer(abc.ABC):
 
     config_class: ClassVar[type[Config]] = Config
     """The config record this trainer validates ``cfg`` into; subclasses with extra keys override it."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse a subclass that defines ``step`` or ``epoch`` itself (a method, a class-level default): it would
+        hide the position part's counters from the loop, which would then record, save and resume step 0."""
+        super().__init_subclass__(**kwargs)
+        for name in ("step", "epoch"):
+            value = cls.__dict__.get(name, BaseTrainer.__dict__.get(name))
+            if value is not BaseTrainer.__dict__.get(name):
+                raise TypeError(
+                    f"{cls.__qualname__} defines {name!r} ({type(value).__name__}), which hides BaseTrainer.{name}, "
+                    f"the {'optimizer steps taken' if name == 'step' else 'epoch being run'} that the loop reads and "
+                    f"saves; rename it (set self.{name} in setup() to change the count)"
+                )
 
     def __init__(self, cfg: Config | Mapping[str, Any], rank: int = 0, world_size: int = 1) -> None:
         self.cfg = _validated_config(self.config_class, cfg)

@@ -744,3 +744,50 @@ def optimizer_digest(optimizer: torch.optim.Optimizer) -> str:
             data = value.detach().cpu().contiguous().numpy().tobytes() if torch.is_tensor(value) else repr(value)
             digest.update(data if isinstance(data, bytes) else data.encode())
     return digest.hexdigest()
+
+
+@attrs.frozen(kw_only=True)
+class TwoOptimizerConfig(GuardTestConfig):
+    """GuardTrainer's keys plus the positions where the second optimizer's step diverges."""
+
+    nan_second: tuple[str, ...] = ()  # "EPOCH:BATCH" positions whose second optimizer step is non-finite
+
+
+class TwoOptimizerTrainer(GuardTrainer):
+    """Two optimizers stepping on every batch, as a GAN's discriminator and generator do, each with a grad norm of
+    its own: the model's first (the counted one), then a head's; the report's digest covers both modules."""
+
+    config_class = TwoOptimizerConfig
+    cfg: TwoOptimizerConfig
+
+    def setup(self, ckpt):
+        super().setup(ckpt)
+        self.head = nn.Linear(8, 1).to(self.device)
+        self.head_optimizer = torch.optim.SGD(self.head.parameters(), lr=0.01, momentum=0.9)
+        self.add_checkpoint_items(head=self.head, head_optimizer=self.head_optimizer)
+
+    def train_epoch(self):
+        self.model.train()
+        batches = self.progress(self.loader)
+        for x, y in batches:
+            x, y = x.to(self.device), y.to(self.device)
+            self.optimizer.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(self.model(x), y).backward()
+            self.clip_and_log_grad_norm(self.model)
+            self.optimizer.step()
+            loss = nn.functional.mse_loss(self.head(x), y)
+            if f"{self.epoch}:{batches.consumed - 1}" in self.cfg.nan_second:
+                loss = loss * float("inf")
+            self.head_optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.clip_and_log_grad_norm(self.head)
+            self.head_optimizer.step()
+        self.log_lr()
+
+    def train(self):
+        try:
+            return super().train()
+        finally:
+            from pathlib import Path
+
+            Path(self.cfg.out_dir, "head.txt").write_text(param_digest(self.head))

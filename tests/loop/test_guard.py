@@ -11,7 +11,7 @@ import trainkit
 import trainkit.loop.guard
 from tests.helpers.configs import make_cfg
 from tests.helpers.host_syncs import count_host_syncs
-from tests.helpers.trainers import GuardTrainer
+from tests.helpers.trainers import GuardTrainer, TwoOptimizerTrainer
 from trainkit.errors import ConfigError, DivergenceError
 
 GUARD_FILE = trainkit.loop.guard.__file__
@@ -283,6 +283,31 @@ def test_a_non_finite_step_after_the_loop_stops_instead_of_rolling_back_for_ever
     with pytest.raises(DivergenceError, match="step\\(s\\) 12 trained on no batch of the epoch's counted loop"):
         run(tmp_path, **planted)
     assert [row for row in journal(tmp_path) if "guard/rolled_back_to_step" in row] == []
+
+
+def test_a_second_optimizer_diverging_on_a_batch_rolls_back_leaving_that_batch_out(tmp_path):
+    """Two optimizers step on every batch, each after a grad norm of its own (a GAN's): the second one's non-finite
+    step at batch 3 of epoch 1 trained on that batch, so the run rolls back leaving it out and ends bitwise as the
+    run resumed from a copy of the checkpoint with it skipped (it used to stop, saying the step trained on no batch
+    of the loop: only a step after the loop's end did)."""
+    planted = {"nan_second": ("1:3",), "guard": {"nonfinite": "rollback"}}
+    ckpt = {"every_n_steps": 1, "keep": "latest:9"}
+
+    def two(out_dir, **overrides):
+        trainer = TwoOptimizerTrainer(make_cfg(out_dir, epochs=2, n_samples=320, **overrides))
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        report = json.loads((out_dir / "guard0.json").read_text())
+        return (report["digest"], report["optimizer"], (out_dir / "head.txt").read_text()), journal(out_dir)
+
+    rolled, rows = two(tmp_path / "a", **planted, ckpt=ckpt)
+    (rollback,) = [row for row in rows if "guard/rolled_back_to_step" in row]
+    assert rollback["guard/rolled_back_to_step"] == 9 and rollback["guard/skipped_batches"] == ["1:3"]
+    again = {**planted, "guard": {"nonfinite": "rollback", "skip_batches": ["1:3"]}}
+    resumed, _ = two(tmp_path / "b", **again, ckpt={"resume": str(tmp_path / "a" / "checkpoints" / "step-9.pt")})
+    assert rolled == resumed
 
 
 def test_persistent_divergence_stops_after_guard_max_rollbacks_rollbacks_in_a_row(tmp_path):

@@ -449,6 +449,9 @@ class TrackedBatches:
         self._on_close = on_close
         self._on_untracked = on_untracked
         self._started = False
+        self.ended = False
+        """Whether the counted pass is over (its last batch passed, or the loop left early): an optimizer step from
+        then on trained on none of its batches."""
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -554,4 +557,5 @@ class TrackedBatches:
                     last_step = now
                     boundary(self)
         finally:
+            self.ended = True
             self._on_close()

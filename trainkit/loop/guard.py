@@ -196,8 +196,10 @@ class DivergenceGuard:
             elif batches.consumed != self._stepped_at:  # (equal: a second optimizer stepping on the same batches)
                 self._step_start = self._stepped_at
                 self._stepped_at = batches.consumed
-            elif self._fresh:  # a new norm but no batch since the last step: it trained on none of the loop's
+            elif self._fresh and batches.ended:  # a new norm after the loop's end: it trained on none of its batches
                 self._step_start = self._stepped_at
+            # else a new norm on the batches of the last step (a second optimizer, a GAN's, with a norm of its own),
+            # or no new norm (a second optimizer stepping on the same one): the same batches are to blame
             self._fresh = False
         if self._verdict is CONTINUE:
             return  # a finite norm (judged when observed, or by the first optimizer stepping on it)
