@@ -219,6 +219,24 @@ def _position_field(name: str, doc: str) -> Any:
     return property(operator.attrgetter(f"_position.{name}"), set_field, doc=doc)
 
 
+def _refuse_hidden_counters(cls: type, **kwargs: Any) -> None:
+    """``BaseTrainer.__init_subclass__``: refuse a subclass that defines ``step`` or ``epoch`` itself (a method, a
+    class-level default), which would hide the position part's counters from the loop: it would record, save and
+    resume step 0. Setting ``self.step`` in ``setup()`` (or annotating it) is fine.
+
+    :raises TypeError: Naming the attribute, when the class is made.
+    """
+    super(BaseTrainer, cls).__init_subclass__(**kwargs)
+    for name in ("step", "epoch"):
+        value = cls.__dict__.get(name, BaseTrainer.__dict__.get(name))
+        if value is not BaseTrainer.__dict__.get(name):
+            raise TypeError(
+                f"{cls.__qualname__} defines {name!r} ({type(value).__name__}), which hides BaseTrainer.{name}, "
+                f"the {'optimizer steps taken' if name == 'step' else 'epoch being run'} that the loop reads and "
+                f"saves; rename it (set self.{name} in setup() to change the count)"
+            )
+
+
 class BaseTrainer(abc.ABC):
     """The epoch loop, and everything around it that depends on neither task nor model.
 
@@ -230,8 +248,7 @@ class BaseTrainer(abc.ABC):
     A subclass reads ``cfg``, ``device`` (``cuda:LOCAL_RANK`` or cpu), ``rank``, ``world_size``, ``is_main``,
     ``epoch`` (0-based), ``step`` (optimizer steps: advanced by the first registered optimizer's ``step()``),
     :attr:`first_batch`, ``model`` (set in :meth:`setup`), :attr:`best_model` and :attr:`best_metrics`.
-    ``step`` and ``epoch`` live in the position part; a subclass may set them, but not define either itself (a
-    method named ``step``, a class-level ``epoch = 0``): that is refused with a ``TypeError`` when the class is made.
+    A subclass may set ``step`` and ``epoch`` but not define them (refused with a ``TypeError`` when it is made).
 
     :param cfg: A :class:`~trainkit.Config` (or this trainer's :attr:`config_class`), or a nested mapping
         validated into one.
@@ -242,18 +259,7 @@ class BaseTrainer(abc.ABC):
     config_class: ClassVar[type[Config]] = Config
     """The config record this trainer validates ``cfg`` into; subclasses with extra keys override it."""
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Refuse a subclass that defines ``step`` or ``epoch`` itself (a method, a class-level default): it would
-        hide the position part's counters from the loop, which would then record, save and resume step 0."""
-        super().__init_subclass__(**kwargs)
-        for name in ("step", "epoch"):
-            value = cls.__dict__.get(name, BaseTrainer.__dict__.get(name))
-            if value is not BaseTrainer.__dict__.get(name):
-                raise TypeError(
-                    f"{cls.__qualname__} defines {name!r} ({type(value).__name__}), which hides BaseTrainer.{name}, "
-                    f"the {'optimizer steps taken' if name == 'step' else 'epoch being run'} that the loop reads and "
-                    f"saves; rename it (set self.{name} in setup() to change the count)"
-                )
+    __init_subclass__ = _refuse_hidden_counters  # a subclass's own step or epoch would hide the loop's
 
     def __init__(self, cfg: Config | Mapping[str, Any], rank: int = 0, world_size: int = 1) -> None:
         self.cfg = _validated_config(self.config_class, cfg)
@@ -412,7 +418,9 @@ class BaseTrainer(abc.ABC):
                 _verdict(self._validate())
                 self._records = self._records._replace(loop=attrs.evolve(loop, last_validated=True))
                 self._push_if_any()
-            more, rollback = not loop.finished, self._rollback()
+            parts = self._checkpointer, self._position, self._metrics, self._run_log  # the rollback's, when on:
+            rollback = Rollback.build(self.cfg, *parts, restore=self._restore, is_main=self.is_main)
+            more = not loop.finished
             while more:
                 more = self._run_epoch(bar, rollback)
         finally:
@@ -440,11 +448,6 @@ class BaseTrainer(abc.ABC):
         if signalled and more:
             self._stop_for_signal(seconds)
         return more
-
-    def _rollback(self) -> Rollback | None:
-        """The rollback part when ``guard.nonfinite=rollback``, given the parts it acts on (else None)."""
-        parts = self._checkpointer, self._position, self._metrics, self._run_log
-        return Rollback.build(self.cfg, *parts, restore=self._restore, is_main=self.is_main)
 
     def _fail(self, exc: BaseException) -> None:
         """The run ends with ``exc``: let background saves end, close the sinks (a clean signal stop is no failure)."""

@@ -312,22 +312,22 @@ def test_a_second_optimizer_diverging_on_a_batch_rolls_back_leaving_that_batch_o
 
 def test_persistent_divergence_stops_after_guard_max_rollbacks_rollbacks_in_a_row(tmp_path):
     """Every batch of epoch 1 from its third on diverges (no one batch's fault): each rollback leaves one more batch
-    out and fails again at the same step, so after guard.max_rollbacks of them the run stops with a DivergenceError
-    naming the key; the journal holds that many rollback rows, not one per batch left."""
+    out and goes back to the same checkpoint, so after guard.max_rollbacks of them the run stops with a
+    DivergenceError naming the key; the journal holds that many rollback rows, not one per batch left."""
     planted = {
         "nan_positions": ("1:2", "1:3", "1:4", "1:5"),
         "guard": {"nonfinite": "rollback", "max_rollbacks": 2},
         "ckpt": {"every_n_steps": 1},
     }
-    with pytest.raises(DivergenceError, match="rolled back 2 times in a row without getting past step 8 "):
+    with pytest.raises(DivergenceError, match=r"rolled back 2 times in a row to \S+last.pt \(step 8\) without a newer"):
         run(tmp_path, **planted)
     rollbacks = [row["guard/rolled_back_to_step"] for row in journal(tmp_path) if "guard/rolled_back_to_step" in row]
     assert rollbacks == [8, 8]
 
 
-def test_rollbacks_that_get_past_the_last_failure_start_the_count_again(tmp_path):
-    """Rollbacks at steps 8 and then 10 (the run got past step 8 in between) are not in a row: with
-    guard.max_rollbacks=1 the run rolls back twice and finishes."""
+def test_rollbacks_to_a_newer_checkpoint_start_the_count_again(tmp_path):
+    """Rollbacks to the step-8 and then the step-10 checkpoint (the run got past step 8 and saved in between) are
+    not in a row: with guard.max_rollbacks=1 the run rolls back twice and finishes."""
     planted = {
         "nan_positions": ("1:2", "1:5"),
         "guard": {"nonfinite": "rollback", "max_rollbacks": 1},
@@ -336,6 +336,18 @@ def test_rollbacks_that_get_past_the_last_failure_start_the_count_again(tmp_path
     _, rows = run(tmp_path, **planted)
     assert [row["guard/rolled_back_to_step"] for row in rows if "guard/rolled_back_to_step" in row] == [8, 10]
     assert rows[-1]["trainer/step"] == 10
+
+
+def test_bad_batches_all_over_an_epoch_without_step_checkpoints_stop_after_max_rollbacks(tmp_path):
+    """Every other batch of epoch 1 diverges and only epoch ends are checkpointed: each rollback replays the epoch
+    from its start (the step-6 checkpoint) and fails at a later batch, so the run never saves past the failures;
+    the third rollback to the same checkpoint with guard.max_rollbacks=2 stops the run instead of replaying the
+    epoch once per bad batch (the journal growing quadratically)."""
+    planted = {"nan_positions": ("1:0", "1:2", "1:4"), "guard": {"nonfinite": "rollback", "max_rollbacks": 2}}
+    with pytest.raises(DivergenceError, match=r"rolled back 2 times in a row to \S+last.pt \(step 6\)"):
+        run(tmp_path, **planted)
+    rollbacks = [row["guard/rolled_back_to_step"] for row in journal(tmp_path) if "guard/rolled_back_to_step" in row]
+    assert rollbacks == [6, 6]
 
 
 def test_guard_max_rollbacks_must_be_at_least_one(tmp_path):

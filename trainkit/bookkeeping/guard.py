@@ -211,34 +211,35 @@ def unblamable_steps(bad: Sequence[tuple[int, int, Sequence[int]]], *, epoch: in
 
 @attrs.frozen(kw_only=True)
 class RollbackStreak:
-    """Rollbacks in a row that did not get the run past the step that asked for the one before.
+    """Rollbacks in a row to the same checkpoint (or an older one): none written since got the run anywhere.
 
-    :ivar failed_at: The step that asked for the latest rollback (None before the first).
-    :ivar count: How many rollbacks in a row asked at that step or before it.
+    :ivar back_to: The step of the checkpoint the latest rollback went back to (None before the first).
+    :ivar count: How many rollbacks in a row went back to that checkpoint or an older one.
     """
 
-    failed_at: int | None = None
+    back_to: int | None = None
     count: int = attrs.field(default=0, validator=_check_count)
 
 
-def step_rollbacks(streak: RollbackStreak, step: int, *, limit: int) -> tuple[RollbackStreak, bool]:
-    """Count one more rollback, asked for at optimizer step ``step``.
+def step_rollbacks(streak: RollbackStreak, back_to: int, *, limit: int) -> tuple[RollbackStreak, bool]:
+    """Count one more rollback, to the checkpoint written at optimizer step ``back_to``.
 
-    A rollback asked for at a later step than the one before means the run got past that failure: the count
-    starts again. One asked for at the same step or earlier (every retry of the data fails, e.g. a learning rate
-    too high) adds to it; past ``limit`` the run must stop instead.
+    A rollback to a newer checkpoint than the one before means the run got past that failure and saved its progress:
+    the count starts again, so rare divergences far apart never add up. One to the same checkpoint (or an older
+    one) adds to it: every retry fails again (a learning rate too high, or most of an epoch's batches bad, each
+    replay training the same stretch again); past ``limit`` the run must stop instead.
 
     :param streak: The current record; left unchanged.
-    :param step: The step that asks for this rollback.
-    :param limit: ``guard.max_rollbacks``: the most rollbacks in a row that get nowhere.
+    :param back_to: The step of the checkpoint this rollback goes back to.
+    :param limit: ``guard.max_rollbacks``: the most rollbacks in a row to the same checkpoint.
     :returns: The next record, and whether this rollback may go ahead.
 
-    >>> streak, ok = step_rollbacks(RollbackStreak(), 9, limit=2)
-    >>> streak, ok = step_rollbacks(streak, 9, limit=2)
+    >>> streak, ok = step_rollbacks(RollbackStreak(), 8, limit=2)
+    >>> streak, ok = step_rollbacks(streak, 8, limit=2)
     >>> ok, streak.count
     (True, 2)
-    >>> step_rollbacks(streak, 9, limit=2)[1], step_rollbacks(streak, 10, limit=2)[0].count
+    >>> step_rollbacks(streak, 8, limit=2)[1], step_rollbacks(streak, 10, limit=2)[0].count
     (False, 1)
     """
-    count = streak.count + 1 if streak.failed_at is not None and step <= streak.failed_at else 1
-    return RollbackStreak(failed_at=step, count=count), count <= limit
+    count = streak.count + 1 if streak.back_to is not None and back_to <= streak.back_to else 1
+    return RollbackStreak(back_to=back_to, count=count), count <= limit

@@ -333,8 +333,8 @@ class GuardConfig(Section):
     update; counted as ``guard/skipped_steps``). With ``max_skips`` set, ``"skip"`` raises instead once that many
     non-finite steps fall within ``window`` optimizer steps; ``"rollback"`` skips as ``"skip"`` until then, and
     then reloads the newest checkpoint before the first of them and goes on with their batches left out, at most
-    ``max_rollbacks`` times in a row without getting past the step that asked for the rollback before (then it
-    stops with a :class:`~trainkit.DivergenceError`). ``skip_batches`` (``"EPOCH:BATCH"`` strings) leaves those
+    ``max_rollbacks`` times in a row to the same checkpoint (then it stops with a
+    :class:`~trainkit.DivergenceError`). ``skip_batches`` (``"EPOCH:BATCH"`` strings) leaves those
     batch positions out of the counted loop, as a rollback does (how a rerun skips the batches a rollback
     skipped). See :mod:`trainkit.loop.guard`.
     """

@@ -120,17 +120,6 @@ class Rollback:
             epoch without ``ckpt.every_n_steps``, or every step checkpoint newer and none kept by ``ckpt.keep``).
         """
         first = request.bad[0][0]
-        self._streak, allowed = core.step_rollbacks(self._streak, request.step, limit=self._cfg.guard.max_rollbacks)
-        if not allowed:
-            raise DivergenceError(
-                f"{request}; guard.nonfinite=rollback rolled back {self._streak.count - 1} times in a row without "
-                f"getting past step {request.step} (guard.max_rollbacks={self._cfg.guard.max_rollbacks}): the "
-                "divergence is not one batch's, e.g. a learning rate too high; resume from a checkpoint with a lower "
-                "one, or raise guard.max_rollbacks",
-                step=request.step,
-                epoch=request.epoch,
-                batch=request.batch,
-            ) from request
         resume = self._checkpointer.rollback_resume(self._cfg, first)
         if resume is None:
             raise DivergenceError(
@@ -142,6 +131,7 @@ class Rollback:
                 batch=request.batch,
             ) from request
         self._refuse_a_futile(request, resume)
+        self._refuse_a_streak(request, resume)
         position = self._position
         self._metrics.clear()  # the lost steps' logs go
         drop_gradients(self._restore(resume))  # a step checkpoint puts its own unpushed logs back
@@ -158,6 +148,23 @@ class Rollback:
                 f"to {resume.path} (step {step}), leaving out batches {', '.join(left_out)} (EPOCH:BATCH; a rerun "
                 f"skips them with guard.skip_batches)"
             )
+
+    def _refuse_a_streak(self, request: RollbackNeeded, resume: Resume) -> None:
+        """Stop after ``guard.max_rollbacks`` rollbacks in a row to the same checkpoint (no newer one was written
+        between: the run got nowhere)."""
+        limit, back_to = self._cfg.guard.max_rollbacks, resume.records.loop.step
+        self._streak, allowed = core.step_rollbacks(self._streak, back_to, limit=limit)
+        if not allowed:
+            raise DivergenceError(
+                f"{request}; guard.nonfinite=rollback rolled back {limit} times in a row to {resume.path} (step "
+                f"{back_to}) without a newer checkpoint written between (guard.max_rollbacks={limit}): the "
+                "divergence is not one batch's (a learning rate too high, or most of the batches bad); resume from "
+                "a checkpoint with a lower learning rate, write step checkpoints (ckpt.every_n_steps) so that each "
+                "rollback replays less, or raise guard.max_rollbacks",
+                step=request.step,
+                epoch=request.epoch,
+                batch=request.batch,
+            ) from request
 
     @staticmethod
     def _refuse_a_futile(request: RollbackNeeded, resume: Resume) -> None:
