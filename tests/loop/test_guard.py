@@ -365,6 +365,8 @@ def test_a_rollback_passes_over_a_damaged_last_checkpoint_to_the_previous_one(tm
     with pytest.warns(RuntimeWarning, match="last.pt cannot be rolled back to"):
         (rolled,), rows = run(tmp_path / "a", **planted, ckpt=ckpt, damage_last_at="1:3")
     assert [row["guard/rolled_back_to_step"] for row in rows if "guard/rolled_back_to_step" in row] == [8]
+    # set aside at the next save, which therefore could not rotate it into last.prev.pt, the intact copy
+    assert (tmp_path / "a" / "last.corrupt.pt").is_file()
     again = {**planted, "guard": {"nonfinite": "rollback", "skip_batches": ["1:3"]}}
     copy = tmp_path / "a" / "checkpoints" / "step-8.pt"
     (resumed,), _ = run(tmp_path / "b", **again, ckpt={"resume": str(copy)})

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,7 @@ class Checkpointer:
         self._minimize = bool((config.get("val") or {}).get("minimize", False))
         self._score: tuple[int, float] | None = None  # (epoch, score) of the last save_if_best call
         self._resumed: Path | None = None
+        self._damaged_last = False  # a rollback found last damaged: set aside at the next save
 
     @property
     def config(self) -> dict[str, Any]:
@@ -276,12 +278,27 @@ class Checkpointer:
 
     def _load_for_rollback(self, cfg: Config, path: Path) -> Resume | None:
         """A rollback candidate loaded, or None when it is damaged (warned: the next older one is tried, as an
-        automatic resume falls back)."""
+        automatic resume falls back; a damaged ``last`` is set aside at the next save, as ``last.corrupt``, so that
+        save cannot rotate it into ``last.prev``, the intact copy)."""
         try:
             return self.load(cfg, path, quiet=True)
         except (CheckpointCorruptError, CheckpointUnsafeError) as exc:
             warn_user(f"guard.nonfinite=rollback: {path} cannot be rolled back to ({exc}); trying an older checkpoint")
+            if path == self.last_path:
+                self._damaged_last = True
             return None
+
+    def _set_damaged_aside(self) -> None:
+        """Rank 0: move a ``last`` a rollback found damaged to ``last.corrupt`` (kept for inspection), once."""
+        if not self._damaged_last:
+            return
+        self._damaged_last = False
+        if self._rank == 0 and os.path.lexists(self.last_path):
+            kept = self.last_path.with_name(f"{self.last_path.stem}.corrupt{self.last_path.suffix}")
+            if os.path.isdir(kept) and not os.path.islink(kept):  # a sharded one set aside before: the newer wins
+                shutil.rmtree(kept)
+            os.replace(self.last_path, kept)
+            warn_user(f"the damaged {self.last_path} is kept as {kept}; the next save writes {self.last_path} anew")
 
     def _keep_resumed(self, path: Path, ckpt: Mapping[str, Any], records: core.Resumed) -> None:
         """Rank 0 under ``ckpt.keep``: the resumed ``last`` of this folder is kept if its step is not (a kill
@@ -480,6 +497,7 @@ class Checkpointer:
         if not self._ckpt.enable:
             return None
         gathered = dist_utils.all_gather_objects({"rng": capture_rng(), "position": record.rank_position})
+        self._set_damaged_aside()  # every rank is here, past any read of it
         rng = [state["rng"] for state in gathered]
         mid_epoch = None
         if record.position is not None:
