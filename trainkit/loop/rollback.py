@@ -92,25 +92,15 @@ class Rollback:
         self._streak = core.RollbackStreak()
 
     @classmethod
-    def build(
-        cls,
-        cfg: Config,
-        checkpointer: Checkpointer,
-        position: EpochTracker,
-        metrics: TrainerMetrics,
-        run_log: RunLog,
-        *,
-        restore: Callable[[Resume], Iterable[Any]],
-        is_main: bool,
-    ) -> Rollback | None:
+    def build(cls, cfg: Config, *parts: Any, **named: Any) -> Rollback | None:
         """The rollback part ``guard.nonfinite=rollback`` asks for, or None (nothing can ask for a rollback).
 
         :param cfg: The run's config.
-        :returns: The part, or None; the other parameters are the constructor's.
+        :param parts: The other positional parameters of the constructor.
+        :param named: Its keyword-only parameters.
+        :returns: The part, or None.
         """
-        if cfg.guard.nonfinite != "rollback":
-            return None
-        return cls(cfg, checkpointer, position, metrics, run_log, restore=restore, is_main=is_main)
+        return cls(cfg, *parts, **named) if cfg.guard.nonfinite == "rollback" else None
 
     def roll_back(self, request: RollbackNeeded) -> None:
         """Restore the newest checkpoint before ``request``'s first bad step, and leave its bad batches out.
