@@ -38,7 +38,7 @@ from trainkit.loop.progress import EpochBar, step_bar
 from trainkit.loop.rollback import Rollback, rolled_back
 from trainkit.loop.signals import StopSignals
 from trainkit.loop.snapshot import WeightSnapshot, modes_kept, weights_swapped_in
-from trainkit.loop.throughput import CountedBatches, Throughput
+from trainkit.loop.throughput import CountedBatches, Throughput, check_token_count
 from trainkit.messages import say, warn_user
 from trainkit.run.log import RunLog, new_run_id, open_run_log
 from trainkit.state.modules import module_state
@@ -86,13 +86,6 @@ def _generators(registry: core.CkptRegistry) -> list[torch.Generator]:
 def _fresh_patience(cfg: Config) -> core.PatienceState:
     """Patience as ``val.patience`` and ``val.start_patience`` set it, nothing counted yet."""
     return core.PatienceState(patience=cfg.val.patience, start_patience=cfg.val.start_patience)
-
-
-def _token_counter(throughput: Throughput | None) -> Throughput:
-    """``count_tokens``' counter; refused when ``log_throughput`` is off (nothing would report the count)."""
-    if throughput is None:
-        raise UsageError("count_tokens() needs log_throughput=true: without it nothing reports the tokens")
-    return throughput
 
 
 def _device(rank: int) -> torch.device:
@@ -890,14 +883,14 @@ class BaseTrainer(abc.ABC):
         return metrics
 
     def count_tokens(self, n: int | float | torch.Tensor) -> None:
-        """Count tokens trained on, for ``perf/tokens_per_s`` (``log_throughput``); no host sync.
+        """Count tokens for ``perf/tokens_per_s``, no host sync; ``log_throughput`` off: only ``n`` is checked.
 
         :param n: A number, or a tensor (e.g. ``attention_mask.sum()``) summed on its device until the next push.
-        :raises UsageError: When ``log_throughput`` is off; TypeError when ``n`` is no number or real tensor.
+        :raises TypeError: When ``n`` is no number or real tensor (whether or not ``log_throughput`` is on).
         :raises ValueError: When the number ``n`` is NaN, infinite, negative or too large for a float (a tensor's
             count is checked on its device: a bad one drops the next row's token rate, with a warning).
         """
-        _token_counter(self._metrics.throughput).count_tokens(n)
+        (check_token_count if self._metrics.throughput is None else self._metrics.throughput.count_tokens)(n)
 
     def _push_if_any(self) -> None:
         if len(self._metrics.buffer):

@@ -11,7 +11,6 @@ import torch
 from tests.helpers.configs import make_cfg
 from tests.helpers.host_syncs import count_host_syncs
 from tests.helpers.trainers import TinyTrainer
-from trainkit.errors import UsageError
 from trainkit.loop.metrics import LogBuffer
 from trainkit.loop.throughput import CountedBatches, Throughput
 
@@ -61,17 +60,30 @@ def test_every_row_after_training_carries_the_rates(tmp_path):
     assert {"train/loss", "val/loss"} <= result.keys()
 
 
-def test_off_by_default_and_count_tokens_says_what_is_missing(tmp_path):
-    """Without log_throughput no row has a perf/ key, progress() returns the loader itself, and count_tokens
-    raises naming the key that turns it on."""
-    trainer = TinyTrainer(make_cfg(tmp_path, RUNS))
+def test_off_by_default_and_count_tokens_is_then_a_no_op(tmp_path):
+    """Without log_throughput a trainer that counts tokens trains as with it on, and no row has a perf/ key."""
+    trainer = TokenTrainer(make_cfg(tmp_path, RUNS))
     try:
-        with pytest.raises(UsageError, match="log_throughput"):
-            trainer.count_tokens(5)
         trainer.train()
     finally:
         trainer.close()
-    assert not [key for row in rows(tmp_path) for key in row if key.startswith("perf/")]
+    written = rows(tmp_path)
+    assert len(written) == 2
+    assert not [key for row in written for key in row if key.startswith("perf/")]
+
+
+@pytest.mark.parametrize("value, error", [("12", TypeError), (float("nan"), ValueError), (-1, ValueError)])
+def test_count_tokens_checks_its_argument_with_log_throughput_off_too(tmp_path, value, error):
+    """A bad count is refused at the call whether or not log_throughput is on: it is a bug either way."""
+    trainer = TinyTrainer(make_cfg(tmp_path, RUNS))
+    try:
+        with pytest.raises(error, match="count_tokens"):
+            trainer.count_tokens(value)
+        with pytest.raises(TypeError, match="count_tokens"):
+            trainer.count_tokens(torch.ones(2, dtype=torch.complex64))
+        trainer.count_tokens(torch.ones(2))  # a tensor's values are not read: no host sync
+    finally:
+        trainer.close()
 
 
 def test_rates_follow_the_clock_and_a_validation_push_carries_none():

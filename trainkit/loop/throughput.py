@@ -18,7 +18,7 @@ from trainkit.bookkeeping import is_finite_real
 from trainkit.bookkeeping.throughput import ThroughputMark, throughput_rates
 from trainkit.messages import warn_user
 
-__all__ = ["CountedBatches", "Throughput", "samples_in"]
+__all__ = ["CountedBatches", "Throughput", "check_token_count", "samples_in"]
 
 _TOKENS = "perf/_tokens"  # the device-side token count's key inside the buffer for one push (never pushed)
 _LEAST = "perf/_tokens_least"  # the least tensor count since the last push, read with it (never pushed)
@@ -74,6 +74,33 @@ class CountedBatches:
         return getattr(self.batches, name)
 
 
+def check_token_count(n: Any) -> None:
+    """Refuse what is no count of tokens, without reading a tensor's values (no host sync).
+
+    :meth:`Throughput.count_tokens` runs it, and :meth:`~trainkit.BaseTrainer.count_tokens` runs it alone when
+    ``log_throughput`` is off: a bad count is a bug whether or not the rate is logged.
+
+    >>> check_token_count(12); check_token_count(torch.ones(3, dtype=torch.bool))
+    >>> check_token_count(-1)
+    Traceback (most recent call last):
+    ...
+    ValueError: count_tokens(n) takes a finite count >= 0, got -1
+
+    :param n: What ``count_tokens`` was given.
+    :raises TypeError: When ``n`` is neither a real number nor a real-valued (or bool) tensor.
+    :raises ValueError: When the number ``n`` is NaN, infinite, too large for a float, or negative.
+    """
+    if isinstance(n, torch.Tensor):
+        if n.is_complex():
+            raise TypeError(f"count_tokens takes a real-valued tensor (a count), got dtype {n.dtype}")
+    elif isinstance(n, int | float) and not isinstance(n, bool):
+        if not is_finite_real(n) or n < 0:
+            shown = repr(n) if len(repr(n)) <= 40 else f"an int of {len(repr(n))} digits"
+            raise ValueError(f"count_tokens(n) takes a finite count >= 0, got {shown}")
+    else:
+        raise TypeError(f"count_tokens takes a number or a tensor, got {n!r}")
+
+
 class Throughput:
     """Counts what the training loop does between pushes and turns it into ``perf/*`` rates.
 
@@ -122,9 +149,8 @@ class Throughput:
         :raises TypeError: When ``n`` is neither a real number nor a real-valued (or bool) tensor.
         :raises ValueError: When the number ``n`` is NaN, infinite, too large for a float, or negative.
         """
+        check_token_count(n)
         if isinstance(n, torch.Tensor):
-            if n.is_complex():
-                raise TypeError(f"count_tokens takes a real-valued tensor (a count), got dtype {n.dtype}")
             total = n.detach().sum(dtype=torch.float32 if n.dtype in _REDUCED else None)
             if self._tokens_on_device is None or self._least_on_device is None:
                 self._tokens_on_device, self._least_on_device = total, total
@@ -132,13 +158,8 @@ class Throughput:
                 self._tokens_on_device = self._tokens_on_device + total
                 # the least count, on the device (one op, no sync): a negative one hides in a positive sum
                 self._least_on_device = torch.minimum(self._least_on_device, total)
-        elif isinstance(n, int | float) and not isinstance(n, bool):
-            if not is_finite_real(n) or n < 0:
-                shown = repr(n) if len(repr(n)) <= 40 else f"an int of {len(repr(n))} digits"
-                raise ValueError(f"count_tokens(n) takes a finite count >= 0, got {shown}")
-            self._tokens = (self._tokens or 0.0) + float(n)
         else:
-            raise TypeError(f"count_tokens takes a number or a tensor, got {n!r}")
+            self._tokens = (self._tokens or 0.0) + float(n)
 
     def drain(self, buffer: Any) -> dict[str, float]:
         """Drain ``buffer`` (the device-side token count in its one transfer) and add the rates since the last
