@@ -12,6 +12,7 @@ Ctrl-C finishes the current epoch, saves, and exits; the same command then resum
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -31,6 +32,7 @@ class DigitsConfig(trainkit.Config):
     """The engine's keys plus this task's."""
 
     lr: float = 3e-3
+    lr_decay_epochs: int = 30  # the cosine schedule's length: a key of its own, so that extending a run stays exact
     batch_size: int = 64
     channels: int = 32
     split_seed: int = 0
@@ -55,6 +57,12 @@ def load_splits(split_seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]
     n_val = n_test = int(0.15 * len(labels))
     parts = {"val": order[:n_val], "test": order[n_val : n_val + n_test], "train": order[n_val + n_test :]}
     return {name: (images[idx], labels[idx]) for name, idx in parts.items()}
+
+
+def cosine(step: int, decay_steps: int, floor: float = 0.05) -> float:
+    """The learning rate's factor at ``step``: a cosine from 1 to ``floor`` over ``decay_steps``, then ``floor``."""
+    done = min(step, decay_steps) / decay_steps
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * done))
 
 
 class DigitsNet(nn.Module):
@@ -100,8 +108,12 @@ class DigitsTrainer(trainkit.BaseTrainer):
 
         self.model = self.make_ddp(DigitsNet(cfg.channels))
         self.optimizer = torch.optim.AdamW(self.get_param_groups(), lr=cfg.lr)
-        steps = cfg.epochs * len(self.train_loader)
-        self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=steps)
+        # Sized by lr_decay_epochs, not epochs: raising epochs to extend a finished run then continues the very
+        # schedule a run started with the larger epochs has, and the two end bit-identical. A schedule sized from
+        # cfg.epochs changes with it (and CosineAnnealingLR's state_dict keeps its old T_max, past which the rate
+        # climbs back): an extended run would differ from the longer one.
+        decay_steps = cfg.lr_decay_epochs * len(self.train_loader)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: cosine(step, decay_steps))
         self.add_checkpoint_items(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
 
     def train_epoch(self):

@@ -94,6 +94,26 @@ def test_ctrl_c_then_rerun_resumes_to_the_same_result(tmp_path):
     assert (out / "metrics.jsonl").read_text() == (tmp_path / "ref" / "metrics.jsonl").read_text()
 
 
+def test_extending_a_finished_digits_run_ends_as_the_longer_run(tmp_path):
+    """A finished 2-epoch digits run rerun with epochs=3 ends bit-identical to a 3-epoch run (its schedule is sized
+    by lr_decay_epochs, not epochs), in the weights, the scheduler and every metric."""
+    args = [sys.executable, "examples/digits.py", "val.patience=null", *QUIET]
+    for out, epochs in (("ref", [3]), ("extended", [2, 3])):
+        for n in epochs:
+            proc = run([*args, f"epochs={n}", f"out_dir={tmp_path / out}"], env=ON_CPU)
+            assert proc.returncode == 0, proc.stderr
+    ref = torch.load(tmp_path / "ref" / "last.pt", weights_only=True)
+    got = torch.load(tmp_path / "extended" / "last.pt", weights_only=True)
+    for key, value in ref["model"].items():
+        assert torch.equal(got["model"][key], value), key
+    assert got["scheduler"]["_last_lr"] == ref["scheduler"]["_last_lr"]
+    ref_rows = [json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    got_rows = [json.loads(line) for line in (tmp_path / "extended" / "metrics.jsonl").read_text().splitlines()]
+    assert [row for row in got_rows if not row.keys() & {"test/accuracy", "test/loss"}] == [
+        row for row in ref_rows if not row.keys() & {"test/accuracy", "test/loss"}
+    ]
+
+
 @pytest.mark.ddp
 def test_digits_runs_under_torchrun_with_two_processes(tmp_path):
     """The unchanged script runs as 2 gloo processes under torchrun and reports a test accuracy."""
