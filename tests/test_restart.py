@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from tests.faults.harness import Run, assert_same_training, write_run
+from tests.faults.harness import ROOT, Run, assert_same_training, child_env, write_run
 from tests.helpers.configs import make_cfg
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(240)]
@@ -53,3 +56,21 @@ def test_exception_on_one_rank_ends_the_torchrun_job_promptly(tmp_path):
     assert "Traceback" in run.stderr and "RuntimeError: injected failure on rank 1 at epoch 1" in run.stderr
     assert "tests/helpers/trainers.py" in run.stderr  # the original frame, not just torchrun's summary
     assert len(run.worker_pids()) == 2
+
+
+def test_sigterm_to_torchrun_saves_and_torchrun_exits_1_with_the_run_unfinished(tmp_path):
+    """SIGTERM to torchrun: its agent forwards it to the workers, which stop after saving (exit 143 each), but
+    torchrun itself exits 1 (its SignalException), not 143; last.pt holds the stop and inspect says the run goes on,
+    which is what a requeue script checks (docs: "Stopping on a signal")."""
+    out = tmp_path / "run"
+    cfg = make_cfg(out, epochs=40, dist={"backend": "gloo", "timeout_s": 30})
+    run = torchrun(write_run(tmp_path / "run.json", cfg, {"batch_sleep": 0.01}), tmp_path / "log")
+    assert run.wait_for("epoch 1 rank 0 "), run.stderr[-4000:]
+    run.signal(signal.SIGTERM)
+    code = run.wait(timeout=120)
+    assert code == 1, run.stderr[-4000:]
+    assert "SignalException" in run.stderr and "SIGTERM received: stopped after epoch" in run.stderr
+    shown = subprocess.run([sys.executable, "-m", "trainkit", "inspect", str(out / "last.pt")], cwd=ROOT,
+                           env=child_env(), capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "results: none yet (the run goes on)" in " ".join(shown.stdout.split())

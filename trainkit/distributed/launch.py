@@ -81,7 +81,8 @@ def launch(trainer_class: type, cfg: Config | Mapping[str, Any]) -> Any:
     environment torchrun sets; without them it runs a single process. An exception on this rank
     propagates (torchrun then stops the other ranks and exits non-zero). A run stopped by a signal
     (:class:`~trainkit.TrainingInterrupted`) exits the process with ``128 + signal number`` after
-    saving, e.g. 143 for SIGTERM and 130 for Ctrl-C.
+    saving, e.g. 143 for SIGTERM and 130 for Ctrl-C. Under torchrun that is each worker's status: torchrun's
+    own is 1 when its agent was signalled (docs: "Stopping on a signal", for what a requeue script checks).
 
     :param trainer_class: A :class:`~trainkit.BaseTrainer` subclass.
     :param cfg: Its config, or a mapping validated into one.
