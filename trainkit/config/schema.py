@@ -46,11 +46,7 @@ from trainkit.errors import ConfigError
 
 __all__ = [
     "Config",
-    "is_secret_key",
-    "strip_secrets",
     "public_config",
-    "all_keys",
-    "apply_overrides",
     "changed_on_resume",
     "RESUME_SAFE_KEYS",
     "RETUNED_KEYS",
