@@ -107,6 +107,7 @@ def _parts(
     position = EpochTracker(
         every_n_steps=ckpt.every_n_steps, enabled=ckpt.enable, world_size=world_size, timeout_s=timeout_s,
         left_out=skip_batches(guard), count_always=guard.nonfinite == "rollback",  # a rollback names batches
+        max_steps=cfg.max_steps, val_every_n_steps=cfg.val.every_n_steps, log_every_n_steps=cfg.log_every_n_steps,
     )
     checkpointer = Checkpointer(
         Path(cfg.out_dir),
@@ -188,9 +189,11 @@ def _agree_on_stop(stop: bool, signalled: bool, *, epoch: int, rank: int) -> tup
 
 
 def _summary(records: _Records, best_metrics: Mapping[str, float], latest: Mapping[str, float]) -> dict[str, Any]:
-    """The run summary: epochs run, why it stopped, the best metrics and epoch, the test metrics."""
+    """The run summary: epochs (completed) and optimizer steps run, why it stopped, the best metrics and epoch, the
+    test metrics."""
     summary: dict[str, Any] = {
         "epochs_run": records.loop.epoch,
+        "steps_run": records.loop.step,
         "stop_reason": records.loop.stop_reason,
         **best_metrics,
         **{key: value for key, value in latest.items() if key.startswith("test/")},
@@ -199,6 +202,53 @@ def _summary(records: _Records, best_metrics: Mapping[str, float], latest: Mappi
         summary["best/epoch"] = records.best.epoch
         summary["best/score"] = records.best.score
     return summary
+
+
+def _budget(cfg: Config) -> str:
+    """The run's length as configured, for messages: ``epochs=3``, ``max_steps=900``, or both."""
+    return " and ".join(
+        f"{key}={value}" for key, value in (("epochs", cfg.epochs), ("max_steps", cfg.max_steps)) if value is not None
+    )
+
+
+def _validates_now(cfg: Config, epoch: int, step: int, position: EpochTracker) -> bool:
+    """Whether the epoch that just ended is validated now (:func:`~trainkit.bookkeeping.validates_at_epoch_end`)."""
+    return core.validates_at_epoch_end(
+        epoch, step, epochs=cfg.epochs, every_n_epochs=cfg.val.every_n_epochs, max_steps=cfg.max_steps,
+        every_n_steps=cfg.val.every_n_steps, validated_at=position.validated_at, stopped_early=position.stopped_early,
+    )  # fmt: skip
+
+
+def _end_epoch(
+    cfg: Config, loop: core.LoopState, step: int, position: EpochTracker, *, stop: bool, validated: bool
+) -> tuple[core.LoopState, bool]:
+    """Close the epoch (:func:`~trainkit.bookkeeping.end_epoch`) once its steps are checked: a run measured in steps
+    must take some each epoch (it would never end), and a ``max_steps`` passed at the epoch's end (no loop through
+    ``progress()``) is warned about."""
+    if cfg.epochs is None and step == loop.step:
+        raise UsageError(
+            f"max_steps={cfg.max_steps} counts optimizer steps (the first registered optimizer's step()), but epoch "
+            f"{loop.epoch} took none and epochs is not set, so the run would never end; register the optimizer with "
+            "add_checkpoint_items(), or set epochs"
+        )
+    if cfg.max_steps is not None and step > cfg.max_steps and not position.ended_inside:
+        warn_user(
+            f"max_steps={cfg.max_steps} is acted on at the step boundaries of the loop train_epoch() iterates through "
+            f"self.progress(); epoch {loop.epoch} ended at step {step} without one, so the run stops there"
+        )
+    validated = validated or position.validated_at == step
+    return core.end_epoch(
+        loop, epochs=cfg.epochs, early_stop=stop, step=step, validated=validated, max_steps=cfg.max_steps,
+        in_epoch=position.ended_inside,
+    )  # fmt: skip
+
+
+def _save_record(records: _Records, loop: core.LoopState, tracker: EpochTracker, **values: Any) -> SaveRecord:
+    """What a save writes: the records (with ``loop`` for this save), the position part's batches left out, and the
+    metrics, results, run id, journal offset and epoch position given as ``values``."""
+    return SaveRecord(
+        loop=loop, best=records.best, patience=records.patience, left_out=tuple(tracker.left_out()), **values
+    )
 
 
 def _position_field(name: str, doc: str) -> Any:
@@ -316,6 +366,16 @@ class BaseTrainer(abc.ABC):
         """``cfg.out_dir``."""
         return Path(self.cfg.out_dir)
 
+    def planned_steps(self, steps_per_epoch: int | None = None) -> int:
+        """The run's planned length in optimizer steps, to size a learning-rate schedule from: ``max_steps``, or
+        ``epochs * steps_per_epoch``, the smaller when both are set (:func:`~trainkit.bookkeeping.planned_steps`).
+
+        :param steps_per_epoch: Optimizer steps per epoch (``len(loader) // accumulation``); needed with ``epochs``.
+        :returns: The number of optimizer steps the run plans to take.
+        :raises BookkeepingError: When ``epochs`` is set and ``steps_per_epoch`` is not given.
+        """
+        return core.planned_steps(epochs=self.cfg.epochs, max_steps=self.cfg.max_steps, steps_per_epoch=steps_per_epoch)
+
     @property
     def first_batch(self) -> int:
         """The index in the epoch of the first batch :meth:`progress` yields (0, or a resumed epoch's consumed
@@ -406,8 +466,8 @@ class BaseTrainer(abc.ABC):
         loop = self._records.loop
         bar = EpochBar(total=self.cfg.epochs, initial=loop.epoch, enabled=self._bars_enabled)
         try:
-            if loop.finished and not loop.last_validated:  # epochs lowered below a resumed run's last epoch
-                self.epoch = loop.epoch - 1
+            if loop.finished and not loop.last_validated:  # the budget lowered below where a resumed run stood
+                self.epoch = loop.current_epoch
                 _verdict(self._validate())
                 self._records = self._records._replace(loop=attrs.evolve(loop, last_validated=True))
                 self._push_if_any()
@@ -426,16 +486,15 @@ class BaseTrainer(abc.ABC):
             self.train_epoch()
         if rolled:
             return True
-        validated = core.should_validate(self.epoch, self.cfg.epochs, self.cfg.val.every_n_epochs)
-        stop = _verdict(self._validate()) if validated else False
+        position, cfg = self._position, self.cfg
+        validated = _validates_now(cfg, self.epoch, self.step, position)
+        stop = _verdict(self._validate()) if validated else position.stopped_early
         stop, signalled = _agree_on_stop(stop, self._signals.received is not None, epoch=self.epoch, rank=self.rank)
-        loop, more = core.end_epoch(
-            self._records.loop, epochs=self.cfg.epochs, early_stop=stop, step=self.step, validated=validated
-        )
+        loop, more = _end_epoch(cfg, self._records.loop, self.step, position, stop=stop, validated=validated)
         self._records = self._records._replace(loop=loop)
         self._push_if_any()
         # after the last epoch without a test, _finish() writes the same state (plus results) at once
-        seconds = self._save() if more or self.cfg.test.enable else None
+        seconds = self._save() if more or cfg.test.enable else None
         if bar.shown:  # the metrics are formatted for a bar that shows only
             bar.update(self.get_best_pbar_metrics())
         if signalled and more:
@@ -454,50 +513,60 @@ class BaseTrainer(abc.ABC):
     def _stop_for_signal(self, seconds: float | None, batches: TrackedBatches | None = None) -> None:
         self._checkpointer.wait()  # every rank is here: a background save just started is published first
         seconds = self._checkpointer.last_seconds if self.is_main else seconds
-        if batches is None:
-            raise self._signals.interrupted(self.epoch, seconds)
-        raise self._signals.interrupted(self.epoch, seconds, step=self.step, batches=(batches.consumed, len(batches)))
+        where = {} if batches is None else {"step": self.step, "batches": (batches.consumed, len(batches))}
+        raise self._signals.interrupted(self.epoch, seconds, **where)
 
-    def _at_step_boundary(self, batches: TrackedBatches) -> None:
-        """Between two batches, right after an optimizer step: write a due step checkpoint, act on a signal."""
-        save, stop = self._position.boundary(self.step, self._signals.received is not None)
-        seconds = self._save(batches) if save else None
-        if stop:
+    def _at_step_boundary(self, batches: TrackedBatches) -> bool:
+        """Between two batches, right after an optimizer step: validate, push, save what is due, act on a signal;
+        True ends the epoch's loop here (``max_steps``, or a step validation's early stop)."""
+        due = self._position.boundary(self.step, self._signals.received is not None)
+        if due is None:
+            return False
+        stop = due.validate and _agree_on_stop(self._validate(inside=True), False, epoch=self.epoch, rank=self.rank)[0]
+        if due.push or due.validate:
+            self._push_if_any()
+        if due.end or stop:
+            self._position.end_inside(batches, stopped_early=stop)
+            return True
+        seconds = self._save(batches) if due.save else None
+        if due.stop:
             self._stop_for_signal(seconds, batches)
+        return False
 
     def _save(self, batches: TrackedBatches | None = None) -> float | None:
         """Save through the checkpointer (inside an epoch, with ``batches``: a step checkpoint)."""
         if not self.cfg.ckpt.enable:  # nothing would be written: the record is not built
             return None
-        records = self._records
-        loop = records.loop if batches is None else attrs.evolve(records.loop, step=self.step)
+        records, run_log = self._records, self._run_log
+        loop = records.loop if batches is None else attrs.evolve(records.loop, step=self.step, in_epoch=True)
         position, rank_position = self._position.save_position(batches, loop.epoch, self._metrics.state_dict())
-        record = SaveRecord(
-            loop=loop, best=records.best, patience=records.patience, latest_metrics=self._metrics.latest,
-            results=self._results, run_id=self._run_log.run_id, metrics_offset=self._run_log.offset(),
-            position=position, rank_position=rank_position, left_out=tuple(self._position.left_out()),
-        )
-        seconds = self._checkpointer.save(
-            record, self._registry, best_weights=self._best.state, before=self._run_log.sync
-        )
+        record = _save_record(
+            records, loop, self._position, latest_metrics=self._metrics.latest, results=self._results,
+            run_id=run_log.run_id, metrics_offset=run_log.offset(), position=position, rank_position=rank_position,
+        )  # fmt: skip
+        seconds = self._checkpointer.save(record, self._registry, best_weights=self._best.state, before=run_log.sync)
         if batches is not None:
             self._position.saved(self.step)
         return seconds
 
-    def _validate(self) -> Any:
+    def _validate(self, inside: bool = False) -> Any:
+        """``val_epoch()``; ``inside`` an epoch's loop (a step validation): its verdict read, the modes put back."""
         self._validating = False
+        self._position.validated(self.step)
         try:
-            return self.val_epoch()
+            if not inside:
+                return self.val_epoch()
+            with self._position.validating(), modes_kept(dist_utils.unwrap(self.model)):
+                return _verdict(self.val_epoch())
         finally:
             self._validating = None
 
     def _finish(self) -> dict[str, float] | None:
         model = dist_utils.unwrap(self.model)
-        trained = None
+        # test() leaves the best weights loaded; the final last.pt holds the last epoch's, as a resume needs
+        tested = self.cfg.test.enable and model is not None and self._best.state is not None
+        trained = WeightSnapshot().take(module_state(model)) if tested else None
         if self.cfg.test.enable:
-            # test() leaves the best weights loaded; the final last.pt holds the last epoch's, as a resume needs
-            if model is not None and self._best.state is not None:
-                trained = WeightSnapshot().take(module_state(model))
             self.test()
         self.log_training_results()
         self._results = {**self._metrics.latest, **self.best_metrics}
@@ -604,16 +673,14 @@ class BaseTrainer(abc.ABC):
         self._registry = self._checkpointer.restore(resume, self._registry)
         records = resume.records
         self._records = _Records(records.loop, records.best, records.patience)
-        # inside the loop self.epoch is the epoch being run; after it, the last one that ran
-        self.epoch = records.loop.epoch - 1 if records.loop.finished else records.loop.epoch
-        self.step = records.loop.step
+        self.epoch, self.step = records.loop.current_epoch, records.loop.step
         if records.best is not None and records.best.score is not None:
             loaded = self._checkpointer.read_best(resume.path.parent, records.best, dist_utils.unwrap(self.model))
             if loaded is not None:
                 self._best.replace(loaded.weights, private=loaded.private)
         self._results = resume.results
-        epochs = self.cfg.epochs
-        state = self._position.resume(resume.path, resume.ckpt, rank=self.rank, loop=records.loop, epochs=epochs)
+        budget = _budget(self.cfg)
+        state = self._position.resume(resume.path, resume.ckpt, rank=self.rank, loop=records.loop, budget=budget)
         self._metrics.resume(resume.ckpt.get("latest_metrics"), state)
         return self._registry.items.values()
 
@@ -663,7 +730,7 @@ class BaseTrainer(abc.ABC):
                 raise UsageError("save_if_best() snapshots self.model, which is not set; assign it in setup()")
             self._best.take(module_state(model))  # written (best.pt) at the end of the epoch, before last.pt
         self._records = self._records._replace(best=state)  # after the snapshot: a failed one leaves the record
-        self._checkpointer.scored(score, epoch=self.epoch, improved=improved, minimize=state.minimize)
+        self._checkpointer.scored(score, step=self.step, improved=improved, minimize=state.minimize)
         return improved
 
     def step_patience(self, improved: bool) -> bool:
@@ -705,13 +772,7 @@ class BaseTrainer(abc.ABC):
             forward pass. Defaults to False.
         :returns: The DDP-wrapped module, or the original module if not distributed.
         """
-        module = module.to(self.device)
-        if self.world_size == 1:
-            return module
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(
-            module, device_ids=device_ids, find_unused_parameters=find_unused_parameters
-        )
+        return dist_utils.wrap_ddp(module.to(self.device), self.world_size, find_unused_parameters)
 
     def make_fsdp(
         self,
@@ -734,14 +795,8 @@ class BaseTrainer(abc.ABC):
         :param mesh: The ``DeviceMesh`` to shard over; None builds one over every rank.
         :returns: The sharded module, or the module itself on one process.
         """
-        module = module.to(self.device)
-        if self.world_size == 1:
-            sharding.units_to_shard(module, shard)  # the same argument checks as on many ranks
-            return module
-        mesh = mesh if mesh is not None else sharding.device_mesh(self.device, self.world_size)
-        return sharding.shard_module(
-            module, mesh=mesh, shard=shard, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
-        )
+        options = {"shard": shard, "mp_policy": mp_policy, "reshard_after_forward": reshard_after_forward}
+        return sharding.shard_on(module.to(self.device), self.device, self.world_size, mesh=mesh, **options)
 
     def barrier(self) -> None:
         """Synchronize all processes in the distributed group (a rank late by ``dist.timeout_s`` fails them)."""
@@ -834,11 +889,10 @@ class BaseTrainer(abc.ABC):
         :param modules: Modules to measure, ``self.model`` by default.
         """
         cfg = self.cfg
-        if not (cfg.log_weight_stats or cfg.log_grad_stats) or self.step % cfg.log_stats_every_n_steps != 0:
-            return
-        named = optim_utils.named_trainable_parameters(self._modules(modules, "log_param_grad_stats"))
-        keys, values = optim_utils.param_stats(named, weights=cfg.log_weight_stats, grads=cfg.log_grad_stats)
-        self._metrics.buffer.add_vector(keys, sharding.plain(values))  # over FSDP2 shards: one all-reduce
+        if (cfg.log_weight_stats or cfg.log_grad_stats) and self.step % cfg.log_stats_every_n_steps == 0:
+            named = optim_utils.named_trainable_parameters(self._modules(modules, "log_param_grad_stats"))
+            keys, values = optim_utils.param_stats(named, weights=cfg.log_weight_stats, grads=cfg.log_grad_stats)
+            self._metrics.buffer.add_vector(keys, sharding.plain(values))  # over FSDP2 shards: one all-reduce
 
     def log_lr(self) -> None:
         """Log the current learning rate for each optimizer parameter group.
@@ -846,9 +900,7 @@ class BaseTrainer(abc.ABC):
         Keys are ``lr/<optimizer>/<group>``: the registered name (or the attribute holding an unregistered
         optimizer) and the group's ``name`` or index.
         """
-        optimizers = {n: o for n, o in self._registry.items.items() if isinstance(o, torch.optim.Optimizer)}
-        optimizers = optimizers or {n: o for n, o in vars(self).items() if isinstance(o, torch.optim.Optimizer)}
-        self._metrics.buffer.add(optim_utils.learning_rates(optimizers))
+        self._metrics.buffer.add(optim_utils.learning_rates(self._registry.items, or_else=vars(self)))
 
     @property
     def _bars_enabled(self) -> bool:

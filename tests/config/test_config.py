@@ -68,9 +68,9 @@ def test_unknown_key_with_no_close_match_lists_the_known_keys():
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        ({"epochs": "3"}, "epochs must be an int, got '3'"),
-        ({"epochs": True}, "epochs must be an int, got True"),
-        ({"epochs": 2.0}, "epochs must be an int, got 2.0"),
+        ({"epochs": "3"}, "epochs must be an int or None, got '3'"),
+        ({"epochs": True}, "epochs must be an int or None, got True"),
+        ({"epochs": 2.0}, "epochs must be an int or None, got 2.0"),
         ({"epochs": 1, "log_weight_stats": 1}, "log_weight_stats must be a bool, got 1"),
         ({"epochs": 1, "val": {"patience": "5"}}, "val.patience must be an int or None, got '5'"),
         ({"epochs": 1, "val": {"min_delta": True}}, "val.min_delta must be a float, got True"),
@@ -178,10 +178,22 @@ def test_direct_construction_runs_the_same_rules():
 
 
 def test_missing_epochs_is_required():
-    """epochs has no default: leaving it out is an error naming it."""
+    """A run needs a length: leaving out both epochs and max_steps is an error naming epochs and the way out."""
     error = config_error({"seed": 1})
-    assert str(error) == "epochs is required"
+    assert str(error) == "epochs is required; or max_steps: the run's length is epochs, max_steps, or both"
     assert (error.key, error.rule) == ("epochs", "is required")
+
+
+def test_max_steps_alone_is_a_length():
+    """max_steps may stand for epochs (a run measured in steps); both may be given; each is checked on its own."""
+    assert Config.from_mapping({"max_steps": 10}).epochs is None
+    assert Config.from_mapping({"max_steps": 10, "epochs": 2}).max_steps == 10
+    error = config_error({"max_steps": 0})
+    assert (error.key, error.value) == ("max_steps", 0)
+    error = config_error({"epochs": 1, "val": {"every_n_steps": 0}})
+    assert (error.key, error.value) == ("val.every_n_steps", 0)
+    error = config_error({"epochs": 1, "log_every_n_steps": -3})
+    assert (error.key, error.value) == ("log_every_n_steps", -3)
 
 
 @pytest.mark.parametrize("section", [3, None, [1, 2], "val"])
@@ -285,7 +297,7 @@ def test_unknown_override_key_suggests_the_closest(override, message):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("epochs=abc", "epochs must be an int, got 'abc'"),
+        ("epochs=abc", "epochs must be an int or None, got 'abc'"),
         ("epochs=0", "epochs must be >= 1, got 0"),
         ("val.minimize=maybe", "val.minimize must be a bool (true or false), got 'maybe'"),
         ("val.patience=0", "val.patience must be >= 1 or None, got 0"),

@@ -43,10 +43,13 @@ from trainkit.bookkeeping.retention import (
 from trainkit.bookkeeping.schedule import (
     STOP_EARLY,
     STOP_MAX_EPOCHS,
+    STOP_MAX_STEPS,
     LoopState,
     end_epoch,
+    planned_steps,
     resume_loop,
     should_validate,
+    validates_at_epoch_end,
 )
 from trainkit.bookkeeping.throughput import PERF_KEYS, ThroughputMark, throughput_rates
 
@@ -85,6 +88,9 @@ __all__ = [
     "reconcile",
     "STOP_EARLY",
     "STOP_MAX_EPOCHS",
+    "STOP_MAX_STEPS",
+    "planned_steps",
+    "validates_at_epoch_end",
     "EpochPosition",
     "step_checkpoint_due",
     "next_step_checkpoint",

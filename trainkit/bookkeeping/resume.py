@@ -9,7 +9,7 @@ import attrs
 
 from trainkit.bookkeeping.best import BestState, retune_min_delta
 from trainkit.bookkeeping.patience import PatienceState, retune_patience
-from trainkit.bookkeeping.schedule import STOP_EARLY, STOP_MAX_EPOCHS, LoopState, resume_loop
+from trainkit.bookkeeping.schedule import STOP_EARLY, STOP_MAX_EPOCHS, STOP_MAX_STEPS, LoopState, resume_loop
 
 __all__ = ["Resumed", "reconcile"]
 
@@ -37,26 +37,28 @@ def reconcile(
     best: BestState | None,
     patience: PatienceState | None,
     *,
-    epochs: int,
+    epochs: int | None,
     val_patience: int | None,
     start_patience: int,
     min_delta: float,
+    max_steps: int | None = None,
 ) -> Resumed:
     """Apply the current config to the records read from a checkpoint.
 
     Pure. A changed ``min_delta`` applies to later comparisons (:func:`~trainkit.bookkeeping.retune_min_delta`);
     a changed patience applies from the resumed epoch on, keeping the misses counted
-    (:func:`~trainkit.bookkeeping.retune_patience`); a changed ``epochs`` extends a finished run, reopens one
-    that stopped early only when the new patience leaves room, or ends one that is already past it
+    (:func:`~trainkit.bookkeeping.retune_patience`); a changed ``epochs`` or ``max_steps`` extends a finished run,
+    reopens one that stopped early only when the new patience leaves room, or ends one that is already past it
     (:func:`~trainkit.bookkeeping.resume_loop`).
 
     :param loop: The loop record from the checkpoint.
     :param best: The best record from the checkpoint, if any.
     :param patience: The patience record from the checkpoint, if any.
-    :param epochs: ``epochs``.
+    :param epochs: ``epochs`` (None: the run is measured in steps).
     :param val_patience: ``val.patience``.
     :param start_patience: ``val.start_patience``.
     :param min_delta: ``val.min_delta``.
+    :param max_steps: ``max_steps``, or None.
     :returns: The reconciled records, whether more epochs run, and the messages.
 
     >>> r = reconcile(LoopState(epoch=3), None, None, epochs=5, val_patience=None, start_patience=0, min_delta=0.0)
@@ -95,34 +97,52 @@ def reconcile(
         and patience is not None
         and not patience.exhausted
     )
-    resumed, more = resume_loop(loop, epochs=epochs, early_stop_lifted=lifted)
+    resumed, more = resume_loop(loop, epochs=epochs, max_steps=max_steps, early_stop_lifted=lifted)
     return Resumed(
         loop=resumed,
         best=best,
         patience=patience,
         more=more,
         notes=tuple(notes),
-        line=_resume_line(loop, more, epochs=epochs, val_patience=val_patience),
+        line=_resume_line(loop, more, epochs=epochs, val_patience=val_patience, max_steps=max_steps),
     )
 
 
-def _resume_line(saved: LoopState, more: bool, *, epochs: int, val_patience: int | None) -> str:
+def _budget(epochs: int | None, max_steps: int | None) -> str:
+    """The run's budget as the config says it: ``epochs=5``, ``max_steps=900``, or both."""
+    parts = ([f"epochs={epochs}"] if epochs is not None else []) + (
+        [f"max_steps={max_steps}"] if max_steps is not None else []
+    )
+    return " and ".join(parts)
+
+
+def _resume_line(
+    saved: LoopState, more: bool, *, epochs: int | None, val_patience: int | None, max_steps: int | None = None
+) -> str:
+    budget = _budget(epochs, max_steps)
+    where = f"step {saved.step} (inside epoch {saved.epoch})" if saved.in_epoch else f"{saved.epoch} epochs done"
     if not saved.finished:
         if more:
-            return f"at epoch {saved.epoch} of {epochs}"
-        final = f"validating epoch {saved.epoch - 1} and finishing" if not saved.last_validated else "finishing"
-        return f"{saved.epoch} epochs done, epochs={epochs} is already reached: {final}"
-    if saved.stop_reason == STOP_MAX_EPOCHS:
+            if saved.in_epoch:
+                return f"at step {saved.step}, inside epoch {saved.epoch}, of {budget}"
+            return f"at epoch {saved.epoch} of {epochs}" if max_steps is None else f"at epoch {saved.epoch} of {budget}"
+        final = "validating and finishing" if not saved.last_validated or saved.in_epoch else "finishing"
+        return f"{where}, {budget} is already reached: {final}"
+    ran = f"{saved.step} steps" if saved.stop_reason == STOP_MAX_STEPS else f"{saved.epoch} epochs"
+    if saved.stop_reason in (STOP_MAX_EPOCHS, STOP_MAX_STEPS):
+        if more and saved.stop_reason == STOP_MAX_EPOCHS and max_steps is None and epochs is not None:
+            return f"finished after {ran}; {budget} extends it by {epochs - saved.epoch}"
         if more:
-            return f"finished after {saved.epoch} epochs; epochs={epochs} extends it by {epochs - saved.epoch}"
-        return f"finished after {saved.epoch} epochs (max_epochs); nothing to train (raise epochs to extend it)"
+            return f"finished after {ran}; {budget} extends it"
+        raise_what = "max_steps" if saved.stop_reason == STOP_MAX_STEPS else "epochs"
+        return f"finished after {ran} ({saved.stop_reason}); nothing to train (raise {raise_what} to extend it)"
     if more:
         return (
             f"stopped early after {saved.epoch} epochs; val.patience={val_patience} allows more, "
-            f"so it continues (up to epochs={epochs})"
+            f"so it continues (up to {budget})"
         )
-    if saved.epoch >= epochs:
-        return f"stopped early after {saved.epoch} epochs; epochs={epochs} allows no more"
+    if (epochs is not None and saved.epoch >= epochs) or (max_steps is not None and saved.step >= max_steps):
+        return f"stopped early after {saved.epoch} epochs; {budget} allows no more"
     return (
         f"stopped early after {saved.epoch} epochs and stays stopped: its stopping rule allows no more "
         "(raise val.patience to continue a run that patience stopped)"

@@ -175,7 +175,7 @@ class Checkpointer:
         self._best_changed = False
         self._kept = KeptCheckpoints(out_dir, ckpt.keep, writes=ckpt.enable and rank == 0, sharded=in_shards)
         self._minimize = bool((config.get("val") or {}).get("minimize", False))
-        self._score: tuple[int, float] | None = None  # (epoch, score) of the last save_if_best call
+        self._score: tuple[int, float] | None = None  # (step, score) of the last save_if_best call
         self._resumed: Path | None = None
         self._damaged_last = False  # a rollback found last damaged: set aside at the next save
 
@@ -238,6 +238,7 @@ class Checkpointer:
             core.BestState.from_dict(ckpt["best"]) if ckpt.get("best") is not None else None,
             core.PatienceState.from_dict(ckpt["patience"]) if ckpt.get("patience") is not None else None,
             epochs=cfg.epochs,
+            max_steps=cfg.max_steps,
             val_patience=val.patience,
             start_patience=val.start_patience,
             min_delta=val.min_delta,
@@ -308,8 +309,9 @@ class Checkpointer:
             return
         loop, best = core.LoopState.from_dict(ckpt["loop"]), records.best
         score = None  # the score of an epoch that did not improve is not in the checkpoint (its val/* metrics are)
-        if best is not None and best.score is not None and best.epoch == loop.epoch - 1:
-            score = (loop.epoch - 1, best.score)
+        epoch_end = ckpt.get("trainkit") is None
+        if best is not None and best.score is not None and best.epoch == loop.epoch - 1 and epoch_end:
+            score = (int(ckpt["step"]), best.score)
         try:
             saved_at = os.lstat(path).st_mtime
         except OSError:
@@ -317,8 +319,8 @@ class Checkpointer:
         description = describe_save(
             step=int(ckpt["step"]),
             epoch=loop.epoch,
-            epoch_end=ckpt.get("trainkit") is None,
-            validated=loop.last_validated,
+            epoch_end=epoch_end,
+            validated=loop.last_validated and epoch_end,
             score=score,
             latest_metrics=ckpt.get("latest_metrics") or {},
             saved_at=saved_at if math.isfinite(saved_at) else None,
@@ -434,12 +436,12 @@ class Checkpointer:
         """Record that the best weights changed: the next :meth:`save` writes the best checkpoint first."""
         self._best_changed = True
 
-    def scored(self, score: Any, *, epoch: int, improved: bool, minimize: bool) -> None:
-        """Record a ``save_if_best`` result: the epoch's score (for ``ckpt.keep``'s ``best`` rules) and, when it
+    def scored(self, score: Any, *, step: int, improved: bool, minimize: bool) -> None:
+        """Record a ``save_if_best`` result: the score at this step (for ``ckpt.keep``'s ``best`` rules) and, when it
         improved, that the best weights changed.
 
         :param score: The score given to ``save_if_best``.
-        :param epoch: The 0-based epoch it belongs to.
+        :param step: The optimizer step it was measured at.
         :param improved: Whether it improved (the weights were snapshotted).
         :param minimize: The direction of the best record.
         """
@@ -447,7 +449,7 @@ class Checkpointer:
             self._best_changed = True
         self._minimize = minimize
         if self._kept.active:
-            self._score = (epoch, float(score))  # save_if_best checked that it converts
+            self._score = (step, float(score))  # save_if_best checked that it converts
 
     def open_journal(self, resume: Resume | None) -> JsonlSink | None:
         """Open ``metrics.jsonl`` (rank 0 of a run with checkpoints; None elsewhere), cut back to the checkpoint.
@@ -520,11 +522,12 @@ class Checkpointer:
         ``checkpoints/index.json`` before it is written, keep it under ``checkpoints/`` once it is published."""
         if not self._kept.active:
             return {"before": before, "after": None}
+        epoch_end, score = record.position is None, self._score
         description = describe_save(
             step=record.loop.step,
             epoch=record.loop.epoch,
-            epoch_end=record.position is None,
-            validated=record.loop.last_validated,
+            epoch_end=epoch_end,
+            validated=(epoch_end and record.loop.last_validated) or (score is not None and score[0] == record.loop.step),
             score=self._score,
             latest_metrics=record.latest_metrics,
         )

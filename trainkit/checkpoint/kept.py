@@ -691,23 +691,24 @@ def describe_save(
 ) -> core.Checkpoint:
     """What retention knows of a checkpoint being saved now (or, with ``saved_at``, saved then).
 
-    Scores are recorded only for an epoch-end checkpoint whose epoch ended with a validation: ``"score"`` is the
-    selection score given to ``save_if_best`` in that epoch, and every ``val/*`` metric last pushed is recorded
-    under its name. A checkpoint inside an epoch holds weights no validation has seen: it has no scores.
+    Scores are recorded only for a checkpoint whose weights were validated: an epoch-end checkpoint whose epoch
+    ended with a validation, or one written at the step of a validation (``val.every_n_steps``). ``"score"`` is the
+    selection score given to ``save_if_best`` at that step, and every ``val/*`` metric last pushed is recorded
+    under its name. Any other checkpoint holds weights no validation has seen: it has no scores.
 
     :param step: The optimizer step.
     :param epoch: The epochs completed (``LoopState.epoch``).
     :param epoch_end: Written at an epoch's end.
-    :param validated: That epoch ended with a validation.
-    :param score: ``(epoch, score)`` of the last ``save_if_best`` call, if any.
+    :param validated: Its weights were validated (its epoch ended with a validation, or a validation ran at its step).
+    :param score: ``(step, score)`` of the last ``save_if_best`` call, if any.
     :param latest_metrics: The last pushed value of every metric.
     :param saved_at: When it was saved (seconds since the epoch); None: now.
     :returns: The description.
     """
     scores: dict[str, float] = {}
-    if epoch_end and validated:
+    if validated:
         scores = {name: value for name, value in latest_metrics.items() if name.startswith("val/")}
-        if score is not None and score[0] == epoch - 1:
+        if score is not None and score[0] == step:
             scores["score"] = score[1]
     when = time.time() if saved_at is None else saved_at
     return core.Checkpoint(step=step, epoch=epoch, epoch_end=epoch_end, time=when, scores=scores)

@@ -700,10 +700,12 @@ def _check_last_consistency(payload: dict[str, Any], world_size: int | None) -> 
                 "trainkit['position']['world_size']", f"the checkpoint's world_size, {saved}", position["world_size"]
             )
         loop = payload["loop"]
-        if loop.get("stop_reason") is not None or position["epoch"] != loop.get("epoch"):
+        ended_inside = loop.get("in_epoch") is True  # a run that ended at a step boundary keeps its position
+        if (loop.get("stop_reason") is not None and not ended_inside) or position["epoch"] != loop.get("epoch"):
             raise _Bad(
                 "trainkit['position']['epoch']",
-                f"the epoch in progress, loop['epoch']={loop.get('epoch')!r}, in a run that has not finished",
+                f"the epoch in progress, loop['epoch']={loop.get('epoch')!r}, in a run that has not finished (or "
+                "that ended inside that epoch)",
                 position["epoch"],
             )
 

@@ -218,6 +218,7 @@ class ValConfig(Section):
     """``val.*``: the validation schedule, the selection direction and early stopping."""
 
     every_n_epochs: int = attrs.field(default=1, validator=at_least(1))
+    every_n_steps: int | None = attrs.field(default=None, validator=optional_rule(at_least(1)))
     minimize: bool = False
     patience: int | None = attrs.field(default=None, validator=optional_rule(patience_rule))
     start_patience: int = attrs.field(default=0, validator=at_least(0))
@@ -353,16 +354,18 @@ class Config(Section):
     True
     """
 
-    epochs: int = attrs.field(validator=at_least(1))
+    epochs: int | None = attrs.field(default=None, validator=optional_rule(at_least(1)))
     seed: int = 0
     out_dir: str = attrs.field(default="runs/default", validator=non_empty)
     val: ValConfig = _section(ValConfig)
     test: TestConfig = _section(TestConfig)
     ckpt: CkptConfig = _section(CkptConfig)
+    max_steps: int | None = attrs.field(default=None, validator=optional_rule(at_least(1)))
     weight_decay: float = attrs.field(default=0.0, validator=at_least(0))
     no_weight_decay: tuple[str, ...] = attrs.field(default=DEFAULT_NO_WEIGHT_DECAY, converter=to_tuple)
     grad_clip: float | None = attrs.field(default=None, validator=optional_rule(positive))
     log_stats_every_n_steps: int = attrs.field(default=100, validator=at_least(1))
+    log_every_n_steps: int | None = attrs.field(default=None, validator=optional_rule(at_least(1)))
     log_weight_stats: bool = False
     log_grad_stats: bool = False
     log_throughput: bool = False
@@ -370,6 +373,16 @@ class Config(Section):
     progress: ProgressConfig = _section(ProgressConfig)
     dist: DistConfig = _section(DistConfig)
     guard: GuardConfig = _section(GuardConfig)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if self.epochs is None and self.max_steps is None:
+            raise ConfigError(
+                "epochs",
+                "is required",
+                show_value=False,
+                hint="or max_steps: the run's length is epochs, max_steps, or both",
+            )
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -385,8 +398,8 @@ def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 RESUME_SAFE_KEYS = frozenset(
     key
     for key in all_keys(Config)
-    if key.split(".")[0] in ("epochs", "out_dir", "ckpt", "wandb", "progress", "dist", "test", "guard")
-    or key in ("log_stats_every_n_steps", "log_weight_stats", "log_grad_stats", "log_throughput")
+    if key.split(".")[0] in ("epochs", "max_steps", "out_dir", "ckpt", "wandb", "progress", "dist", "test", "guard")
+    or key in ("log_stats_every_n_steps", "log_every_n_steps", "log_weight_stats", "log_grad_stats", "log_throughput")
 )
 """The engine's config keys that may change between a run and its resume without changing what it computes.
 

@@ -430,6 +430,23 @@ def teardown(timeout_s: float, *, meet: bool = True) -> None:
     dist.destroy_process_group()
 
 
+def wrap_ddp(module: nn.Module, world_size: int, find_unused_parameters: bool = False) -> nn.Module:
+    """``make_ddp()``: ``module`` in ``DistributedDataParallel`` over ``world_size`` ranks, or itself on one process.
+
+    :param module: The module, already on this rank's device (a CUDA module is given its device id).
+    :param world_size: The number of processes.
+    :param find_unused_parameters: Passed to DDP.
+    :returns: The DDP-wrapped module, or ``module`` on one process.
+    """
+    if world_size == 1:
+        return module
+    device = next(iter(module.parameters()), torch.empty(0)).device
+    device_ids = [device.index] if device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(
+        module, device_ids=device_ids, find_unused_parameters=find_unused_parameters
+    )
+
+
 def unwrap(module: nn.Module | None) -> nn.Module | None:
     """Return the module inside a DistributedDataParallel (or ``torch.compile``) wrapper.
 

@@ -67,6 +67,26 @@ def units_to_shard(module: nn.Module, shard: Iterable[nn.Module] | type | tuple[
     return sorted(dict.fromkeys(units), key=lambda unit: -depth[id(unit)])
 
 
+def shard_on(
+    module: nn.Module, device: torch.device, world_size: int, *, mesh: Any = None, **options: Any
+) -> nn.Module:
+    """``make_fsdp()``: ``module`` sharded over ``world_size`` ranks (:func:`shard_module`), or on one process
+    returned as it is, after the same argument checks.
+
+    :param module: The module, already on ``device``.
+    :param device: This rank's device.
+    :param world_size: The number of processes.
+    :param mesh: The device mesh; None builds one over every rank (:func:`device_mesh`).
+    :param options: ``shard``, ``mp_policy``, ``reshard_after_forward``, as :func:`shard_module` takes them.
+    :returns: The sharded module, or ``module`` on one process.
+    :raises UsageError: As :func:`shard_module` raises it.
+    """
+    if world_size == 1:
+        units_to_shard(module, options.get("shard"))  # the same argument checks as on many ranks
+        return module
+    return shard_module(module, mesh=mesh if mesh is not None else device_mesh(device, world_size), **options)
+
+
 def shard_module(
     module: nn.Module,
     *,

@@ -36,6 +36,7 @@ from trainkit.state.rng import capture_rng, loader_generators, restore_rng
 __all__ = [
     "SampleIndex",
     "TrackedBatches",
+    "WatchedBatches",
     "unskippable_reason",
     "loader_shape",
     "RankPosition",
@@ -396,18 +397,19 @@ class TrackedBatches:
 
     Iterating it yields the loader's batches, from batch ``skip`` on. Each time the step counter has moved
     since the previous batch (an optimizer step ended; never inside a gradient-accumulation window), it calls
-    ``at_step_boundary(self)`` before fetching the next batch: that is where a step checkpoint is written and a
-    stop signal acted on, with :attr:`consumed` batches fully trained on.
+    ``at_step_boundary(self)`` before fetching the next batch: that is where a step checkpoint is written, a
+    stop signal acted on and a step validation run, with :attr:`consumed` batches fully trained on; when it returns
+    True the iteration ends there (``max_steps``, an early stop), as if the epoch had no more batches.
 
     :param loader: A ``DataLoader`` :func:`unskippable_reason` accepts.
     :param epoch: The 0-based epoch.
     :param skip: Batches to skip (a resumed epoch's consumed batches), 0 otherwise.
     :param resume: What this rank puts back when resuming (with ``skip``), else None.
     :param step: Reads the trainer's optimizer step counter.
-    :param at_step_boundary: Called at each step boundary, before the next batch is fetched.
+    :param at_step_boundary: Called at each step boundary, before the next batch is fetched; True ends the loop.
     :param on_close: Called once when iteration ends, however it ends.
-    :param on_untracked: Called with the reason when step checkpoints were asked for but the loader turns out
-        not to be skippable (it makes its iterator lazily); the loop then runs uncounted, from its first batch.
+    :param on_untracked: Called with the reason when the loader turns out not to be skippable (it makes its
+        iterator lazily); the loop then runs from its first batch, its boundaries still watched.
     :param drop: Batch positions of the epoch (0-based) left out at the index level: their indices are drawn
         from the sampler, as a full epoch draws them, but never loaded nor yielded; :attr:`consumed` still counts
         positions in the whole epoch, the dropped ones included (the divergence guard's rollback).
@@ -424,7 +426,7 @@ class TrackedBatches:
         skip: int,
         resume: RankPosition | None,
         step: Callable[[], int],
-        at_step_boundary: Callable[[TrackedBatches], None] | None,
+        at_step_boundary: Callable[[TrackedBatches], bool] | None,
         on_close: Callable[[], None],
         on_untracked: Callable[[str], None],
         drop: frozenset[int] = frozenset(),
@@ -489,8 +491,7 @@ class TrackedBatches:
                     f"batches {sorted(self.drop)} of epoch {self.epoch} are to be left out, but "
                     f"{self._lazy_loader()}, so trainkit cannot leave batches out of it"
                 )
-            if self._at_step_boundary is not None:
-                self._at_step_boundary = None
+            if self._at_step_boundary is not None:  # still watched (the step budget, step validation), not resumable
                 self._on_untracked(
                     f"{self._lazy_loader()}, so trainkit cannot skip into it: this loop writes no step "
                     "checkpoints and resumes at epoch boundaries; let its __iter__ call super().__iter__() before "
@@ -555,7 +556,51 @@ class TrackedBatches:
                 now = step()
                 if now != last_step:
                     last_step = now
-                    boundary(self)
+                    if boundary(self):
+                        return
         finally:
             self.ended = True
             self._on_close()
+
+
+class WatchedBatches:
+    """The batches of a training loop that cannot be skipped into (an iterable dataset, a generator, a list):
+    counted, and its step boundaries watched for the step budget, step validation and rows; no step checkpoint
+    resumes it.
+
+    :param batches: What ``progress()`` was given.
+    :param step: Reads the trainer's optimizer step counter.
+    :param at_step_boundary: Called at each step boundary, before the next batch is fetched; True ends the loop.
+    """
+
+    skip = 0
+    """Batches skipped at the start: none (nothing resumes into it)."""
+
+    def __init__(
+        self, batches: Any, *, step: Callable[[], int], at_step_boundary: Callable[[WatchedBatches], bool]
+    ) -> None:
+        self.loader = batches
+        self.consumed = 0
+        """Batches passed so far."""
+        self.ended = False
+        """Whether the pass is over (its last batch passed, or the loop left early)."""
+        self._step = step
+        self._at_step_boundary = at_step_boundary
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        step, boundary = self._step, self._at_step_boundary
+        last_step = step()
+        counted = enumerate(self.loader, 1)
+        try:
+            for self.consumed, batch in counted:
+                yield batch
+                now = step()
+                if now != last_step:
+                    last_step = now
+                    if boundary(self):
+                        return
+        finally:
+            self.ended = True

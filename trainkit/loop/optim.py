@@ -78,10 +78,11 @@ def trainable_parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
     return params
 
 
-def learning_rates(optimizers: Mapping[str, torch.optim.Optimizer]) -> dict[str, float]:
-    """The learning rate of every parameter group, as ``lr/<optimizer>/<group>`` keys.
+def learning_rates(items: Mapping[str, Any], or_else: Mapping[str, Any] | None = None) -> dict[str, float]:
+    """The learning rate of every parameter group of the optimizers among ``items``, as ``lr/<optimizer>/<group>``.
 
-    :param optimizers: Name to optimizer.
+    :param items: Name to object (the registered checkpoint items, say); the optimizers among them are read.
+    :param or_else: Where to look for optimizers when ``items`` holds none (a trainer's attributes, say).
     :returns: Key to learning rate; a group's part of the key is its ``name`` entry, or its index.
 
     >>> net = torch.nn.Linear(1, 1)
@@ -89,6 +90,9 @@ def learning_rates(optimizers: Mapping[str, torch.optim.Optimizer]) -> dict[str,
     >>> learning_rates({"opt": opt})
     {'lr/opt/w': 0.1, 'lr/opt/1': 0.1}
     """
+    optimizers = {name: obj for name, obj in items.items() if isinstance(obj, torch.optim.Optimizer)}
+    if not optimizers and or_else is not None:
+        optimizers = {name: obj for name, obj in or_else.items() if isinstance(obj, torch.optim.Optimizer)}
     return {
         f"lr/{name}/{group.get('name', index)}": group["lr"]
         for name, optimizer in optimizers.items()

@@ -18,19 +18,40 @@ import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from trainkit import bookkeeping as core
 from trainkit.distributed import collectives as dist_utils
 from trainkit.errors import CheckpointMismatchError, UsageError
-from trainkit.loop.batches import RankPosition, TrackedBatches, loader_shape, unskippable_reason
+from trainkit.loop.batches import RankPosition, TrackedBatches, WatchedBatches, loader_shape, unskippable_reason
 from trainkit.messages import warn_user
 from trainkit.state.rng import loader_generators
 
-__all__ = ["EpochTracker"]
+__all__ = ["EpochTracker", "StepDue"]
 
 _NOTHING: frozenset[int] = frozenset()
 """No batch left out (shared: looked up once per epoch)."""
+
+
+class StepDue(NamedTuple):
+    """What falls due at a step boundary of the training loop (:meth:`EpochTracker.boundary`)."""
+
+    save: bool
+    """A step checkpoint is due (or the ranks stop on a signal, and the loop can be resumed from here)."""
+    stop: bool
+    """The ranks stop on a signal now."""
+    validate: bool
+    """A step validation is due (``val.every_n_steps``)."""
+    push: bool
+    """A row is due (``log_every_n_steps``)."""
+    end: bool
+    """``max_steps`` is reached: the loop ends here (the run's final validation, save and test follow)."""
+
+
+def _next_due(step: int, every_n_steps: int | None) -> float:
+    """The first step after ``step`` that is a multiple of ``every_n_steps`` (inf: never)."""
+    due = core.next_step_checkpoint(step, every_n_steps)
+    return math.inf if due is None else due
 
 
 class EpochTracker:
@@ -47,6 +68,9 @@ class EpochTracker:
     :param left_out: Per epoch, the batch positions the counted loop leaves out (``guard.skip_batches``).
     :param count_always: Count the loop even without step checkpoints (``guard.nonfinite=rollback``: a rollback
         names the batches to leave out).
+    :param max_steps: ``max_steps``: the loop ends at that step boundary (None: at its last batch).
+    :param val_every_n_steps: ``val.every_n_steps``: a step validation falls due every that many steps.
+    :param log_every_n_steps: ``log_every_n_steps``: a row falls due every that many steps.
     """
 
     def __init__(
@@ -58,6 +82,9 @@ class EpochTracker:
         timeout_s: float,
         left_out: Mapping[int, frozenset[int]] | None = None,
         count_always: bool = False,
+        max_steps: int | None = None,
+        val_every_n_steps: int | None = None,
+        log_every_n_steps: int | None = None,
     ) -> None:
         self.epoch = 0
         """The epoch being run (0-based); after the last one, the last one that ran."""
@@ -69,7 +96,21 @@ class EpochTracker:
         self._world_size = world_size
         self._vote = dist_utils.DelayedVote(timeout_s)
         self._pending: tuple[core.EpochPosition, RankPosition] | None = None
-        self._due_at = math.inf  # the step from which a step checkpoint is due (this epoch's tracked loop)
+        self._max_steps = math.inf if max_steps is None else max_steps
+        self._val_every, self._log_every = val_every_n_steps, log_every_n_steps
+        # step boundaries are watched for step checkpoints, for the step budget, step validation and rows
+        self._watching = self._stepping or max_steps is not None or val_every_n_steps or log_every_n_steps
+        self._ckpt_due = self._val_due = self._log_due = math.inf
+        self._due_at = math.inf  # the first step from which anything above is due (this epoch's tracked loop)
+        self._resumable = False  # whether this epoch's loop can be resumed from a step checkpoint
+        self.validated_at: int | None = None
+        """The step of the last validation run at a step boundary (None: none yet)."""
+        self.ended_inside = False
+        """Whether the epoch's loop ended at a step boundary before its last batch (``max_steps``, or a step
+        validation's early stop); the run's final checkpoint then records its position, when it can resume."""
+        self._end_batches: TrackedBatches | None = None
+        self.stopped_early = False
+        """Whether a step validation's early-stop verdict ended the epoch's loop."""
         self._voting = False  # whether this epoch's step boundaries take part in the ranks' stop vote
         self._in_epoch = False
         self._tracked = False
@@ -138,7 +179,7 @@ class EpochTracker:
     # ------------------------------------------------------------------ the epoch
 
     def resume(
-        self, resume_path: Path, ckpt: Mapping[str, Any], *, rank: int, loop: core.LoopState, epochs: int
+        self, resume_path: Path, ckpt: Mapping[str, Any], *, rank: int, loop: core.LoopState, budget: str
     ) -> dict[str, Any] | None:
         """Take a checkpoint's place in the run: the batches it leaves out and, for a step checkpoint, its position,
         kept for the resumed epoch's tracked loop.
@@ -148,9 +189,9 @@ class EpochTracker:
             and this rank's RNG states at the save.
         :param rank: This rank.
         :param loop: The reconciled loop record.
-        :param epochs: ``epochs``.
+        :param budget: The run's length as configured (``epochs=3``, ``max_steps=900``), for the warning.
         :returns: This rank's share of a step checkpoint (its unpushed ``logs`` and ``grad_norm`` mean), or None
-            (an epoch-end checkpoint, or a run that ends before that epoch: warned).
+            (an epoch-end checkpoint, a finished run's, or a run that ends before that epoch: warned).
         :raises CheckpointMismatchError: When written by another number of processes.
         """
         for epoch, batch in ckpt.get("guard_skips") or []:
@@ -161,11 +202,12 @@ class EpochTracker:
         rng_at_save = rng[rank]
         position = core.EpochPosition.from_dict(mid_epoch["position"])
         if loop.finished or loop.epoch != position.epoch:
-            warn_user(
-                f"{resume_path} was written inside epoch {position.epoch} (after {position.batches} of "
-                f"{position.batches_per_epoch} batches), but epochs={epochs} ends the run before it: "
-                "the rest of that epoch is not trained"
-            )
+            if ckpt["loop"].get("stop_reason") is None:  # a finished run's final position is no news
+                warn_user(
+                    f"{resume_path} was written inside epoch {position.epoch} (after {position.batches} of "
+                    f"{position.batches_per_epoch} batches), but {budget} ends the run before it: "
+                    "the rest of that epoch is not trained"
+                )
             return None
         mismatch = core.position_mismatch(position, world_size=self._world_size)
         if mismatch is not None:  # the checkpoint's reader refuses another world size already; kept for a caller
@@ -187,6 +229,7 @@ class EpochTracker:
         """Around ``train_epoch()``: the tracked loop is counted inside; afterwards, warn when a resumed epoch's
         position was never used (``train_epoch()`` did not iterate a ``DataLoader`` through ``progress()``)."""
         self._in_epoch, self._tracked = True, False
+        self.ended_inside, self.stopped_early, self._end_batches = False, False, None
         try:
             yield
         finally:
@@ -203,22 +246,23 @@ class EpochTracker:
                 "trained on twice"
             )
 
-    def track(self, loader: Any, at_boundary: Callable[[TrackedBatches], None]) -> TrackedBatches | None:
-        """The epoch's batches counted (for step checkpoints) and skipped into (for a mid-epoch resume), or None.
+    def track(self, loader: Any, at_boundary: Callable[[TrackedBatches], bool]) -> TrackedBatches | None:
+        """The epoch's batches counted (for step checkpoints, the step budget, step validation and rows) and skipped
+        into (for a mid-epoch resume), or None.
 
         :param loader: What ``progress()`` was given (for epoch :attr:`epoch`).
-        :param at_boundary: Called at each step boundary (when step checkpoints are on).
+        :param at_boundary: Called at each step boundary; True ends the loop there.
         :returns: The tracked batches, or None when this loop is not counted (warned once when it should be).
         :raises CheckpointMismatchError: When a resumed epoch's loader cannot be skipped into, or differs.
         """
         pending, epoch = self._pending, self.epoch
         drop = self._left_out.get(epoch, _NOTHING)
-        if not self._in_epoch or not (self._stepping or pending is not None or self._count_always or drop):
+        if not self._in_epoch or not (self._watching or pending is not None or self._count_always or drop):
             return None
         if self._tracked:
             self._warn_untracked(
                 "progress() was called a second time in one train_epoch(): only the first loop is counted, so "
-                "no step checkpoint is written while this one runs"
+                "no step checkpoint, step validation or step budget acts while this one runs"
             )
             return None
         reason = unskippable_reason(loader)
@@ -234,11 +278,14 @@ class EpochTracker:
                     f"but train_epoch() now iterates {reason}, which trainkit cannot skip into; "
                     "resume from an epoch-boundary checkpoint, or start fresh (ckpt.resume=never)"
                 )
-            self._warn_untracked(
-                "ckpt.every_n_steps needs progress() to be given a DataLoader over a map-style dataset, with a "
-                f"length, got {reason}: this loop writes no step checkpoints and resumes at epoch boundaries"
-            )
-            return None
+            if self._stepping:
+                self._warn_untracked(
+                    "ckpt.every_n_steps needs progress() to be given a DataLoader over a map-style dataset, with a "
+                    f"length, got {reason}: this loop writes no step checkpoints and resumes at epoch boundaries"
+                )
+            if not self._watching:
+                return None
+            return self._counted(WatchedBatches(loader, step=self.read_step, at_step_boundary=at_boundary), False)
         position, resume = pending if pending is not None else (None, None)
         if position is not None:
             self._check_same_data(position, resume, loader)
@@ -249,22 +296,35 @@ class EpochTracker:
                 f"guard.skip_batches names batches {beyond} of epoch {epoch}, but its loader has {len(loader)} batches "
                 "(positions are 0-based): nothing is left out there"
             )
-        self._tracked = True
-        self.saved(self.step)
-        self._voting = self._stepping and dist_utils.is_distributed()
-        self.counted_batches = TrackedBatches(
+        batches = TrackedBatches(
             loader,
             epoch=epoch,
             skip=position.batches if position is not None else 0,
             resume=resume,
             step=self.read_step,
-            at_step_boundary=at_boundary if self._stepping else None,
+            at_step_boundary=at_boundary if self._watching else None,
             on_close=self._vote.finish,
-            on_untracked=self._warn_untracked,
+            on_untracked=self._lazy_loader,
             drop=drop,
             on_drop=self.on_drop,
         )
-        return self.counted_batches
+        return self._counted(batches, self._stepping)
+
+    def _counted(self, batches: Any, resumable: bool) -> Any:
+        """Make ``batches`` this epoch's counted loop; the step boundaries' dues start from the step it starts at."""
+        self._tracked, self._resumable = True, resumable
+        self._voting = resumable and dist_utils.is_distributed()
+        step = self.step
+        self._val_due, self._log_due = _next_due(step, self._val_every), _next_due(step, self._log_every)
+        self.saved(step)
+        self.counted_batches = batches
+        return batches
+
+    def _lazy_loader(self, reason: str) -> None:
+        """The tracked loader makes its iterator lazily: counted still, but no step checkpoint can resume it."""
+        self._resumable = self._voting = False
+        if self._stepping:
+            self._warn_untracked(reason)
 
     def current_batch(self) -> int | None:
         """The 0-based index in the epoch of the last batch the counted loop yielded, or None (no counted loop).
@@ -294,39 +354,81 @@ class EpochTracker:
 
     # ------------------------------------------------------------------ step boundaries
 
-    def boundary(self, step: int, signalled: bool) -> tuple[bool, bool]:
-        """Decide, between two batches right after an optimizer step, whether to save and whether to stop.
+    def boundary(self, step: int, signalled: bool) -> StepDue | None:
+        """Decide, between two batches right after an optimizer step, what falls due: a save, a stop on a signal,
+        a step validation, a row, the end of the step budget.
 
         The ranks agree on a signal through a vote started at the previous boundary, so no rank waits here; a
-        signal is acted on one step later under DDP than on one process.
+        signal is acted on one step later under DDP than on one process, and only where a step checkpoint can be
+        written (elsewhere at the epoch's end). The rest is decided by the step count alone, alike on every rank.
 
         :param step: The optimizer step counter.
         :param signalled: Whether this process got a stop signal.
-        :returns: ``(save, stop)``: a step checkpoint is due (or the run stops), and the ranks stop now.
+        :returns: What is due, or None when nothing is (what almost every step boundary is).
         """
         if not (signalled or self._voting or step >= self._due_at):
-            return False, False  # one process, no signal, nothing due: what almost every step boundary is
-        stop = self._vote.cast(signalled)
-        return stop or step >= self._due_at, stop
+            return None
+        stop = self._vote.cast(signalled) if self._resumable else False
+        if not (stop or step >= self._due_at):
+            return None
+        end = step >= self._max_steps
+        validate = step >= self._val_due and not end  # the run's final validation follows the end instead
+        push = step >= self._log_due
+        save = self._resumable and (stop or step >= self._ckpt_due) and not end
+        if validate:
+            self._val_due = _next_due(step, self._val_every)
+        if push:
+            self._log_due = _next_due(step, self._log_every)
+        self._due_at = min(self._ckpt_due, self._val_due, self._log_due, self._max_steps)
+        return StepDue(save=save, stop=stop, validate=validate, push=push, end=end)
 
     def saved(self, step: int) -> None:
         """Record that ``last`` holds ``step`` (or that the tracked epoch starts there): the next one is due later.
 
         :param step: The optimizer step counter.
         """
-        due_at = core.next_step_checkpoint(step, self._every_n_steps)
-        self._due_at = math.inf if due_at is None else due_at
+        self._ckpt_due = _next_due(step, self._every_n_steps) if self._resumable else math.inf
+        self._due_at = min(self._ckpt_due, self._val_due, self._log_due, self._max_steps)
+
+    def validated(self, step: int) -> None:
+        """Record a validation at ``step`` (never a second one there: see
+        :func:`~trainkit.bookkeeping.validates_at_epoch_end`).
+
+        :param step: The optimizer step counter.
+        """
+        self.validated_at = step
+
+    def end_inside(self, batches: TrackedBatches, *, stopped_early: bool) -> None:
+        """Record that the epoch's loop ends at this step boundary, before its last batch.
+
+        :param batches: The counted loop (its position goes into the run's final checkpoint when it can resume).
+        :param stopped_early: Whether a step validation's early-stop verdict ends it (else ``max_steps``).
+        """
+        self.ended_inside, self.stopped_early = True, stopped_early
+        self._end_batches = batches if self._resumable else None
+
+    @contextlib.contextmanager
+    def validating(self) -> Iterator[None]:
+        """Around a validation run at a step boundary: loops iterated through ``progress()`` in ``val_epoch()`` are
+        not the training loop, and are not counted."""
+        in_epoch, self._in_epoch = self._in_epoch, False
+        try:
+            yield
+        finally:
+            self._in_epoch = in_epoch
 
     def save_position(
         self, batches: TrackedBatches | None, epoch: int, metrics: tuple[dict[str, Any], dict[str, Any]]
     ) -> tuple[core.EpochPosition | None, dict[str, Any] | None]:
         """What a save records of the epoch's position: none at an epoch's end (``batches`` None), else where the
-        epoch stands and this rank's share (:meth:`epoch_position`, :meth:`rank_position`).
+        epoch stands and this rank's share (:meth:`epoch_position`, :meth:`rank_position`). A run whose last loop
+        ended at a step boundary (:meth:`end_inside`) records that position in its final saves.
 
         :param batches: The tracked batches of a step checkpoint, or None.
         :param epoch: The epoch.
         :param metrics: This rank's unpushed logs and grad-norm mean (``TrainerMetrics.state_dict()``).
         """
+        batches = batches if batches is not None else self._end_batches
         if batches is None:
             return None, None
         return self.epoch_position(batches, epoch, self._world_size), self.rank_position(batches, *metrics)

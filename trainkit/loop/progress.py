@@ -36,12 +36,12 @@ def _format(metrics: Mapping[str, float]) -> dict[str, str]:
 class EpochBar:
     """The bar over epochs; shows the best validation metrics as its postfix.
 
-    :param total: The configured number of epochs.
+    :param total: The configured number of epochs (None: a run measured in steps).
     :param initial: Epochs already done (a resumed run starts there).
     :param enabled: False makes every method a no-op and never imports tqdm.
     """
 
-    def __init__(self, *, total: int, initial: int, enabled: bool) -> None:
+    def __init__(self, *, total: int | None, initial: int, enabled: bool) -> None:
         self._bar: Any = None
         if enabled:
             from tqdm.auto import tqdm
