@@ -173,3 +173,32 @@ def test_sigkill_fuzz_with_retention_keeps_the_uninterrupted_kept_set(tmp_path, 
         for key in ("model", "optimizer", "metrics_text", "step"):
             assert summary[key] == reference[key], f"{key} differs after kills at {result['kills']}"
     print(f"retention fuzz ({fmt}, {world_size} rank(s)): {trials} runs, {landed} kills over {results[0]['ops']} ops")
+
+
+STEP_BUDGET = {"epochs": None, "max_steps": 10, "val": {"every_n_steps": 3, "patience": 20}, "log_every_n_steps": 2}
+"""A run measured in steps: 10 steps (4 per epoch, so it ends inside epoch 2), a validation every 3 steps, a row
+every 2 steps."""
+
+
+def budget_points(seed, count):
+    """``count`` kill points drawn with ``seed`` among every batch and validation of the STEP_BUDGET run."""
+    points = [["batch", e, b] for e in range(2) for b in range(8)] + [["batch", 2, b] for b in range(4)]
+    points += [["val", e, 0] for e in range(3)]
+    return random.Random(seed).sample(points, count)
+
+
+def test_sigkill_at_random_steps_of_a_run_with_step_validation_and_max_steps_resumes_exactly(tmp_path):
+    """SIGKILLs at seeded-random batches and validations (one per run, then two in one run) of a run with
+    val.every_n_steps, log_every_n_steps and max_steps: every run ends with the uninterrupted run's weights,
+    optimizer state and metrics.jsonl."""
+    points = budget_points(44, 6)
+    runs = [[point] for point in points[:4]] + [sorted(points[4:], key=lambda p: (p[1], p[0] == "val", p[2]))]
+    reference, results, stderr = run_scenario(tmp_path, runs, **STEP_BUDGET)
+    assert reference["step"] == 10
+    assert_all_exact(reference, results, stderr)
+
+
+def test_sigterm_at_random_steps_of_a_run_with_step_validation_resumes_exactly(tmp_path):
+    runs = [[["sigterm", e, b]] for e, b in random.Random(45).sample([(0, 3), (1, 2), (1, 6), (2, 1)], 2)]
+    reference, results, stderr = run_scenario(tmp_path, runs, **STEP_BUDGET)
+    assert_all_exact(reference, results, stderr, killed=143)

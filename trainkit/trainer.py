@@ -225,7 +225,7 @@ def _end_epoch(
     """Close the epoch (:func:`~trainkit.bookkeeping.end_epoch`) once its steps are checked: a run measured in steps
     must take some each epoch (it would never end), and a ``max_steps`` passed at the epoch's end (no loop through
     ``progress()``) is warned about."""
-    if cfg.epochs is None and step == loop.step:
+    if cfg.epochs is None and step == loop.step and not loop.in_epoch:  # a resumed epoch may have none left
         raise UsageError(
             f"max_steps={cfg.max_steps} counts optimizer steps (the first registered optimizer's step()), but epoch "
             f"{loop.epoch} took none and epochs is not set, so the run would never end; register the optimizer with "

@@ -791,3 +791,40 @@ class TwoOptimizerTrainer(GuardTrainer):
             from pathlib import Path
 
             Path(self.cfg.out_dir, "head.txt").write_text(param_digest(self.head))
+
+
+class StepValTrainer(TinyTrainer):
+    """TinyTrainer whose validations (at step boundaries too) are recorded as ``(epoch, step)``, and the steps it
+    trained in eval mode in ``eval_steps``; ``scripted_scores`` are indexed by validation count, not by epoch; every
+    rank writes ``rank<r>.json``."""
+
+    def setup(self, ckpt):
+        super().setup(ckpt)
+        self.validations: list[tuple[int, int]] = []
+        self.eval_steps: list[int] = []
+
+    def clip_and_log_grad_norm(self, *modules):
+        if not self.model.training:
+            self.eval_steps.append(self.step)
+        return super().clip_and_log_grad_norm(*modules)
+
+    def val_epoch(self):
+        self.validations.append((self.epoch, self.step))
+        shard = slice(self.rank, None, self.world_size)
+        total, count = self._sq_error(self.val_x[shard], self.val_y[shard])
+        score = self.reduce_mean(total, count)
+        if self.cfg.scripted_scores:
+            score = self.cfg.scripted_scores[len(self.validations) - 1]
+        improved = self.save_if_best(score, {"val/loss": score})
+        self.log({"val/loss": score})
+        return self.step_patience(improved)
+
+    def train(self):
+        import json
+        from pathlib import Path
+
+        result = super().train()
+        report = {"validations": self.validations, "step": self.step, "epoch": self.epoch,
+                  "digest": param_digest(self.model), "best": self.best_metrics}
+        Path(self.cfg.out_dir, f"rank{self.rank}.json").write_text(json.dumps(report))
+        return result

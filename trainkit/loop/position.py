@@ -399,13 +399,18 @@ class EpochTracker:
         self.validated_at = step
 
     def end_inside(self, batches: TrackedBatches, *, stopped_early: bool) -> None:
-        """Record that the epoch's loop ends at this step boundary, before its last batch.
+        """Record that the epoch's loop ends at this step boundary (inside the epoch, unless at its last batch).
 
         :param batches: The counted loop (its position goes into the run's final checkpoint when it can resume).
         :param stopped_early: Whether a step validation's early-stop verdict ends it (else ``max_steps``).
         """
-        self.ended_inside, self.stopped_early = True, stopped_early
-        self._end_batches = batches if self._resumable else None
+        self.stopped_early = stopped_early
+        try:
+            complete = batches.consumed >= len(batches)  # its last batch: the epoch ends as it would have anyway
+        except TypeError:  # an iterable without a length
+            complete = False
+        self.ended_inside = not complete
+        self._end_batches = batches if self._resumable and not complete else None
 
     @contextlib.contextmanager
     def validating(self) -> Iterator[None]:
