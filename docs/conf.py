@@ -45,7 +45,7 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(torch|numpy|attr|attrs|wandb|tqdm)(\..*)?"),
     (r"py:.*", r"(typing|collections\.abc|contextlib|types|pathlib|os|abc|datetime|socket|enum)\..*"),
     (r"py:.*", r"(Any|Callable|Iterable|Iterator|Mapping|Sequence|Path|PathLike|MappingProxyType|TypeVar|ClassVar)"),
-    (r"py:.*", r"(Module|Parameter|Tensor|device|Optimizer|DistributedDataParallel)"),
+    (r"py:.*", r"(Module|Parameter|Tensor|device|Optimizer|DistributedDataParallel|Figure)"),  # Figure: matplotlib's
     (r"py:.*", r"~?(trainkit\.[\w.]+\.)?(T|R|C)"),  # TypeVars (Sphinx 7.0 writes type[C] as ~C)
 ]
 

@@ -24,7 +24,7 @@ __all__ = ["main"]
 def _report(args: argparse.Namespace) -> int:
     from trainkit.cli.report import report
 
-    return report(args.out_dir, plot=not args.no_plot)
+    return report(args.out_dir, plot=not args.no_plot, x=args.x)
 
 
 def _inspect(args: argparse.Namespace) -> list[str]:
@@ -58,7 +58,7 @@ def _replay(args: argparse.Namespace) -> list[str]:
 
 
 _COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], list[str] | int], tuple[type[Exception], ...]]] = {
-    "report": (_report, (FileNotFoundError, CheckpointError)),
+    "report": (_report, (ConfigError, FileNotFoundError, CheckpointError)),
     "inspect": (_inspect, (CheckpointError,)),
     "export": (_export, (CheckpointError,)),
     "retain": (_retain, (ConfigError, OutDirError)),
@@ -73,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
     report_parser = commands.add_parser("report", help="summarize a run folder and draw its curves")
     report_parser.add_argument("out_dir", help="the run's out_dir")
     report_parser.add_argument("--no-plot", action="store_true", help="skip curves.png")
+    report_parser.add_argument(
+        "--x",
+        metavar="step|epoch",
+        help="the curves' x axis: the optimizer step or the epoch (default: step when the rows are per step)",
+    )
     inspect_parser = commands.add_parser(
         "inspect", help="show what a checkpoint holds (after the resume's checks), or a run folder's kept checkpoints"
     )

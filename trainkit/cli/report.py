@@ -1,6 +1,11 @@
-"""``python -m trainkit report OUT_DIR``: a run's summary, and its curves drawn from ``metrics.jsonl``.
+"""``python -m trainkit report OUT_DIR [--x step|epoch]``: a run's summary, and its curves drawn from ``metrics.jsonl``.
 
 Side effects: reads the run folder; writes ``curves.png`` into it when asked to plot (matplotlib).
+
+The curves' x axis is the optimizer step (``trainer/step``) or the epoch (``trainer/epoch``), both in every row
+the trainer pushes. By default it is the step when the rows are per step (:func:`rows_per_step`: within one
+epoch, the rows that hold a drawn metric sit at more than one step), else the epoch; an epoch-level run is drawn
+as before. Rows from before ``trainer/step`` was logged are drawn against the epoch whatever is asked.
 """
 
 from __future__ import annotations
@@ -12,26 +17,41 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from trainkit.bookkeeping import best_metric_key
+from trainkit.errors import ConfigError
 from trainkit.run.read_metrics import read_metrics
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 __all__ = [
+    "X_AXES",
     "summarize_run",
     "curve_panels",
+    "rows_per_step",
+    "choose_x_axis",
+    "draw_curves",
     "plot_curves",
     "report",
     "format_value",
 ]
 
+X_AXES = ("step", "epoch")
+"""The x axes ``report --x`` takes: the optimizer step (``trainer/step``) or the epoch (``trainer/epoch``)."""
 
-def summarize_run(out_dir: str | Path) -> dict[str, Any]:
+_AXIS_KEYS = {"step": "trainer/step", "epoch": "trainer/epoch"}
+
+
+def summarize_run(out_dir: str | Path, rows: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """Summarize a run folder: best epoch and metrics, stop reason, epochs run, test metrics.
 
     :param out_dir: The run folder.
+    :param rows: Its ``metrics.jsonl`` rows when already read; None reads them.
     :returns: The summary as plain values.
     """
-    rows = read_metrics(out_dir)
+    rows = read_metrics(out_dir) if rows is None else rows
     summary: dict[str, Any] = {"rows": len(rows)}
     last_path = Path(out_dir) / "last.pt"
     if last_path.is_file():
@@ -56,13 +76,18 @@ def summarize_run(out_dir: str | Path) -> dict[str, Any]:
     return summary
 
 
-def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
-    """The key's numeric values against their epochs (a row without a numeric epoch counts as the next one)."""
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _series(rows: Sequence[Mapping[str, Any]], key: str, axis: str = "epoch") -> tuple[list[float], list[float]]:
+    """The key's numeric values against ``axis`` (a row without a numeric epoch counts as the next one; on the
+    step axis, a row without a numeric step is left out)."""
     xs, ys = [], []
     for row in rows:
-        value, epoch = row.get(key), row.get("trainer/epoch")
-        if isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value):
-            xs.append(epoch if isinstance(epoch, int | float) and not isinstance(epoch, bool) else len(xs))
+        value, x = row.get(key), row.get(_AXIS_KEYS[axis])
+        if _is_number(value) and not math.isnan(value) and (axis == "epoch" or _is_number(x)):
+            xs.append(x if _is_number(x) else len(xs))
             ys.append(value)
     return xs, ys
 
@@ -108,16 +133,117 @@ def curve_panels(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
     return panels
 
 
-def plot_curves(out_dir: str | Path, summary: dict[str, Any]) -> Path:
-    """Draw the train/val curves per epoch, test points, the learning rate and the best epoch into ``curves.png``.
+def _drawn_rows(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The rows holding a metric drawn as a curve: a ``train/``, ``val/``, ``lr/`` or ``perf/`` one (a test
+    metric is one point at the end, a rollback or skipped-samples row no curve)."""
+    keys = {key for panel in curve_panels(rows).values() for key in panel["keys"] if not key.startswith("test/")}
+    return [row for row in rows if any(key in row for key in keys)]
 
-    Panels come from :func:`curve_panels` (a loss spanning more than a decade gets a log axis).
 
-    :param out_dir: The run folder.
+def rows_per_step(rows: Sequence[Mapping[str, Any]]) -> bool:
+    """Tell whether a run's rows are per step: the rule that makes ``step`` the curves' default x axis.
+
+    Pure. True when every row holding a drawn ``train/``, ``val/``, ``lr/`` or ``perf/`` metric carries a numeric
+    ``trainer/step``, and those of some one ``trainer/epoch`` carry more than one step. A trainer that pushes
+    once per epoch (its train and val metrics in the epoch's one row, or in rows pushed at the same step) is not
+    per step; one that pushes inside the epoch (``push_logs()`` in its loop, every N steps) is, even when it
+    pushes there only once per epoch: that row and the epoch's last sit at different steps.
+
+    :param rows: The rows of ``metrics.jsonl``.
+    :returns: Whether the rows are per step.
+
+    >>> per_epoch = [{"trainer/step": 6, "trainer/epoch": 0, "train/loss": 2.0, "val/loss": 2.1},
+    ...              {"trainer/step": 12, "trainer/epoch": 1, "train/loss": 1.0, "val/loss": 1.2}]
+    >>> rows_per_step(per_epoch)
+    False
+    >>> rows_per_step([{"trainer/step": 5, "trainer/epoch": 0, "train/loss": 2.0},
+    ...                {"trainer/step": 6, "trainer/epoch": 0, "val/loss": 2.1}])
+    True
+    >>> rows_per_step([{"trainer/epoch": 0, "train/loss": 2.0}, {"trainer/epoch": 0, "train/loss": 1.9}])
+    False
+    """
+    drawn = _drawn_rows(rows)
+    if not all(_is_number(row.get("trainer/step")) for row in drawn):
+        return False
+    steps: dict[Any, set[float]] = {}
+    for row in drawn:
+        steps.setdefault(row.get("trainer/epoch"), set()).add(row["trainer/step"])
+    return any(len(seen) > 1 for seen in steps.values())
+
+
+def _check_x(x: str | None, name: str = "--x", *, optional: bool = True) -> None:
+    if not (x in X_AXES or (optional and x is None)):
+        raise ConfigError(name, f"must be {' or '.join(map(repr, X_AXES))}", x)
+
+
+def choose_x_axis(rows: Sequence[Mapping[str, Any]], asked: str | None = None) -> tuple[str, str]:
+    """Choose the curves' x axis: the one asked, else ``step`` for rows per step (:func:`rows_per_step`), else
+    ``epoch``.
+
+    Pure. The step axis needs ``trainer/step`` in every row that holds a drawn metric; a run from before it was
+    logged is drawn against the epoch even when the step was asked, and the note says so.
+
+    :param rows: The rows of ``metrics.jsonl``.
+    :param asked: ``"step"``, ``"epoch"``, or None for the default.
+    :returns: The axis, and a note for the user when it is not the one asked (else empty).
+    :raises ConfigError: When ``asked`` is none of :data:`X_AXES`, naming ``--x``.
+
+    >>> rows = [{"trainer/epoch": 0, "train/loss": 2.0}, {"trainer/epoch": 1, "train/loss": 1.0}]
+    >>> choose_x_axis(rows)
+    ('epoch', '')
+    >>> choose_x_axis(rows, "step")[0]
+    'epoch'
+    >>> choose_x_axis(rows, "foo")
+    Traceback (most recent call last):
+    ...
+    trainkit.errors.ConfigError: --x must be 'step' or 'epoch', got 'foo'
+    """
+    _check_x(asked)
+    if asked == "step" and not all(_is_number(row.get("trainer/step")) for row in _drawn_rows(rows)):
+        return "epoch", (
+            "--x step: some rows of metrics.jsonl carry no trainer/step (a run from an older trainkit);"
+            " drawing against the epoch"
+        )
+    if asked is not None:
+        return asked, ""
+    return ("step" if rows_per_step(rows) else "epoch"), ""
+
+
+def _best_x(rows: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], axis: str) -> float | None:
+    """Where the best line goes: the best epoch; on the step axis, the step of that epoch's validation row (the
+    one holding the best metrics, else its last row with a ``val/`` metric)."""
+    epoch = summary.get("best_epoch")
+    if epoch is None or axis == "epoch":
+        return epoch
+    validated = [row for row in rows if row.get("trainer/epoch") == epoch and any(k.startswith("val/") for k in row)]
+    best = summary.get("best_metrics") or {}
+
+    def holds_best(row: Mapping[str, Any]) -> bool:  # best/val/loss was logged as val/loss
+        seen = {best_metric_key(k): v for k, v in row.items() if k.startswith("val/")}
+        return bool(best) and all(seen.get(k) == v for k, v in best.items())
+
+    chosen = ([row for row in validated if holds_best(row)] or validated)[-1:]
+    return chosen[0]["trainer/step"] if chosen else None
+
+
+def draw_curves(
+    rows: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], *, axis: str = "epoch", title: str = ""
+) -> Figure:
+    """Draw the train/val curves, test points, the learning rate and the best epoch into a new figure.
+
+    Side effects: creates a matplotlib figure (with the Agg backend); the caller closes it
+    (``matplotlib.pyplot.close(fig)``). Panels come from :func:`curve_panels`. Each legend sits to the right of
+    its panel and the title above them all, placed by matplotlib's constrained layout: none overlaps another.
+
+    :param rows: The rows of ``metrics.jsonl``.
     :param summary: What :func:`summarize_run` returned.
-    :returns: The image path.
+    :param axis: The x axis, one of :data:`X_AXES` (see :func:`choose_x_axis`).
+    :param title: The figure's title.
+    :returns: The figure.
+    :raises ConfigError: When ``axis`` is none of :data:`X_AXES`.
     :raises ImportError: When matplotlib is not installed, saying how to get it.
     """
+    _check_x(axis, "axis", optional=False)
     try:
         import matplotlib
 
@@ -128,27 +254,64 @@ def plot_curves(out_dir: str | Path, summary: dict[str, Any]) -> Path:
         raise ImportError(
             "matplotlib is needed to draw curves: pip install 'trainkit[report]' (or matplotlib)"
         ) from None
-    rows = read_metrics(out_dir)
     panels = curve_panels(rows)
-    fig, axes = plt.subplots(len(panels) or 1, 1, figsize=(7, 2.6 * max(len(panels), 1)), squeeze=False)
+    # a panel is as tall as its legend (a line of 8-point text per entry, the best line included), 2.6 in at least
+    heights = [max(2.6, 0.5 + 0.19 * (len(panel["keys"]) + 1)) for panel in panels.values()] or [2.6]
+    fig, axes = plt.subplots(
+        len(heights),
+        1,
+        figsize=(8.5, sum(heights)),
+        height_ratios=heights,
+        squeeze=False,
+        sharex=True,
+        layout="constrained",
+    )
+    best_x = _best_x(rows, summary, axis)
     for ax, (name, panel) in zip(axes[:, 0], panels.items()):
         for key in panel["keys"]:
-            xs, ys = _series(rows, key)
+            xs, ys = _series(rows, key, axis)
             if key.startswith("test/"):  # measured once, at the end, on the best weights: a point, not a curve
                 ax.plot(xs[-1:], ys[-1:], marker="*", markersize=11, linestyle="none", label=f"{key} (best weights)")
-            else:
-                ax.plot(xs, ys, marker="o", markersize=3, label=key)
+            else:  # a dot per point while there are few enough to tell apart
+                ax.plot(xs, ys, marker="o" if len(xs) <= 60 else None, markersize=3, label=key)
         if panel["log"]:
             ax.set_yscale("log")
-        if summary.get("best_epoch") is not None:
-            ax.axvline(summary["best_epoch"], color="tab:red", linestyle="--", linewidth=1, label="best epoch")
+        if best_x is not None:
+            label = "best epoch" if axis == "epoch" else f"best (epoch {summary['best_epoch']})"
+            ax.axvline(best_x, color="tab:red", linestyle="--", linewidth=1, label=label)
         ax.set_ylabel(name)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
         ax.grid(alpha=0.3)
-    axes[-1, 0].set_xlabel("epoch")
-    fig.suptitle(f"{Path(out_dir).name}: stopped by {summary.get('stop_reason')}")
-    fig.tight_layout()
+    axes[-1, 0].set_xlabel("optimizer step" if axis == "step" else "epoch")
+    fig.suptitle(title)
+    return fig
+
+
+def plot_curves(
+    out_dir: str | Path,
+    summary: dict[str, Any],
+    *,
+    x: str | None = None,
+    rows: Sequence[Mapping[str, Any]] | None = None,
+) -> Path:
+    """Draw the curves of :func:`draw_curves` into ``curves.png``, against the axis :func:`choose_x_axis` picks.
+
+    Side effects: writes ``out_dir/curves.png`` (a new file renamed over it).
+
+    :param out_dir: The run folder.
+    :param summary: What :func:`summarize_run` returned.
+    :param x: ``"step"``, ``"epoch"``, or None for the default (step for rows per step).
+    :param rows: Its ``metrics.jsonl`` rows when already read; None reads them.
+    :returns: The image path.
+    :raises ConfigError: When ``x`` is none of :data:`X_AXES`.
+    :raises ImportError: When matplotlib is not installed, saying how to get it.
+    """
+    rows = read_metrics(out_dir) if rows is None else rows
+    axis, _ = choose_x_axis(rows, x)
+    fig = draw_curves(rows, summary, axis=axis, title=f"{Path(out_dir).name}: stopped by {summary.get('stop_reason')}")
+    import matplotlib.pyplot as plt
+
     path = Path(out_dir) / "curves.png"
     from trainkit.checkpoint import current_umask
 
@@ -180,14 +343,20 @@ def format_value(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def report(out_dir: str, plot: bool = True) -> int:
+def report(out_dir: str, plot: bool = True, x: str | None = None) -> int:
     """Print a run's summary and draw its curves; the ``report`` command.
 
     :param out_dir: The run folder.
     :param plot: Also write ``curves.png``.
+    :param x: The curves' x axis, ``"step"`` or ``"epoch"``; None: step for rows per step, else epoch
+        (:func:`choose_x_axis`).
     :returns: The process exit code.
+    :raises ConfigError: When ``x`` is none of :data:`X_AXES`, before anything is read.
+    :raises FileNotFoundError: When the run folder has no readable ``metrics.jsonl``.
     """
-    summary = summarize_run(out_dir)
+    _check_x(x)
+    rows = read_metrics(out_dir)
+    summary = summarize_run(out_dir, rows)
     print(f"run:          {out_dir}")
     print(f"epochs run:   {summary.get('epochs_run')}")
     print(f"stop reason:  {summary.get('stop_reason')}")
@@ -197,10 +366,13 @@ def report(out_dir: str, plot: bool = True) -> int:
     for key, value in sorted(summary["test_metrics"].items()):
         print(f"{key}: {format_value(value)}")
     if plot:
+        axis, note = choose_x_axis(rows, x)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
         try:
-            path = plot_curves(out_dir, summary)
+            path = plot_curves(out_dir, summary, x=axis, rows=rows)
         except ImportError as exc:
             print(f"no curves: {exc}", file=sys.stderr)
             return 0
-        print(f"curves:       {path}")
+        print(f"curves:       {path} (against the {axis})")
     return 0
