@@ -117,7 +117,7 @@ def _parts(
         device=device,
         config=public_config(cfg),
     )
-    throughput = Throughput(position.read_step, world_size) if cfg.log_throughput else None
+    throughput = Throughput.build(cfg.log_throughput, cfg.throughput, position.read_step, world_size, device)
     metrics = TrainerMetrics(guard=DivergenceGuard.build(guard, world_size), throughput=throughput)
     return signals, position, checkpointer, metrics
 
@@ -477,9 +477,10 @@ class BaseTrainer(abc.ABC):
             results=self._results, run_id=self._run_log.run_id, metrics_offset=self._run_log.offset(),
             position=position, rank_position=rank_position, left_out=tuple(self._position.left_out()),
         )
-        seconds = self._checkpointer.save(
-            record, self._registry, best_weights=self._best.state, before=self._run_log.sync
-        )
+        with self._metrics.outside_training("ckpt"):
+            seconds = self._checkpointer.save(
+                record, self._registry, best_weights=self._best.state, before=self._run_log.sync
+            )
         if batches is not None:
             self._position.saved(self.step)
         return seconds
@@ -487,7 +488,8 @@ class BaseTrainer(abc.ABC):
     def _validate(self) -> Any:
         self._validating = False
         try:
-            return self.val_epoch()
+            with self._metrics.outside_training("val"):
+                return self.val_epoch()
         finally:
             self._validating = None
 
@@ -523,7 +525,7 @@ class BaseTrainer(abc.ABC):
         model = dist_utils.unwrap(self.model)
         if not self._best.load_into(model) and model is not None:
             warn_user("test(): no best model was recorded (save_if_best never improved); testing the current weights")
-        with modes_kept(model):
+        with modes_kept(model), self._metrics.outside_training("test"):
             result = self.test_epoch()
         self.log(_test_metrics(result))
         return {key: value for key, value in self.push_logs().items() if key.startswith("test/")}
