@@ -48,7 +48,7 @@ from trainkit.bookkeeping.schedule import (
     resume_loop,
     should_validate,
 )
-from trainkit.bookkeeping.throughput import PERF_KEYS, ThroughputMark, throughput_rates
+from trainkit.bookkeeping.throughput import PEAK_FLOPS, PERF_KEYS, ThroughputMark, mfu, peak_flops, throughput_rates
 
 __all__ = [
     "GUARD_MODES",
@@ -92,6 +92,9 @@ __all__ = [
     "ThroughputMark",
     "throughput_rates",
     "PERF_KEYS",
+    "PEAK_FLOPS",
+    "peak_flops",
+    "mfu",
     "Checkpoint",
     "KeepLatest",
     "KeepEvery",
