@@ -50,7 +50,7 @@ def _compute_dtype(packet: Any, args: tuple[Any, ...]) -> str:
 class ForwardFlops(TorchDispatchMode):
     """Count the FLOPs of the ops dispatched outside backward, by the dtype they run in.
 
-    Side effects: none on the ops (each runs exactly as called); the counts go into :attr:`by_dtype`.
+    Side effects: none on the ops (each runs exactly as called); the counts go into ``by_dtype``.
 
     :ivar by_dtype: FLOPs per table column (``"bf16"``, ``"tf32"``, ...), forward only.
     """
