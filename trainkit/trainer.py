@@ -78,6 +78,13 @@ def _step_counter(position: EpochTracker) -> Any:
     return count
 
 
+def _step_counting_optimizer(registry: core.CkptRegistry, items: Mapping[str, Any]) -> Any:
+    """The optimizer among ``items`` that drives ``step``: the first one, unless one is registered already."""
+    if any(isinstance(obj, torch.optim.Optimizer) for obj in registry.items.values()):
+        return None
+    return next((obj for obj in items.values() if isinstance(obj, torch.optim.Optimizer)), None)
+
+
 def _generators(registry: core.CkptRegistry) -> list[torch.Generator]:
     """The ``torch.Generator`` objects registered as checkpoint items."""
     return [obj.generator for obj in registry.items.values() if isinstance(obj, GeneratorItem)]
@@ -118,7 +125,7 @@ def _parts(
         device=device,
         config=public_config(cfg),
     )
-    throughput = Throughput(position.read_step, world_size) if cfg.log_throughput else None
+    throughput = Throughput.build(cfg.log_throughput, cfg.throughput, position.read_step, world_size, device)
     metrics = TrainerMetrics(guard=DivergenceGuard.build(guard, world_size), throughput=throughput)
     return signals, position, checkpointer, metrics
 
@@ -537,14 +544,15 @@ class BaseTrainer(abc.ABC):
         """Save through the checkpointer (inside an epoch, with ``batches``: a step checkpoint)."""
         if not self.cfg.ckpt.enable:  # nothing would be written: the record is not built
             return None
-        records, run_log = self._records, self._run_log
+        records, run_log, best = self._records, self._run_log, self._best.state
         loop = records.loop if batches is None else attrs.evolve(records.loop, step=self.step, in_epoch=True)
         position, rank_position = self._position.save_position(batches, loop.epoch, self._metrics.state_dict())
         record = _save_record(
             records, loop, self._position, latest_metrics=self._metrics.latest, results=self._results,
             run_id=run_log.run_id, metrics_offset=run_log.offset(), position=position, rank_position=rank_position,
         )  # fmt: skip
-        seconds = self._checkpointer.save(record, self._registry, best_weights=self._best.state, before=run_log.sync)
+        with self._metrics.outside_training("ckpt"):
+            seconds = self._checkpointer.save(record, self._registry, best_weights=best, before=run_log.sync)
         if batches is not None:
             self._position.saved(self.step)
         return seconds
@@ -553,11 +561,11 @@ class BaseTrainer(abc.ABC):
         """``val_epoch()``; ``inside`` an epoch's loop (a step validation): its verdict read, the modes put back."""
         self._validating = False
         self._position.validated(self.step)
+        kept = dist_utils.unwrap(self.model) if inside else None
         try:
-            if not inside:
-                return self.val_epoch()
-            with self._position.validating(), modes_kept(dist_utils.unwrap(self.model)):
-                return _verdict(self.val_epoch())
+            with self._metrics.outside_training("val"), self._position.validating(inside), modes_kept(kept):
+                verdict = self.val_epoch()
+            return _verdict(verdict) if inside else verdict
         finally:
             self._validating = None
 
@@ -592,7 +600,7 @@ class BaseTrainer(abc.ABC):
         model = dist_utils.unwrap(self.model)
         if not self._best.load_into(model) and model is not None:
             warn_user("test(): no best model was recorded (save_if_best never improved); testing the current weights")
-        with modes_kept(model):
+        with modes_kept(model), self._metrics.outside_training("test"):
             result = self.test_epoch()
         self.log(_test_metrics(result))
         return {key: value for key, value in self.push_logs().items() if key.startswith("test/")}
@@ -619,15 +627,14 @@ class BaseTrainer(abc.ABC):
         :param kwargs: The items to add to the checkpoint dictionary.
         :raises RegistryError: When a name is reserved or already registered.
         """
-        counted = any(isinstance(obj, torch.optim.Optimizer) for obj in self._registry.items.values())
+        counting = _step_counting_optimizer(self._registry, kwargs)
         # a generator has no state_dict(): registered as its state, restored into it in place
         items = {name: GeneratorItem(obj) if isinstance(obj, torch.Generator) else obj for name, obj in kwargs.items()}
         self._registry, _ = core.register_items(self._registry, items)
         if self._metrics.guard is not None:  # the divergence guard's hooks on its optimizers
             self._metrics.guard.watch(kwargs.values(), self._position)
-        optimizer = next((obj for obj in kwargs.values() if isinstance(obj, torch.optim.Optimizer)), None)
-        if optimizer is not None and not counted:
-            optimizer.register_step_post_hook(_step_counter(self._position))
+        if counting is not None:
+            counting.register_step_post_hook(_step_counter(self._position))
 
     @property
     def checkpoint_items(self) -> Mapping[str, Any]:

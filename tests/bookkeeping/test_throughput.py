@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainkit.bookkeeping import PERF_KEYS, ThroughputMark, throughput_rates
+from trainkit.bookkeeping import PEAK_FLOPS, PERF_KEYS, ThroughputMark, mfu, peak_flops, throughput_rates
 
 counts = st.integers(min_value=0, max_value=10**9)
 seconds = st.floats(min_value=1e-6, max_value=1e6, allow_nan=False)
@@ -59,3 +59,34 @@ def test_impossible_counters_are_refused(before, now, world_size, match):
     """Counters that went backwards, or no rank at all, are a bug upstream: refused with what was seen."""
     with pytest.raises(ValueError, match=match):
         throughput_rates(before, now, world_size)
+
+
+@given(
+    flops=st.floats(1.0, 1e15),
+    rate=st.floats(0.0, 1e7),
+    peak=st.floats(1e9, 1e16),
+    world_size=st.integers(1, 1024),
+)
+def test_mfu_times_every_peak_over_the_rate_gives_back_the_flops_per_sample(flops, rate, peak, world_size):
+    """perf/mfu is the model FLOP/s of all ranks over the peak of all their devices, nothing more."""
+    value = mfu(flops, rate, peak, world_size)
+    assert math.isclose(value * peak * world_size, flops * rate, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def test_the_peak_table_names_devices_by_their_cuda_names_and_has_dense_figures_only():
+    """Real torch.cuda.get_device_name() strings find their row (an H100 PCIe is not an SXM, an L40S not an L4);
+    each row's bf16 is twice its tf32 (dense, as the datasheets' halves); an unknown device or dtype has none."""
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989.4e12
+    assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert peak_flops("NVIDIA H200", "fp8") == 1978.9e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "tf32") == peak_flops("NVIDIA A100 80GB PCIe", "tf32") == 156e12
+    assert peak_flops("NVIDIA L40S", "bf16") == 362.05e12 and peak_flops("NVIDIA L4", "bf16") == 121e12
+    assert peak_flops("NVIDIA A10", "bf16") == 125e12 and peak_flops("NVIDIA A10G", "bf16") is None
+    assert peak_flops("Tesla V100-PCIE-16GB", "fp16") == 112e12 and peak_flops("Tesla T4", "bf16") is None
+    for _, peaks in PEAK_FLOPS:
+        if "tf32" in peaks:
+            assert peaks["bf16"] == pytest.approx(2 * peaks["tf32"], rel=2e-2)  # the L40S sheet: 183, 362.05
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        peak_flops("NVIDIA H100", "int8")
+    with pytest.raises(ValueError, match="peak"):
+        mfu(1.0, 1.0, 0.0)

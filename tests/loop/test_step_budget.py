@@ -106,7 +106,7 @@ def test_raising_max_steps_continues_a_run_that_ended_inside_an_epoch_exactly(tm
     assert resumed.validations == [v for v in whole.validations if v[1] > 9]
 
     def val_rows(out):
-        return [(row["trainer/step"], row["val/loss"]) for row in rows(out) if "val/loss" in row and row["trainer/step"] != 9]
+        return [(r["trainer/step"], r["val/loss"]) for r in rows(out) if "val/loss" in r and r["trainer/step"] != 9]
 
     assert val_rows(tmp_path / "cut") == val_rows(tmp_path / "whole")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from collections import Counter
 
 import pytest
@@ -88,7 +89,8 @@ def test_count_tokens_checks_its_argument_with_log_throughput_off_too(tmp_path, 
 
 def test_rates_follow_the_clock_and_a_validation_push_carries_none():
     """On a fake clock: the first interval starts at the first counted batch, a push without a step since the
-    last rates has none, and the next one covers the time since those rates (not since the empty push)."""
+    last rates has none (but the validation's seconds), and the next one covers the training time since those
+    rates (not the validation's, not since the empty push)."""
     now, step = [100.0], [0]
     counter = Throughput(lambda: step[0], world_size=2, clock=lambda: now[0])
     buffer = LogBuffer()
@@ -99,18 +101,21 @@ def test_rates_follow_the_clock_and_a_validation_push_carries_none():
         now[0] += 0.5
     buffer.add({"train/loss": 1.0})
     assert counter.drain(buffer) == {
-        "train/loss": 1.0, "perf/samples_per_s": 12 * 2 / 1.5, "perf/steps_per_s": 3 / 1.5,
+        "train/loss": 1.0, "perf/samples_per_s": 12 * 2 / 1.5, "perf/steps_per_s": 3 / 1.5, "perf/train_s": 1.5,
+        "perf/data_wait_s": 0.0,
     }
-    now[0] += 7.0
+    with counter.outside_training("val"):
+        now[0] += 7.0
     buffer.add({"val/loss": 2.0})
-    assert counter.drain(buffer) == {"val/loss": 2.0}  # no step since the last rates
+    assert counter.drain(buffer) == {"val/loss": 2.0, "perf/val_s": 7.0}  # no step since the last rates
     step[0] += 1
     counter.count_tokens(torch.tensor([3, 4]))
     counter.count_tokens(1.5)
     now[0] += 1.0
     buffer.add({"train/loss": 0.5})
     assert counter.drain(buffer) == {
-        "train/loss": 0.5, "perf/samples_per_s": 0.0, "perf/steps_per_s": 1 / 8.0, "perf/tokens_per_s": 8.5 * 2 / 8.0,
+        "train/loss": 0.5, "perf/samples_per_s": 0.0, "perf/steps_per_s": 1.0, "perf/tokens_per_s": 8.5 * 2,
+        "perf/train_s": 1.0, "perf/data_wait_s": 0.0,
     }
     assert counter.drain(buffer) == {}  # nothing logged: no row, whatever was counted
 
@@ -124,7 +129,7 @@ def test_an_unknown_batch_size_reports_steps_only():
         now[0] += 1.0
     buffer = LogBuffer()
     buffer.add({"x": 1.0})
-    assert counter.drain(buffer) == {"x": 1.0, "perf/steps_per_s": 1.0}
+    assert counter.drain(buffer) == {"x": 1.0, "perf/steps_per_s": 1.0, "perf/train_s": 2.0, "perf/data_wait_s": 0.0}
 
 
 def test_counting_tokens_on_the_device_waits_for_nothing(monkeypatch):
@@ -206,3 +211,102 @@ def test_a_poisoned_token_tensor_loses_one_rate_not_the_rest_of_the_run(monkeypa
         assert push(torch.tensor(2.0), 1)["perf/tokens_per_s"] == 3.0
     assert push(torch.ones(70000, dtype=torch.float16))["perf/tokens_per_s"] == 70000.0
     assert push(torch.ones(4, dtype=torch.bool))["perf/tokens_per_s"] == 4.0
+
+
+def test_time_outside_training_is_its_own_figure_and_nested_time_is_counted_once():
+    """On a fake clock: a checkpoint save inside a validation is the save's time, not the validation's too; a row
+    pushed inside carries the training clock as it stood when training stopped; each figure is reported once."""
+    now, step = [0.0], [0]
+    counter = Throughput(lambda: step[0], world_size=1, clock=lambda: now[0])
+    buffer = LogBuffer()
+    for _ in CountedBatches([(torch.zeros(2, 1),)] * 2, counter):
+        step[0] += 1
+        now[0] += 1.0
+    with counter.outside_training("val"):
+        now[0] += 3.0
+        assert not counter.training
+        with counter.outside_training("ckpt"):
+            now[0] += 5.0
+        buffer.add({"val/loss": 1.0})
+        inside = counter.drain(buffer)
+        now[0] += 4.0
+    assert inside["perf/train_s"] == 2.0 and inside["perf/ckpt_s"] == 5.0 and "perf/val_s" not in inside
+    buffer.add({"val/loss": 1.0})
+    assert counter.drain(buffer) == {"val/loss": 1.0, "perf/val_s": 7.0}
+    assert counter.training and counter.outside_s == 12.0
+
+
+def test_a_loop_iterated_outside_training_is_not_counted_and_waiting_for_data_is_timed():
+    """The batches of a loop iterated inside outside_training() (a validation's) are no training samples; the
+    seconds next() takes are perf/data_wait_s, less a checkpoint saved inside next() (at a step boundary)."""
+    now, step = [0.0], [0]
+    counter = Throughput(lambda: step[0], world_size=1, clock=lambda: now[0])
+
+    def slow_loader():
+        for _ in range(3):
+            now[0] += 0.25  # the loader's own wait
+            with counter.outside_training("ckpt"):  # a step checkpoint written between two batches
+                now[0] += 10.0
+            yield (torch.zeros(4, 1),)
+
+    for _ in CountedBatches(slow_loader(), counter):
+        step[0] += 1
+        now[0] += 1.0
+        with counter.outside_training("val"):
+            assert sum(len(x) for (x,) in CountedBatches([(torch.zeros(100, 1),)] * 2, counter)) == 200
+    buffer = LogBuffer()
+    buffer.add({"train/loss": 1.0})
+    row = counter.drain(buffer)
+    assert row["perf/samples_per_s"] == 12 / row["perf/train_s"]  # the validation's 200 samples are not there
+    assert row["perf/data_wait_s"] == pytest.approx(0.75) and row["perf/ckpt_s"] == 30.0
+    assert row["perf/train_s"] == pytest.approx(3.0 + 0.75)  # waiting for data is training time
+
+
+class PlantedClock:
+    """time.perf_counter, plus seconds planted by the code under test: a slow validation without the wait."""
+
+    def __init__(self, real):
+        self.real, self.planted = real, 0.0
+
+    def __call__(self):
+        return self.real() + self.planted
+
+
+class SlowValTrainer(TinyTrainer):
+    """TinyTrainer whose validation takes 1000 s more on the planted clock, and iterates batches of 7 samples
+    through progress() (which must not count as training samples)."""
+
+    clock: PlantedClock | None = None
+
+    def val_epoch(self):
+        for _ in self.progress(torch.utils.data.DataLoader(self.train_set, batch_size=7)):
+            pass
+        if self.clock is not None:
+            self.clock.planted += 1000.0
+        return super().val_epoch()
+
+
+def test_a_slow_validation_does_not_move_the_rates_and_is_reported_as_its_own_figure(tmp_path, monkeypatch):
+    """1000 s of validation on a planted clock: each row's perf/val_s shows them, perf/train_s and the rates do not
+    (the run without them has rates of the same order, where a wall-clock rate would be ~1000x lower); the val
+    loop's batches of 7 are not training samples (32 a step); the checkpoint saves show as perf/ckpt_s."""
+    import time
+
+    clock = PlantedClock(time.perf_counter)
+    monkeypatch.setattr(time, "perf_counter", clock)
+    runs = {}
+    for planted in (False, True):
+        SlowValTrainer.clock = clock if planted else None
+        out = tmp_path / str(planted)
+        trainer = SlowValTrainer(make_cfg(out, RUNS, log_throughput=True))
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        runs[planted] = rows(out)
+    for row in runs[True]:
+        assert row["perf/val_s"] >= 1000.0 and row["perf/train_s"] < 1000.0
+        assert row["perf/samples_per_s"] / row["perf/steps_per_s"] == pytest.approx(32.0, rel=1e-9)
+    assert "perf/ckpt_s" in runs[True][1]  # epoch 0's save, after its row
+    slow, fast = (statistics.median(r["perf/samples_per_s"] for r in runs[p]) for p in (True, False))
+    assert 0.1 < slow / fast < 10  # a rate over wall time would be about 1000 s / training seconds lower

@@ -51,7 +51,7 @@ from trainkit.bookkeeping.schedule import (
     should_validate,
     validates_at_epoch_end,
 )
-from trainkit.bookkeeping.throughput import PERF_KEYS, ThroughputMark, throughput_rates
+from trainkit.bookkeeping.throughput import PEAK_FLOPS, PERF_KEYS, ThroughputMark, mfu, peak_flops, throughput_rates
 
 __all__ = [
     "GUARD_MODES",
@@ -98,6 +98,9 @@ __all__ = [
     "ThroughputMark",
     "throughput_rates",
     "PERF_KEYS",
+    "PEAK_FLOPS",
+    "peak_flops",
+    "mfu",
     "Checkpoint",
     "KeepLatest",
     "KeepEvery",

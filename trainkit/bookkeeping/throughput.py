@@ -1,19 +1,93 @@
-"""Throughput between two pushes: samples, optimizer steps and tokens per second, as a pure function.
+"""Throughput between two pushes: samples, optimizer steps and tokens per second, and the model FLOPs
+utilization, as pure functions.
 
-The shell (:mod:`trainkit.loop.throughput`) reads the clock and counts; this module only divides, so the rates a
-row carries are property-tested here without a clock.
+The shell (:mod:`trainkit.loop.throughput`) reads the clock and counts; this module only divides and looks up, so
+the figures a row carries are property-tested here without a clock or a device.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import attrs
 
-__all__ = ["ThroughputMark", "throughput_rates", "PERF_KEYS"]
+__all__ = ["ThroughputMark", "throughput_rates", "PERF_KEYS", "PEAK_FLOPS", "peak_flops", "mfu"]
 
 PERF_KEYS = ("perf/samples_per_s", "perf/steps_per_s", "perf/tokens_per_s")
-"""The keys a row's throughput goes under, in the order a row carries them."""
+"""The keys a row's throughput rates go under, in the order a row carries them."""
+
+_T = 1e12
+PEAK_FLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    # NVIDIA datasheets' dense figures (the tensor-core figures they mark "with sparsity" halved)
+    (r"H100.*(PCIe|PCIE)", {"fp32": 51.2 * _T, "tf32": 378 * _T, "bf16": 756 * _T, "fp16": 756 * _T, "fp8": 1513 * _T}),
+    (
+        r"H[12]00.*NVL",
+        {"fp32": 60 * _T, "tf32": 417.5 * _T, "bf16": 835.5 * _T, "fp16": 835.5 * _T, "fp8": 1670.5 * _T},
+    ),
+    (
+        r"H100|H200|GH200",
+        {"fp32": 66.9 * _T, "tf32": 494.7 * _T, "bf16": 989.4 * _T, "fp16": 989.4 * _T, "fp8": 1978.9 * _T},
+    ),
+    (r"A100", {"fp32": 19.5 * _T, "tf32": 156 * _T, "bf16": 312 * _T, "fp16": 312 * _T}),
+    (r"L40S", {"fp32": 91.6 * _T, "tf32": 183 * _T, "bf16": 362.05 * _T, "fp16": 362.05 * _T, "fp8": 733 * _T}),
+    (r"\bL4\b", {"fp32": 30.3 * _T, "tf32": 60 * _T, "bf16": 121 * _T, "fp16": 121 * _T, "fp8": 242.5 * _T}),
+    (r"\bA10\b", {"fp32": 31.2 * _T, "tf32": 62.5 * _T, "bf16": 125 * _T, "fp16": 125 * _T}),
+    (r"V100.*(PCIe|PCIE)", {"fp32": 14 * _T, "fp16": 112 * _T}),
+    (r"V100", {"fp32": 15.7 * _T, "fp16": 125 * _T}),
+    (r"\bT4\b", {"fp32": 8.1 * _T, "fp16": 65 * _T}),
+)
+"""Dense peak FLOP/s of one device, by a pattern searched for in ``torch.cuda.get_device_name()`` (the first
+that matches wins) and by the dtype the matrix multiplies run in. From NVIDIA's datasheets (H100 and H200 SXM,
+PCIe and NVL; A100 40/80 GB, SXM and PCIe alike; L40S; L4; A10; V100 SXM2 and PCIe; T4), the figures marked
+"with sparsity" halved: no training step is 2:4 sparse. A device missing here (an A10G, a consumer card, an AMD
+or Intel one) has no peak: set ``throughput.peak_flops``."""
+
+_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+def peak_flops(device_name: str, dtype: str) -> float | None:
+    """The dense peak FLOP/s of one device from :data:`PEAK_FLOPS`.
+
+    Pure.
+
+    :param device_name: What ``torch.cuda.get_device_name()`` says, e.g. ``"NVIDIA H100 80GB HBM3"``.
+    :param dtype: ``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"`` or ``"fp8"``.
+    :returns: The peak, or None when the device or its dtype is not in the table.
+    :raises ValueError: When ``dtype`` is none of those.
+
+    >>> peak_flops("NVIDIA H100 80GB HBM3", "bf16"), peak_flops("NVIDIA H100 PCIe", "bf16")
+    (989400000000000.0, 756000000000000.0)
+    >>> peak_flops("NVIDIA L40S", "fp16") == 362.05e12, peak_flops("Tesla V100-SXM2-16GB", "bf16")
+    (True, None)
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(map(repr, _DTYPES))}, got {dtype!r}")
+    for pattern, peaks in PEAK_FLOPS:
+        if re.search(pattern, device_name):
+            return peaks.get(dtype)
+    return None
+
+
+def mfu(flops_per_sample: float, samples_per_s: float, peak: float, world_size: int = 1) -> float:
+    """The model FLOPs utilization: the model FLOP/s achieved by all ranks over the peak of all their devices.
+
+    Pure. ``samples_per_s`` is every rank's (as ``perf/samples_per_s``), so gradient accumulation, DDP and FSDP
+    need nothing of their own here: each sample's FLOPs are counted once, whichever rank and micro-batch took it.
+
+    :param flops_per_sample: The model's forward and backward FLOPs for one sample.
+    :param samples_per_s: Samples trained per second of training time, all ranks together.
+    :param peak: One device's peak FLOP/s.
+    :param world_size: The number of ranks (one device each).
+    :returns: The fraction of the peak reached, in [0, 1] when the figures are right.
+    :raises ValueError: When ``peak`` is not > 0 or ``world_size`` is below 1.
+
+    >>> mfu(6e9, 1000.0, 312e12, world_size=4)  # 6 TFLOP/s of model FLOPs over 4 A100s' bf16 peak
+    0.004807692307692308
+    """
+    if not peak > 0 or world_size < 1:
+        raise ValueError(f"mfu needs a peak > 0 and world_size >= 1, got peak={peak!r}, world_size={world_size!r}")
+    return flops_per_sample * samples_per_s / (peak * world_size)
 
 
 @attrs.frozen(kw_only=True)

@@ -523,11 +523,12 @@ class Checkpointer:
         if not self._kept.active:
             return {"before": before, "after": None}
         epoch_end, score = record.position is None, self._score
+        validated_here = score is not None and score[0] == record.loop.step  # saved at a validation's step
         description = describe_save(
             step=record.loop.step,
             epoch=record.loop.epoch,
             epoch_end=epoch_end,
-            validated=(epoch_end and record.loop.last_validated) or (score is not None and score[0] == record.loop.step),
+            validated=(epoch_end and record.loop.last_validated) or validated_here,
             score=self._score,
             latest_metrics=record.latest_metrics,
         )

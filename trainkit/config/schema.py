@@ -57,6 +57,7 @@ __all__ = [
     "ProgressConfig",
     "DistConfig",
     "GuardConfig",
+    "ThroughputConfig",
     "DEFAULT_NO_WEIGHT_DECAY",
 ]
 
@@ -344,6 +345,24 @@ class GuardConfig(Section):
 
 
 @attrs.frozen(kw_only=True)
+class ThroughputConfig(Section):
+    """``throughput.*``: the model FLOPs utilization, ``perf/mfu``, in the rows with ``perf/*`` rates.
+
+    ``mfu`` turns it on (and the rates with it, as ``log_throughput`` does). The model FLOPs of a sample are
+    ``flops_per_sample`` (forward and backward, without recomputation), or, when None, counted once on the
+    second batch of the training loop (three times its forward FLOPs; see :mod:`trainkit.loop.flops`). One
+    device's peak FLOP/s is ``peak_flops``, or, when None, a CUDA device's dense peak from
+    :data:`~trainkit.bookkeeping.PEAK_FLOPS` in ``dtype`` (``"auto"``: the dtype the counted batch's matrix
+    multiplies ran in; fp32 counts as tf32 where torch lets them use TF32); a CPU has none.
+    """
+
+    mfu: bool = False
+    flops_per_sample: float | None = attrs.field(default=None, validator=optional_rule(positive))
+    peak_flops: float | None = attrs.field(default=None, validator=optional_rule(positive))
+    dtype: str = attrs.field(default="auto", validator=one_of("auto", "fp32", "tf32", "bf16", "fp16", "fp8"))
+
+
+@attrs.frozen(kw_only=True)
 class Config(Section):
     """The engine's configuration. Subclass it (with ``@attrs.frozen(kw_only=True)``) to add your own keys.
 
@@ -373,16 +392,13 @@ class Config(Section):
     progress: ProgressConfig = _section(ProgressConfig)
     dist: DistConfig = _section(DistConfig)
     guard: GuardConfig = _section(GuardConfig)
+    throughput: ThroughputConfig = _section(ThroughputConfig)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         if self.epochs is None and self.max_steps is None:
-            raise ConfigError(
-                "epochs",
-                "is required",
-                show_value=False,
-                hint="or max_steps: the run's length is epochs, max_steps, or both",
-            )
+            hint = "or max_steps: the run's length is epochs, max_steps, or both"
+            raise ConfigError("epochs", "is required", show_value=False, hint=hint)
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -398,7 +414,8 @@ def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 RESUME_SAFE_KEYS = frozenset(
     key
     for key in all_keys(Config)
-    if key.split(".")[0] in ("epochs", "max_steps", "out_dir", "ckpt", "wandb", "progress", "dist", "test", "guard")
+    if key.split(".")[0]
+    in ("epochs", "max_steps", "out_dir", "ckpt", "wandb", "progress", "dist", "test", "guard", "throughput")
     or key in ("log_stats_every_n_steps", "log_every_n_steps", "log_weight_stats", "log_grad_stats", "log_throughput")
 )
 """The engine's config keys that may change between a run and its resume without changing what it computes.

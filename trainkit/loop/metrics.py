@@ -6,6 +6,7 @@ Side effects: none but on tensors; one device-to-host transfer per push.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -224,6 +225,17 @@ class TrainerMetrics:
         if self.throughput is not None:
             return self.throughput.drain(self.buffer)
         return self.buffer.drain()
+
+    def outside_training(self, kind: str) -> contextlib.AbstractContextManager[None]:
+        """Stop the throughput counters' training clock inside (a no-op without them): see
+        :meth:`~trainkit.loop.throughput.Throughput.outside_training`.
+
+        :param kind: What is done: ``"val"``, ``"ckpt"``, ``"test"``.
+        :returns: The context manager.
+        """
+        if self.throughput is None:
+            return contextlib.nullcontext()
+        return self.throughput.outside_training(kind)
 
     def state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """What a step checkpoint keeps of this rank's metrics: the unpushed buffer (with the guard's skip count,

@@ -413,10 +413,10 @@ class EpochTracker:
         self._end_batches = batches if self._resumable and not complete else None
 
     @contextlib.contextmanager
-    def validating(self) -> Iterator[None]:
-        """Around a validation run at a step boundary: loops iterated through ``progress()`` in ``val_epoch()`` are
-        not the training loop, and are not counted."""
-        in_epoch, self._in_epoch = self._in_epoch, False
+    def validating(self, inside: bool = True) -> Iterator[None]:
+        """Around a validation run at a step boundary (``inside``; else nothing): loops iterated through
+        ``progress()`` in ``val_epoch()`` are not the training loop, and are not counted."""
+        in_epoch, self._in_epoch = self._in_epoch, self._in_epoch and not inside
         try:
             yield
         finally:
