@@ -456,7 +456,7 @@ class BaseTrainer(abc.ABC):
         seconds = self._checkpointer.last_seconds if self.is_main else seconds
         if batches is None:
             raise self._signals.interrupted(self.epoch, seconds)
-        raise self._signals.interrupted(self.epoch, seconds, step=self.step, batches=(batches.consumed, len(batches)))
+        raise self._signals.interrupted(self.epoch, seconds, step=self.step, batches=batches.where)
 
     def _at_step_boundary(self, batches: TrackedBatches) -> None:
         """Between two batches, right after an optimizer step: write a due step checkpoint, act on a signal."""
