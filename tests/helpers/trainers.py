@@ -261,28 +261,28 @@ class ShuffledStream:
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, *, rank: int) -> None:
         self.x, self.y, self.batch_size, self.rank = x, y, batch_size, rank
-        self._order: list[int] = []
-        self._position = 0
-        self._pending: tuple[list[int], int] | None = None
+        self.order: list[int] = []
+        self.position = 0
+        self.pending: tuple[list[int], int] | None = None
 
     def __iter__(self):
-        if self._pending is not None:
-            (self._order, self._position), self._pending = self._pending, None
+        if self.pending is not None:
+            (self.order, self.position), self.pending = self.pending, None
         else:
-            self._order, self._position = torch.randperm(len(self.x)).tolist(), 0
-        while self._position * self.batch_size < len(self._order):
-            start = self._position * self.batch_size
-            indices = self._order[start : start + self.batch_size]
-            self._position += 1
+            self.order, self.position = torch.randperm(len(self.x)).tolist(), 0
+        while self.position * self.batch_size < len(self.order):
+            start = self.position * self.batch_size
+            indices = self.order[start : start + self.batch_size]
+            self.position += 1
             yield self.x[indices], self.y[indices]
 
     def state_dict(self) -> dict:
-        return {"rank": self.rank, "order": list(self._order), "position": self._position}
+        return {"rank": self.rank, "order": list(self.order), "position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
         if state["rank"] != self.rank:
             raise ValueError(f"rank {self.rank} was given rank {state['rank']}'s state")
-        self._pending = (list(state["order"]), int(state["position"]))
+        self.pending = (list(state["order"]), int(state["position"]))
 
 
 class ShuffledSamples(torch.utils.data.IterableDataset):
