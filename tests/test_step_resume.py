@@ -130,6 +130,41 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_boundary(tmp_path):
     assert steps == [2, 2]
 
 
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "workers"])
+def test_a_stateful_dataloader_resumes_from_its_own_state_bit_identically(tmp_path, workers):
+    """torchdata's StatefulDataLoader (shuffled with a registered generator): its state_dict() is the position, given
+    back through load_state_dict() before the resumed epoch is iterated; kills inside windows, at an epoch's last batch,
+    twice in a run, and a SIGTERM."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    runs = [[["batch", 0, 3]], [["batch", 1, 7]], [["batch", 0, 6], ["batch", 1, 2]], [["sigterm", 0, 4]]]
+    reference, results, stderr = run_scenario(tmp_path, runs, loader="stateful", num_workers=workers)
+    assert_all_exact(reference, results[:-1], stderr)
+    assert_all_exact(reference, results[-1:], stderr, killed=143)
+
+
+@pytest.mark.parametrize("loader", ["stream", "stateful iterable"])
+def test_an_iterable_without_a_length_resumes_from_its_own_state_bit_identically(tmp_path, loader):
+    """A stream of batches with state_dict()/load_state_dict() of its own, and a StatefulDataLoader over an
+    IterableDataset (no state: torchdata reads it again up to the position, drawing its order from the iterator-time
+    RNG states trainkit puts back): no length, no index-level skip, and exact."""
+    if loader != "stream":
+        pytest.importorskip("torchdata.stateful_dataloader")
+    runs = [[["batch", 0, 3]], [["batch", 1, 4]], [["batch", 0, 1], ["batch", 1, 6]]]
+    reference, results, stderr = run_scenario(tmp_path, runs, loader=loader)
+    assert_all_exact(reference, results, stderr)
+    assert "inside it: 2 batches done" in stderr  # the resume line of a position of unknown length
+
+
+@pytest.mark.ddp
+def test_two_gloo_ranks_each_resume_their_own_loader_state(tmp_path):
+    """2 ranks, each with its own stream (its own order, drawn from its own RNG): each rank's share of the checkpoint
+    holds its own state_dict(), and a stream given another rank's state raises, so an exact resume is per rank."""
+    runs = [[["batch", 0, 3]], [["sigterm", 1, 2]]]
+    reference, results, stderr = run_scenario(tmp_path, runs, world_size=2, loader="stream")
+    assert_all_exact(reference, results[:1], stderr)
+    assert_all_exact(reference, results[1:], stderr, killed=143)
+
+
 SLOW = os.environ.get("TRAINKIT_SLOW") == "1"
 
 KEEP = "latest:2,best:1,every_epochs:2"

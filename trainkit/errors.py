@@ -177,7 +177,8 @@ class TrainingInterrupted(TrainkitError):
     :param epoch: The 0-based epoch that finished before stopping (or that was stopped inside).
     :param save_seconds: How long saving ``last.pt`` took, or None when checkpoints are disabled.
     :param step: The optimizer step it stopped after, when it stopped inside the epoch.
-    :param batches: ``(consumed, per epoch)`` batches of ``epoch``, when it stopped inside the epoch.
+    :param batches: ``(consumed, per epoch)`` batches of ``epoch``, when it stopped inside the epoch (per epoch None
+        for a loader without a length).
     """
 
     def __init__(
@@ -188,7 +189,7 @@ class TrainingInterrupted(TrainkitError):
         save_seconds: float | None = None,
         *,
         step: int | None = None,
-        batches: tuple[int, int] | None = None,
+        batches: tuple[int, int | None] | None = None,
     ):
         self.signal_name = signal_name
         self.signal_number = signal_number
@@ -199,7 +200,8 @@ class TrainingInterrupted(TrainkitError):
         saved = f"last.pt saved in {save_seconds:.3f} s" if save_seconds is not None else "checkpoints are disabled"
         where = f"after epoch {epoch}"
         if batches is not None:
-            where = f"after step {step}, batch {batches[0]} of {batches[1]} of epoch {epoch}"
+            of = "" if batches[1] is None else f" of {batches[1]}"
+            where = f"after step {step}, batch {batches[0]}{of} of epoch {epoch}"
         super().__init__(f"{signal_name} received: stopped {where} ({saved}); run again to resume")
 
     @property

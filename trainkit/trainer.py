@@ -520,7 +520,7 @@ class BaseTrainer(abc.ABC):
     def _stop_for_signal(self, seconds: float | None, batches: TrackedBatches | None = None) -> None:
         self._checkpointer.wait()  # every rank is here: a background save just started is published first
         seconds = self._checkpointer.last_seconds if self.is_main else seconds
-        where = {} if batches is None else {"step": self.step, "batches": (batches.consumed, len(batches))}
+        where = {} if batches is None else {"step": self.step, "batches": batches.where}
         raise self._signals.interrupted(self.epoch, seconds, **where)
 
     def _at_step_boundary(self, batches: TrackedBatches) -> bool:

@@ -228,6 +228,12 @@ class StepConfig(Config):
     python_sampler: bool = False
     drop_last: bool = False
     push_every: int = 3
+    # loaders that carry their own position: "stateful", torchdata's StatefulDataLoader over the samples; "stateful
+    # iterable", one over a ShuffledSamples stream (no length); "stream", a ShuffledStream of batches (no length)
+    loader: str = attrs.field(
+        default="dataloader",
+        validator=attrs.validators.in_(("dataloader", "stateful", "stateful iterable", "stream")),
+    )
 
 
 class NoisyDataset(torch.utils.data.Dataset):
@@ -244,6 +250,51 @@ class NoisyDataset(torch.utils.data.Dataset):
 
         noise = torch.randn(self.x.shape[1], generator=trainkit.sample_generator(self.seed, index))
         return self.x[index] + 0.1 * noise, self.y[index]
+
+
+class ShuffledStream:
+    """Batches of ``(x, y)`` in an order drawn from torch's global generator when a pass begins, with no length: an
+    iterable that carries its own position (``state_dict``/``load_state_dict``), as a stream reader would.
+
+    Its state names its rank, and loading another rank's state raises: each rank must get its own back.
+    """
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, *, rank: int) -> None:
+        self.x, self.y, self.batch_size, self.rank = x, y, batch_size, rank
+        self.order: list[int] = []
+        self.position = 0
+        self.pending: tuple[list[int], int] | None = None
+
+    def __iter__(self):
+        if self.pending is not None:
+            (self.order, self.position), self.pending = self.pending, None
+        else:
+            self.order, self.position = torch.randperm(len(self.x)).tolist(), 0
+        while self.position * self.batch_size < len(self.order):
+            start = self.position * self.batch_size
+            indices = self.order[start : start + self.batch_size]
+            self.position += 1
+            yield self.x[indices], self.y[indices]
+
+    def state_dict(self) -> dict:
+        return {"rank": self.rank, "order": list(self.order), "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["rank"] != self.rank:
+            raise ValueError(f"rank {self.rank} was given rank {state['rank']}'s state")
+        self.pending = (list(state["order"]), int(state["position"]))
+
+
+class ShuffledSamples(torch.utils.data.IterableDataset):
+    """Samples ``(x, y)`` in an order drawn from torch's global generator when a pass begins; no length, no state of
+    its own: a StatefulDataLoader resumes it by reading it again up to its position (in one process)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __iter__(self):
+        for index in torch.randperm(len(self.x)).tolist():
+            yield self.x[index], self.y[index]
 
 
 class PythonShuffleSampler(torch.utils.data.Sampler):
@@ -301,7 +352,9 @@ class StepTrainer(BaseTrainer):
             "drop_last": cfg.drop_last,
         }
         items = {}
-        if cfg.distributed_sampler:
+        if cfg.loader != "dataloader":
+            self.loader = self._loader_with_a_position(x[: cfg.n_samples], y[: cfg.n_samples], options, items)
+        elif cfg.distributed_sampler:
             sampler = DistributedSampler(self.train_set, num_replicas=self.world_size, rank=self.rank, seed=cfg.seed)
             self.add_samplers(sampler)
             self.loader = DataLoader(self.train_set, sampler=sampler, **options)
@@ -316,10 +369,33 @@ class StepTrainer(BaseTrainer):
         self.loss_mean = trainkit.RunningMean()
         self.add_checkpoint_items(model=self.model, optimizer=self.optimizer, loss_mean=self.loss_mean, **items)
 
+    def _loader_with_a_position(self, x, y, options, items):
+        """A loader that carries its own position: a StatefulDataLoader shuffling with a registered generator (or a
+        DistributedSampler), or a ShuffledStream."""
+        cfg = self.cfg
+        if cfg.loader == "stream":
+            return ShuffledStream(x, y, cfg.batch_size, rank=self.rank)
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        if cfg.loader == "stateful iterable":
+            return StatefulDataLoader(ShuffledSamples(x, y), **options)
+        dataset = TensorDataset(x, y)
+        if cfg.distributed_sampler:
+            sampler = DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, seed=cfg.seed)
+            self.add_samplers(sampler)
+            return StatefulDataLoader(dataset, sampler=sampler, **options)
+        generator = torch.Generator().manual_seed(cfg.seed + 7 + self.rank)
+        items["loader_generator"] = generator
+        return StatefulDataLoader(dataset, shuffle=True, generator=generator, **options)
+
     def train_epoch(self):
         cfg = self.cfg
         self.model.train()
-        batches = len(self.loader)
+        try:
+            batches = len(self.loader)
+        except TypeError:  # a stream
+            batches = None
+        index = self.first_batch - 1
         for index, (x, y) in enumerate(self.progress(self.loader), start=self.first_batch):
             x, y = x.to(self.device), y.to(self.device)
             loss = nn.functional.mse_loss(self.model(x), y)
@@ -333,6 +409,10 @@ class StepTrainer(BaseTrainer):
             if (index + 1) % cfg.push_every == 0:
                 self.push_logs()
             _maybe_die(("batch", self.epoch, index), self.rank)
+        if batches is None and (index + 1) % cfg.accumulate:  # a stream's last, short window
+            self.clip_and_log_grad_norm()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.log({"train/loss": self.loss_mean.take()})
         self.log_epoch_grad_norm()
 
@@ -466,9 +546,10 @@ class ShardTrainer(BaseTrainer):
             weights, optimizer = full_weights(self.model), full_optimizer_state(self.model, self.optimizer)
             best = whole_best(self)
             if self.rank == 0:
-                torch.save({"weights": weights, "optimizer": optimizer, "epoch": self.epoch, "step": self.step,
-                            "best": best},
-                           os.path.join(self.cfg.out_dir, f"loaded{self.world_size}.pt"))
+                torch.save(
+                    {"weights": weights, "optimizer": optimizer, "epoch": self.epoch, "step": self.step, "best": best},
+                    os.path.join(self.cfg.out_dir, f"loaded{self.world_size}.pt"),
+                )
             return None
         return super().train()
 
@@ -521,8 +602,12 @@ class ShardTrainer(BaseTrainer):
             full, optimizer = full_weights(self.model), full_optimizer_state(self.model, self.optimizer)
             best = whole_best(self)
             if self.rank == 0:
-                report = {"weights": full, "pushed": self.__dict__.get("pushed", []), "optimizer": optimizer,
-                          "best": best}
+                report = {
+                    "weights": full,
+                    "pushed": self.__dict__.get("pushed", []),
+                    "optimizer": optimizer,
+                    "best": best,
+                }
                 torch.save(report, os.path.join(self.cfg.out_dir, f"report{self.world_size}.pt"))
 
 
@@ -546,15 +631,19 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_optimizer_state_dict(nn.ModuleDict({"model": unwrap(model)}), optimizer, options=options)
-    return {name: {key: torch.as_tensor(value).clone() for key, value in entry.items()}
-            for name, entry in state.get("state", {}).items()}  # rank 0 alone holds the whole state
+    return {
+        name: {key: torch.as_tensor(value).clone() for key, value in entry.items()}
+        for name, entry in state.get("state", {}).items()
+    }  # rank 0 alone holds the whole state
 
 
 def whole_best(trainer: BaseTrainer) -> dict:
     """The best-model snapshot's whole tensors, without DDP's prefix (gathered from the shards under FSDP2)."""
     best = trainer.best_model or {}
-    return {name.removeprefix("module."): (value.full_tensor() if hasattr(value, "full_tensor") else value).clone()
-            for name, value in best.items()}
+    return {
+        name.removeprefix("module."): (value.full_tensor() if hasattr(value, "full_tensor") else value).clone()
+        for name, value in best.items()
+    }
 
 
 # --------------------------------------------------------------------------------------------- W&B runs

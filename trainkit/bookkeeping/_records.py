@@ -15,8 +15,12 @@ import attrs
 
 from trainkit.errors import BookkeepingError
 
-SCHEMA_VERSION = 1
-"""Version of the dicts written by ``to_dict``; bumped when a field changes meaning."""
+SCHEMA_VERSION = 2
+"""The newest version of the dicts ``to_dict`` writes and ``from_dict`` reads; bumped when a field changes meaning.
+
+A record is written with the oldest version that describes it, so a trainkit that reads only version 1 still reads
+every record that uses nothing newer. Version 2: an :class:`~trainkit.bookkeeping.EpochPosition` may leave the
+epoch's length and the dataset's unknown (None), for a loader that carries its own position."""
 
 R = TypeVar("R")
 
@@ -64,15 +68,16 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def record_to_dict(record: Any) -> dict[str, Any]:
+def record_to_dict(record: Any, *, version: int = 1) -> dict[str, Any]:
     """Return a record's fields as plain JSON-able values, tagged with its kind and schema version.
 
     Pure: builds a new dict; the record is left unchanged.
 
     :param record: An attrs record of this package.
+    :param version: The oldest schema version that describes this record (see :data:`SCHEMA_VERSION`).
     :returns: ``{"kind": ..., "schema_version": ..., <field>: <value>, ...}``.
     """
-    data: dict[str, Any] = {"kind": type(record).__name__, "schema_version": SCHEMA_VERSION}
+    data: dict[str, Any] = {"kind": type(record).__name__, "schema_version": version}
     for field in attrs.fields(type(record)):
         data[field.name] = _plain(getattr(record, field.name))
     return data

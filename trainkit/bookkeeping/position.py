@@ -31,22 +31,31 @@ def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise BookkeepingError(f"EpochPosition.{attribute.name} must be an int >= 1, got {value!r}")
 
 
+def _optional_positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and (not is_int(value) or value < 1):
+        raise BookkeepingError(f"EpochPosition.{attribute.name} must be None (unknown) or an int >= 1, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class EpochPosition:
     """How far into an epoch a step checkpoint was written, and what the epoch's batches were made of.
 
-    A resumed run skips ``batches`` batches of epoch ``epoch`` at the index level; the other fields are what
-    must not have changed for the skipped indices to be the same samples.
+    A resumed run skips ``batches`` batches of epoch ``epoch`` at the index level, or hands a loader that carries its
+    own position the state it saved; the other fields are what must not have changed for the rest of the epoch to be
+    the same samples. A loader without a length (a stream) leaves ``batches_per_epoch`` and ``dataset_length``
+    unknown: None.
 
     :ivar epoch: The 0-based epoch in progress.
-    :ivar batches: Batches of it already consumed (trained on), in ``[1, batches_per_epoch]``.
-    :ivar batches_per_epoch: ``len(loader)`` on each rank.
-    :ivar batch_size: The loader's ``batch_size`` (None for a loader built from a ``batch_sampler``).
-    :ivar dataset_length: ``len(loader.dataset)``.
+    :ivar batches: Batches of it already consumed (trained on), at least 1 and at most ``batches_per_epoch``.
+    :ivar batches_per_epoch: ``len(loader)`` on each rank, or None when the loader has no length.
+    :ivar batch_size: The loader's ``batch_size`` (None for a loader built from a ``batch_sampler``, or without one).
+    :ivar dataset_length: ``len(loader.dataset)``, or None when there is none with a length.
     :ivar world_size: The number of processes.
 
     >>> EpochPosition(epoch=2, batches=5, batches_per_epoch=10, batch_size=32, dataset_length=320, world_size=1)
     EpochPosition(epoch=2, batches=5, batches_per_epoch=10, batch_size=32, dataset_length=320, world_size=1)
+    >>> EpochPosition(epoch=0, batches=7, batches_per_epoch=None, batch_size=8, dataset_length=None, world_size=1)
+    EpochPosition(epoch=0, batches=7, batches_per_epoch=None, batch_size=8, dataset_length=None, world_size=1)
     >>> EpochPosition(epoch=0, batches=11, batches_per_epoch=10, batch_size=None, dataset_length=1, world_size=1)
     Traceback (most recent call last):
     ...
@@ -55,25 +64,42 @@ class EpochPosition:
 
     epoch: int = attrs.field(validator=_count)
     batches: int = attrs.field(validator=_positive)
-    batches_per_epoch: int = attrs.field(validator=_positive)
+    batches_per_epoch: int | None = attrs.field(validator=_optional_positive)
     batch_size: int | None = attrs.field(validator=_optional_count)
-    dataset_length: int = attrs.field(validator=_count)
+    dataset_length: int | None = attrs.field(validator=_optional_count)
     world_size: int = attrs.field(validator=_positive)
 
     def __attrs_post_init__(self) -> None:
-        if self.batches > self.batches_per_epoch:
+        if self.batches_per_epoch is not None and self.batches > self.batches_per_epoch:
             raise BookkeepingError(
                 f"EpochPosition.batches must be at most batches_per_epoch={self.batches_per_epoch}, got {self.batches}"
             )
 
+    @property
+    def done(self) -> str:
+        """The batches done, as messages say it: ``"5 of 10 batches"``, or ``"5 batches"`` when the length is unknown.
+
+        >>> EpochPosition(epoch=0, batches=5, batches_per_epoch=None, batch_size=8, dataset_length=None,
+        ...               world_size=1).done
+        '5 batches'
+        """
+        of = "" if self.batches_per_epoch is None else f" of {self.batches_per_epoch}"
+        return f"{self.batches}{of} batches"
+
     def to_dict(self) -> dict[str, Any]:
         """Return the record as plain JSON-able values with a schema version.
 
+        Version 1 when every length is known (what a trainkit before unknown lengths reads), else 2.
+
         >>> p = EpochPosition(epoch=0, batches=1, batches_per_epoch=2, batch_size=8, dataset_length=16, world_size=1)
-        >>> EpochPosition.from_dict(p.to_dict()) == p
-        True
+        >>> EpochPosition.from_dict(p.to_dict()) == p, p.to_dict()["schema_version"]
+        (True, 1)
+        >>> stream = attrs.evolve(p, batches_per_epoch=None, dataset_length=None)
+        >>> EpochPosition.from_dict(stream.to_dict()) == stream, stream.to_dict()["schema_version"]
+        (True, 2)
         """
-        return record_to_dict(self)
+        unknown = self.batches_per_epoch is None or self.dataset_length is None
+        return record_to_dict(self, version=2 if unknown else 1)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EpochPosition:
@@ -140,7 +166,7 @@ def position_mismatch(
 
     :param saved: The checkpoint's position.
     :param world_size: This run's number of processes.
-    :param loader: This run's loader's ``(batch_size, len(dataset), len(loader))``.
+    :param loader: This run's loader's ``(batch_size, len(dataset), len(loader))``, None where it has none.
     :returns: ``"<what>: <saved> then, <now> now"`` for each difference, joined by ``"; "``; None when none.
 
     >>> p = EpochPosition(epoch=1, batches=3, batches_per_epoch=10, batch_size=32, dataset_length=320, world_size=2)

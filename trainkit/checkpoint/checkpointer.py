@@ -335,8 +335,7 @@ class Checkpointer:
     def _say_resuming(self, path: Path, records: core.Resumed, mid_epoch: Mapping[str, Any] | None) -> None:
         line = records.line
         if records.more and mid_epoch is not None:
-            position = mid_epoch["position"]
-            line += f", inside it: {position['batches']} of {position['batches_per_epoch']} batches done"
+            line += f", inside it: {core.EpochPosition.from_dict(mid_epoch['position']).done} done"
         if self._rank == 0:
             say(f"resuming {path}: {line}")
 

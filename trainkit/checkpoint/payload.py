@@ -271,7 +271,16 @@ def _check_modes(value: Any, where: str) -> None:
 
 
 _MID_EPOCH_RULE = "a dict with 'position' (an EpochPosition dict) and 'ranks' (one dict per rank)"
-_RANK_RULE = "a dict with 'rng_at_iter', 'generators_at_iter', 'logs' and 'grad_norm'"
+_RANK_KEYS = frozenset({"rng_at_iter", "generators_at_iter", "logs", "grad_norm"})
+_LOADER_KEYS = frozenset({"loader_state", "generators_at_save"})
+_RANK_RULE = (
+    "a dict with 'rng_at_iter', 'generators_at_iter', 'logs' and 'grad_norm', and for a loader that carries its own "
+    "position 'loader_state' and 'generators_at_save'"
+)
+_LOADER_STATE_RULE = (
+    f"a dict of str keys: the loader's own state_dict(), nested at most {MAX_ITEM_DEPTH} deep (its load_state_dict() "
+    "judges the rest)"
+)
 
 
 def _check_mid_epoch(value: Any, where: str) -> None:
@@ -284,16 +293,33 @@ def _check_mid_epoch(value: Any, where: str) -> None:
         raise _Bad(f"{where}['ranks']", "a non-empty list, one dict per rank", ranks)
     for rank, state in enumerate(ranks):
         at = f"{where}['ranks'][{rank}]"
-        if type(state) is not dict or set(state) != {"rng_at_iter", "generators_at_iter", "logs", "grad_norm"}:
+        if type(state) is not dict or set(state) not in (_RANK_KEYS, _RANK_KEYS | _LOADER_KEYS):
             raise _Bad(at, _RANK_RULE, state)
         _check_rng([state["rng_at_iter"]], f"{at}['rng_at_iter']", python_required=False)
-        generators = state["generators_at_iter"]
-        if type(generators) is not list or not all(_is_byte_tensor(g) for g in generators):
-            raise _Bad(f"{at}['generators_at_iter']", "a list of uint8 generator states", generators)
-        for index, generator in enumerate(generators):
-            _torch_state(generator, f"{at}['generators_at_iter'][{index}]")
+        _check_generators(state["generators_at_iter"], f"{at}['generators_at_iter']")
+        if "loader_state" in state:
+            _check_loader_state(state["loader_state"], f"{at}['loader_state']")
+            _check_generators(state["generators_at_save"], f"{at}['generators_at_save']")
+            if len(state["generators_at_save"]) != len(state["generators_at_iter"]):
+                rule = f"a list of {len(state['generators_at_iter'])} states, as many as 'generators_at_iter'"
+                raise _Bad(f"{at}['generators_at_save']", rule, state["generators_at_save"])
         _check_logs(state["logs"], f"{at}['logs']")
         _check_running_mean(state["grad_norm"], f"{at}['grad_norm']")
+
+
+def _check_generators(value: Any, where: str) -> None:
+    """A loader's own generators' states, each tried on a throwaway generator."""
+    if type(value) is not list or not all(_is_byte_tensor(g) for g in value):
+        raise _Bad(where, "a list of uint8 generator states", value)
+    for index, generator in enumerate(value):
+        _torch_state(generator, f"{where}[{index}]")
+
+
+def _check_loader_state(value: Any, where: str) -> None:
+    """A loader's own ``state_dict()`` (a loader that carries its own position): its top level, and its nesting."""
+    if type(value) is not dict or not all(type(key) is str for key in value):
+        raise _Bad(where, _LOADER_STATE_RULE, value)
+    _check_nesting(value, where, MAX_ITEM_DEPTH)
 
 
 _SKIPS_RULE = "a list of [epoch, batch] pairs of ints in [0, 2**63)"
@@ -553,7 +579,10 @@ def mid_epoch_state(position: EpochPosition, ranks: list[dict[str, Any]]) -> dic
     :param position: Where the epoch stands.
     :param ranks: Per rank: ``rng_at_iter`` (its RNG states when the loader's iterator was made),
         ``generators_at_iter`` (its loader's own generators' states then), ``logs`` (its unpushed metrics,
-        ``LogBuffer.state_dict()``) and ``grad_norm`` (its epoch grad-norm mean so far).
+        ``LogBuffer.state_dict()``) and ``grad_norm`` (its epoch grad-norm mean so far); and, for a loader that carries
+        its own position, ``loader_state`` (its ``state_dict()`` at the save) and ``generators_at_save`` (its own
+        generators' states then); both absent for a loader trainkit skips into, so such checkpoints are what they
+        were before.
     :returns: ``{"position": ..., "ranks": [...]}``.
     """
     return {"position": position.to_dict(), "ranks": ranks}

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from trainkit.bookkeeping import EpochPosition
 from trainkit.cli.report import format_value
 
 __all__ = [
@@ -105,11 +106,12 @@ def describe_checkpoint(path: str | Path, *, all_tensors: bool = False) -> list[
         lines.append(f"loop:         stop_reason={loop.get('stop_reason')}, last epoch validated={validated}")
         mid_epoch = payload.get("trainkit")
         if mid_epoch is not None:
-            position = mid_epoch["position"]
+            position = EpochPosition.from_dict(mid_epoch["position"])
+            samples = "samples unknown" if position.dataset_length is None else f"{position.dataset_length} samples"
+            own = " (the loader's own state)" if "loader_state" in mid_epoch["ranks"][0] else ""
             lines.append(
-                f"position:     inside epoch {position['epoch']}: {position['batches']} of "
-                f"{position['batches_per_epoch']} batches done (batch size {position['batch_size']}, "
-                f"{position['dataset_length']} samples); a resume continues from the next batch"
+                f"position:     inside epoch {position.epoch}: {position.done} done (batch size "
+                f"{position.batch_size}, {samples}); a resume continues from the next batch{own}"
             )
         else:
             lines.append("position:     at an epoch's end")

@@ -38,7 +38,6 @@ __all__ = [
     "TrackedBatches",
     "WatchedBatches",
     "unskippable_reason",
-    "loader_shape",
     "RankPosition",
     "draws_only_from_torch",
     "iterator_rng",
@@ -185,14 +184,24 @@ class RankPosition:
     :param rng_at_iter: The RNG states (:func:`iterator_rng`) when the loader's iterator was created.
     :param generators_at_iter: The states of the loader's own generators then, in ``loader_generators`` order.
     :param rng_at_save: The RNG states at the save point.
+    :param loader_state: What a loader that carries its own position returned from ``state_dict()`` at the save
+        point (read back from the checkpoint, unchecked but for its nesting); None for an index-level position.
+    :param generators_at_save: The states of such a loader's own generators at the save point.
     """
 
     def __init__(
-        self, rng_at_iter: dict[str, Any], generators_at_iter: list[torch.Tensor], rng_at_save: dict[str, Any]
+        self,
+        rng_at_iter: dict[str, Any],
+        generators_at_iter: list[torch.Tensor],
+        rng_at_save: dict[str, Any],
+        loader_state: dict[str, Any] | None = None,
+        generators_at_save: list[torch.Tensor] | None = None,
     ) -> None:
         self.rng_at_iter = rng_at_iter
         self.generators_at_iter = generators_at_iter
         self.rng_at_save = rng_at_save
+        self.loader_state = loader_state
+        self.generators_at_save = generators_at_save or []
 
 
 def unskippable_reason(loader: Any) -> str | None:
@@ -220,15 +229,6 @@ def unskippable_reason(loader: Any) -> str | None:
     except TypeError:
         return f"a {type(loader).__name__} whose sampler has no length, so its epoch has none"
     return None
-
-
-def loader_shape(loader: Any) -> tuple[int | None, int, int]:
-    """The facts a mid-epoch position depends on: ``(batch_size, len(dataset), len(loader))``.
-
-    :param loader: A loader :func:`unskippable_reason` accepts.
-    :returns: The three numbers.
-    """
-    return loader.batch_size, len(loader.dataset), len(loader)
 
 
 class _SkippingIndices:
@@ -459,6 +459,17 @@ class TrackedBatches:
         return len(self.loader)
 
     @property
+    def per_epoch(self) -> int | None:
+        """The epoch's batches, ``len(loader)``; None for a loader without a length (see
+        :class:`~trainkit.loop.stateful.StatefulBatches`)."""
+        return len(self.loader)
+
+    @property
+    def where(self) -> tuple[int, int | None]:
+        """Where the epoch stands, for messages: ``(consumed, per epoch)`` batches (:attr:`per_epoch`)."""
+        return self.consumed, self.per_epoch
+
+    @property
     def rng_at_iter(self) -> dict[str, Any] | None:
         """The RNG states when the loader's iterator was created (what a resume puts back before creating it),
         as a checkpoint keeps them; None before it was."""
@@ -468,7 +479,12 @@ class TrackedBatches:
         self._rng_at_iter = states = rng_for_checkpoint(states)
         return states
 
-    def _start(self) -> Iterator[Any]:
+    def _before_iterator(self) -> None:
+        """Right before the loader's iterator is made: put back the states a resume recorded then, and record them.
+
+        The iterator draws from them as it is made (a shuffle's seed, the workers' base seed): a resumed epoch's
+        iterator draws what the interrupted one drew.
+        """
         loader = self.loader
         generators = loader_generators(loader)
         resume = self._resume
@@ -478,6 +494,10 @@ class TrackedBatches:
                 generator.set_state(state)
         self._rng_at_iter = iterator_rng(loader)
         self.generators_at_iter = [generator.get_state() for generator in generators]
+
+    def _start(self) -> Iterator[Any]:
+        self._before_iterator()
+        resume = self._resume
         iterator, skippable = self._iterate(self.skip, self.drop)
         if not skippable:
             if resume is not None:

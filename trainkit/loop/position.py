@@ -23,7 +23,8 @@ from typing import Any, NamedTuple
 from trainkit import bookkeeping as core
 from trainkit.distributed import collectives as dist_utils
 from trainkit.errors import CheckpointMismatchError, UsageError
-from trainkit.loop.batches import RankPosition, TrackedBatches, WatchedBatches, loader_shape, unskippable_reason
+from trainkit.loop.batches import RankPosition, TrackedBatches, WatchedBatches, unskippable_reason
+from trainkit.loop.stateful import StatefulBatches, carries_own_position, loader_facts
 from trainkit.messages import warn_user
 from trainkit.state.rng import loader_generators
 
@@ -204,9 +205,8 @@ class EpochTracker:
         if loop.finished or loop.epoch != position.epoch:
             if ckpt["loop"].get("stop_reason") is None:  # a finished run's final position is no news
                 warn_user(
-                    f"{resume_path} was written inside epoch {position.epoch} (after {position.batches} of "
-                    f"{position.batches_per_epoch} batches), but {budget} ends the run before it: "
-                    "the rest of that epoch is not trained"
+                    f"{resume_path} was written inside epoch {position.epoch} (after {position.done}), but {budget} "
+                    "ends the run before it: the rest of that epoch is not trained"
                 )
             return None
         mismatch = core.position_mismatch(position, world_size=self._world_size)
@@ -220,6 +220,8 @@ class EpochTracker:
                 rng_at_iter=state["rng_at_iter"],
                 generators_at_iter=state["generators_at_iter"],
                 rng_at_save=rng_at_save,
+                loader_state=state.get("loader_state"),
+                generators_at_save=state.get("generators_at_save"),
             ),
         )
         return state
@@ -240,8 +242,8 @@ class EpochTracker:
             position = self._pending[0]
             self._pending = None
             warn_user(
-                f"the run resumed inside epoch {position.epoch} (after {position.batches} of "
-                f"{position.batches_per_epoch} batches), but train_epoch() did not iterate a DataLoader through "
+                f"the run resumed inside epoch {position.epoch} (after {position.done}), but train_epoch() did not "
+                "iterate a DataLoader through "
                 "self.progress(), so the epoch ran from its first batch: the batches before the checkpoint were "
                 "trained on twice"
             )
@@ -265,7 +267,10 @@ class EpochTracker:
                 "no step checkpoint, step validation or step budget acts while this one runs"
             )
             return None
-        reason = unskippable_reason(loader)
+        stateful = carries_own_position(loader)
+        if stateful or (pending is not None and pending[1].loader_state is not None):
+            self._check_stateful(loader, pending, drop)
+        reason = None if stateful else unskippable_reason(loader)
         if reason is not None:
             if pending is None and drop:
                 raise CheckpointMismatchError(
@@ -281,7 +286,9 @@ class EpochTracker:
             if self._stepping:
                 self._warn_untracked(
                     "ckpt.every_n_steps needs progress() to be given a DataLoader over a map-style dataset, with a "
-                    f"length, got {reason}: this loop writes no step checkpoints and resumes at epoch boundaries"
+                    "length, or a loader that carries its own position (state_dict() and load_state_dict(), as "
+                    f"torchdata's StatefulDataLoader has), got {reason}: this loop writes no step checkpoints and "
+                    "resumes at epoch boundaries"
                 )
             if not self._watching:
                 return None
@@ -296,7 +303,7 @@ class EpochTracker:
                 f"guard.skip_batches names batches {beyond} of epoch {epoch}, but its loader has {len(loader)} batches "
                 "(positions are 0-based): nothing is left out there"
             )
-        batches = TrackedBatches(
+        batches = (StatefulBatches if stateful else TrackedBatches)(
             loader,
             epoch=epoch,
             skip=position.batches if position is not None else 0,
@@ -334,15 +341,43 @@ class EpochTracker:
         batches = self.counted_batches
         return None if batches is None or batches.consumed == 0 else batches.consumed - 1
 
+    def _check_stateful(
+        self, loader: Any, pending: tuple[core.EpochPosition, RankPosition] | None, drop: frozenset[int]
+    ) -> None:
+        """Refuse what a loader that carries its own position cannot do, or a resume its position cannot serve."""
+        name = type(loader).__name__
+        if drop:
+            raise CheckpointMismatchError(
+                f"batches {sorted(drop)} of epoch {self.epoch} are to be left out (guard.nonfinite=rollback), but "
+                f"train_epoch() iterates a {name}, which carries its own position: trainkit cannot leave batches out "
+                "of it"
+            )
+        if pending is None:
+            return
+        position, resume = pending
+        where = f"the checkpoint was written inside epoch {position.epoch}, after {position.batches} batches"
+        if resume.loader_state is None:
+            raise CheckpointMismatchError(
+                f"{where}, of a loader trainkit skips into, but train_epoch() now iterates a {name}, which carries "
+                "its own position and none was saved for it; resume with the loader that wrote it, from an "
+                "epoch-boundary checkpoint, or start fresh (ckpt.resume=never)"
+            )
+        if not carries_own_position(loader):
+            raise CheckpointMismatchError(
+                f"{where}, with the state of a loader that carries its own position, but train_epoch() now iterates "
+                f"a {name}, which has no load_state_dict() to take it; resume with the loader that wrote it, from an "
+                "epoch-boundary checkpoint, or start fresh (ckpt.resume=never)"
+            )
+
     def _check_same_data(self, position: core.EpochPosition, resume: Any, loader: Any) -> None:
-        mismatch = core.position_mismatch(position, world_size=self._world_size, loader=loader_shape(loader))
+        mismatch = core.position_mismatch(position, world_size=self._world_size, loader=loader_facts(loader))
         generators = len(loader_generators(loader))
         if mismatch is None and generators != len(resume.generators_at_iter):
             mismatch = f"generators of its own: {len(resume.generators_at_iter)} then, {generators} now"
         if mismatch is not None:
             raise CheckpointMismatchError(
-                f"the checkpoint was written inside epoch {position.epoch}, after {position.batches} of "
-                f"{position.batches_per_epoch} batches, and skipping them needs the same data: {mismatch}; "
+                f"the checkpoint was written inside epoch {position.epoch}, after {position.done}, and resuming "
+                f"there needs the same data: {mismatch}; "
                 "resume from an epoch-boundary checkpoint, or start fresh (ckpt.resume=never)"
             )
 
@@ -446,12 +481,13 @@ class EpochTracker:
         :param epoch: The epoch.
         :param world_size: The number of processes.
         """
+        batch_size, dataset_length, _ = loader_facts(batches.loader)
         return core.EpochPosition(
             epoch=epoch,
             batches=batches.consumed,
-            batches_per_epoch=len(batches),
-            batch_size=batches.loader.batch_size,
-            dataset_length=len(batches.loader.dataset),
+            batches_per_epoch=batches.per_epoch,
+            batch_size=batch_size,
+            dataset_length=dataset_length,
             world_size=world_size,
         )
 
@@ -462,13 +498,19 @@ class EpochTracker:
         :param batches: The tracked batches.
         :param logs: Its unpushed metrics (``LogBuffer.state_dict()``).
         :param grad_norm: Its epoch grad-norm mean so far.
+        :returns: Its share; with ``loader_state`` and ``generators_at_save`` for a loader that carries its own
+            position (:meth:`~trainkit.loop.stateful.StatefulBatches.saved_share`), without for one trainkit skips into
+            (as checkpoints were written before such loaders).
         """
-        return {
+        share = {
             "rng_at_iter": batches.rng_at_iter,
             "generators_at_iter": batches.generators_at_iter,
             "logs": logs,
             "grad_norm": grad_norm,
         }
+        if isinstance(batches, StatefulBatches):
+            share.update(batches.saved_share())
+        return share
 
     # ------------------------------------------------------------------ loaders
 

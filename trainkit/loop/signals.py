@@ -64,14 +64,19 @@ class StopSignals:
         return signal.Signals(self.received).name if self.received is not None else None
 
     def interrupted(
-        self, epoch: int, save_seconds: float | None, *, step: int | None = None, batches: tuple[int, int] | None = None
+        self,
+        epoch: int,
+        save_seconds: float | None,
+        *,
+        step: int | None = None,
+        batches: tuple[int, int | None] | None = None,
     ) -> TrainingInterrupted:
         """The error that stops the run for the received signal (SIGTERM when none was recorded).
 
         :param epoch: The epoch that finished, or that was stopped inside.
         :param save_seconds: How long the last save took (None: checkpoints are off).
         :param step: The optimizer step it stopped after, inside an epoch.
-        :param batches: ``(consumed, per epoch)`` batches, inside an epoch.
+        :param batches: ``(consumed, per epoch)`` batches, inside an epoch (per epoch None: no length).
         :returns: The :class:`~trainkit.TrainingInterrupted` to raise.
         """
         number = self.received if self.received is not None else signal.SIGTERM

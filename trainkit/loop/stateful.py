@@ -1,0 +1,149 @@
+"""The epoch's batches from a loader that carries its own position: saved with its ``state_dict()``, put back with its
+``load_state_dict()``.
+
+torchdata's ``StatefulDataLoader`` is one (over a map-style dataset or an ``IterableDataset``, with worker processes
+or without), and so is any iterable of batches with both methods. A step checkpoint keeps each rank's
+``state_dict()`` in that rank's share; a resumed epoch hands the loader its rank's state before iterating it, and the
+loader goes on from there. Nothing is skipped at the index level: the loader's own state is the position, so an
+epoch need have no length. Nothing here imports torchdata: a loader is known by its two methods.
+
+Side effects: calls the loader's ``state_dict()`` at each step checkpoint and ``load_state_dict()`` once when an epoch
+resumes inside, and sets the process's RNG states when resuming.
+"""
+
+from __future__ import annotations
+
+import copy
+import reprlib
+from collections.abc import Iterator
+from typing import Any
+
+from trainkit.errors import CheckpointMismatchError, UsageError
+from trainkit.loop.batches import TrackedBatches
+from trainkit.state.rng import loader_generators, restore_rng
+
+__all__ = ["carries_own_position", "loader_facts", "StatefulBatches"]
+
+
+def carries_own_position(loader: Any) -> bool:
+    """Tell whether ``loader`` keeps its own position: it has callable ``state_dict`` and ``load_state_dict``.
+
+    Such a loader resumes inside an epoch from its own state, whatever it iterates; torchdata's
+    ``StatefulDataLoader`` is one, torch's ``DataLoader`` is not.
+
+    >>> class Stream:
+    ...     def __iter__(self): return iter([])
+    ...     def state_dict(self): return {}
+    ...     def load_state_dict(self, state): pass
+    >>> carries_own_position(Stream()), carries_own_position([1, 2])
+    (True, False)
+
+    :param loader: What ``self.progress()`` was given.
+    :returns: Whether both methods are there.
+    """
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def _length(value: Any) -> int | None:
+    try:
+        return len(value)
+    except TypeError:  # no __len__, or an IterableDataset's DataLoader refusing one
+        return None
+
+
+def loader_facts(loader: Any) -> tuple[int | None, int | None, int | None]:
+    """The facts a mid-epoch position records of a loader: ``(batch_size, len(dataset), len(loader))``.
+
+    Each is None where the loader has none: no ``batch_size``, no ``dataset`` with a length, no length of its own.
+
+    >>> loader_facts([[1, 2], [3, 4]])
+    (None, None, 2)
+
+    :param loader: What ``self.progress()`` was given.
+    :returns: The three facts.
+    """
+    dataset = getattr(loader, "dataset", None)
+    return getattr(loader, "batch_size", None), None if dataset is None else _length(dataset), _length(loader)
+
+
+class StatefulBatches(TrackedBatches):
+    """The batches of one training epoch from a loader that carries its own position, counted as
+    :class:`~trainkit.loop.batches.TrackedBatches` counts them.
+
+    To resume, the loader is given the state it returned from ``state_dict()`` at the save point
+    (``resume.loader_state``) before its iterator is made; the RNG states are put back around that as for a tracked
+    ``DataLoader``: the iterator-time states (and the loader's own generators') before it is made, so it draws what the
+    interrupted one drew, and the save point's states after (the loader's own generators' too). Nothing is skipped:
+    ``skip`` only says how many batches the saved state had consumed, so :attr:`consumed` counts the whole epoch.
+
+    :param loader: An iterable that :func:`carries_own_position`.
+    :param epoch: The 0-based epoch.
+    :param skip: Batches the saved state had consumed (a resumed epoch), 0 otherwise.
+    :param resume: What this rank puts back when resuming (with its ``loader_state``), else None.
+    :param kwargs: The rest of :class:`~trainkit.loop.batches.TrackedBatches`'s keywords; ``drop`` must be empty
+        (batches cannot be left out of a loader that only knows its own position).
+    :raises CheckpointMismatchError: When iterated to resume and the loader refuses the saved state, naming the
+        loader's class and its error.
+    """
+
+    def __len__(self) -> int:
+        length = self.per_epoch
+        if length is None:  # what len() says of an object without a length; a progress bar then shows no total
+            raise TypeError(f"the {type(self.loader).__name__} given to progress() has no length")
+        return length
+
+    @property
+    def per_epoch(self) -> int | None:
+        """The epoch's batches, ``len(loader)``, or None for a loader without a length (a stream)."""
+        return _length(self.loader)
+
+    def saved_share(self) -> dict[str, Any]:
+        """What this rank's share of a step checkpoint adds for this loader: ``loader_state``, its ``state_dict()``
+        now (copied: a background save writes it later), and ``generators_at_save``, its own generators' states now.
+
+        The generators are kept because making the resumed iterator draws from them differently than the interrupted
+        run did (``StatefulDataLoader`` shuffles again, then reloads its sampler's state): they are put back after it,
+        as torch's global generator is.
+
+        :returns: The two entries.
+        :raises UsageError: When ``state_dict()`` returns something else than a dict with str keys.
+        """
+        state = self.loader.state_dict()
+        if not isinstance(state, dict) or not all(isinstance(key, str) for key in state):
+            raise UsageError(
+                f"{type(self.loader).__name__}.state_dict() must return a dict with str keys to be saved in a step "
+                f"checkpoint, got {type(state).__name__} {reprlib.repr(state)}"
+            )
+        generators = [generator.get_state() for generator in loader_generators(self.loader)]
+        return {"loader_state": copy.deepcopy(state), "generators_at_save": generators}
+
+    def _start(self) -> Iterator[Any]:
+        self._before_iterator()
+        resume = self._resume
+        if resume is None:
+            return iter(self.loader)
+        iterator = self._resumed_iterator(resume.loader_state)
+        restore_rng(resume.rng_at_save)
+        for generator, state in zip(loader_generators(self.loader), resume.generators_at_save, strict=True):
+            generator.set_state(state)
+        self._resume = None
+        return iterator
+
+    def _resumed_iterator(self, state: dict[str, Any]) -> Iterator[Any]:
+        """The loader's iterator from the saved position; a state it refuses (in ``load_state_dict()``, or when the
+        iterator is made from it, as ``StatefulDataLoader`` reads it) is a mismatch naming the loader and why."""
+        loader = self.loader
+        try:
+            loader.load_state_dict(state)
+            return iter(loader)
+        except Exception as exc:  # noqa: BLE001 - a loader's own checks raise anything (KeyError, AssertionError...)
+            cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            raise CheckpointMismatchError(
+                f"the checkpoint was written inside epoch {self.epoch}, after {self.skip} batches, but the "
+                f"{type(loader).__name__} given to progress() could not load the state it saved there ({cause}); "
+                "resume from an epoch-boundary checkpoint, or start fresh (ckpt.resume=never)"
+            ) from exc
+
+    def _iterate(self, skip: int, drop: frozenset[int] = frozenset()) -> tuple[Iterator[Any], bool]:
+        """A second pass over the loader (uncounted): its own iterator, from wherever it stands."""
+        return iter(self.loader), True
