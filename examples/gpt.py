@@ -33,23 +33,34 @@ import trainkit
 from trainkit.cli import config_from_argv
 
 
+def at_least(minimum: int):
+    """A field's rule: the value must be >= ``minimum``; a bad one is a ``ConfigError`` naming the key, as the
+    engine's own keys are checked (one line and exit status 2 on the command line)."""
+
+    def check(instance, attribute, value):
+        if value < minimum:
+            raise trainkit.ConfigError(attribute.name, f"must be >= {minimum}", value)
+
+    return check
+
+
 @attrs.frozen(kw_only=True)
 class GPTConfig(trainkit.Config):
     """The engine's keys plus this task's."""
 
     lr: float = 3e-3
-    warmup_steps: int = attrs.field(default=20, validator=attrs.validators.ge(0))
+    warmup_steps: int = attrs.field(default=20, validator=at_least(0))
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
-    batch_size: int = attrs.field(default=8, validator=attrs.validators.ge(1))
-    accum_steps: int = attrs.field(default=2, validator=attrs.validators.ge(1))  # micro-batches per optimizer step
-    block_size: int = attrs.field(default=64, validator=attrs.validators.ge(2))
-    n_layer: int = attrs.field(default=4, validator=attrs.validators.ge(1))
-    n_head: int = attrs.field(default=4, validator=attrs.validators.ge(1))
-    n_embd: int = attrs.field(default=128, validator=attrs.validators.ge(1))
+    batch_size: int = attrs.field(default=8, validator=at_least(1))
+    accum_steps: int = attrs.field(default=2, validator=at_least(1))  # micro-batches per optimizer step
+    block_size: int = attrs.field(default=64, validator=at_least(2))
+    n_layer: int = attrs.field(default=4, validator=at_least(1))
+    n_head: int = attrs.field(default=4, validator=at_least(1))
+    n_embd: int = attrs.field(default=128, validator=at_least(1))
     dropout: float = 0.0
     tie_embeddings: bool = True
-    val_windows: int = attrs.field(default=64, validator=attrs.validators.ge(1))  # windows every validation reads
-    val_every_nth_file: int = attrs.field(default=20, validator=attrs.validators.ge(2))  # 1 file in n is validation
+    val_windows: int = attrs.field(default=64, validator=at_least(1))  # windows every validation reads
+    val_every_nth_file: int = attrs.field(default=20, validator=at_least(2))  # 1 file in n is validation
 
 
 DEFAULTS = {
