@@ -14,9 +14,7 @@ from tests.helpers import ROOT
 def run_script(module: str, *args: str) -> subprocess.CompletedProcess:
     """Run a benchmark as a module from the repository root (``python -m benchmarks.NAME``), its output captured,
     bounded by 300 s."""
-    return subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 def test_overhead_quick_mode_runs_and_checks_same_work(tmp_path):
@@ -102,6 +100,22 @@ def test_step_resume_quick_mode_runs_and_resumes_exactly(tmp_path):
     assert trainkit["steps"]["reference"] == trainkit["steps"]["resumed"]
     assert report["exactness"]["lightning"] == {"skipped": "--no-lightning"}
     assert report["trainkit_exact"] is True
+
+
+def test_gpt_quick_mode_runs_both_contestants_on_the_same_work(tmp_path):
+    """python -m benchmarks.gpt --quick times the GPT example's trainer and the hand-written loop interleaved, checks
+    that they ended with bitwise the same losses and weights, and judges the tokens/s gate by its interval."""
+    proc = run_script("benchmarks.gpt", "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpt_quick.json").read_text())
+    assert report["same_work"] is True and report["outcomes"]["raw"] == report["outcomes"]["trainkit"]
+    contestants = report["result"]["contestants"]
+    assert len(contestants["raw"]["wall_s"]) == len(contestants["trainkit"]["wall_s"]) == report["gate"]["pairs"] == 3
+    assert all(contestants[name]["tokens_per_s_median"] > 0 for name in ("raw", "trainkit"))
+    gate = report["gate"]
+    assert gate["verdict"] == "UNDECIDED"  # 3 pairs decide nothing, whatever the interval
+    assert gate["ci_low"] <= gate["estimate"] <= gate["ci_high"]
+    assert (tmp_path / "gpt_quick.md").is_file()
 
 
 @pytest.mark.ddp

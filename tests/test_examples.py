@@ -114,6 +114,31 @@ def test_extending_a_finished_digits_run_ends_as_the_longer_run(tmp_path):
     ]
 
 
+# the GPT example's YAML with a model and batches small enough for a test: a few steps take a second or two
+TINY_GPT = ["n_layer=1", "n_embd=32", "n_head=2", "block_size=16", "batch_size=4", "val_windows=8"]
+
+
+def test_gpt_ends_at_max_steps_with_the_final_validation_and_a_checkpoint(tmp_path):
+    """A 6-step GPT run (2 micro-batches a step) validates every 3 steps and at its last step, pushes a row every 2
+    steps with tokens/s, and leaves last.pt at step 6 with its schedule and the kept step checkpoints."""
+    out = tmp_path / "gpt"
+    args = ["max_steps=6", "val.every_n_steps=3", "ckpt.every_n_steps=2", "log_every_n_steps=2", "accum_steps=2"]
+    proc = run([sys.executable, "examples/gpt.py", "examples/gpt.yaml", *args, *TINY_GPT, f"out_dir={out}", *QUIET])
+    assert proc.returncode == 0, proc.stderr
+    assert "best val loss:" in proc.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["trainer/step"] for row in rows if "val/loss" in row] == [3, 6]
+    assert {2, 4} <= {row["trainer/step"] for row in rows if "train/loss" in row}
+    assert rows[-1]["trainer/step"] == 6 and all(
+        row["perf/tokens_per_s"] > 0 for row in rows if "perf/steps_per_s" in row
+    )
+    last = torch.load(out / "last.pt", weights_only=True)
+    assert last["step"] == 6 and {"model", "optimizer", "scheduler"} <= set(last)
+    assert last["scheduler"]["last_epoch"] == 6  # stepped once per optimizer step, not per micro-batch
+    assert "step-6.pt" in {p.name for p in (out / "checkpoints").iterdir()}
+    assert (out / "best.pt").is_file()
+
+
 @pytest.mark.ddp
 def test_digits_runs_under_torchrun_with_two_processes(tmp_path):
     """The unchanged script runs as 2 gloo processes under torchrun and reports a test accuracy."""
