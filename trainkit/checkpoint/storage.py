@@ -54,8 +54,8 @@ class SaveRequest:
     :ivar config: The config as saved (``public_config``), for ``best``'s payload.
     :ivar epoch: The epoch being saved (names a sharded save's temporary directory).
     :ivar step: The optimizer step (the same).
-    :ivar before: Called before the first write (makes ``metrics.jsonl`` durable before ``last`` records its
-        size).
+    :ivar before: Done before the first file is published: makes ``metrics.jsonl`` durable before ``last`` records
+        its size (the file format runs it beside its first write, the sharded one before its writes).
     :ivar after: Called once ``last`` is published, where the writes run (keeps it under ``checkpoints/``;
         for a sharded one on rank 0 once every rank's shards are published); None for nothing.
     """

@@ -146,8 +146,9 @@ class JsonlSink:
         epoch that logged nothing costs its checkpoint no second ``fsync`` (~0.1 ms even on an unchanged file).
         """
         if self._fd is not None and self._synced != self._size:
+            size = self._size  # a row appended during the fsync (a background save's) is not covered by it
             os.fsync(self._fd)
-            self._synced = self._size
+            self._synced = size
 
     def finish(self) -> None:
         """Close the file (idempotent)."""
