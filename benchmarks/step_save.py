@@ -130,7 +130,9 @@ class SaveTrainer(BaseTrainer):
 
     def save_by_hand(self) -> None:
         start = time.perf_counter()
-        durable_save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, self.hand_dir / "last.pt")
+        durable_save(
+            {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, self.hand_dir / "last.pt"
+        )
         self.hand_s.append(time.perf_counter() - start)
 
     def train_epoch(self) -> None:
@@ -184,9 +186,14 @@ def bench(s: Settings, tmp: Path, resamples: int) -> dict[str, Any]:
         boundary, hand = trainer.boundary_s, trainer.hand_s[: len(trainer.boundary_s)]
         trainkit_s += boundary[s.warmup :]
         hand_s += hand[s.warmup :]
-        sizes = {"trainkit": (run_dir / "last.pt").stat().st_size, "hand": (trainer.hand_dir / "last.pt").stat().st_size}
+        sizes = {
+            "trainkit": (run_dir / "last.pt").stat().st_size,
+            "hand": (trainer.hand_dir / "last.pt").stat().st_size,
+        }
         params = sum(p.numel() for p in trainer.model.parameters())
-        tensors = len(trainer.model.state_dict()) + sum(len(v) for v in trainer.optimizer.state_dict()["state"].values())
+        tensors = len(trainer.model.state_dict()) + sum(
+            len(v) for v in trainer.optimizer.state_dict()["state"].values()
+        )
         shutil.rmtree(run_dir, ignore_errors=True)
         log(
             f"  run {run + 1}/{s.runs}: trainkit {statistics.median(boundary[s.warmup :]) * 1000:.1f} ms, by hand "

@@ -478,7 +478,7 @@ class BaseTrainer(abc.ABC):
             position=position, rank_position=rank_position, left_out=tuple(self._position.left_out()),
         )
         seconds = self._checkpointer.save(
-            record, self._registry, best_weights=self._best.state, before=self._run_log.sync
+            record, self._registry, best_weights=self._best.state, before=self._run_log.pending_sync()
         )
         if batches is not None:
             self._position.saved(self.step)

@@ -1,4 +1,4 @@
-"""atomic_save's work beside the write: done before the file is published, and a failure of either leaves it as it was."""
+"""atomic_save's work beside the write: done before the file is published; a failure of either leaves it as it was."""
 
 from __future__ import annotations
 

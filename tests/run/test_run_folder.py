@@ -21,6 +21,7 @@ from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import TinyTrainer, param_digest
 from trainkit import OutDirError
 from trainkit import checkpoint as ckpt_io
+from trainkit.run.journal import JsonlSink
 from trainkit.run.lock import LOCK_FILE, RunLock
 
 
@@ -305,6 +306,23 @@ def test_the_journal_is_synced_before_the_checkpoint_that_records_its_size(tmp_p
     for start, end in zip([-1, *published], published):
         assert any(isinstance(item, int) for item in events[start + 1 : end]), events  # a sync in every save
     assert max(item for item in events[: published[-1]] if isinstance(item, int)) >= offset
+
+
+def test_the_journal_says_whether_a_checkpoint_needs_to_sync_it(tmp_path):
+    """synced is False from a row's append to the next sync, and for a file found with rows (a resumed run's)."""
+    path = tmp_path / "metrics.jsonl"
+    journal = JsonlSink(path)
+    assert journal.synced  # a new, empty file: nothing to make durable
+    journal.log({"loss": 1.0})
+    assert not journal.synced
+    journal.sync()
+    assert journal.synced
+    journal.finish()
+    reopened = JsonlSink(path, truncate_to=path.stat().st_size)
+    assert not reopened.synced  # rows found at open go with the first sync
+    reopened.sync()
+    assert reopened.synced
+    reopened.finish()
 
 
 @pytest.mark.parametrize(("cut", "damaged", "blank"), [(1, 0, 0), (7, 1, 0), ("row", 0, 1)])

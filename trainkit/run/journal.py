@@ -99,6 +99,11 @@ class JsonlSink:
         return self._size
 
     @property
+    def synced(self) -> bool:
+        """Whether every row written so far is durable (nothing for :meth:`sync` to do)."""
+        return self._fd is None or self._synced == self._size
+
+    @property
     def rows(self) -> int:
         """The lines the file holds, which is the 0-based line number of the next row."""
         return self._rows
