@@ -3,8 +3,8 @@
 
 Run from the repository root, as a module (the ``trainkit`` measured is this checkout's)::
 
-    .venv/bin/python -m benchmarks.step_save            # full run (~1 min on 2 cores), gate enforced
-    .venv/bin/python -m benchmarks.step_save --quick    # smoke run (~15 s), gate advisory
+    .venv/bin/python -m benchmarks.step_save            # full run (1-1.5 min on 2 cores), gate enforced
+    .venv/bin/python -m benchmarks.step_save --quick    # smoke run (~30 s), gate advisory
 
 A small byte-level GPT (about 1.86M parameters: 9 pre-norm transformer layers of width 128, a 256-token
 vocabulary) trained with AdamW, so ``last.pt`` holds about 21 MiB of weights and Adam state in some 450 tensors,
