@@ -118,6 +118,22 @@ def test_gpt_quick_mode_runs_both_contestants_on_the_same_work(tmp_path):
     assert (tmp_path / "gpt_quick.md").is_file()
 
 
+def test_step_save_quick_mode_times_both_saves_and_judges_by_interval(tmp_path):
+    """python -m benchmarks.step_save --quick: a step checkpoint and a hand-written durable torch.save of the same
+    ~21 MiB state, paired per step; the gate's verdict comes from the interval (too few pairs here to decide it)."""
+    proc = run_script("benchmarks.step_save", "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "step_save.md").is_file()
+    result = json.loads((tmp_path / "step_save.json").read_text())["result"]
+    assert result["pairs"] == len(result["trainkit_s"]) == len(result["hand_s"]) == len(result["ratios"]) >= 3
+    assert all(t > 0 for t in result["trainkit_s"] + result["hand_s"])
+    # the same state on both sides: trainkit's file adds only its engine records to the same tensors
+    assert 20 * 2**20 < result["bytes"]["hand"] < result["bytes"]["trainkit"] < result["bytes"]["hand"] + 2**20
+    ratio = result["ratio"]
+    assert ratio["ci_low"] <= ratio["median"] <= ratio["ci_high"]
+    assert result["verdict"] == "UNDECIDED"  # fewer than the 8 pairs that decide a gate
+
+
 @pytest.mark.ddp
 def test_sharded_save_quick_mode_runs(tmp_path):
     """python -m benchmarks.sharded_save --quick: every variant saves through trainkit on 2 gloo ranks and reports

@@ -552,7 +552,7 @@ class BaseTrainer(abc.ABC):
             run_id=run_log.run_id, metrics_offset=run_log.offset(), position=position, rank_position=rank_position,
         )  # fmt: skip
         with self._metrics.outside_training("ckpt"):
-            seconds = self._checkpointer.save(record, self._registry, best_weights=best, before=run_log.sync)
+            seconds = self._checkpointer.save(record, self._registry, best_weights=best, before=run_log.pending_sync())
         if batches is not None:
             self._position.saved(self.step)
         return seconds

@@ -21,6 +21,7 @@ from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import TinyTrainer, param_digest
 from trainkit import OutDirError
 from trainkit import checkpoint as ckpt_io
+from trainkit.run.journal import JsonlSink
 from trainkit.run.lock import LOCK_FILE, RunLock
 
 
@@ -276,27 +277,52 @@ def test_a_fifo_as_metrics_jsonl_does_not_hang(tmp_path):
 
 
 def test_the_journal_is_synced_before_the_checkpoint_that_records_its_size(tmp_path, monkeypatch):
-    """Every save fsyncs metrics.jsonl first, and last.pt's metrics_offset is within what was synced."""
-    synced = []
-    real_fsync = os.fsync
+    """Every save fsyncs metrics.jsonl before last.pt is published (the fsync may run while the file is written),
+    and last.pt's metrics_offset is within what was synced."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
 
     def fsync(fd):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             target = ""
+        size = os.fstat(fd).st_size
+        real_fsync(fd)
         if target.endswith("metrics.jsonl"):
-            synced.append(os.fstat(fd).st_size)
-        elif target.endswith(".tmp") and ".last.pt." in target:
-            synced.append(("last.pt", len(synced)))
-        return real_fsync(fd)
+            events.append(size)  # durable once the fsync returned
+
+    def replace(src, dst, **kwargs):
+        real_replace(src, dst, **kwargs)
+        if os.fspath(dst).endswith("/last.pt"):
+            events.append("published")
 
     monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
     TinyTrainer(make_cfg(tmp_path, epochs=2)).train()
     offset = torch.load(tmp_path / "last.pt", weights_only=True)["metrics_offset"]
-    saves = [i for i, item in enumerate(synced) if isinstance(item, tuple)]
-    assert saves and all(i > 0 and isinstance(synced[i - 1], int) for i in saves)
-    assert synced[saves[-1] - 1] >= offset
+    published = [i for i, item in enumerate(events) if item == "published"]
+    assert len(published) == 2
+    for start, end in zip([-1, *published], published):
+        assert any(isinstance(item, int) for item in events[start + 1 : end]), events  # a sync in every save
+    assert max(item for item in events[: published[-1]] if isinstance(item, int)) >= offset
+
+
+def test_the_journal_says_whether_a_checkpoint_needs_to_sync_it(tmp_path):
+    """synced is False from a row's append to the next sync, and for a file found with rows (a resumed run's)."""
+    path = tmp_path / "metrics.jsonl"
+    journal = JsonlSink(path)
+    assert journal.synced  # a new, empty file: nothing to make durable
+    journal.log({"loss": 1.0})
+    assert not journal.synced
+    journal.sync()
+    assert journal.synced
+    journal.finish()
+    reopened = JsonlSink(path, truncate_to=path.stat().st_size)
+    assert not reopened.synced  # rows found at open go with the first sync
+    reopened.sync()
+    assert reopened.synced
+    reopened.finish()
 
 
 @pytest.mark.parametrize(("cut", "damaged", "blank"), [(1, 0, 0), (7, 1, 0), ("row", 0, 1)])

@@ -17,9 +17,8 @@ from typing import Any
 import torch
 
 from trainkit import checkpoint
-from trainkit.checkpoint import atomic_save
 
-__all__ = ["AsyncCheckpointWriter", "SyncCheckpointWriter", "StagingBuffers"]
+__all__ = ["AsyncCheckpointWriter", "SyncCheckpointWriter", "StagingBuffers", "write_in_order"]
 
 
 class StagingBuffers:
@@ -80,6 +79,32 @@ class StagingBuffers:
         return copy.deepcopy(item)
 
 
+def write_in_order(
+    writes: list[tuple[Any, Path]],
+    *,
+    before: Callable[[], None] | None = None,
+    after: Callable[[], None] | None = None,
+) -> float:
+    """Write ``writes`` in order with ``atomic_save(keep_previous=True)``: what both writers do, in their thread.
+
+    ``before`` runs beside the first write (its ``alongside``): its ``fsync`` waits on the disk while the payload
+    is serialized, instead of before it, and the first file is published only once it is done.
+
+    :param writes: ``(payload, path)`` pairs.
+    :param before: Work to finish before the first file is published (the metrics journal's ``fsync``).
+    :param after: Called after the last write.
+    :returns: The seconds the writes took, all files together.
+    :raises BaseException: The failure of a write, of ``before`` or of ``after``.
+    """
+    total = 0.0
+    for index, (payload, path) in enumerate(writes):
+        # looked up at each call: a test can put a failing save in its place for both writers
+        total += checkpoint.atomic_save(payload, path, keep_previous=True, alongside=before if index == 0 else None)
+    if after is not None:
+        after()
+    return total
+
+
 class SyncCheckpointWriter:
     """The writer of ``ckpt.async_save=false``: :meth:`submit` writes before it returns.
 
@@ -103,16 +128,12 @@ class SyncCheckpointWriter:
         """Write ``writes`` in order with ``atomic_save(keep_previous=True)``.
 
         :param writes: ``(payload, path)`` pairs.
-        :param before: Called before the first write (e.g. to make the metrics journal durable).
+        :param before: Run beside the first write, done before it publishes its file (e.g. to make the metrics
+            journal durable before the checkpoint that records its size).
         :param after: Called after the last write (e.g. to keep the checkpoint just published).
         :raises BaseException: A write's failure.
         """
-        if before is not None:
-            before()
-        # looked up at each call, as the trainer's own synchronous saves always were
-        self.last_seconds = sum(checkpoint.atomic_save(payload, path, keep_previous=True) for payload, path in writes)
-        if after is not None:
-            after()
+        self.last_seconds = write_in_order(writes, before=before, after=after)
 
     def wait(self) -> None:
         """Nothing is in flight."""
@@ -138,8 +159,8 @@ class AsyncCheckpointWriter:
         """Wait for the previous job, then start writing ``writes`` in order in the background.
 
         :param writes: ``(staged payload, path)`` pairs; each is written with ``atomic_save(keep_previous=True)``.
-        :param before: Called in the writer thread before the first write (e.g. to make the metrics journal
-            durable before the checkpoint that records its size); its failure fails the job.
+        :param before: Run beside the first write, done before it publishes its file (e.g. to make the metrics
+            journal durable before the checkpoint that records its size); its failure fails the job.
         :param after: Called in the writer thread after the last write (to keep the checkpoint just published);
             its failure fails the job.
         :raises BaseException: The previous job's failure, unchanged.
@@ -147,14 +168,8 @@ class AsyncCheckpointWriter:
         self.wait()
 
         def run() -> None:
-            total = 0.0
             try:
-                if before is not None:
-                    before()
-                for payload, path in writes:
-                    total += atomic_save(payload, path, keep_previous=True)
-                if after is not None:
-                    after()
+                total = write_in_order(writes, before=before, after=after)
             except BaseException as exc:  # noqa: BLE001 - surfaced by the next wait()
                 self._error = exc
                 return

@@ -480,7 +480,7 @@ class Checkpointer:
         registry: core.CkptRegistry,
         *,
         best_weights: dict[str, Any] | None,
-        before: Callable[[], None],
+        before: Callable[[], None] | None,
     ) -> float | None:
         """Write the best checkpoint (when it changed since the last save), then ``last`` (a collective).
 
@@ -490,7 +490,7 @@ class Checkpointer:
         :param record: The engine's state.
         :param registry: The registered items.
         :param best_weights: The best-model snapshot (None before any improvement).
-        :param before: Makes ``metrics.jsonl`` durable before ``last`` records its size.
+        :param before: Makes ``metrics.jsonl`` durable before ``last`` records its size; None when it is already.
         :returns: The seconds rank 0's save took (None elsewhere, with checkpoints off, or in the background).
         :raises CheckpointError: On every rank, when a rank's write failed.
         """
@@ -516,7 +516,7 @@ class Checkpointer:
         )
         return self._storage.save(request)
 
-    def _keeping(self, record: SaveRecord, before: Callable[[], None]) -> dict[str, Callable[[], None] | None]:
+    def _keeping(self, record: SaveRecord, before: Callable[[], None] | None) -> dict[str, Callable[[], None] | None]:
         """The save's ``before`` and ``after`` under ``ckpt.keep`` (rank 0): describe the checkpoint in
         ``checkpoints/index.json`` before it is written, keep it under ``checkpoints/`` once it is published."""
         if not self._kept.active:
@@ -534,7 +534,8 @@ class Checkpointer:
         minimize = record.best.minimize if record.best is not None else self._minimize
 
         def announce_then_before() -> None:
-            before()
+            if before is not None:
+                before()
             self._kept.announce(description, minimize=minimize)
 
         return {

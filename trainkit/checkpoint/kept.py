@@ -470,8 +470,8 @@ class KeptCheckpoints:
         """Describe a checkpoint in ``index.json`` before it is written, so that no kill can lose its description:
         one after ``last`` is published and before it is kept leaves it for the resume that keeps it.
 
-        Runs before the save's first write (in the writer thread of ``ckpt.async_save``). A failure does not stop
-        the save: :meth:`publish` writes the index again (and warns when it cannot).
+        Runs beside the save's first write (in a thread of its own) and is done before that write publishes its
+        file. A failure does not stop the save: :meth:`publish` writes the index again (and warns when it cannot).
 
         :param description: What retention needs to know of the checkpoint about to be written.
         :param minimize: The run's direction.

@@ -227,8 +227,8 @@ class RunFiles:
 
         :param last: The ``last.pt`` payload.
         :param best: The ``best.pt`` payload, when the best changed since the last save.
-        :param before: Called before the first write (to make ``metrics.jsonl`` durable before ``last.pt``
-            records its size).
+        :param before: Run beside the first write, in a thread of its own, and done before that write publishes
+            its file (to make ``metrics.jsonl`` durable before ``last.pt`` records its size).
         :param after: Called after ``last.pt`` is published (to keep it under ``checkpoints/``).
         :returns: The seconds the writes took (both files), or None when they run in the background.
         :raises CheckpointError: From a write, or a payload that would not load.

@@ -54,8 +54,9 @@ class SaveRequest:
     :ivar config: The config as saved (``public_config``), for ``best``'s payload.
     :ivar epoch: The epoch being saved (names a sharded save's temporary directory).
     :ivar step: The optimizer step (the same).
-    :ivar before: Called before the first write (makes ``metrics.jsonl`` durable before ``last`` records its
-        size).
+    :ivar before: Done before the first file is published: makes ``metrics.jsonl`` durable before ``last`` records
+        its size (the file format runs it beside its first write, the sharded one before its writes); None when
+        nothing needs it.
     :ivar after: Called once ``last`` is published, where the writes run (keeps it under ``checkpoints/``;
         for a sharded one on rank 0 once every rank's shards are published); None for nothing.
     """
@@ -67,7 +68,7 @@ class SaveRequest:
     config: dict[str, Any]
     epoch: int
     step: int
-    before: Callable[[], None]
+    before: Callable[[], None] | None
     after: Callable[[], None] | None = None
 
 
@@ -301,7 +302,8 @@ class ShardedStorage:
                 request.registry, state_of=lambda obj: sharded.SHARDED if id(obj) in in_dcp else item_state(obj)
             )
             last_engine = request.engine(states)
-            request.before()
+            if request.before is not None:
+                request.before()
         self._shards.save(
             epoch=request.epoch,
             step=request.step,

@@ -3,7 +3,8 @@
 Side effects: file writes in the checkpoint's folder. A save writes into a temp file of its own (created
 exclusively, never through a link), fsyncs it, keeps the file it replaces as ``.prev`` (a hard link made under a
 temp name and renamed into place) and renames itself over the destination, then fsyncs the folder: a reader sees
-the old file or the new one, never a torn one.
+the old file or the new one, never a torn one. Work that must be durable before the file is published (the metrics
+journal's ``fsync``) can run beside the write, in a thread of its own, and is waited for before the rename.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -112,7 +114,13 @@ def fsync_directory(directory: str | os.PathLike[str]) -> None:
             os.close(fd)
 
 
-def atomic_save(payload: Any, path: str | os.PathLike[str], *, keep_previous: bool = False) -> float:
+def atomic_save(
+    payload: Any,
+    path: str | os.PathLike[str],
+    *,
+    keep_previous: bool = False,
+    alongside: Callable[[], None] | None = None,
+) -> float:
     """Write ``payload`` to ``path`` so that a reader sees the old file or the new one, never a torn one.
 
     Side effects: serializes straight into a temp file in the same directory, flushes, fsyncs,
@@ -123,6 +131,10 @@ def atomic_save(payload: Any, path: str | os.PathLike[str], *, keep_previous: bo
     :param path: The destination file.
     :param keep_previous: Keep the file being replaced as :func:`previous_path` (a hard link, so no copy),
         for a fallback when the newest one turns out corrupted.
+    :param alongside: Work that must be done before the file is published (another file's ``fsync``, say): it
+        runs in a thread of its own while the payload is serialized and fsynced, so its wait on the disk hides
+        behind theirs, and ``path`` is replaced only once it has returned. Its failure fails the save as a
+        failed write does (``path`` left as it was), and is raised as it is.
     :returns: The seconds the save took.
     :raises CheckpointError: On a full disk, naming the path, the bytes written so far and the bytes free.
     """
@@ -139,15 +151,20 @@ def atomic_save(payload: Any, path: str | os.PathLike[str], *, keep_previous: bo
             continue
         except FileNotFoundError:  # the first save into a folder that does not exist yet
             os.makedirs(names.directory, exist_ok=True)
+    beside = _Beside(alongside) if alongside is not None else None
     try:
         with os.fdopen(fd, "wb") as handle:
             torch.save(payload, handle)
             handle.flush()
             os.fsync(handle.fileno())
+        if beside is not None:
+            beside.join()  # raises its failure: nothing is published before it is done
         if keep_previous:
             _link_previous(target, names)
         os.replace(tmp, target)
     except BaseException as exc:
+        if beside is not None:
+            beside.join(raising=False)  # the write's own failure is the one raised
         written = _size_or_zero(tmp)
         with suppress(OSError):
             os.unlink(tmp)
@@ -162,6 +179,27 @@ def atomic_save(payload: Any, path: str | os.PathLike[str], *, keep_previous: bo
         raise
     fsync_directory(names.directory)
     return time.perf_counter() - start
+
+
+class _Beside:
+    """One callable run in a thread of its own; :meth:`join` waits for it and raises what it raised."""
+
+    def __init__(self, work: Callable[[], None]) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(work,), name="trainkit-save-alongside", daemon=True)
+        self._thread.start()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - raised in the saving thread by join()
+            self._error = exc
+
+    def join(self, *, raising: bool = True) -> None:
+        self._thread.join()
+        error, self._error = self._error, None
+        if error is not None and raising:
+            raise error
 
 
 def _size_or_zero(path: str) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,13 @@ class RunLog:
         """Make the rows written so far durable, before a checkpoint records :meth:`offset`."""
         if self._journal is not None:
             self._journal.sync()
+
+    def pending_sync(self) -> Callable[[], None] | None:
+        """What a checkpoint that records :meth:`offset` now must run before it is published.
+
+        :returns: :meth:`sync`, or None when every row is durable already (the save then starts no thread for it).
+        """
+        return None if self._journal is None or self._journal.synced else self.sync
 
     def log(self, row: Mapping[str, float]) -> None:
         """Append ``row`` to the file, then send it to W&B unless W&B already holds its step.
