@@ -912,7 +912,7 @@ class BaseTrainer(abc.ABC):
         start_persistent_workers(iterable)
         self._position.check_loader(iterable, epoch=self.epoch, registered=lambda: _generators(self._registry))
         tracked = self._position.track(iterable, self._at_step_boundary)
-        shown, initial = (iterable, 0) if tracked is None else (tracked, tracked.skip)
+        shown, initial = (self._position.epoch_tagged(iterable), 0) if tracked is None else (tracked, tracked.skip)
         shown = shown if self._metrics.throughput is None else CountedBatches(shown, self._metrics.throughput)
         return step_bar(
             shown, desc=desc or f"epoch {self.epoch}", total=total, enabled=self._bars_enabled, initial=initial
