@@ -819,11 +819,10 @@ class BaseTrainer(abc.ABC):
     def log_epoch_grad_norm(self) -> None:
         """Log the epoch-mean grad norm, the counterpart to the epoch-mean train loss.
 
-        Logs ``train/grad_norm_epoch``, the mean of the norms measured since the last call (nothing if none).
+        Logs ``train/grad_norm_epoch``, the mean of the norms measured since the last call (nothing if none); with
+        ``guard.nonfinite`` on, of the finite ones (a skipped step's NaN/inf left out; NaN when all were skipped).
         """
-        mean = self._metrics.grad_norm.take()
-        if mean is not None:
-            self._metrics.buffer.add({"train/grad_norm_epoch": mean})
+        self._metrics.log_grad_norm_mean()
 
     def log_param_grad_stats(self, *modules: nn.Module) -> None:
         """Log per-parameter weight norm, grad norm, and grad-to-weight ratio.

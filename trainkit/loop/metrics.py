@@ -1,5 +1,6 @@
 """Metrics between pushes: the log buffer, and the trainer's metrics (the buffer, the last pushed values, the
-epoch's grad-norm mean, and the guard and throughput parts that add to a row).
+epoch's grad-norm mean, and the guard and throughput parts that add to a row). With the divergence guard on, the
+grad-norm mean is a :class:`FiniteMean`: a skipped step's NaN or inf norm stays out of it.
 
 Side effects: none but on tensors; one device-to-host transfer per push.
 """
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from trainkit.loop.throughput import Throughput
 
 __all__ = [
+    "FiniteMean",
     "LogBuffer",
     "TrainerMetrics",
 ]
@@ -166,13 +168,102 @@ class LogBuffer:
         return result
 
 
+class FiniteMean:
+    """The mean of the finite values among 0-d tensors added one by one: the epoch's grad-norm mean under the
+    divergence guard, whose skipped steps (a NaN or inf norm) did not train.
+
+    Pure but for tensor ops on the values' device: a value the caller has read on the host already (the log buffer
+    reads a CPU norm when it is logged) is judged as that float; a tensor is judged on its device (the finite part
+    and a count of finite values kept beside the sum), with no host sync. The state is :class:`RunningMean`'s
+    (``count``: the finite values), so a step checkpoint keeps it in the same place.
+
+    >>> mean = FiniteMean()
+    >>> for value in (1.0, float("nan"), 3.0):
+    ...     mean.add(torch.tensor(value), value)
+    >>> mean.take(), mean.take()
+    (2.0, None)
+    >>> mean.add(torch.tensor(float("inf"))); float(mean.take())  # every value non-finite: NaN, as a 0/0
+    nan
+    """
+
+    def __init__(self) -> None:
+        self._sum: float | torch.Tensor | None = None  # None: nothing added since the last take
+        self._count: int | torch.Tensor = 0
+
+    def add(self, value: torch.Tensor, read: float | None = None) -> None:
+        """Add one value; a non-finite one only counts as added (the mean leaves it out).
+
+        :param value: A 0-d tensor (not changed).
+        :param read: The same value read on the host already, or None (then judged on the value's device).
+        """
+        total = self._sum
+        if read is not None:
+            if total is None:
+                total, self._count = 0.0, 0
+            elif total.__class__ is not float:  # a checkpoint's sum (a CPU tensor): on the host from now on
+                total, self._count = float(total), int(self._count)
+            if math.isfinite(read):
+                total += read
+                self._count += 1
+            self._sum = total
+            return
+        finite = torch.isfinite(value)
+        kept = torch.where(finite, value, 0.0)
+        if isinstance(total, torch.Tensor) and total.device == value.device and isinstance(self._count, torch.Tensor):
+            total.add_(kept)
+            self._count.add_(finite)
+            return
+        # the first value since a take, or after a checkpoint's (host) sum and count: they become the device's
+        self._sum = kept + (0.0 if total is None else float(total))
+        self._count = finite.to(torch.int64) + (0 if total is None else int(self._count))
+
+    def take(self) -> float | torch.Tensor | None:
+        """Return the mean of the finite values added since the last take, and start over.
+
+        :returns: A float (values read on the host) or a 0-d tensor on the values' device; NaN when every value was
+            non-finite; None when nothing was added.
+        """
+        total, count = self._sum, self._count
+        if total is None:
+            return None
+        self._sum, self._count = None, 0
+        if isinstance(total, torch.Tensor):
+            return total / count
+        return total / count if count else math.nan
+
+    def state_dict(self) -> dict[str, Any]:
+        """The finite values' sum and count, as :meth:`RunningMean.state_dict` gives them.
+
+        Side effects: a device-to-host read of a device sum and count (at a checkpoint, never per step).
+
+        :returns: ``{"sum": a 0-d CPU tensor or None, "count": int}``.
+        """
+        total = self._sum
+        if total is None:
+            return {"sum": None, "count": 0}
+        if isinstance(total, torch.Tensor):
+            return {"sum": total.detach().cpu().clone(), "count": int(self._count)}
+        return {"sum": torch.tensor(total, dtype=torch.float64), "count": int(self._count)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned (a CPU sum: it moves to the values' device at the next add).
+
+        :param state: The saved sum and count.
+        """
+        total = state["sum"]
+        self._sum = None if total is None else total.detach().clone()
+        self._count = int(state["count"])
+
+
 class TrainerMetrics:
     """The trainer's metrics between pushes: what waits for the next push, what was pushed last, and the
     epoch's grad-norm mean.
 
     :ivar buffer: The :class:`LogBuffer` of metrics logged since the last push.
     :ivar latest: The last pushed value of every key (the final metrics ``train()`` returns).
-    :ivar grad_norm: The running mean of the epoch's grad norms (``log_epoch_grad_norm``).
+    :ivar grad_norm: The running mean of the epoch's grad norms (``log_epoch_grad_norm``): a
+        :class:`~trainkit.loop.optim.RunningMean`, or with the guard a :class:`FiniteMean` (a skipped step's
+        non-finite norm left out: it costs the guard's runs a tensor op or two per step, and the others nothing).
     :ivar guard: The divergence guard (:class:`~trainkit.loop.guard.DivergenceGuard`), None when ``guard.nonfinite``
         is off.
     :ivar throughput: The ``perf/*`` counters (a :class:`trainkit.loop.throughput.Throughput`) with
@@ -186,7 +277,7 @@ class TrainerMetrics:
     def __init__(self, *, guard: DivergenceGuard | None = None, throughput: Throughput | None = None) -> None:
         self.buffer = LogBuffer()
         self.latest: dict[str, float] = {}
-        self.grad_norm = RunningMean()
+        self.grad_norm: RunningMean | FiniteMean = RunningMean() if guard is None else FiniteMean()
         self.guard = guard
         self.throughput = throughput
         parts = guard is not None or throughput is not None
@@ -197,11 +288,20 @@ class TrainerMetrics:
 
         :param norm: The 0-d norm on the device.
         """
-        self.grad_norm.add(norm)
         self.buffer.add({"train/grad_norm": norm})
-        if self.guard is not None:
-            read = self.buffer._scalars["train/grad_norm"]  # a float when the buffer read the norm (a CPU one)
-            self.guard.observe(norm, read if read.__class__ is float else None)
+        if self.guard is None:
+            self.grad_norm.add(norm)
+            return
+        read = self.buffer._scalars["train/grad_norm"]  # a float when the buffer read the norm (a CPU one)
+        read = read if read.__class__ is float else None
+        self.grad_norm.add(norm, read)  # a FiniteMean: a skipped step's NaN or inf stays out of the epoch's mean
+        self.guard.observe(norm, read)
+
+    def log_grad_norm_mean(self) -> None:
+        """Buffer ``train/grad_norm_epoch``, the mean of the norms taken since the last call (nothing if none)."""
+        mean = self.grad_norm.take()
+        if mean is not None:
+            self.buffer.add({"train/grad_norm_epoch": mean})
 
     def last_value(self, key: str) -> Any:
         """The value of ``key`` waiting in the buffer, else the last one pushed, else None.
