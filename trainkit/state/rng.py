@@ -191,10 +191,10 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
 
 
 LOADING = threading.local()
-"""``LOADING.epoch``: the epoch of the batch whose indices this thread is iterating (the ``DataLoader`` fetcher's
-loop of ``__getitem__`` calls), else absent or None; :func:`sample_seed` reads it for an index that carries no
-epoch. :mod:`trainkit.loop.batches` sets it as such a batch's iteration starts and clears it as it ends. Per
-thread: a thread that loads no batch of the epoch never sees it."""
+"""``LOADING.epoch``: the epoch of the batch this thread is loading (the ``DataLoader`` fetcher iterates the
+batch's indices, calling ``__getitem__`` for each), else absent or None; :func:`sample_seed` reads it for an index
+that carries no epoch. :mod:`trainkit.loop.batches` sets it as such a batch is iterated and clears it as the batch
+is freed, right after its fetch. Per thread: a thread that loads no batch of the epoch never sees it."""
 
 
 def sample_epoch(index: int) -> int | None:
@@ -239,7 +239,7 @@ def sample_seed(seed: int, index: int, epoch: int | None = None) -> int:
                 f"sample_seed(): index {index!r} carries no epoch: trainkit knows it only while train_epoch() "
                 "iterates a DataLoader through self.progress() (for x, y in self.progress(self.loader)), with "
                 "__getitem__ called as the loader's fetcher iterates each batch's indices (a __getitems__ must "
-                "draw while it iterates the indices it is given); anywhere else, pass epoch= explicitly"
+                "iterate the indices it is given); anywhere else, pass epoch= explicitly"
             )
     digest = hashlib.blake2b(f"{int(seed)}/{int(epoch)}/{int(index)}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
