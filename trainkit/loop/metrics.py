@@ -175,7 +175,7 @@ class FiniteMean:
     Side effects: none but tensor ops on the values' device. A value the caller has read on the host already (the
     log buffer reads a CPU norm when it is logged) is added as that float, with no tensor op; a tensor (an
     accelerator's norm) is added on its device with no host sync, in three small ops into a ``[sum, count]``
-    pair (float32: the count is exact up to 2**24 values per mean). The state is :class:`RunningMean`'s
+    pair (float32: the count is exact up to 2**24 values per mean). The state is :class:`~trainkit.RunningMean`'s
     (``count``: the finite values), so a step checkpoint keeps it in the same place and a resumed mean is exact.
 
     >>> mean = FiniteMean()
@@ -251,7 +251,7 @@ class FiniteMean:
         return total / count if count else math.nan
 
     def state_dict(self) -> dict[str, Any]:
-        """The finite values' sum and count, as :meth:`RunningMean.state_dict` gives them.
+        """The finite values' sum and count, as :meth:`trainkit.RunningMean.state_dict` gives them.
 
         Side effects: one device-to-host read of the device path's pair (at a checkpoint, never per step).
 
