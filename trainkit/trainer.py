@@ -905,7 +905,8 @@ class BaseTrainer(abc.ABC):
         :param iterable: The batches.
         :param desc: The bar's label; defaults to the current epoch.
         :param total: The number of batches when ``len(iterable)`` does not give it.
-        :returns: An iterable over the same batches; the iterable itself when bars and step checkpoints are off.
+        :returns: An iterable over the same batches (``len()`` and a loader's attributes read through); the iterable
+            itself when bars and step checkpoints are off and it is no DataLoader iterated in ``train_epoch()``.
         :raises CheckpointMismatchError: When a resumed epoch's loader differs or cannot be skipped into.
         """
         start_persistent_workers(iterable)

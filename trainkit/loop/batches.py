@@ -418,6 +418,11 @@ class _EpochTagged:
     def __len__(self) -> int:
         return len(self.loader)
 
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)  # the loader's dataset, batch_size, ... as progress() used to hand it out
+
     def __iter__(self) -> Iterator[Any]:
         loader = self.loader
         batched = loader._auto_collation
