@@ -107,9 +107,9 @@ class _EpochBatch(list):
     fetch; it yields its indices as they are.
 
     It costs two Python calls per batch where the batch is read (in the worker process, with workers), nothing per
-    index: tagging every index instead (a :class:`SampleIndex` each) cost ~2 us per index, half of it making the
-    index and half in ``tensor[index]`` with an int subclass, and ending the iteration with a call that clears the
-    epoch (an ``itertools.chain``) ~20 ns per index. The batch pickles as its plain ints and the epoch.
+    index. Tagging every index instead (a :class:`SampleIndex` each) cost ~2 us per index, half of it making the
+    index and half in ``tensor[index]`` with an int subclass; clearing the epoch where the iteration ends (an
+    ``itertools.chain`` behind the list) ~20 ns per index. The batch pickles as its plain ints and the epoch.
     """
 
     __slots__ = ()
