@@ -30,8 +30,8 @@ Four sections, one run, results side by side in ``--out`` (default ``benchmarks/
   async / sync <= 0.15. Reported beside it: how much longer the async run's steps took outside the boundaries
   (the writer thread competing for the CPU and the GIL), per save.
 * **iteration** (information): the CPU time per batch of the bare tracked loop (step checkpoints on, none
-  due) against the untracked one, for a ``DataLoader(batch_size=64)`` (every index tagged as a
-  ``trainkit.SampleIndex``) and for a loader indexed once per batch (overhead.py's shape).
+  due) against the untracked one, for a ``DataLoader(batch_size=64)`` (each batch saying its epoch while it is
+  loaded, in both loops) and for a loader indexed once per batch (overhead.py's shape).
 * **exactness**: a plain shuffled ``DataLoader`` (``shuffle=True``, no generator), dropout, Adam; each
   framework checkpoints every 5 steps with its own mechanism (trainkit ``ckpt.every_n_steps=5``,
   Lightning ``ModelCheckpoint(every_n_train_steps=5, save_last=True)`` + ``fit(ckpt_path=...)``). A

@@ -881,11 +881,10 @@ class BaseTrainer(abc.ABC):
     def log_epoch_grad_norm(self) -> None:
         """Log the epoch-mean grad norm, the counterpart to the epoch-mean train loss.
 
-        Logs ``train/grad_norm_epoch``, the mean of the norms measured since the last call (nothing if none).
+        Logs ``train/grad_norm_epoch``, the mean of the norms measured since the last call (nothing if none); with
+        ``guard.nonfinite`` on, of the finite ones (a skipped step's NaN/inf left out; NaN when all were skipped).
         """
-        mean = self._metrics.grad_norm.take()
-        if mean is not None:
-            self._metrics.buffer.add({"train/grad_norm_epoch": mean})
+        self._metrics.log_grad_norm_mean()
 
     def log_param_grad_stats(self, *modules: nn.Module) -> None:
         """Log per-parameter weight norm, grad norm, and grad-to-weight ratio.
@@ -965,13 +964,14 @@ class BaseTrainer(abc.ABC):
         :param iterable: The batches.
         :param desc: The bar's label; defaults to the current epoch.
         :param total: The number of batches when ``len(iterable)`` does not give it.
-        :returns: An iterable over the same batches; the iterable itself when bars and step checkpoints are off.
+        :returns: An iterable over the same batches (``len()`` and a loader's attributes read through); the iterable
+            itself when bars and step checkpoints are off and it is no DataLoader iterated in ``train_epoch()``.
         :raises CheckpointMismatchError: When a resumed epoch's loader differs or cannot be skipped into.
         """
         start_persistent_workers(iterable)
         self._position.check_loader(iterable, epoch=self.epoch, registered=lambda: _generators(self._registry))
         tracked = self._position.track(iterable, self._at_step_boundary)
-        shown, initial = (iterable, 0) if tracked is None else (tracked, tracked.skip)
+        shown, initial = (self._position.epoch_tagged(iterable), 0) if tracked is None else (tracked, tracked.skip)
         shown = shown if self._metrics.throughput is None else CountedBatches(shown, self._metrics.throughput)
         return step_bar(
             shown, desc=desc or f"epoch {self.epoch}", total=total, enabled=self._bars_enabled, initial=initial

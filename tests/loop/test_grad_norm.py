@@ -8,12 +8,14 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 from tests.helpers.configs import make_cfg
 from tests.helpers.host_syncs import HOST_SYNCS, count_host_syncs
 from trainkit import BaseTrainer
-from trainkit.loop.metrics import LogBuffer
+from trainkit.loop.metrics import FiniteMean, LogBuffer
 
 
 class Net(nn.Module):
@@ -309,3 +311,34 @@ def test_param_stats_do_not_sync_with_the_host(make_trainer, monkeypatch):
         trainer.log_param_grad_stats()
     assert counts == Counter()
     assert len(trainer.push_logs()) == 3 * len(TRAINABLE)
+
+
+# ---------------------------------------------------------------------------------- the guard's finite mean
+
+NORMS = st.lists(st.one_of(st.floats(0, 1e6, width=32), st.just(math.nan), st.just(math.inf)), min_size=1, max_size=30)
+
+
+@given(NORMS, st.integers(0, 30), st.booleans())
+def test_the_finite_mean_is_that_of_the_finite_values_and_resumes_exactly(values, cut, on_host):
+    """FiniteMean (train/grad_norm_epoch under the guard) is the mean of the finite values, NaN when there is none;
+    a copy restored from its state after ``cut`` values and fed the rest ends bit for bit where it does, whether the
+    values come read on the host or as tensors."""
+
+    def add(mean, value):
+        mean.add(torch.tensor(value), value if on_host else None)
+
+    mean = FiniteMean()
+    for value in values[:cut]:
+        add(mean, value)
+    resumed = FiniteMean()
+    resumed.load_state_dict(mean.state_dict())
+    for value in values[cut:]:
+        add(mean, value)
+        add(resumed, value)
+    got, again = float(mean.take()), float(resumed.take())
+    finite = [value for value in values if math.isfinite(value)]
+    if finite:
+        assert got == again == pytest.approx(sum(finite) / len(finite), rel=1e-5)
+    else:
+        assert math.isnan(got) and math.isnan(again)
+    assert mean.take() is None

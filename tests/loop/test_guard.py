@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import json
+import math
+from collections import Counter
 
 import pytest
 import torch
 
 import trainkit
 import trainkit.loop.guard
+import trainkit.loop.metrics
 from tests.helpers.configs import make_cfg
 from tests.helpers.host_syncs import count_host_syncs
-from tests.helpers.trainers import GuardTrainer, TwoOptimizerTrainer
+from tests.helpers.trainers import Crash, GuardTrainer, TwoOptimizerTrainer
 from trainkit.errors import ConfigError, DivergenceError
 
 GUARD_FILE = trainkit.loop.guard.__file__
+METRICS_FILE = trainkit.loop.metrics.__file__
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -28,11 +32,11 @@ NAN_AT = 3
 """The global batch whose loss is scaled by inf (optimizer step 3: one step per batch)."""
 
 
-def run(out_dir, world_size=1, **overrides):
+def run(out_dir, world_size=1, trainer_class=GuardTrainer, **overrides):
     """Train a GuardTrainer (2 epochs of 6 batches); return rank 0's report, every rank's, and the journal."""
     cfg = make_cfg(out_dir, **{"epochs": 2, "n_samples": 320, **overrides})
     if world_size == 1:
-        trainer = GuardTrainer(cfg)
+        trainer = trainer_class(cfg)
         try:
             trainer.train()
         finally:
@@ -158,6 +162,87 @@ def test_the_guard_and_the_throughput_rates_share_a_row(tmp_path):
     epoch_rows = [row for row in rows if "train/grad_norm" in row]
     assert [row["guard/skipped_steps"] for row in epoch_rows] == [1, 1]
     assert all(row["perf/steps_per_s"] > 0 and "perf/samples_per_s" in row for row in epoch_rows)
+
+
+class EpochNormTrainer(GuardTrainer):
+    """GuardTrainer that logs the epoch's grad-norm mean, and raises Crash before optimizer step ``crash_at``; the
+    host reads the metrics make while train_epoch() runs (its steps and pushes, no save) add up in ``SYNCS``."""
+
+    crash_at: int | None = None
+
+    def clip_and_log_grad_norm(self, *modules):
+        if self.step == self.crash_at:
+            raise Crash
+        return super().clip_and_log_grad_norm(*modules)
+
+    def train_epoch(self):
+        with count_host_syncs(only_from=METRICS_FILE) as syncs:
+            super().train_epoch()
+            self.log_epoch_grad_norm()
+        SYNCS.update(syncs)
+
+
+SYNCS: Counter[str] = Counter()
+"""What EpochNormTrainer runs counted (cleared by the test that reads it)."""
+
+
+NORM_PLANTED = {"nan_positions": ("0:3",), "push_every_step": True, "guard": {"nonfinite": "skip"}}
+"""Epoch 0's batch 3 diverges (optimizer step 4, skipped); a journal row per step with its grad norm."""
+
+
+def epoch_norms(rows, epoch):
+    """An epoch's per-step grad norms and its epoch-end row, from the journal."""
+    norms = [row["train/grad_norm"] for row in rows if row["trainer/epoch"] == epoch and "train/grad_norm" in row]
+    (end,) = [row for row in rows if row["trainer/epoch"] == epoch and "train/grad_norm_epoch" in row]
+    return norms, end
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_the_epochs_grad_norm_mean_leaves_a_skipped_steps_norm_out(tmp_path, monkeypatch, on_device):
+    """guard.nonfinite=skip: train/grad_norm_epoch is the mean of the epoch's finite per-step norms (the skipped
+    step's NaN left out), and its row says how many steps were skipped; the same with the norms kept as tensors
+    (an accelerator's path), where the metrics read nothing on the host that the run without the guard does not.
+    Without the guard the NaN step trained: the mean is NaN."""
+    options = {"optimizer": "adam_fused", "guard_on_device": True} if on_device else {}
+    options = {**NORM_PLANTED, **options}
+    if on_device:
+        monkeypatch.setattr(trainkit.loop.metrics.LogBuffer, "read_cpu_at_log", False)
+    SYNCS.clear()
+    (report,), rows = run(tmp_path / "a", trainer_class=EpochNormTrainer, **options)
+    guarded_syncs = Counter(SYNCS)
+    assert report["skipped"] == 1 and report["on_device"] is on_device
+    for epoch in (0, 1):
+        norms, end = epoch_norms(rows, epoch)
+        finite = [norm for norm in norms if math.isfinite(norm)]
+        assert len(norms) == 6 and len(finite) == 6 - (epoch == 0)
+        assert end["train/grad_norm_epoch"] == pytest.approx(sum(finite) / len(finite), rel=1e-6)
+        assert end["guard/skipped_steps"] == 1
+    SYNCS.clear()
+    _, rows = run(tmp_path / "b", trainer_class=EpochNormTrainer, **{**options, "guard": {"nonfinite": "off"}})
+    assert math.isnan(epoch_norms(rows, 0)[1]["train/grad_norm_epoch"])
+    assert guarded_syncs <= SYNCS and sum(guarded_syncs.values()) > 0  # (the CPU mean is a float: fewer)
+
+
+@pytest.mark.parametrize("as_tensors", [False, True])
+def test_the_finite_grad_norm_mean_resumes_from_a_step_checkpoint(tmp_path, monkeypatch, as_tensors):
+    """A run stopped inside epoch 0 after its skipped step resumes from the step checkpoint with the epoch's
+    finite-norm sum and count, and logs the uninterrupted run's grad_norm_epoch, bit for bit (norms read on the
+    host, or kept as tensors as an accelerator's are)."""
+    if as_tensors:
+        monkeypatch.setattr(trainkit.loop.metrics.LogBuffer, "read_cpu_at_log", False)
+    options = {**NORM_PLANTED, "ckpt": {"every_n_steps": 1}}
+    _, whole = run(tmp_path / "whole", trainer_class=EpochNormTrainer, **options)
+    crashing = type("Crashing", (EpochNormTrainer,), {"crash_at": 5})  # after steps 1-5, step 4 skipped
+    with pytest.raises(Crash):
+        run(tmp_path / "run", trainer_class=crashing, **options)
+    _, resumed = run(tmp_path / "run", trainer_class=EpochNormTrainer, **options)
+    for epoch in (0, 1):
+        assert (
+            epoch_norms(resumed, epoch)[1]["train/grad_norm_epoch"]
+            == epoch_norms(whole, epoch)[1]["train/grad_norm_epoch"]
+        )
+    norms, end = epoch_norms(whole, 0)
+    assert math.isfinite(end["train/grad_norm_epoch"]) and not all(map(math.isfinite, norms))
 
 
 ROLLBACK = {"nonfinite": "rollback", "max_skips": 2, "window": 3}

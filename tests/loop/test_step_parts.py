@@ -29,6 +29,7 @@ from trainkit.loop.batches import SampleIndex, draws_only_from_torch, iterator_r
 from trainkit.loop.metrics import LogBuffer
 from trainkit.loop.optim import RunningMean
 from trainkit.run.lock import RunLock
+from trainkit.state.rng import sample_epoch
 
 # --- the pure core ----------------------------------------------------------------------------------------------
 
@@ -341,8 +342,13 @@ class EchoIndices(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         if isinstance(index, list):  # a whole batch at once: batch_size=None over a BatchSampler
-            return torch.tensor(index), torch.tensor([getattr(i, "epoch", -1) for i in index])
-        return torch.tensor(int(index)), torch.tensor(getattr(index, "epoch", -1))
+            return torch.tensor(index), torch.tensor([_epoch_of(i) for i in index])
+        return torch.tensor(int(index)), torch.tensor(_epoch_of(index))
+
+
+def _epoch_of(index: int) -> int:
+    epoch = sample_epoch(index)
+    return -1 if epoch is None else epoch
 
 
 class ShuffleWithoutLength(torch.utils.data.Sampler):
@@ -432,16 +438,16 @@ def echo_run(out_dir, kind, ckpt, crash_at=None):
     ],
 )
 def test_every_index_carries_its_epoch_and_counting_keeps_the_order(tmp_path, kind):
-    """Epoch after epoch (a persistent worker's too), every int index reaching the dataset is tagged with the epoch
-    it belongs to, and the order is the one the loader gives uncounted; a sampler that yields lists is left alone."""
+    """Epoch after epoch (a persistent worker's too), every int index reaching the dataset is known to belong to its
+    epoch (sample_epoch), counted loop (step checkpoints) or not, and the order is the one the loader gives
+    uncounted; a sampler that yields lists is left alone."""
     plain = echo_run(tmp_path / "plain", kind, {"enable": False}).seen
     counted = echo_run(tmp_path / "counted", kind, {"every_n_steps": 1000}).seen
     tagged = kind != "a list per batch"
     assert len(plain) == len(counted) == 3
     for epoch, ((plain_order, plain_tags), (order, tags)) in enumerate(zip(plain, counted, strict=True)):
         assert order == plain_order and sorted(order) == list(range(20))
-        assert plain_tags == [-1] * 20
-        assert tags == [epoch if tagged else -1] * 20
+        assert plain_tags == tags == [epoch if tagged else -1] * 20
 
 
 def test_a_loader_that_makes_its_iterator_lazily_is_not_counted_and_resumes_at_the_epoch_start(tmp_path):

@@ -6,8 +6,14 @@ same permutation and worker base seed), advances the loader's *index sampler* pa
 (indices only: no sample is loaded or collated) before any index reaches a worker, and only then puts back
 the RNG states of the save point. The cost of skipping is drawing the epoch's indices, not reading its data.
 
-Side effects: swaps a ``DataLoader``'s index sampler for the moment its iterator is created, and sets the
-process's RNG states when resuming.
+Every batch of indices handed to a loader's fetcher says its epoch while the fetcher loads it
+(:data:`trainkit.state.rng.LOADING`, a per-thread value :func:`trainkit.sample_generator` reads, set as the
+batch is iterated and cleared as it is freed; no per-index object): the counted loop's batches do, and so do
+those of a loop that is not counted (:func:`epoch_tagged`), so per-sample randomness is the same with step
+checkpoints on or off, with or without workers.
+
+Side effects: swaps a ``DataLoader``'s index sampler for the moment its iterator is created, sets the
+process's RNG states when resuming, and sets the loading epoch of the thread that iterates a batch's indices.
 """
 
 from __future__ import annotations
@@ -31,12 +37,13 @@ from torch.utils.data import (
 
 from trainkit.errors import CheckpointMismatchError
 from trainkit.messages import warn_user
-from trainkit.state.rng import capture_rng, loader_generators, restore_rng
+from trainkit.state.rng import LOADING, capture_rng, loader_generators, restore_rng
 
 __all__ = [
     "SampleIndex",
     "TrackedBatches",
     "WatchedBatches",
+    "epoch_tagged",
     "unskippable_reason",
     "RankPosition",
     "draws_only_from_torch",
@@ -50,10 +57,11 @@ _END = object()
 class SampleIndex(int):
     """A sample index that also says which epoch asked for it: ``index.epoch``.
 
-    A ``DataLoader`` iterated through ``self.progress()`` with step checkpoints on hands its dataset these
-    instead of plain ints. They are ints in every other respect (arithmetic gives plain ints), so datasets
-    index with them as before; :func:`trainkit.sample_generator` reads the epoch from them, which is how a
-    dataset in a worker process, even a persistent one, knows the epoch.
+    An unbatched ``DataLoader`` (``batch_size=None``) iterated through ``self.progress()`` in ``train_epoch()``
+    hands its dataset these instead of plain ints (a batched one hands plain ints, its batch saying the epoch while
+    they are loaded). They are ints in every other respect (arithmetic gives plain ints), so datasets index with
+    them as before; :func:`trainkit.sample_generator` reads the epoch from them, which is how a dataset in a worker
+    process, even a persistent one, knows the epoch.
 
     >>> index = SampleIndex(7, epoch=2)
     >>> index + 1, index.epoch, [10, 20, 30, 40, 50, 60, 70, 80][index], isinstance(index, SampleIndex)
@@ -82,7 +90,8 @@ def _index_type(epoch: int) -> type[SampleIndex]:
     """The subclass of :class:`SampleIndex` whose instances belong to ``epoch`` (made once per epoch).
 
     The epoch is a class attribute, so making an index costs what making an int does (no ``__dict__``, no
-    Python-level ``__new__``): a batch of 256 is tagged in about 80 us instead of 170.
+    Python-level ``__new__``), about 0.3-0.5 us; a batched loader's indices are not made into these at all (see
+    :class:`_EpochBatch`).
     """
     made = _INDEX_TYPES.get(epoch)
     if made is None:
@@ -93,26 +102,47 @@ def _index_type(epoch: int) -> type[SampleIndex]:
 
 
 class _EpochBatch(list):
-    """A batch of int indices that yields them as :class:`SampleIndex` when iterated (as the fetcher does).
+    """A batch of indices that says its epoch (:data:`~trainkit.state.rng.LOADING`) from the moment it is iterated,
+    as the fetcher iterates it to call ``__getitem__`` once per index, to the moment it is freed, right after the
+    fetch; it yields its indices as they are.
 
-    The indices are tagged lazily, where the batch is read (in the worker process, with workers), and the batch
-    pickles as its plain ints and the epoch: per-index pickling of tagged ints cost ~0.5 ms per 256 indices.
+    It costs two Python calls per batch where the batch is read (in the worker process, with workers), nothing per
+    index. Tagging every index instead (a :class:`SampleIndex` each) cost ~2 us per index, half of it making the
+    index and half in ``tensor[index]`` with an int subclass; clearing the epoch where the iteration ends (an
+    ``itertools.chain`` behind the list) ~20 ns per index. The batch pickles as its plain ints and the epoch.
     """
 
-    __slots__ = ("epoch",)
+    __slots__ = ()
+    epoch: int
 
-    def __iter__(self) -> Iterator[int]:
-        # int.__new__ straight away: calling the type would also run object.__init__ (7.4 -> 5.4 us per 64)
-        return map(int.__new__, itertools.repeat(_index_type(self.epoch)), list.__iter__(self))
+    def __iter__(self) -> Iterator[Any]:
+        LOADING.epoch = self.epoch
+        return list.__iter__(self)
+
+    def __del__(self, loading: Any = LOADING) -> None:
+        # cleared once the fetch dropped the batch (CPython frees it then): a loader iterated later outside
+        # progress() (by a persistent worker, say) is not taken for this epoch (a default argument: at interpreter
+        # exit the module's globals may be gone)
+        loading.epoch = None
 
     def __reduce__(self) -> tuple[Any, tuple[list[int], int]]:
         return _epoch_batch, (list.__getitem__(self, slice(None)), self.epoch)
 
 
+_BATCH_TYPES: dict[int, type[_EpochBatch]] = {}
+
+
+def _batch_type(epoch: int) -> type[_EpochBatch]:
+    """The subclass of :class:`_EpochBatch` whose instances belong to ``epoch`` (made once per epoch): making a
+    batch is then a call of a type, all in C."""
+    made = _BATCH_TYPES.get(epoch)
+    if made is None:
+        made = _BATCH_TYPES[epoch] = type("_EpochBatch", (_EpochBatch,), {"__slots__": (), "epoch": epoch})
+    return made
+
+
 def _epoch_batch(indices: list[int], epoch: int) -> _EpochBatch:
-    batch = _EpochBatch(indices)
-    batch.epoch = epoch
-    return batch
+    return _batch_type(epoch)(indices)
 
 
 _TORCH_ONLY_SAMPLERS = (
@@ -280,9 +310,10 @@ def _dropping(
             yield item
 
 
-def _tag_batch(epoch: int, indices: Any) -> Any:
-    # a batch of anything but ints (keys of a dict-like dataset, say) is handed over as it is
-    return _epoch_batch(indices, epoch) if set(map(type, indices)) == {int} else indices
+def _tag_batch(batch_type: type[_EpochBatch], indices: Any) -> Any:
+    # a batch sampler's list (ints, or a dict-like dataset's keys); anything else (a tuple, an array) is handed over
+    # as it is, so the dataset's __getitems__ gets the type it expects
+    return batch_type(indices) if type(indices) is list else indices
 
 
 def _tag_index(index_type: type[SampleIndex], index: Any) -> Any:
@@ -311,8 +342,7 @@ class _IndexStream:
         self._batched = batched
         self._ahead: list[Any] | None = None
         self._tags_none = False  # whether the sampler's first draw said it yields no int to tag (see rest())
-        tag_one = functools.partial(_tag_index, _index_type(epoch))
-        self._tag = functools.partial(_tag_batch, epoch) if batched else tag_one
+        self._tag = _tagger(epoch, batched)
 
     def __iter__(self) -> _IndexStream:
         return self
@@ -358,15 +388,77 @@ class _IndexStream:
         return items if self._tags_none else map(self._tag, items)
 
 
-def _made_iterator(loader: Any, indices: _SkippingIndices) -> tuple[Iterator[Any], bool]:
-    """``iter(loader)`` with ``indices`` as its index sampler while the iterator is made, primed (the skip done).
+def _tagger(epoch: int, batched: bool) -> Callable[[Any], Any]:
+    """What tags each item of a loader's index sampler with ``epoch``: a batch, or one index."""
+    if batched:
+        return functools.partial(_tag_batch, _batch_type(epoch))
+    return functools.partial(_tag_index, _index_type(epoch))
+
+
+class _EpochIndices:
+    """A loader's index sampler, each batch (or unbatched index) tagged with ``epoch``, nothing else changed."""
+
+    def __init__(self, inner: Any, *, epoch: int, batched: bool) -> None:
+        self.inner = inner
+        self.tag = _tagger(epoch, batched)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[Any]:
+        return map(self.tag, iter(self.inner))
+
+
+class _EpochTagged:
+    """A ``DataLoader`` whose every iterator reads its index sampler through :class:`_EpochIndices`."""
+
+    def __init__(self, loader: DataLoader, epoch: int) -> None:
+        self.loader = loader
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)  # the loader's dataset, batch_size, ... as progress() used to hand it out
+
+    def __iter__(self) -> Iterator[Any]:
+        loader = self.loader
+        batched = loader._auto_collation
+        inner = loader.batch_sampler if batched else loader.sampler
+        return _iterator_reading(loader, _EpochIndices(inner, epoch=self.epoch, batched=batched))
+
+
+def epoch_tagged(loader: Any, epoch: int) -> Any:
+    """``loader`` with every batch it loads saying ``epoch`` to :func:`trainkit.sample_generator`, for a loop that
+    is not counted (no step checkpoints): the same samples as the counted loop's, at two Python calls per batch.
+
+    Side effects: none until it is iterated; then as :class:`TrackedBatches` does, without the skip.
+
+    :param loader: What ``progress()`` was given in ``train_epoch()``.
+    :param epoch: The 0-based epoch.
+    :returns: An iterable over the same batches, with ``len()``; ``loader`` itself when it is no ``DataLoader`` over
+        a map-style dataset (nothing to tag).
+
+    >>> epoch_tagged([1, 2], epoch=3)
+    [1, 2]
+    """
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return loader
+    if not loader._auto_collation and isinstance(loader.sampler, BatchSampler):
+        return loader  # its dataset is handed whole lists of indices: no int to tag, no per-batch cost
+    return _EpochTagged(loader, epoch)
+
+
+def _iterator_reading(loader: Any, indices: Any) -> Iterator[Any]:
+    """``iter(loader)`` with ``indices`` as its index sampler while the iterator is made.
 
     ``loader`` (and its persistent iterator, which keeps its own reference) reads ``indices`` only while the
-    iterator is made: later epochs of a persistent iterator read the real sampler again.
-
-    :returns: The iterator, and whether it read ``indices``: False when the loader makes its DataLoader
-        iterator lazily (a subclass whose ``__iter__`` is a generator, say), at its first ``next()``, after
-        the swap; that iterator reads the real sampler, from the epoch's first batch, untagged.
+    iterator is made: later epochs of a persistent iterator read the real sampler again. A loader that makes its
+    DataLoader iterator lazily (a subclass whose ``__iter__`` is a generator, say), at its first ``next()``, after
+    the swap, reads the real sampler, untagged.
     """
     attribute = "batch_sampler" if loader._auto_collation else "sampler"
     real = getattr(loader, attribute)
@@ -383,6 +475,16 @@ def _made_iterator(loader: Any, indices: _SkippingIndices) -> tuple[Iterator[Any
         for each in (persistent, made):
             if each is not None:
                 each._index_sampler = real
+    return iterator
+
+
+def _made_iterator(loader: Any, indices: _SkippingIndices) -> tuple[Iterator[Any], bool]:
+    """``iter(loader)`` with ``indices`` as its index sampler while the iterator is made, primed (the skip done).
+
+    :returns: The iterator, and whether it read ``indices`` (see :func:`_iterator_reading`): False when the loader
+        makes its DataLoader iterator lazily; that iterator reads the real sampler, from the epoch's first batch.
+    """
+    iterator = _iterator_reading(loader, indices)
     stream = indices.stream
     if stream is None:
         return iterator, False

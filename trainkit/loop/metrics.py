@@ -1,5 +1,6 @@
 """Metrics between pushes: the log buffer, and the trainer's metrics (the buffer, the last pushed values, the
-epoch's grad-norm mean, and the guard and throughput parts that add to a row).
+epoch's grad-norm mean, and the guard and throughput parts that add to a row). With the divergence guard on, the
+grad-norm mean is a :class:`FiniteMean`: a skipped step's NaN or inf norm stays out of it.
 
 Side effects: none but on tensors; one device-to-host transfer per push.
 """
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from trainkit.loop.throughput import Throughput
 
 __all__ = [
+    "FiniteMean",
     "LogBuffer",
     "TrainerMetrics",
 ]
@@ -167,13 +169,124 @@ class LogBuffer:
         return result
 
 
+class FiniteMean:
+    """The mean of the finite values among 0-d tensors added one by one: the epoch's grad-norm mean under the
+    divergence guard, whose skipped steps (a NaN or inf norm) did not train.
+
+    Side effects: none but tensor ops on the values' device. A value the caller has read on the host already (the
+    log buffer reads a CPU norm when it is logged) is added as that float, with no tensor op; a tensor (an
+    accelerator's norm) is added on its device with no host sync, in three small ops into a ``[sum, count]``
+    pair (float32: the count is exact up to 2**24 values per mean). The state is :class:`~trainkit.RunningMean`'s
+    (``count``: the finite values), so a step checkpoint keeps it in the same place and a resumed mean is exact.
+
+    >>> mean = FiniteMean()
+    >>> for value in (1.0, float("nan"), 3.0):
+    ...     mean.add(torch.tensor(value), value)
+    >>> mean.take(), mean.take()
+    (2.0, None)
+    >>> for value in (2.0, float("inf"), 4.0):
+    ...     mean.add(torch.tensor(value))  # on the value's device
+    >>> float(mean.take())
+    3.0
+    >>> mean.add(torch.tensor(float("nan"))); float(mean.take())  # every value non-finite: NaN, as a 0/0
+    nan
+    """
+
+    def __init__(self) -> None:
+        self._sum: float | torch.Tensor | None = None  # None: nothing added since the last take
+        self._count = 0
+        self._pair: torch.Tensor | None = None  # the device path's [sum, count]
+        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # [0, 1], [1, 0], a scratch pair
+
+    def add(self, value: torch.Tensor, read: float | None = None) -> None:
+        """Add one value; a non-finite one is left out of the mean (it only counts as added).
+
+        :param value: A 0-d tensor (not changed).
+        :param read: The same value read on the host already, or None (then added on the value's device).
+        """
+        if read is not None:
+            if self._pair is not None or self._sum is None or self._sum.__class__ is not float:
+                self._to_host()
+            if math.isfinite(read):
+                self._sum += read
+                self._count += 1
+            return
+        pair = self._pair
+        if pair is None or pair.device != value.device:
+            pair = self._to_device(value.device)
+        zero_one, one_zero, scratch = self._step  # type: ignore[misc]
+        # [value, 1] when finite; [inf, nan] or [nan, nan] otherwise, which nan_to_num_ makes [0, 0]
+        torch.addcmul(zero_one, value, one_zero, out=scratch)
+        pair.add_(scratch.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0))
+
+    def _to_host(self) -> None:
+        """Hold the sum and count as Python numbers (a checkpoint's, or the device pair's: one read, once)."""
+        state = self.state_dict()
+        self._pair, self._count = None, state["count"]
+        self._sum = 0.0 if state["sum"] is None else float(state["sum"])
+
+    def _to_device(self, device: torch.device) -> torch.Tensor:
+        """Hold the sum and count as a ``[sum, count]`` pair on ``device`` (nothing yet, or a checkpoint's)."""
+        state = self.state_dict()
+        total = 0.0 if state["sum"] is None else float(state["sum"])
+        self._sum = 0.0  # something was added: take() returns a mean, NaN when nothing finite
+        self._pair = torch.tensor([total, state["count"]], dtype=torch.float32, device=device)
+        ones = torch.tensor([[0.0, 1.0], [1.0, 0.0]], device=device)
+        self._step = (ones[0], ones[1], torch.empty(2, device=device))
+        return self._pair
+
+    def take(self) -> float | torch.Tensor | None:
+        """Return the mean of the finite values added since the last take, and start over.
+
+        :returns: A float (values read on the host) or a 0-d tensor on the values' device (no host sync); NaN when
+            every value was non-finite; None when nothing was added.
+        """
+        total, count, pair = self._sum, self._count, self._pair
+        self._sum, self._count, self._pair = None, 0, None
+        if pair is not None:
+            return pair[0] / pair[1]
+        if total is None:
+            return None
+        if isinstance(total, torch.Tensor):  # a checkpoint's sum, nothing added since: divided in its own dtype
+            return total / count
+        return total / count if count else math.nan
+
+    def state_dict(self) -> dict[str, Any]:
+        """The finite values' sum and count, as :meth:`trainkit.RunningMean.state_dict` gives them.
+
+        Side effects: one device-to-host read of the device path's pair (at a checkpoint, never per step).
+
+        :returns: ``{"sum": a 0-d CPU tensor or None, "count": int}``.
+        """
+        if self._pair is not None:
+            pair = self._pair.cpu()
+            return {"sum": pair[0].clone(), "count": int(pair[1])}
+        total = self._sum
+        if total is None:
+            return {"sum": None, "count": 0}
+        if isinstance(total, torch.Tensor):
+            return {"sum": total.detach().cpu().clone(), "count": self._count}
+        return {"sum": torch.tensor(total, dtype=torch.float64), "count": self._count}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned (it moves to the values' device, or the host, at the next add).
+
+        :param state: The saved sum and count.
+        """
+        total = state["sum"]
+        self._sum = None if total is None else total.detach().cpu().clone()
+        self._count, self._pair = int(state["count"]), None
+
+
 class TrainerMetrics:
     """The trainer's metrics between pushes: what waits for the next push, what was pushed last, and the
     epoch's grad-norm mean.
 
     :ivar buffer: The :class:`LogBuffer` of metrics logged since the last push.
     :ivar latest: The last pushed value of every key (the final metrics ``train()`` returns).
-    :ivar grad_norm: The running mean of the epoch's grad norms (``log_epoch_grad_norm``).
+    :ivar grad_norm: The running mean of the epoch's grad norms (``log_epoch_grad_norm``): a
+        :class:`~trainkit.loop.optim.RunningMean`, or with the guard a :class:`FiniteMean` (a skipped step's
+        non-finite norm left out: it costs the guard's runs a tensor op or two per step, and the others nothing).
     :ivar guard: The divergence guard (:class:`~trainkit.loop.guard.DivergenceGuard`), None when ``guard.nonfinite``
         is off.
     :ivar throughput: The ``perf/*`` counters (a :class:`trainkit.loop.throughput.Throughput`) with
@@ -187,7 +300,7 @@ class TrainerMetrics:
     def __init__(self, *, guard: DivergenceGuard | None = None, throughput: Throughput | None = None) -> None:
         self.buffer = LogBuffer()
         self.latest: dict[str, float] = {}
-        self.grad_norm = RunningMean()
+        self.grad_norm: RunningMean | FiniteMean = RunningMean() if guard is None else FiniteMean()
         self.guard = guard
         self.throughput = throughput
         parts = guard is not None or throughput is not None
@@ -198,11 +311,20 @@ class TrainerMetrics:
 
         :param norm: The 0-d norm on the device.
         """
-        self.grad_norm.add(norm)
         self.buffer.add({"train/grad_norm": norm})
-        if self.guard is not None:
-            read = self.buffer._scalars["train/grad_norm"]  # a float when the buffer read the norm (a CPU one)
-            self.guard.observe(norm, read if read.__class__ is float else None)
+        if self.guard is None:
+            self.grad_norm.add(norm)
+            return
+        read = self.buffer._scalars["train/grad_norm"]  # a float when the buffer read the norm (a CPU one)
+        read = read if read.__class__ is float else None
+        self.grad_norm.add(norm, read)  # a FiniteMean: a skipped step's NaN or inf stays out of the epoch's mean
+        self.guard.observe(norm, read)
+
+    def log_grad_norm_mean(self) -> None:
+        """Buffer ``train/grad_norm_epoch``, the mean of the norms taken since the last call (nothing if none)."""
+        mean = self.grad_norm.take()
+        if mean is not None:
+            self.buffer.add({"train/grad_norm_epoch": mean})
 
     def last_value(self, key: str) -> Any:
         """The value of ``key`` waiting in the buffer, else the last one pushed, else None.

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 from trainkit import bookkeeping as core
 from trainkit.distributed import collectives as dist_utils
 from trainkit.errors import CheckpointMismatchError, UsageError
-from trainkit.loop.batches import RankPosition, TrackedBatches, WatchedBatches, unskippable_reason
+from trainkit.loop.batches import RankPosition, TrackedBatches, WatchedBatches, epoch_tagged, unskippable_reason
 from trainkit.loop.stateful import StatefulBatches, carries_own_position, loader_facts
 from trainkit.messages import warn_user
 from trainkit.state.rng import loader_generators
@@ -332,6 +332,15 @@ class EpochTracker:
         self._resumable = self._voting = False
         if self._stepping:
             self._warn_untracked(reason)
+
+    def epoch_tagged(self, loader: Any) -> Any:
+        """The loader of a loop :meth:`track` does not count, its batches saying the epoch to
+        :func:`trainkit.sample_generator` inside ``train_epoch()``; outside it, ``loader`` itself.
+
+        :param loader: What ``progress()`` was given.
+        :returns: What ``progress()`` iterates (see :func:`trainkit.loop.batches.epoch_tagged`).
+        """
+        return epoch_tagged(loader, self.epoch) if self._in_epoch else loader
 
     def current_batch(self) -> int | None:
         """The 0-based index in the epoch of the last batch the counted loop yielded, or None (no counted loop).

@@ -9,6 +9,7 @@ import array
 import hashlib
 import random
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ __all__ = [
     "loader_generators",
     "sample_seed",
     "sample_generator",
+    "sample_epoch",
+    "LOADING",
 ]
 
 
@@ -187,14 +190,37 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
     return found
 
 
+LOADING = threading.local()
+"""``LOADING.epoch``: the epoch of the batch this thread is loading (the ``DataLoader`` fetcher iterates the
+batch's indices, calling ``__getitem__`` for each), else absent or None; :func:`sample_seed` reads it for an index
+that carries no epoch. :mod:`trainkit.loop.batches` sets it as such a batch is iterated and clears it as the batch
+is freed, right after its fetch. Per thread: a thread that loads no batch of the epoch never sees it."""
+
+
+def sample_epoch(index: int) -> int | None:
+    """The epoch a sample index belongs to, as :func:`sample_seed` finds it: the index's own (a
+    :class:`~trainkit.loop.batches.SampleIndex`), else that of the batch this thread is loading (:data:`LOADING`).
+
+    >>> sample_epoch(3) is None  # a plain int, no batch being loaded
+    True
+
+    :param index: What ``__getitem__`` received.
+    :returns: The 0-based epoch, or None when none is known.
+    """
+    epoch = getattr(index, "epoch", None)
+    return getattr(LOADING, "epoch", None) if epoch is None else epoch
+
+
 def sample_seed(seed: int, index: int, epoch: int | None = None) -> int:
     """A seed for one sample's randomness in one epoch: a pure function of ``(seed, epoch, index)``.
 
     Randomness drawn from it (an augmentation's crop, a dropout mask made in ``__getitem__``) is the same in
     a resumed run as in the uninterrupted one, whichever worker loads the sample and whatever it loaded
-    before, which a worker's own generator cannot promise. ``index`` is what ``__getitem__`` received: under
-    ``self.progress()`` with step checkpoints on it carries its epoch (a
-    :class:`~trainkit.loop.batches.SampleIndex`); pass ``epoch`` otherwise.
+    before, which a worker's own generator cannot promise. The epoch is known without ``epoch=`` while
+    ``train_epoch()`` iterates a ``DataLoader`` through ``self.progress()``, with or without step checkpoints and
+    workers: the loader's fetcher calls ``__getitem__`` while it iterates the batch's indices, and trainkit's batch
+    says its epoch then (and an unbatched loader hands over a :class:`~trainkit.loop.batches.SampleIndex`, which
+    carries it). Anywhere else, pass ``epoch``.
 
     >>> seed = sample_seed(0, 5, epoch=1)
     >>> seed == sample_seed(0, 5, epoch=1), seed == sample_seed(0, 5, epoch=2), seed == sample_seed(1, 5, epoch=1)
@@ -204,14 +230,16 @@ def sample_seed(seed: int, index: int, epoch: int | None = None) -> int:
     :param index: The sample's index.
     :param epoch: The 0-based epoch; None reads ``index.epoch``.
     :returns: An int in ``[0, 2**63)``.
-    :raises ValueError: When ``epoch`` is None and ``index`` carries no epoch.
+    :raises ValueError: When ``epoch`` is None and no epoch is known (the message says what to do).
     """
     if epoch is None:
-        epoch = getattr(index, "epoch", None)
+        epoch = sample_epoch(index)
         if epoch is None:
             raise ValueError(
-                f"sample_seed(): index {index!r} carries no epoch (it did not come through self.progress() with "
-                "ckpt.every_n_steps set); pass epoch= explicitly"
+                f"sample_seed(): index {index!r} carries no epoch: trainkit knows it only while train_epoch() "
+                "iterates a DataLoader through self.progress() (for x, y in self.progress(self.loader)), with "
+                "__getitem__ called as the loader's fetcher iterates each batch's indices (a __getitems__ must "
+                "iterate the indices it is given); anywhere else, pass epoch= explicitly"
             )
     digest = hashlib.blake2b(f"{int(seed)}/{int(epoch)}/{int(index)}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
