@@ -73,7 +73,7 @@ def test_docs_build_without_warnings_and_cover_the_api(tmp_path: Path) -> None:
 
 
 _CODE_BLOCK = re.compile(r"^\.\. code-block:: (\w+)\n((?:\n|[ \t]+.*\n)+)", re.M)
-_BARE_LITERAL = re.compile(r"[^:\s]::\n\n[ \t]+\S")
+_BARE_LITERAL = re.compile(r"^(?![ \t]*\.\. ).*[^:\s]::\n\n[ \t]+\S", re.M)  # a directive (.. math::) is no literal
 
 
 def doc_blocks(page: Path) -> list[tuple[str, str]]:

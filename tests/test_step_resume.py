@@ -210,9 +210,10 @@ def test_sigkill_fuzz_with_retention_keeps_the_uninterrupted_kept_set(tmp_path, 
     print(f"retention fuzz ({fmt}, {world_size} rank(s)): {trials} runs, {landed} kills over {results[0]['ops']} ops")
 
 
-STEP_BUDGET = {"epochs": None, "max_steps": 10, "val": {"every_n_steps": 3, "patience": 20}, "log_every_n_steps": 2}
-"""A run measured in steps: 10 steps (4 per epoch, so it ends inside epoch 2), a validation every 3 steps, a row
-every 2 steps."""
+STEP_BUDGET = {"epochs": None, "max_steps": 10, "val": {"every_n_steps": 3, "patience": 20}, "log_every_n_steps": 2,
+               "loader": "stateful"}
+"""A run measured in steps over torchdata's StatefulDataLoader: 10 steps (4 per epoch, so it ends inside epoch 2), a
+validation every 3 steps, a row every 2 steps."""
 
 
 def budget_points(seed, count):
@@ -223,9 +224,10 @@ def budget_points(seed, count):
 
 
 def test_sigkill_at_random_steps_of_a_run_with_step_validation_and_max_steps_resumes_exactly(tmp_path):
-    """SIGKILLs at seeded-random batches and validations (one per run, then two in one run) of a run with
-    val.every_n_steps, log_every_n_steps and max_steps: every run ends with the uninterrupted run's weights,
-    optimizer state and metrics.jsonl."""
+    """SIGKILLs at seeded-random batches and validations (one per run, then two in one run) of a run over a
+    StatefulDataLoader with val.every_n_steps, log_every_n_steps and max_steps: every run ends with the uninterrupted
+    run's weights, optimizer state and metrics.jsonl."""
+    pytest.importorskip("torchdata.stateful_dataloader")
     points = budget_points(44, 6)
     runs = [[point] for point in points[:4]] + [sorted(points[4:], key=lambda p: (p[1], p[0] == "val", p[2]))]
     reference, results, stderr = run_scenario(tmp_path, runs, **STEP_BUDGET)
@@ -234,6 +236,9 @@ def test_sigkill_at_random_steps_of_a_run_with_step_validation_and_max_steps_res
 
 
 def test_sigterm_at_random_steps_of_a_run_with_step_validation_resumes_exactly(tmp_path):
+    """SIGTERM at seeded-random batches of the same run: it stops at the next step boundary, saves, exits 143, and
+    the rerun ends where the uninterrupted run does."""
+    pytest.importorskip("torchdata.stateful_dataloader")
     runs = [[["sigterm", e, b]] for e, b in random.Random(45).sample([(0, 3), (1, 2), (1, 6), (2, 1)], 2)]
     reference, results, stderr = run_scenario(tmp_path, runs, **STEP_BUDGET)
     assert_all_exact(reference, results, stderr, killed=143)

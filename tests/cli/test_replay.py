@@ -13,8 +13,8 @@ import pytest
 
 from tests.helpers import ROOT
 from tests.helpers.configs import make_cfg
-from tests.helpers.trainers import TinyTrainer
-from trainkit.cli.replay import replay_guard_run, replay_run
+from tests.helpers.trainers import StepValTrainer, TinyTrainer
+from trainkit.cli.replay import format_replay, replay_guard_run, replay_run
 
 SETTINGS = [
     {"patience": 1, "min_delta": 0.05},
@@ -137,3 +137,20 @@ def test_the_guard_replay_fires_where_the_guard_of_a_real_run_fires(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "3 non-finite; guard/skipped_steps 3" in proc.stdout
     assert "would have skipped steps 4, 8\n  would have stopped (raise) before step 10" in proc.stdout
+
+
+def test_replay_understands_validation_every_n_steps(tmp_path):
+    """A run measured in steps (one epoch, validated every 2 steps, patience off) replayed with patience 2: it
+    would have stopped at the validation of the step where patience ran out, told in steps."""
+    scores = (5.0, 1.0, 3.0, 4.0, 0.5, 0.4)
+    trainer = StepValTrainer(make_cfg(tmp_path, epochs=None, max_steps=12, val={"every_n_steps": 2,
+                                      "every_n_epochs": 100}, scripted_scores=scores))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    recorded, replayed = replay_run(tmp_path, ["val.patience=2"])
+    assert recorded.per_step and (recorded.best_step, recorded.last_step) == (12, 12)
+    assert (replayed.stop_step, replayed.best_step, replayed.best_score) == (8, 4, 1.0)
+    lines = format_replay(recorded, replayed, ["val.patience=2"], "val/loss")
+    assert "would have stopped at the validation of step 8 (epoch 1)" in lines[3]

@@ -244,7 +244,7 @@ def end_epoch(
     :param validated: Whether the epoch ended with a validation.
     :param max_steps: The configured number of optimizer steps, or None.
     :param in_epoch: Whether the epoch's loop ended at a step boundary before its last batch (``max_steps``, or an
-        early stop there): the record stays in that epoch (:attr:`LoopState.in_epoch`), which a raised budget
+        early stop there): the record stays in that epoch (``LoopState.in_epoch``), which a raised budget
         continues from its position.
     :returns: The next record, and whether another epoch runs.
     :raises BookkeepingError: When the run had already finished, ``step`` went backwards, neither budget is set,

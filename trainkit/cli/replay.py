@@ -35,6 +35,7 @@ __all__ = [
     "Replay",
     "replay_scores",
     "validation_scores",
+    "validation_points",
     "replay_run",
     "format_replay",
     "GUARD_KEYS",
@@ -53,48 +54,94 @@ class Replay:
     :ivar best_epoch: The epoch of the best score up to the stop (None when no score was finite).
     :ivar best_score: That score.
     :ivar last_epoch: The last validated epoch the recording holds.
+    :ivar stop_step: The optimizer step of the validation it would have stopped at (None: unrecorded, or no stop).
+    :ivar best_step: The step of the best score's validation (None: unrecorded, or no best).
+    :ivar last_step: The step of the last validation the recording holds (None: unrecorded).
+    :ivar per_step: Whether some epoch was validated more than once (``val.every_n_steps``): the replay is then
+        told in steps.
     """
 
     stop_epoch: int | None
     best_epoch: int | None
     best_score: float | None
     last_epoch: int | None
+    stop_step: int | None = None
+    best_step: int | None = None
+    last_step: int | None = None
+    per_step: bool = False
 
 
-def replay_scores(scores: Iterable[tuple[int, float]], val: ValConfig) -> Replay:
-    """Run ``(epoch, score)`` pairs, in order, through best tracking and patience with ``val``'s settings.
+def replay_scores(scores: Iterable[tuple[int, float] | tuple[int, int | None, float]], val: ValConfig) -> Replay:
+    """Run ``(epoch, score)`` pairs or ``(epoch, step, score)`` triples (a validation each, at step boundaries
+    too: ``val.every_n_steps``), in order, through best tracking and patience with ``val``'s settings.
 
     Pure: the same transitions the trainer makes after each validation.
 
-    :param scores: Validated epochs and their scores, in order.
+    :param scores: The validations' epochs (and steps) and their scores, in order.
     :param val: The settings: ``minimize``, ``patience``, ``start_patience``, ``min_delta``.
     :returns: Where the run would have stopped and its best epoch by then.
 
     >>> val = ValConfig(minimize=True, patience=2)
-    >>> replay_scores([(0, 3.0), (1, 2.0), (2, 2.5), (3, 2.4), (4, 1.0)], val)
-    Replay(stop_epoch=3, best_epoch=1, best_score=2.0, last_epoch=4)
+    >>> r = replay_scores([(0, 3.0), (1, 2.0), (2, 2.5), (3, 2.4), (4, 1.0)], val)
+    >>> r.stop_epoch, r.best_epoch, r.best_score, r.last_epoch
+    (3, 1, 2.0, 4)
     >>> replay_scores([(0, 3.0), (1, 2.0)], ValConfig(minimize=True, patience=5)).stop_epoch is None
     True
+    >>> r = replay_scores([(0, 50, 3.0), (0, 100, 2.0), (0, 150, 2.5), (0, 200, 2.6)], val)
+    >>> (r.stop_step, r.best_step, r.per_step)
+    (200, 100, True)
     """
     best = BestState(minimize=val.minimize, min_delta=val.min_delta)
     patience = PatienceState(patience=val.patience, start_patience=val.start_patience)
-    stop_epoch = None
-    last_epoch = None
-    for epoch, score in scores:
-        last_epoch = epoch
+    stop_epoch = stop_step = best_step = last_epoch = last_step = None
+    epochs_seen: set[int] = set()
+    per_step = False
+    for point in scores:
+        epoch, step, score = point if len(point) == 3 else (point[0], None, point[1])  # type: ignore[misc]
+        per_step = per_step or epoch in epochs_seen
+        epochs_seen.add(epoch)
+        last_epoch, last_step = epoch, step
         if stop_epoch is not None:
             continue
         best, improved = save_if_best(best, score, epoch=epoch)
+        best_step = step if improved else best_step
         patience, stop = step_patience(patience, improved, epoch=epoch)
         if stop:
-            stop_epoch = epoch
-    return Replay(stop_epoch=stop_epoch, best_epoch=best.epoch, best_score=best.score, last_epoch=last_epoch)
+            stop_epoch, stop_step = epoch, step
+    return Replay(
+        stop_epoch=stop_epoch, best_epoch=best.epoch, best_score=best.score, last_epoch=last_epoch,
+        stop_step=stop_step, best_step=best_step, last_step=last_step, per_step=per_step,
+    )  # fmt: skip
+
+
+def validation_points(rows: Sequence[Mapping[str, Any]], metric: str) -> list[tuple[int, int | None, float]]:
+    """The ``(epoch, step, score)`` of every validation that logged ``metric``: one per ``(epoch, step)`` (the
+    last value pushed there), in the journal's order; several in an epoch when it validated every N steps.
+
+    Pure.
+
+    :param rows: The rows of ``metrics.jsonl``.
+    :param metric: The score's key, e.g. ``"val/loss"``.
+    :returns: The triples (the step None when a row has no ``trainer/step``).
+
+    >>> validation_points([{"trainer/epoch": 0, "trainer/step": 50, "val/loss": 2.0},
+    ...                    {"trainer/epoch": 0, "trainer/step": 100, "val/loss": 1.5}], "val/loss")
+    [(0, 50, 2.0), (0, 100, 1.5)]
+    """
+    points: dict[tuple[int, int | None], float] = {}
+    for row in rows:
+        value, epoch, step = row.get(metric), row.get("trainer/epoch"), row.get("trainer/step")
+        if is_real(value) and isinstance(epoch, int) and not isinstance(epoch, bool):
+            step = step if isinstance(step, int) and not isinstance(step, bool) else None
+            points.pop((epoch, step), None)  # a later push at the same point replaces it, in its own place
+            points[(epoch, step)] = float(value)
+    return sorted(((e, s, v) for (e, s), v in points.items()), key=lambda p: (p[0], -1 if p[1] is None else p[1]))
 
 
 def validation_scores(rows: Sequence[Mapping[str, Any]], metric: str) -> list[tuple[int, float]]:
     """The ``(epoch, score)`` of every row that logged ``metric``, the last value per epoch, in epoch order.
 
-    Pure.
+    Pure. A run that validated every N steps has several per epoch: :func:`validation_points` gives them all.
 
     :param rows: The rows of ``metrics.jsonl``.
     :param metric: The score's key, e.g. ``"val/loss"``.
@@ -104,13 +151,7 @@ def validation_scores(rows: Sequence[Mapping[str, Any]], metric: str) -> list[tu
     ...                    {"trainer/epoch": 1, "val/loss": 1.5}], "val/loss")
     [(0, 2.0), (1, 1.5)]
     """
-    by_epoch: dict[int, float] = {}
-    for row in rows:
-        value = row.get(metric)
-        epoch = row.get("trainer/epoch")
-        if is_real(value) and isinstance(epoch, int):
-            by_epoch[epoch] = float(value)
-    return sorted(by_epoch.items())
+    return sorted({epoch: score for epoch, _, score in validation_points(rows, metric)}.items())
 
 
 def replay_run(out_dir: str | Path, overrides: Sequence[str] = (), metric: str = "val/loss") -> tuple[Replay, Replay]:
@@ -127,7 +168,7 @@ def replay_run(out_dir: str | Path, overrides: Sequence[str] = (), metric: str =
     :raises ConfigError: On an unknown key or a bad value.
     :raises ValueError: When no row logged ``metric``.
     """
-    scores = validation_scores(read_metrics(out_dir), metric)
+    scores = validation_points(read_metrics(out_dir), metric)
     if not scores:
         raise ValueError(f"{Path(out_dir) / 'metrics.jsonl'} holds no {metric!r} values; pick the score with --metric")
     minimize = any(word in metric.lower() for word in ("loss", "error", "err", "perplexity", "mse", "mae"))
@@ -161,6 +202,19 @@ def format_replay(recorded: Replay, replayed: Replay, val_words: Sequence[str], 
         return "none" if value is None or not math.isfinite(value) else f"{value:.6g}"
 
     settings = " ".join(val_words) or "the defaults (no early stopping)"
+    if recorded.per_step:  # validations at step boundaries (val.every_n_steps): told in steps
+        if replayed.stop_step is not None:
+            stop = f"would have stopped at the validation of step {replayed.stop_step} (epoch {replayed.stop_epoch})"
+        else:
+            stop = f"would have continued past step {recorded.last_step} (the recording is too short to tell)"
+        return [
+            f"metric:       {metric}",
+            f"recorded:     validated up to step {recorded.last_step} (epoch {recorded.last_epoch}); best at step "
+            f"{recorded.best_step} ({score(recorded.best_score)})",
+            f"with {settings}:",
+            f"  {stop}",
+            f"  best at step {replayed.best_step} ({score(replayed.best_score)})",
+        ]
     if replayed.stop_epoch is not None:
         stop = f"would have stopped after epoch {replayed.stop_epoch}"
     else:

@@ -74,7 +74,7 @@ class StatefulBatches(TrackedBatches):
     (``resume.loader_state``) before its iterator is made; the RNG states are put back around that as for a tracked
     ``DataLoader``: the iterator-time states (and the loader's own generators') before it is made, so it draws what the
     interrupted one drew, and the save point's states after (the loader's own generators' too). Nothing is skipped:
-    ``skip`` only says how many batches the saved state had consumed, so :attr:`consumed` counts the whole epoch.
+    ``skip`` only says how many batches the saved state had consumed, so ``consumed`` counts the whole epoch.
 
     :param loader: An iterable that :func:`carries_own_position`.
     :param epoch: The 0-based epoch.
