@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from trainkit import checkpoint
+from trainkit.files.durable import finish_freeing
 
 __all__ = ["AsyncCheckpointWriter", "SyncCheckpointWriter", "StagingBuffers", "write_in_order"]
 
@@ -136,7 +137,8 @@ class SyncCheckpointWriter:
         self.last_seconds = write_in_order(writes, before=before, after=after)
 
     def wait(self) -> None:
-        """Nothing is in flight."""
+        """Nothing is in flight but the freeing of a replaced ``.prev`` file: waited for."""
+        finish_freeing()
 
 
 class AsyncCheckpointWriter:
@@ -191,6 +193,7 @@ class AsyncCheckpointWriter:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        finish_freeing()
         if self._error is not None:
             error, self._error = self._error, None
             raise error

@@ -4,7 +4,9 @@ Side effects: file writes in the checkpoint's folder. A save writes into a temp 
 exclusively, never through a link), fsyncs it, keeps the file it replaces as ``.prev`` (a hard link made under a
 temp name and renamed into place) and renames itself over the destination, then fsyncs the folder: a reader sees
 the old file or the new one, never a torn one. Work that must be durable before the file is published (the metrics
-journal's ``fsync``) can run beside the write, in a thread of its own, and is waited for before the rename.
+journal's ``fsync``) can run beside the write, in a thread of its own, and is waited for before the rename. The
+``.prev`` file a save replaces is freed (its blocks given back, milliseconds for a large file) in a thread of its
+own too, after the rename: :func:`finish_freeing` waits for it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ __all__ = [
     "payload_nbytes",
     "warn_if_low_on_space",
     "remove_stale_temp_files",
+    "finish_freeing",
 ]
 
 TEMP_SUFFIX = ".tmp"
@@ -224,7 +227,10 @@ def _link_previous(path: str, names: _SaveNames) -> None:
     """Point ``previous_path(path)`` at the current ``path`` atomically; both stay loadable throughout.
 
     The link is made under a temp name and renamed over the old previous file: unlinking it first would
-    leave no previous file at all if the process were killed in between.
+    leave no previous file at all if the process were killed in between. The old previous file is given a
+    second name (a temp name) before that rename, so the rename frees nothing; the freeing of its blocks,
+    which takes milliseconds for a large file, is left to a thread (:func:`_free_in_background`). A kill
+    before it is done leaves that temp name, which :func:`remove_stale_temp_files` removes.
     """
     while True:
         link_tmp = _temp_name(names.previous_temp_prefix)
@@ -243,7 +249,54 @@ def _link_previous(path: str, names: _SaveNames) -> None:
                 break
             except FileExistsError:
                 continue
+    retired = _second_name(names)
     os.replace(link_tmp, names.previous)
+    if retired is not None:
+        _free_in_background(retired)
+
+
+def _second_name(names: _SaveNames) -> str | None:
+    """Give the current previous file a temp name of its own (a hard link), or None: none, or no hard links."""
+    while True:
+        retired = _temp_name(names.previous_temp_prefix)
+        try:
+            os.link(names.previous, retired, follow_symlinks=False)
+            return retired
+        except FileExistsError:
+            continue
+        except OSError:  # no previous file yet, or no hard links here: the rename frees it, as before
+            return None
+
+
+_FREEING_LOCK = threading.Lock()
+_freeing: threading.Thread | None = None
+
+
+def _free_in_background(path: str) -> None:
+    """Unlink ``path`` (the last name of a retired file) in a thread; one at a time, so they never pile up."""
+    global _freeing
+    with _FREEING_LOCK:
+        if _freeing is not None:
+            _freeing.join()
+        _freeing = threading.Thread(target=_unlink_quietly, args=(path,), name="trainkit-free-previous", daemon=True)
+        _freeing.start()
+
+
+def _unlink_quietly(path: str) -> None:
+    with suppress(OSError):
+        os.unlink(path)
+
+
+def finish_freeing() -> None:
+    """Wait until the previous files replaced by saves so far are freed (their temp names gone).
+
+    Side effects: joins the freeing thread, if one runs. The checkpoint writers call it when they wait.
+    """
+    global _freeing
+    with _FREEING_LOCK:
+        if _freeing is not None:
+            _freeing.join()
+            _freeing = None
 
 
 _NO_HARD_LINKS = frozenset(
