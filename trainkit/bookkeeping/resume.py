@@ -126,7 +126,10 @@ def _resume_line(
             if saved.in_epoch:
                 return f"at step {saved.step}, inside epoch {saved.epoch}, of {budget}"
             return f"at epoch {saved.epoch} of {epochs}" if max_steps is None else f"at epoch {saved.epoch} of {budget}"
-        final = "validating and finishing" if not saved.last_validated or saved.in_epoch else "finishing"
+        if saved.in_epoch:
+            final = f"validating at step {saved.step} and finishing"
+        else:
+            final = f"validating epoch {saved.epoch - 1} and finishing" if not saved.last_validated else "finishing"
         return f"{where}, {budget} is already reached: {final}"
     ran = f"{saved.step} steps" if saved.stop_reason == STOP_MAX_STEPS else f"{saved.epoch} epochs"
     if saved.stop_reason in (STOP_MAX_EPOCHS, STOP_MAX_STEPS):
