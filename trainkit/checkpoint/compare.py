@@ -166,7 +166,10 @@ def comparable_sections(payload: Mapping[str, Any]) -> dict[str, Any]:
     {'best weights': {'w': 1}, 'records': {'best': {'score': 0.5}, 'epoch': 2}}
     """
     if "loop" not in payload:
-        return {"best weights": payload.get("model"), "records": {"best": payload.get("best"), "epoch": payload.get("epoch")}}
+        return {
+            "best weights": payload.get("model"),
+            "records": {"best": payload.get("best"), "epoch": payload.get("epoch")},
+        }
     sections = {name: payload[name] for name in payload.get("items", ())}
     sections["rng"] = payload.get("rng")
     sections["position"] = payload.get("trainkit")

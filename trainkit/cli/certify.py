@@ -27,7 +27,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,9 @@ DEFAULT_MAX_STEPS = 12
 
 DEFAULT_EPOCHS = 2
 """The budget of a run measured in epochs, unless ``--epochs`` says otherwise."""
+
+_ENGINE = "trainkit.pt"
+"""The engine's own file inside a sharded checkpoint directory (:data:`trainkit.checkpoint.dcp.ENGINE_FILE`)."""
 
 _MARKER = ".trainkit-certify"
 """The file that marks a folder as certify's work folder (the only kind it clears and writes)."""
@@ -207,8 +210,9 @@ def likely_causes(
     :param resumed_mid_epoch: Whether the resume before the first diverging checkpoint was inside an epoch.
     :returns: The causes.
 
-    >>> [c.key for c in likely_causes([("sched", "LR scheduler")], [], straight_runs_agree=None, resumed_mid_epoch=True)]
-    ['unregistered']
+    >>> found = likely_causes([("sched", "LR scheduler")], [], straight_runs_agree=None, resumed_mid_epoch=True)
+    >>> [(cause.key, cause.found) for cause in found]
+    [('unregistered', ('sched (LR scheduler)',))]
     >>> likely_causes([], [], straight_runs_agree=True, resumed_mid_epoch=True)[0].key
     'local_state'
     """
@@ -334,11 +338,12 @@ class CertifyReport:
 
 
 def _budget_words(cfg: Any, max_steps: int | None, epochs: int | None) -> list[str]:
-    """The overrides that give both runs their small budget (the config's own, capped, unless one is given)."""
+    """The overrides that give both runs their small budget: the ones given; else (``cfg`` given) the config's own,
+    capped."""
     for option, value in (("--max-steps", max_steps), ("--epochs", epochs)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ConfigError(option, "must be an integer >= 1", value)
-    if max_steps is not None or epochs is not None:
+    if max_steps is not None or epochs is not None or cfg is None:
         return [f"{key}={value}" for key, value in (("max_steps", max_steps), ("epochs", epochs)) if value is not None]
     if cfg.max_steps is not None:
         return [f"max_steps={min(cfg.max_steps, DEFAULT_MAX_STEPS)}"]
@@ -470,7 +475,9 @@ def _run_to_the_end(runs: _Runs, out_dir: Path, label: str, plan: Sequence[Inter
                 raise CertifyError(f"the {label} run finished before its {interruption.signal} at step "
                                    f"{interruption.step}")  # fmt: skip
             return resumes
-        resumes.append((fired["step"], int(load_checkpoint(out_dir / "last.pt")["step"])))
+        last = _final(out_dir, "last")
+        resumed = 0 if last is None else int(load_checkpoint(last if last.is_file() else last / _ENGINE)["step"])
+        resumes.append((fired["step"], resumed))
     raise CertifyError(f"the {label} run did not finish after {len(plan) + 1} attempts")  # pragma: no cover
 
 
@@ -614,8 +621,15 @@ def certify(
     if not timeout_s > 0:
         raise ConfigError("--timeout-s", "must be > 0", timeout_s)
     trainer_class, config = _resolve(target, config_class)
-    user_cfg = config_from_argv(config, list(words))
-    budget = _budget_words(user_cfg, max_steps, epochs)
+    given = _budget_words(None, max_steps, epochs)
+    try:
+        user_cfg = config_from_argv(config, [*words, *given])
+    except ConfigError:
+        if given:
+            raise
+        # a config with no budget of its own (a script sets it in code): certify's default; other errors raise again
+        user_cfg = config_from_argv(config, list(words), defaults={"max_steps": DEFAULT_MAX_STEPS})
+    budget = given or _budget_words(user_cfg, None, None)
     cfg = config_from_argv(config, [*words, *budget, *_RUN_WORDS])
     folder = _work_folder(work_dir, user_cfg.out_dir)
     base = {
@@ -632,11 +646,18 @@ def certify(
         _run_to_the_end(runs, straight, "straight", ())
         from trainkit.checkpoint import load_checkpoint
 
-        total = int(load_checkpoint(straight / "last.pt")["step"])
+        last = _final(straight, "last")
+        total = int(load_checkpoint(last if last.is_file() else last / _ENGINE)["step"])
         plan = plan_interruptions(total, kill_at=kill_at, term_at=term_at, seed=seed)
         resumes = _run_to_the_end(runs, interrupted, "interrupted", plan)
         divergence, compared, rows = compare_runs(straight, interrupted)
         causes, notes = _diagnose(runs, folder, divergence, resumes)
+    kept = len(_kept(straight))
+    if kept < total:
+        notes += (
+            f"step checkpoints at {kept} of {total} step boundaries: this trainer's loop resumes at epoch ends only "
+            "(iterate the epoch's DataLoader through self.progress() for step-exact resume; docs: Step checkpoints)",
+        )
     report = CertifyReport(
         passed=divergence is None, trainer=target, budget=", ".join(budget), world_size=world_size,
         total_steps=total, interruptions=plan, resumes=tuple(resumes), straight_dir=str(straight),
@@ -739,4 +760,3 @@ def _steps(text: str | None, option: str) -> list[int]:
         return [int(word) for word in text.split(",") if word.strip()]
     except ValueError:
         raise ConfigError(option, "must be comma-separated step numbers, e.g. 3,7", text) from None
-

@@ -31,6 +31,7 @@ __all__ = [
     "run_rank",
 ]
 
+
 def load_object(spec: str, what: str = "trainer class") -> Any:
     """Import ``MODULE:NAME`` (``NAME`` may be dotted) and return the object.
 

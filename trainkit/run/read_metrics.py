@@ -16,7 +16,14 @@ from typing import Any
 from trainkit.files.bounded_read import UnreadableFile, load_json, open_regular
 from trainkit.messages import warn_user
 
-__all__ = ["METRICS_FILE", "WALL_CLOCK_PREFIXES", "WALL_CLOCK_NAMES", "is_wall_clock", "read_metrics", "without_wall_clock"]
+__all__ = [
+    "METRICS_FILE",
+    "WALL_CLOCK_PREFIXES",
+    "WALL_CLOCK_NAMES",
+    "is_wall_clock",
+    "read_metrics",
+    "without_wall_clock",
+]
 
 METRICS_FILE = "metrics.jsonl"
 
