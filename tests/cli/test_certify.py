@@ -74,6 +74,7 @@ def test_the_gpt_example_passes(tmp_path, examples_path):
     assert report.rows_compared >= 4
 
 
+@pytest.mark.ddp
 def test_a_clean_trainer_passes_on_two_gloo_ranks(tmp_path):
     """On 2 processes (a gloo group) the interrupted run, stopped by SIGTERM and SIGKILL, matches the straight one."""
     report = certify(f"{HELPERS}:CleanTrainer", ["epochs=1"], world_size=2, term_at=[4], kill_at=[9], work_dir=tmp_path)

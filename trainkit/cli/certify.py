@@ -316,10 +316,15 @@ class CertifyReport:
             f"certify {self.trainer}: {verdict}",
             f"  budget:      {self.budget}: {self.total_steps} optimizer steps, {self.world_size} process(es)",
             f"  interrupted: {stops}",
-            f"  compared:    {self.checkpoints_compared} step checkpoints, last and best, {self.rows_compared} "
-            "metrics.jsonl rows (wall-clock keys left out: perf/*, time, timestamp)",
         ]
         found = self.divergence
+        if found is None or found.where == "metrics.jsonl":
+            lines.append(
+                f"  compared:    {self.checkpoints_compared} step checkpoints, last and best, {self.rows_compared} "
+                "metrics.jsonl rows (wall-clock keys left out: perf/*, time, timestamp)"
+            )
+        else:
+            lines.append(f"  compared:    {self.checkpoints_compared} step checkpoints, up to the first that differs")
         if found is not None:
             at = f" (step {found.step})" if found.step is not None else ""
             lines.append(f"  first diverging checkpoint: {found.where}{at}")
