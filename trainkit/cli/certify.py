@@ -37,11 +37,18 @@ from trainkit.errors import ConfigError, TrainkitError, UsageError
 
 __all__ = [
     "CAUSES",
+    "DEFAULT_EPOCHS",
+    "DEFAULT_MAX_STEPS",
+    "EXIT_SIGTERM",
     "Cause",
     "CertifyError",
     "CertifyReport",
+    "Divergence",
     "Interruption",
+    "add_certify_parser",
     "certify",
+    "certify_main",
+    "compare_runs",
     "likely_causes",
     "plan_interruptions",
 ]
@@ -53,7 +60,7 @@ DEFAULT_EPOCHS = 2
 """The budget of a run measured in epochs, unless ``--epochs`` says otherwise."""
 
 _ENGINE = "trainkit.pt"
-"""The engine's own file inside a sharded checkpoint directory (:data:`trainkit.checkpoint.dcp.ENGINE_FILE`)."""
+"""The engine's own file inside a sharded checkpoint directory (``trainkit.checkpoint.dcp.ENGINE_FILE``)."""
 
 _MARKER = ".trainkit-certify"
 """The file that marks a folder as certify's work folder (the only kind it clears and writes)."""
@@ -726,7 +733,10 @@ def add_certify_parser(commands: Any) -> None:
         "does not exist yet and is not checked.",
     )
     parser.add_argument("trainer", help="the trainer class, MODULE:Class (its folder on PYTHONPATH)")
-    parser.add_argument("words", nargs="*", help="config files (*.yaml) and dotted.key=value overrides")
+    parser.add_argument(
+        "words", nargs="*", help="config files (*.yaml) and dotted.key=value overrides (options go before the trainer "
+        "or after these words)",
+    )  # fmt: skip
     parser.add_argument("--config-class", help="MODULE:Class of the config (default: the trainer's config_class)")
     parser.add_argument("--max-steps", type=int, help=f"budget in optimizer steps (default: the config's, at most "
                         f"{DEFAULT_MAX_STEPS})")  # fmt: skip

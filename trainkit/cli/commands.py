@@ -4,7 +4,7 @@ Each command is a function of the parsed arguments that returns the lines to pri
 the errors it may raise on bad input are listed beside it, and :func:`main` turns any of them into one
 ``error: ...`` line on stderr and exit status 2. The commands themselves live in a module each
 (:mod:`~trainkit.cli.report`, :mod:`~trainkit.cli.inspect`, :mod:`~trainkit.cli.export`, :mod:`~trainkit.cli.retain`,
-:mod:`~trainkit.cli.replay`), imported when their command runs.
+:mod:`~trainkit.cli.replay`, :mod:`~trainkit.cli.certify`), imported when their command runs.
 
 Side effects: those of the command run.
 """
