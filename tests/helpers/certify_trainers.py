@@ -86,6 +86,26 @@ class OwnRandom(CleanTrainer):
         return super().loss(x + self.noise.gauss(0.0, 0.1), y, index)
 
 
+_AUGMENT = random.Random(0)
+"""A module-level generator: no scan of the trainer's attributes reaches it, nor does any checkpoint."""
+
+
+class NoisyData(TensorDataset):
+    """A dataset that adds noise from :data:`_AUGMENT` to each sample it hands out."""
+
+    def __getitem__(self, index):
+        x, y = super().__getitem__(index)
+        return x + _AUGMENT.gauss(0.0, 0.1), y
+
+
+class HiddenRandom(CleanTrainer):
+    """Planted: augmentation drawn from a module-level ``random.Random`` in the dataset's ``__getitem__``."""
+
+    def setup(self, ckpt):
+        super().setup(ckpt)
+        self.loader = DataLoader(NoisyData(*self.data.tensors), batch_size=8, sampler=self.sampler)
+
+
 class LoaderOutsideProgress(CleanTrainer):
     """Planted: a second shuffled loader zipped with the epoch's, iterated without ``progress()``."""
 

@@ -204,17 +204,22 @@ def likely_causes(
     *,
     straight_runs_agree: bool | None,
     resumed_mid_epoch: bool,
+    batches_after_resume: str | None = None,
 ) -> tuple[Cause, ...]:
     """Name the likely causes of a divergence, most certain first.
 
     Pure. What the attempts found comes first (unregistered objects, generators of their own, loaders outside
-    ``progress()``); then two straight runs that differ name a non-deterministic op; then a divergence right after a
-    resume inside an epoch names state held in a local variable; else ``unknown``.
+    ``progress()``); then two straight runs that differ name a non-deterministic op; then training batches that
+    differ right after a resume name randomness from a generator trainkit does not capture (one no attribute scan
+    reaches: a module's global ``random.Random``, say); then a divergence right after a resume inside an epoch names
+    state held in a local variable; else ``unknown``.
 
     :param unregistered: ``(attribute, kind)`` pairs from :func:`trainkit.cli.certify_child.unregistered_objects`.
     :param loaders_outside: Names of loaders iterated in ``train_epoch()`` without ``progress()``.
     :param straight_runs_agree: Whether a second straight run matched the first (None: not run).
     :param resumed_mid_epoch: Whether the resume before the first diverging checkpoint was inside an epoch.
+    :param batches_after_resume: How the batches a resumed attempt trained on first differ from the straight
+        run's (None: they do not).
     :returns: The causes.
 
     >>> found = likely_causes([("sched", "LR scheduler")], [], straight_runs_agree=None, resumed_mid_epoch=True)
@@ -234,6 +239,8 @@ def likely_causes(
         causes.append(Cause(key="loader_outside_progress", found=loaders_outside))
     if straight_runs_agree is False:
         causes.append(Cause(key="nondeterministic"))
+    elif not causes and batches_after_resume is not None:  # data drawn from a generator no scan could reach
+        causes.append(Cause(key="uncaptured_rng", found=[batches_after_resume]))
     if not causes and resumed_mid_epoch:
         causes.append(Cause(key="local_state"))
     return tuple(causes) or (Cause(key="unknown"),)
@@ -413,6 +420,7 @@ class _Runs:
         self.attempts += 1
         stem = self.folder / "logs" / f"{self.attempts:02d}-{label}"
         paths = {name: f"{stem}.{name}.json" for name in ("findings", "fired", "done")}
+        paths["batches"] = f"{stem}.batches.jsonl"
         env = {**self.base["env"], "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         config = {**self.base["config"], "out_dir": str(out_dir)}
         interrupt = None if interruption is None else {"how": interruption.how, "step": interruption.step}
@@ -707,8 +715,30 @@ def _diagnose(
         agree = compare_runs(folder / "straight", again)[0] is None
     before = [resumed for _, resumed in resumes if divergence.step is None or resumed < divergence.step]
     mid_epoch = bool(before) and _mid_epoch(folder / "interrupted", before[-1])
-    causes = likely_causes(unregistered, loaders, straight_runs_agree=agree, resumed_mid_epoch=mid_epoch)
+    causes = likely_causes(
+        unregistered, loaders, straight_runs_agree=agree, resumed_mid_epoch=mid_epoch,
+        batches_after_resume=_batches_after_resume(folder / "logs"),
+    )  # fmt: skip
     return causes, ()
+
+
+def _batches_after_resume(logs: Path) -> str | None:
+    """How the first training batch of a resumed attempt differs from the straight run's batch at the same epoch and
+    index, for the first resumed attempt where it does; None when every resume saw the straight run's batches."""
+    straight: dict[tuple[int, int], str] = {}
+    for path in logs.glob("*-straight.batches.jsonl"):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            straight[row["epoch"], row["index"]] = row["digest"]
+    for path in sorted(logs.glob("*-interrupted.batches.jsonl"))[1:]:  # the first attempt resumed nothing
+        lines = path.read_text().splitlines()
+        first = json.loads(lines[0]) if lines else None
+        if first is not None and straight.get((first["epoch"], first["index"])) != first["digest"]:
+            return (
+                f"the first batch after a resume (epoch {first['epoch']}, batch {first['index']}) differs from the "
+                "straight run's"
+            )
+    return None
 
 
 def _mid_epoch(out_dir: Path, step: int) -> bool:

@@ -14,6 +14,7 @@ signal this process sends itself.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import os
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "batch_digest",
     "load_object",
     "rng_kind",
     "unregistered_objects",
@@ -161,12 +163,14 @@ def _engine_owned(value: Any) -> bool:
 
 
 class _LoaderWatch:
-    """Notes the ``DataLoader`` objects iterated while ``train_epoch()`` runs, and those handed to ``progress()``."""
+    """Notes the ``DataLoader`` objects iterated while ``train_epoch()`` runs, those handed to ``progress()``, and
+    (rank 0) a digest of every batch ``progress()`` yields in ``train_epoch()``, by epoch and index in the epoch."""
 
-    def __init__(self) -> None:
+    def __init__(self, batches: Path | None) -> None:
         self.in_train = False
         self.iterated: dict[int, Any] = {}
         self.handed: set[int] = set()
+        self.batches = batches
 
     def outside(self, attributes: Mapping[str, Any]) -> list[str]:
         names = {id(value): name for name, value in attributes.items()}
@@ -175,6 +179,64 @@ class _LoaderWatch:
             for key, loader in self.iterated.items()
             if key not in self.handed
         ]
+
+    def record(self, epoch: int, index: int, batch: Any) -> None:
+        if self.batches is not None and self.in_train:
+            with self.batches.open("a") as log:
+                log.write(json.dumps({"epoch": epoch, "index": index, "digest": batch_digest(batch)}) + "\n")
+
+
+def batch_digest(batch: Any) -> str:
+    """A digest of a batch's content: every tensor's dtype, shape and bytes, and the ``repr`` of anything else.
+
+    Pure.
+
+    :param batch: A batch as a loader yields it (tensors in tuples, lists and dicts; numbers; strings).
+    :returns: A hex SHA-256 digest, equal for equal batches.
+
+    >>> import torch
+    >>> batch_digest((torch.ones(2), 3)) == batch_digest((torch.ones(2), 3)) != batch_digest((torch.zeros(2), 3))
+    True
+    """
+    import torch
+
+    digest = hashlib.sha256()
+    stack = [batch]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            tensor = item.detach().cpu().contiguous()
+            digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(item, Mapping):
+            digest.update(repr(list(item)).encode())
+            stack.extend(reversed(list(item.values())))
+        elif isinstance(item, list | tuple):
+            digest.update(f"{type(item).__name__}{len(item)}".encode())
+            stack.extend(reversed(item))
+        else:
+            digest.update(repr(item).encode())
+    return digest.hexdigest()
+
+
+class _Recorded:
+    """What ``progress()`` returned, yielding the same batches and handing each to the watch first (``len()`` and the
+    wrapped object's attributes read through)."""
+
+    def __init__(self, inner: Any, trainer: Any, watch: _LoaderWatch) -> None:
+        self.inner, self.trainer, self.watch = inner, trainer, watch
+
+    def __iter__(self) -> Any:
+        epoch, first = self.trainer.epoch, self.trainer.first_batch
+        for offset, batch in enumerate(self.inner):
+            self.watch.record(epoch, first + offset, batch)
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def _watch_loaders(trainer: Any, watch: _LoaderWatch) -> None:
@@ -193,7 +255,8 @@ def _watch_loaders(trainer: Any, watch: _LoaderWatch) -> None:
 
     def watched_progress(iterable: Any, *args: Any, **kwargs: Any) -> Any:
         watch.handed.add(id(iterable))
-        return progress(iterable, *args, **kwargs)
+        shown = progress(iterable, *args, **kwargs)
+        return _Recorded(shown, trainer, watch) if watch.in_train and watch.batches is not None else shown
 
     def watched_iter(loader: Any) -> Any:
         if watch.in_train:
@@ -236,13 +299,14 @@ def run_rank(rank: int, spec: Mapping[str, Any]) -> None:
     """Run one rank of one certify attempt (the target of ``torch.multiprocessing.start_processes``).
 
     Side effects: trains in ``spec["config"]["out_dir"]``; writes ``spec["log"]`` (this rank's output),
-    ``spec["findings"]``, ``spec["fired"]`` before it sends itself the signal, and ``spec["done"]`` when the run
-    finished (rank 0).
+    ``spec["findings"]``, ``spec["batches"]`` (a digest of each training batch), ``spec["fired"]`` before it sends
+    itself the signal, and ``spec["done"]`` when the run finished (rank 0).
 
     :param rank: This process's rank.
     :param spec: Plain values: ``target`` and ``config_class`` (``MODULE:NAME``), ``config`` (a mapping),
-        ``world_size``, ``env`` (the caller's environment), ``threads``, ``log``, ``findings``, ``fired`` and ``done``
-        (paths, with ``{rank}`` in the log's) and ``interrupt`` (None, or ``{"how": "term" | "kill", "step": int}``).
+        ``world_size``, ``env`` (the caller's environment), ``threads``, ``log``, ``findings``, ``fired``, ``done``
+        and ``batches`` (paths, with ``{rank}`` in the log's), and ``interrupt`` (None, or
+        ``{"how": "term" | "kill", "step": int}``).
     :raises SystemExit: With ``128 + signal`` when the trainer stopped on a signal.
     """
     import torch
@@ -262,7 +326,7 @@ def run_rank(rank: int, spec: Mapping[str, Any]) -> None:
     findings: dict[str, Any] = {"unregistered": unregistered_objects(attributes, trainer.checkpoint_items.values())}
     if rank == 0:  # now: a SIGKILL later leaves what setup() built on record
         Path(spec["findings"]).write_text(json.dumps(findings))
-    watch = _LoaderWatch()
+    watch = _LoaderWatch(Path(spec["batches"]) if rank == 0 else None)
     _watch_loaders(trainer, watch)
     interrupt = spec["interrupt"]
     if interrupt is not None:
