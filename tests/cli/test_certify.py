@@ -36,14 +36,14 @@ def examples_path(monkeypatch):
 
 
 def test_the_readme_trainer_passes_and_certify_writes_only_its_own_folders(tmp_path, monkeypatch, capsys):
-    """The README's trainer PASSes from the command line (exit 0), the run time and both kept folders are printed,
-    ``--json`` holds the verdict, and the config's out_dir is never created."""
+    """The README's trainer PASSes from the command line (options among the config words; exit 0), the run time and
+    both kept folders are printed, ``--json`` holds the verdict, and the config's out_dir is never created."""
     block = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[0]
     (tmp_path / "readme_trainer.py").write_text(block)
     monkeypatch.syspath_prepend(str(tmp_path))
     user_out = tmp_path / "my-run"
     work, report = tmp_path / "certify", tmp_path / "report.json"
-    argv = ["certify", "readme_trainer:MyTrainer", f"out_dir={user_out}", "epochs=2", "--term-at", "5"]
+    argv = ["certify", "readme_trainer:MyTrainer", f"out_dir={user_out}", "--term-at", "5", "epochs=2"]
     status = main([*argv, "--kill-at", "11", "--work-dir", str(work), "--json", str(report)])
     out = capsys.readouterr().out
     assert status == 0, out

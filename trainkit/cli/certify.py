@@ -21,6 +21,7 @@ Side effects: runs the trainer in subprocesses, writes the work folder (kept for
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -749,6 +750,29 @@ def _mid_epoch(out_dir: Path, step: int) -> bool:
     return path is not None and read_comparable(path).get("position") is not None
 
 
+def _add_options(parser: argparse.ArgumentParser, default: Any = None) -> None:
+    """certify's options, on the command's parser (``default`` None: their defaults) or on the parser of the words
+    after the trainer (``argparse.SUPPRESS``: only those given)."""
+
+    def given(value: Any) -> Any:
+        return value if default is None else default
+
+    parser.add_argument("--config-class", default=given(None), help="MODULE:Class of the config (default: the "
+                        "trainer's config_class)")  # fmt: skip
+    parser.add_argument("--max-steps", type=int, default=given(None), help=f"budget in optimizer steps (default: "
+                        f"the config's, at most {DEFAULT_MAX_STEPS})")  # fmt: skip
+    parser.add_argument("--epochs", type=int, default=given(None), help=f"budget in epochs (default: the config's, "
+                        f"at most {DEFAULT_EPOCHS})")  # fmt: skip
+    parser.add_argument("--kill-at", default=given(None), help="steps at which to SIGKILL the run, e.g. 3,7")
+    parser.add_argument("--term-at", default=given(None), help="steps at which to send SIGTERM, e.g. 5")
+    parser.add_argument("--seed", type=int, default=given(0), help="seed of the steps drawn when none is given (0)")
+    parser.add_argument("--world-size", type=int, default=given(1), help="processes per run, a gloo group (1)")
+    parser.add_argument("--work-dir", default=given(None), help="the folder for both runs (default: a new "
+                        "temporary one); kept")  # fmt: skip
+    parser.add_argument("--timeout-s", type=float, default=given(600.0), help="bound on the whole check (600)")
+    parser.add_argument("--json", default=given(None), help="also write the report as JSON to this file")
+
+
 def add_certify_parser(commands: Any) -> None:
     """Add the ``certify`` command to ``python -m trainkit``'s subcommands.
 
@@ -763,31 +787,29 @@ def add_certify_parser(commands: Any) -> None:
         "does not exist yet and is not checked.",
     )
     parser.add_argument("trainer", help="the trainer class, MODULE:Class (its folder on PYTHONPATH)")
+    # everything after the trainer, options among the config words included: certify_main sorts them out
     parser.add_argument(
-        "words", nargs="*", help="config files (*.yaml) and dotted.key=value overrides (options go before the trainer "
-        "or after these words)",
+        "words", nargs=argparse.REMAINDER, help="config files (*.yaml) and dotted.key=value overrides, in any order "
+        "with the options",
     )  # fmt: skip
-    parser.add_argument("--config-class", help="MODULE:Class of the config (default: the trainer's config_class)")
-    parser.add_argument("--max-steps", type=int, help=f"budget in optimizer steps (default: the config's, at most "
-                        f"{DEFAULT_MAX_STEPS})")  # fmt: skip
-    parser.add_argument("--epochs", type=int, help=f"budget in epochs (default: the config's, at most "
-                        f"{DEFAULT_EPOCHS})")  # fmt: skip
-    parser.add_argument("--kill-at", help="steps at which to SIGKILL the run, e.g. 3,7")
-    parser.add_argument("--term-at", help="steps at which to send SIGTERM, e.g. 5")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the steps drawn when none is given (0)")
-    parser.add_argument("--world-size", type=int, default=1, help="processes per run, a gloo group (1)")
-    parser.add_argument("--work-dir", help="the folder for both runs (default: a new temporary one); kept")
-    parser.add_argument("--timeout-s", type=float, default=600.0, help="bound on the whole check (600)")
-    parser.add_argument("--json", help="also write the report as JSON to this file")
+    _add_options(parser)
 
 
-def certify_main(args: Any) -> int:
+def certify_main(args: argparse.Namespace) -> int:
     """Run ``python -m trainkit certify`` from parsed arguments: print the report, return the exit status.
+
+    The options given among the config words (after the trainer) are read there and win over those before it.
 
     :param args: The parsed arguments (``commands``' parser).
     :returns: 0 on PASS, 1 on a divergence.
     :raises ConfigError: On bad input.
+    :raises SystemExit: With status 2 for an unknown option after the trainer, as argparse does.
     """
+    after = argparse.ArgumentParser(prog="python -m trainkit certify TRAINER", add_help=False)
+    after.add_argument("words", nargs="*")
+    _add_options(after, default=argparse.SUPPRESS)
+    options = {**vars(args), **vars(after.parse_intermixed_args(args.words))}
+    args = argparse.Namespace(**options)
     report = certify(
         args.trainer, args.words, config_class=args.config_class, max_steps=args.max_steps, epochs=args.epochs,
         kill_at=_steps(args.kill_at, "--kill-at"), term_at=_steps(args.term_at, "--term-at"), seed=args.seed,
