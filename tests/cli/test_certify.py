@@ -7,16 +7,21 @@ one per planted defect, each caught at the right checkpoint with the right item 
 from __future__ import annotations
 
 import json
+import random
 import re
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils.data import DataLoader, RandomSampler
 
 import trainkit
 from tests.helpers import ROOT
 from trainkit.cli import main
 from trainkit.cli.certify import CertifyError, certify, plan_interruptions
+from trainkit.cli.certify_child import unregistered_objects
 from trainkit.errors import ConfigError
 
 HELPERS = "tests.helpers.certify_trainers"
@@ -156,3 +161,37 @@ def test_drawn_interruptions_are_distinct_steps_inside_the_run(total, seed):
     assert steps == sorted(set(steps)) and all(1 <= step < total for step in steps)
     assert {i.how for i in plan} == ({"term", "kill"} if total > 2 else {"term"})
     assert plan == plan_interruptions(total, seed=seed)
+
+
+def test_the_scan_finds_what_a_trainer_holds_unregistered_and_skips_what_is_covered():
+    """Optimizers in a list, a sampler's generator, a dataset's numpy generator and a random.Random are named; a
+    module inside a registered one and a module with nothing to train are not."""
+
+    class Dataset(torch.utils.data.Dataset):
+        def __init__(self):
+            self.rng = np.random.default_rng(0)
+
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, index):
+            return index
+
+    inner = torch.nn.Linear(2, 2)
+    model = torch.nn.Sequential(inner)
+    attributes = {
+        "model": model,
+        "inner": inner,
+        "frozen": torch.nn.Identity(),
+        "sampler": RandomSampler(range(4), generator=torch.Generator()),
+        "loader": DataLoader(Dataset(), batch_size=2),
+        "optimizers": [torch.optim.SGD(inner.parameters(), lr=0.1)],
+        "jitter": random.Random(1),
+    }
+    found = unregistered_objects(attributes, [model])
+    assert sorted(found) == [
+        ("jitter", "random.Random"),
+        ("loader.dataset.rng", "numpy.random.Generator"),
+        ("optimizers[0]", "optimizer"),
+        ("sampler.generator", "torch.Generator"),
+    ]

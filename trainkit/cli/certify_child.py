@@ -115,8 +115,10 @@ def _children(name: str, value: Any) -> Iterable[tuple[str, Any]]:
         found = [(f"{name}.generator", value.generator), (f"{name}.dataset", value.dataset)]
         return [*found, (f"{name}.sampler.generator", getattr(sampler, "generator", None))]
     own = getattr(value, "__dict__", None)
-    if own is None or type(value).__module__.startswith(("torch", "trainkit")):
+    if own is None:
         return ()
+    if type(value).__module__.startswith(("torch", "trainkit")):  # a sampler's generator, say; not torch's insides
+        return [(f"{name}.generator", own["generator"])] if "generator" in own else ()
     return ((f"{name}.{key}", item) for key, item in own.items())
 
 
@@ -124,7 +126,8 @@ def unregistered_objects(attributes: Mapping[str, Any], registered: Iterable[Any
     """Find the optimizers, LR schedulers, modules and random generators a trainer holds but never registered.
 
     Looks at each attribute, and one level inside it (a list's or dict's entries, a ``DataLoader``'s generator,
-    sampler generator and dataset, a plain object's own attributes, and a dataset's attributes below a loader). A
+    sampler generator and dataset, a torch object's ``generator``, a plain object's own attributes, and a dataset's
+    attributes below a loader). A
     module inside a registered module is covered by it; a module with no trainable parameter and no buffer is
     left out (nothing of it changes). trainkit's own parts are not looked into.
 
