@@ -125,6 +125,7 @@ def test_a_divergence_exits_1_and_bad_input_exits_2(tmp_path, capsys):
     argv = ["certify", f"{HELPERS}:LocalState", "epochs=1", "--term-at", "3", "--work-dir", str(tmp_path / "w")]
     assert main(argv) == 1
     assert "first diverging checkpoint: checkpoints/step-4.pt (step 4)" in capsys.readouterr().out
+    assert trainkit.certify is certify  # the same check from Python, on the package's face
     assert main(["certify", "no_such_module_here:Trainer"]) == 2
     assert "no_such_module_here" in capsys.readouterr().err
     assert (
