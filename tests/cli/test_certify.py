@@ -81,9 +81,12 @@ def test_the_gpt_example_passes(tmp_path, examples_path):
 
 @pytest.mark.ddp
 def test_a_clean_trainer_passes_on_two_gloo_ranks(tmp_path):
-    """On 2 processes (a gloo group) the interrupted run, stopped by SIGTERM and SIGKILL, matches the straight one."""
-    report = certify(f"{HELPERS}:CleanTrainer", ["epochs=1"], world_size=2, term_at=[4], kill_at=[9], work_dir=tmp_path)
+    """On 2 processes (a gloo group) the interrupted run, stopped by SIGTERM and SIGKILL, matches the straight one;
+    the loader its validations inside the epoch iterate is not taken for a training loader outside progress()."""
+    words = ["epochs=1", "val.every_n_steps=5"]  # validations inside the epoch, over a loader iterated directly
+    report = certify(f"{HELPERS}:CleanTrainer", words, world_size=2, term_at=[4], kill_at=[9], work_dir=tmp_path)
     assert report.passed, report.lines()
+    assert report.notes == ()
     assert report.world_size == 2 and report.checkpoints_compared == report.total_steps == 12
     assert report.resumes[0][1] >= 4  # on several ranks the signal is agreed on at the next step boundary
 

@@ -34,6 +34,7 @@ class CleanTrainer(trainkit.BaseTrainer):
         self.sampler = DistributedSampler(self.data, num_replicas=self.world_size, rank=self.rank, seed=self.cfg.seed)
         self.add_samplers(self.sampler)
         self.loader = DataLoader(self.data, batch_size=8 // self.world_size, sampler=self.sampler)
+        self.val_loader = DataLoader(self.data, batch_size=32)
         self.epoch_loss = trainkit.RunningMean()
         self.register()
 
@@ -61,9 +62,12 @@ class CleanTrainer(trainkit.BaseTrainer):
 
     def val_epoch(self):
         self.model.eval()
+        total, count = torch.zeros(()), 0
         with torch.no_grad():
-            x, y = self.data.tensors
-            loss = float(nn.functional.mse_loss(self.model(x), y))
+            for x, y in self.val_loader:  # a loader iterated directly: validation is not training
+                total += nn.functional.mse_loss(self.model(x), y, reduction="sum")
+                count += len(y)
+        loss = self.reduce_mean(total, count)
         self.log({"val/loss": loss})
         return self.step_patience(self.save_if_best(loss, {"val/loss": loss}))
 

@@ -243,11 +243,13 @@ class _Recorded:
 
 
 def _watch_loaders(trainer: Any, watch: _LoaderWatch) -> None:
-    """Wrap this trainer's ``train_epoch`` and ``progress`` (on the instance) and ``DataLoader.__iter__`` (in this
-    process) so that ``watch`` sees what the epoch iterates."""
+    """Wrap this trainer's ``train_epoch``, ``val_epoch`` and ``progress`` (on the instance) and
+    ``DataLoader.__iter__`` (in this process) so that ``watch`` sees what training iterates (a validation inside the
+    epoch is not training)."""
     from torch.utils.data import DataLoader
 
-    train_epoch, progress, iterate = trainer.train_epoch, trainer.progress, DataLoader.__iter__
+    train_epoch, val_epoch, progress = trainer.train_epoch, trainer.val_epoch, trainer.progress
+    iterate = DataLoader.__iter__
 
     def watched_train_epoch(*args: Any, **kwargs: Any) -> Any:
         watch.in_train = True
@@ -255,6 +257,13 @@ def _watch_loaders(trainer: Any, watch: _LoaderWatch) -> None:
             return train_epoch(*args, **kwargs)
         finally:
             watch.in_train = False
+
+    def watched_val_epoch(*args: Any, **kwargs: Any) -> Any:
+        training, watch.in_train = watch.in_train, False  # a validation inside the epoch (val.every_n_steps)
+        try:
+            return val_epoch(*args, **kwargs)
+        finally:
+            watch.in_train = training
 
     def watched_progress(iterable: Any, *args: Any, **kwargs: Any) -> Any:
         watch.handed.add(id(iterable))
@@ -266,7 +275,7 @@ def _watch_loaders(trainer: Any, watch: _LoaderWatch) -> None:
             watch.iterated.setdefault(id(loader), loader)
         return iterate(loader)
 
-    trainer.train_epoch, trainer.progress = watched_train_epoch, watched_progress
+    trainer.train_epoch, trainer.val_epoch, trainer.progress = watched_train_epoch, watched_val_epoch, watched_progress
     DataLoader.__iter__ = watched_iter
 
 
