@@ -750,7 +750,7 @@ def _mid_epoch(out_dir: Path, step: int) -> bool:
     return path is not None and read_comparable(path).get("position") is not None
 
 
-def _add_options(parser: argparse.ArgumentParser, default: Any = None) -> None:
+def _add_options(parser: Any, default: Any = None) -> None:
     """certify's options, on the command's parser (``default`` None: their defaults) or on the parser of the words
     after the trainer (``argparse.SUPPRESS``: only those given)."""
 
@@ -795,12 +795,12 @@ def add_certify_parser(commands: Any) -> None:
     _add_options(parser)
 
 
-def certify_main(args: argparse.Namespace) -> int:
+def certify_main(args: Any) -> int:
     """Run ``python -m trainkit certify`` from parsed arguments: print the report, return the exit status.
 
     The options given among the config words (after the trainer) are read there and win over those before it.
 
-    :param args: The parsed arguments (``commands``' parser).
+    :param args: The parsed arguments (an ``argparse.Namespace`` from the command's parser).
     :returns: 0 on PASS, 1 on a divergence.
     :raises ConfigError: On bad input.
     :raises SystemExit: With status 2 for an unknown option after the trainer, as argparse does.
