@@ -114,12 +114,15 @@ class DigitsTrainer(trainkit.BaseTrainer):
         # climbs back): an extended run would differ from the longer one.
         decay_steps = cfg.lr_decay_epochs * len(self.train_loader)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: cosine(step, decay_steps))
-        self.add_checkpoint_items(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        # the epoch's mean loss as a registered item, not a local sum: an epoch resumed in its middle (with
+        # ckpt.every_n_steps) still counts the batches trained before the checkpoint (python -m trainkit certify)
+        self.epoch_loss = trainkit.RunningMean()
+        self.add_checkpoint_items(
+            model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, epoch_loss=self.epoch_loss
+        )
 
     def train_epoch(self):
         self.model.train()
-        loss_sum = torch.zeros((), device=self.device)
-        count = 0
         for images, labels in self.progress(self.train_loader):
             images, labels = images.to(self.device), labels.to(self.device)
             loss = nn.functional.cross_entropy(self.model(images), labels)
@@ -129,9 +132,8 @@ class DigitsTrainer(trainkit.BaseTrainer):
             self.clip_and_log_grad_norm()
             self.optimizer.step()
             self.scheduler.step()
-            loss_sum += loss.detach() * len(labels)
-            count += len(labels)
-        self.log({"train/loss": self.reduce_mean(loss_sum, count)})
+            self.epoch_loss.add(loss.detach())
+        self.log({"train/loss": self.reduce_mean(self.epoch_loss.take(), 1)})  # the mean of the ranks' batch means
         self.log_epoch_grad_norm()
         self.log_lr()
 

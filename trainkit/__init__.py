@@ -53,6 +53,7 @@ from trainkit.errors import (
 )
 
 if TYPE_CHECKING:
+    from trainkit.cli.certify import certify
     from trainkit.distributed.launch import fork_server, launch, spawn
     from trainkit.loop.batches import SampleIndex
     from trainkit.loop.optim import RunningMean
@@ -70,6 +71,7 @@ _LAZY = {
     "sample_generator": "trainkit.state.rng",
     "sample_seed": "trainkit.state.rng",
     "SampleIndex": "trainkit.loop.batches",
+    "certify": "trainkit.cli.certify",
 }
 
 __all__ = [
@@ -81,6 +83,7 @@ __all__ = [
     "sample_generator",
     "sample_seed",
     "SampleIndex",
+    "certify",
     "Config",
     "ValConfig",
     "TestConfig",

@@ -561,7 +561,7 @@ class BaseTrainer(abc.ABC):
         """``val_epoch()``; ``inside`` an epoch's loop (a step validation): its verdict read, the modes put back."""
         self._validating = False
         self._position.validated(self.step)
-        kept = dist_utils.unwrap(self.model) if inside else None
+        kept = self.model if inside else None  # the DDP wrapper's own flag too: a resume restores it
         try:
             with self._metrics.outside_training("val"), self._position.validating(inside), modes_kept(kept):
                 verdict = self.val_epoch()

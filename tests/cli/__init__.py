@@ -1,1 +1,1 @@
-"""Tests of :mod:`trainkit.cli`: the ``python -m trainkit`` commands (replay)."""
+"""Tests of :mod:`trainkit.cli`: the ``python -m trainkit`` commands (replay, report, certify)."""

@@ -1,6 +1,7 @@
 """What the tests share, and no test of its own: trainers, config builders, file surgery, counters and readers.
 
 - :mod:`tests.helpers.trainers`: small real trainers (importable by spawned and forked processes);
+- :mod:`tests.helpers.certify_trainers`: a trainer whose resume is exact and one per defect ``certify`` names;
 - :mod:`tests.helpers.configs`: :func:`~tests.helpers.configs.make_cfg`, the quiet config every test starts from;
 - :mod:`tests.helpers.checkpoint_files`: real checkpoint files, rewritten or damaged on purpose;
 - :mod:`tests.helpers.host_syncs`: counting the tensor methods that wait for the device;

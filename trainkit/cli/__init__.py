@@ -3,7 +3,8 @@
 :func:`config_from_argv` builds a config from YAML files and dotted overrides (:mod:`~trainkit.cli.argv`);
 :func:`main` dispatches the commands (:mod:`~trainkit.cli.commands`): ``report`` (:mod:`~trainkit.cli.report`),
 ``inspect`` (:mod:`~trainkit.cli.inspect`), ``export`` (:mod:`~trainkit.cli.export`), ``retain``
-(:mod:`~trainkit.cli.retain`) and ``replay`` (:mod:`~trainkit.cli.replay`). Importing this loads no torch.
+(:mod:`~trainkit.cli.retain`), ``replay`` (:mod:`~trainkit.cli.replay`) and ``certify``
+(:mod:`~trainkit.cli.certify`). Importing this loads no torch.
 """
 
 from trainkit.cli.argv import config_from_argv, load_yaml

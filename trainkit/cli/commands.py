@@ -4,7 +4,7 @@ Each command is a function of the parsed arguments that returns the lines to pri
 the errors it may raise on bad input are listed beside it, and :func:`main` turns any of them into one
 ``error: ...`` line on stderr and exit status 2. The commands themselves live in a module each
 (:mod:`~trainkit.cli.report`, :mod:`~trainkit.cli.inspect`, :mod:`~trainkit.cli.export`, :mod:`~trainkit.cli.retain`,
-:mod:`~trainkit.cli.replay`), imported when their command runs.
+:mod:`~trainkit.cli.replay`, :mod:`~trainkit.cli.certify`), imported when their command runs.
 
 Side effects: those of the command run.
 """
@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from trainkit.errors import CheckpointError, ConfigError, OutDirError
+from trainkit.errors import CheckpointError, ConfigError, OutDirError, TrainkitError
 
 __all__ = ["main"]
 
@@ -57,12 +57,19 @@ def _replay(args: argparse.Namespace) -> list[str]:
     return replay.format_replay(recorded, replayed, args.settings, args.metric)
 
 
+def _certify(args: argparse.Namespace) -> int:
+    from trainkit.cli.certify import certify_main
+
+    return certify_main(args)
+
+
 _COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], list[str] | int], tuple[type[Exception], ...]]] = {
     "report": (_report, (ConfigError, FileNotFoundError, CheckpointError)),
     "inspect": (_inspect, (CheckpointError,)),
     "export": (_export, (CheckpointError,)),
     "retain": (_retain, (ConfigError, OutDirError)),
     "replay": (_replay, (ConfigError, ValueError, FileNotFoundError)),
+    "certify": (_certify, (TrainkitError,)),
 }
 """Each command's function, and the errors on bad input it reports as ``error: ...`` and exit status 2."""
 
@@ -106,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replay the recorded grad norms and losses through the divergence guard; settings are guard.* words",
     )
+    from trainkit.cli.certify import add_certify_parser
+
+    add_certify_parser(commands)
     return parser
 
 

@@ -16,9 +16,24 @@ from typing import Any
 from trainkit.files.bounded_read import UnreadableFile, load_json, open_regular
 from trainkit.messages import warn_user
 
-__all__ = ["METRICS_FILE", "read_metrics"]
+__all__ = [
+    "METRICS_FILE",
+    "WALL_CLOCK_PREFIXES",
+    "WALL_CLOCK_NAMES",
+    "is_wall_clock",
+    "read_metrics",
+    "without_wall_clock",
+]
 
 METRICS_FILE = "metrics.jsonl"
+
+WALL_CLOCK_PREFIXES = ("perf/",)
+"""Metric keys measured on the wall clock by nature: two runs of the same training never agree on them
+(``perf/samples_per_s``, ``perf/train_s``, ``perf/ckpt_s``, ``perf/mfu``, ...)."""
+
+WALL_CLOCK_NAMES = frozenset({"time", "timestamp", "_timestamp", "_runtime", "wall_time", "elapsed_s"})
+"""Last path segments of keys that hold a time of day or a duration (``_timestamp`` and ``_runtime`` are W&B's);
+trainkit's own rows hold none, but a trainer's ``log()`` may add one."""
 
 
 def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:
@@ -59,6 +74,35 @@ def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:
             f"{', ...' if len(damaged) > 5 else ''}), e.g. a row cut short by a crash"
         )
     return rows
+
+
+def is_wall_clock(key: str) -> bool:
+    """Tell whether a metric key is wall-clock by nature, so that two runs of the same training differ in it.
+
+    Pure. The rule: a key under :data:`WALL_CLOCK_PREFIXES`, or whose last ``/``-separated segment is one of
+    :data:`WALL_CLOCK_NAMES`.
+
+    :param key: A ``metrics.jsonl`` key.
+    :returns: Whether the key is excluded when runs are compared.
+
+    >>> is_wall_clock("perf/tokens_per_s"), is_wall_clock("train/loss"), is_wall_clock("eval/timestamp")
+    (True, False, True)
+    """
+    return key.startswith(WALL_CLOCK_PREFIXES) or key.rsplit("/", 1)[-1] in WALL_CLOCK_NAMES
+
+
+def without_wall_clock(row: dict[str, Any]) -> dict[str, Any]:
+    """Drop the wall-clock keys (:func:`is_wall_clock`) from a row, keeping the others in order.
+
+    Pure.
+
+    :param row: A ``metrics.jsonl`` row (or any mapping of metric names).
+    :returns: A new dict without them.
+
+    >>> without_wall_clock({"trainer/step": 3, "perf/train_s": 0.1, "train/loss": 0.5})
+    {'trainer/step': 3, 'train/loss': 0.5}
+    """
+    return {key: value for key, value in row.items() if not is_wall_clock(key)}
 
 
 def _out_of_range(value: Any) -> bool:

@@ -1,0 +1,829 @@
+"""``python -m trainkit certify MODULE:Trainer [config.yaml ...] [key=value ...]``: prove a trainer's resume exact.
+
+:func:`certify` runs the user's trainer on a small budget in certify's own temporary run folders, twice: straight
+through, and interrupted at step boundaries (``SIGTERM``, after which the engine saves at that boundary, and
+``SIGKILL`` of the process, after which the run redoes the steps since its last checkpoint), resumed each time with
+the same config until it finishes. It then compares the two runs bit for bit: every kept step checkpoint in step
+order (every registered item, the RNG states, the epoch position, the loop/best/patience records, the latest
+metrics: :mod:`trainkit.checkpoint.compare`), the final ``last`` and ``best`` checkpoints (the best weights), and
+``metrics.jsonl`` without the wall-clock keys (:func:`trainkit.run.read_metrics.is_wall_clock`). The report says
+PASS, or names the first checkpoint after which the runs diverge, the first item and tensor that differ, and the
+likely cause from :data:`CAUSES`, with its fix.
+
+Every attempt is a real process (``torch.multiprocessing.start_processes`` from a fork server that imported torch
+once), one per rank with ``world_size`` > 1 (a gloo group); the interruption is a global optimizer step post-hook in
+that process (:mod:`trainkit.cli.certify_child`): the user's code is run as it is. Resuming on another number of
+processes (elastic resume) does not exist yet, so certify does not try it.
+
+Side effects: runs the trainer in subprocesses, writes the work folder (kept for inspection, never the config's
+``out_dir``), and the ``--json`` report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from trainkit.errors import ConfigError, TrainkitError, UsageError
+
+__all__ = [
+    "CAUSES",
+    "DEFAULT_EPOCHS",
+    "DEFAULT_MAX_STEPS",
+    "EXIT_SIGTERM",
+    "Cause",
+    "CertifyError",
+    "CertifyReport",
+    "Divergence",
+    "Interruption",
+    "add_certify_parser",
+    "certify",
+    "certify_main",
+    "compare_runs",
+    "likely_causes",
+    "plan_interruptions",
+]
+
+DEFAULT_MAX_STEPS = 12
+"""The budget of a run measured in steps (or of a config with no budget), unless ``--max-steps`` says otherwise."""
+
+DEFAULT_EPOCHS = 2
+"""The budget of a run measured in epochs, unless ``--epochs`` says otherwise."""
+
+_ENGINE = "trainkit.pt"
+"""The engine's own file inside a sharded checkpoint directory (``trainkit.checkpoint.dcp.ENGINE_FILE``)."""
+
+_MARKER = ".trainkit-certify"
+"""The file that marks a folder as certify's work folder (the only kind it clears and writes)."""
+
+EXIT_SIGTERM = 143
+"""What an attempt stopped by ``SIGTERM`` exits with (``128 + 15``, as :func:`trainkit.launch` does)."""
+
+
+class CertifyError(TrainkitError, RuntimeError):
+    """certify could not run the trainer to a verdict: a run failed, or ran past ``--timeout-s``."""
+
+
+CAUSES: dict[str, tuple[str, str]] = {
+    "unregistered": (
+        "an optimizer, LR scheduler, torch.Generator or module the trainer holds but never registered: a resume "
+        "starts it afresh",
+        "register it in setup(): self.add_checkpoint_items(NAME=self.NAME)",
+    ),
+    "uncaptured_rng": (
+        "randomness from a generator trainkit does not capture (a random.Random or numpy Generator of the trainer's "
+        "or its dataset's own): a resume draws from its start again",
+        "draw from the global generators trainkit captures (random, np.random, torch), from "
+        "trainkit.sample_generator(seed, index) per sample, or from a torch.Generator registered with "
+        "add_checkpoint_items()",
+    ),
+    "loader_outside_progress": (
+        "a DataLoader iterated in train_epoch() without self.progress(): a resume inside the epoch restarts it "
+        "from its first batch",
+        "iterate the epoch's loader through self.progress(loader); draw from a second loader by index, or give it "
+        "state_dict()/load_state_dict() and register it",
+    ),
+    "nondeterministic": (
+        "a non-deterministic op: two straight runs differ from each other, so no resume can match",
+        "call torch.use_deterministic_algorithms(True) (and on CUDA set CUBLAS_WORKSPACE_CONFIG=:4096:8) to find "
+        "the op; avoid atomics-based kernels (index_add_, scatter_add_ on CUDA) or randomness from time or os.urandom",
+    ),
+    "local_state": (
+        "state held across batches in a local variable of train_epoch(): a resume inside the epoch starts it afresh "
+        "(a resume at an epoch's end does not)",
+        "keep it in a registered item (trainkit.RunningMean, or an object with state_dict()/load_state_dict()), "
+        "or on an attribute registered with add_checkpoint_items()",
+    ),
+    "unknown": (
+        "none of the documented causes was detected",
+        "compare the two kept run folders (python -m trainkit inspect FOLDER/checkpoints/step-N.pt) at the step "
+        "named above",
+    ),
+}
+"""The likely causes certify names, by key: what goes wrong, and the fix."""
+
+
+@attrs.frozen(kw_only=True)
+class Interruption:
+    """One interruption of the interrupted run.
+
+    :ivar how: ``"term"`` (``SIGTERM``: the engine stops at that step boundary and saves) or ``"kill"`` (``SIGKILL``
+        right after the optimizer step: the boundary's checkpoint is never written).
+    :ivar step: The optimizer step (the trainer's ``step`` after it) at which the signal is sent.
+    """
+
+    how: str = attrs.field(validator=attrs.validators.in_(("term", "kill")))
+    step: int = attrs.field(validator=attrs.validators.ge(1))
+
+    @property
+    def signal(self) -> str:
+        """``SIGTERM`` or ``SIGKILL``."""
+        return "SIGTERM" if self.how == "term" else "SIGKILL"
+
+
+def plan_interruptions(
+    total_steps: int, *, kill_at: Sequence[int] = (), term_at: Sequence[int] = (), seed: int = 0
+) -> tuple[Interruption, ...]:
+    """Choose the interrupted run's interruptions, in step order.
+
+    Pure. With neither ``kill_at`` nor ``term_at`` it picks one ``SIGTERM`` and one ``SIGKILL`` at two distinct
+    steps drawn from ``random.Random(seed)`` in ``[1, total_steps - 1]`` (one step of each when the run has
+    only 2 steps).
+
+    :param total_steps: The optimizer steps of the straight run.
+    :param kill_at: Steps at which the process is SIGKILLed.
+    :param term_at: Steps at which it gets SIGTERM.
+    :param seed: The seed of the random choice.
+    :returns: The interruptions, by step.
+    :raises ConfigError: When a step is outside ``[1, total_steps - 1]``, given twice, or the run is too short to
+        be interrupted.
+
+    >>> plan_interruptions(12, kill_at=[7], term_at=[3])
+    (Interruption(how='term', step=3), Interruption(how='kill', step=7))
+    >>> [i.how for i in plan_interruptions(12, seed=1)] in (["term", "kill"], ["kill", "term"])
+    True
+    """
+    if total_steps < 2:
+        raise ConfigError(
+            "the budget", "must give at least 2 optimizer steps to interrupt the run between", total_steps,
+            hint="raise --max-steps or --epochs",
+        )  # fmt: skip
+    chosen = [("kill", step, "--kill-at") for step in kill_at] + [("term", step, "--term-at") for step in term_at]
+    if not chosen:
+        steps = random.Random(seed).sample(range(1, total_steps), k=min(2, total_steps - 1))
+        chosen = [("term", steps[0], ""), *([("kill", steps[1], "")] if len(steps) > 1 else [])]
+    seen: set[int] = set()
+    for _, step, option in chosen:
+        if not isinstance(step, int) or not 1 <= step < total_steps:
+            raise ConfigError(
+                option, f"must name steps in [1, {total_steps - 1}] (the straight run took {total_steps})", step
+            )
+        if step in seen:
+            raise ConfigError(option, "must name each step once", step)
+        seen.add(step)
+    return tuple(Interruption(how=how, step=step) for how, step, _ in sorted(chosen, key=lambda c: c[1]))
+
+
+@attrs.frozen(kw_only=True)
+class Cause:
+    """A likely cause of a divergence (:data:`CAUSES`).
+
+    :ivar key: Its key in :data:`CAUSES`.
+    :ivar found: What was found: attribute names with their kinds, or a loader's name; empty for a hint.
+    """
+
+    key: str = attrs.field(validator=attrs.validators.in_(tuple(CAUSES)))
+    found: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+    @property
+    def what(self) -> str:
+        """What goes wrong."""
+        return CAUSES[self.key][0]
+
+    @property
+    def fix(self) -> str:
+        """How to fix it."""
+        return CAUSES[self.key][1]
+
+
+_RNG_KINDS = ("random.Random", "numpy.random.Generator", "numpy.random.RandomState")
+
+
+def likely_causes(
+    unregistered: Sequence[tuple[str, str]],
+    loaders_outside: Sequence[str],
+    *,
+    straight_runs_agree: bool | None,
+    resumed_mid_epoch: bool,
+    batches_after_resume: str | None = None,
+) -> tuple[Cause, ...]:
+    """Name the likely causes of a divergence, most certain first.
+
+    Pure. What the attempts found comes first (unregistered objects, generators of their own, loaders outside
+    ``progress()``); then two straight runs that differ name a non-deterministic op; then training batches that
+    differ right after a resume name randomness from a generator trainkit does not capture (one no attribute scan
+    reaches: a module's global ``random.Random``, say); then a divergence right after a resume inside an epoch names
+    state held in a local variable; else ``unknown``.
+
+    :param unregistered: ``(attribute, kind)`` pairs from :func:`trainkit.cli.certify_child.unregistered_objects`.
+    :param loaders_outside: Names of loaders iterated in ``train_epoch()`` without ``progress()``.
+    :param straight_runs_agree: Whether a second straight run matched the first (None: not run).
+    :param resumed_mid_epoch: Whether the resume before the first diverging checkpoint was inside an epoch.
+    :param batches_after_resume: How the batches a resumed attempt trained on first differ from the straight
+        run's (None: they do not).
+    :returns: The causes.
+
+    >>> found = likely_causes([("sched", "LR scheduler")], [], straight_runs_agree=None, resumed_mid_epoch=True)
+    >>> [(cause.key, cause.found) for cause in found]
+    [('unregistered', ('sched (LR scheduler)',))]
+    >>> likely_causes([], [], straight_runs_agree=True, resumed_mid_epoch=True)[0].key
+    'local_state'
+    """
+    causes = []
+    objects = [f"{name} ({kind})" for name, kind in unregistered if kind not in _RNG_KINDS]
+    generators = [f"{name} ({kind})" for name, kind in unregistered if kind in _RNG_KINDS]
+    if objects:
+        causes.append(Cause(key="unregistered", found=objects))
+    if generators:
+        causes.append(Cause(key="uncaptured_rng", found=generators))
+    if loaders_outside:
+        causes.append(Cause(key="loader_outside_progress", found=loaders_outside))
+    if straight_runs_agree is False:
+        causes.append(Cause(key="nondeterministic"))
+    elif not causes and batches_after_resume is not None:  # data drawn from a generator no scan could reach
+        causes.append(Cause(key="uncaptured_rng", found=[batches_after_resume]))
+    if not causes and resumed_mid_epoch:
+        causes.append(Cause(key="local_state"))
+    return tuple(causes) or (Cause(key="unknown"),)
+
+
+@attrs.frozen(kw_only=True)
+class Divergence:
+    """Where the two runs first differ.
+
+    :ivar where: The file: ``checkpoints/step-7.pt``, ``last.pt``, ``best.pt`` or ``metrics.jsonl``.
+    :ivar step: The step of that checkpoint (of that row), when it has one.
+    :ivar section: The item (``model``, ``optimizer``, ...), ``rng``, ``position``, ``records``, ``metrics``,
+        ``best weights``, or a metrics row.
+    :ivar name: The tensor or key inside it.
+    :ivar detail: What differs.
+    :ivar max_abs_diff: The largest absolute difference, for numbers and tensors.
+    """
+
+    where: str
+    step: int | None
+    section: str
+    name: str
+    detail: str
+    max_abs_diff: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class CertifyReport:
+    """What :func:`certify` found.
+
+    :ivar passed: Whether the interrupted run ended bit for bit where the straight one did.
+    :ivar trainer: The trainer, as ``MODULE:Class``.
+    :ivar budget: The budget both runs had (``max_steps=12``, ``epochs=2``).
+    :ivar world_size: Processes per run.
+    :ivar total_steps: The optimizer steps the straight run took.
+    :ivar interruptions: The interruptions planned, in step order.
+    :ivar resumes: For each interruption: the step it fired at and the step the next attempt resumed from.
+    :ivar straight_dir: The straight run's folder (kept).
+    :ivar interrupted_dir: The interrupted run's folder (kept).
+    :ivar checkpoints_compared: The step checkpoints compared (plus ``last`` and ``best``).
+    :ivar rows_compared: The ``metrics.jsonl`` rows compared.
+    :ivar divergence: The first difference, or None.
+    :ivar causes: Its likely causes (empty on PASS).
+    :ivar notes: What the attempts found that a PASS did not need (an unregistered object that did not matter).
+    :ivar seconds: The wall-clock time certify took.
+    :ivar timeout_s: Its bound.
+    """
+
+    passed: bool
+    trainer: str
+    budget: str
+    world_size: int
+    total_steps: int
+    interruptions: tuple[Interruption, ...]
+    resumes: tuple[tuple[int, int], ...]
+    straight_dir: str
+    interrupted_dir: str
+    checkpoints_compared: int
+    rows_compared: int
+    divergence: Divergence | None
+    causes: tuple[Cause, ...]
+    notes: tuple[str, ...]
+    seconds: float
+    timeout_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain values (what ``--json`` writes).
+
+        :returns: A JSON-serialisable dict (causes with their ``what`` and ``fix``).
+        """
+        data = attrs.asdict(self, recurse=True)
+        data["verdict"] = "PASS" if self.passed else "DIVERGED"
+        data["causes"] = [{"key": c.key, "found": list(c.found), "what": c.what, "fix": c.fix} for c in self.causes]
+        return data
+
+    def lines(self) -> list[str]:
+        """The report as printed.
+
+        :returns: The lines.
+        """
+        verdict = "PASS" if self.passed else "DIVERGED"
+        stops = ", ".join(
+            f"{i.signal} at step {fired} (resumed from step {resumed})"
+            for i, (fired, resumed) in zip(self.interruptions, self.resumes)
+        )
+        lines = [
+            f"certify {self.trainer}: {verdict}",
+            f"  budget:      {self.budget}: {self.total_steps} optimizer steps, {self.world_size} process(es)",
+            f"  interrupted: {stops}",
+        ]
+        found = self.divergence
+        if found is None or found.where == "metrics.jsonl":
+            lines.append(
+                f"  compared:    {self.checkpoints_compared} step checkpoints, last and best, {self.rows_compared} "
+                "metrics.jsonl rows (wall-clock keys left out: perf/*, time, timestamp)"
+            )
+        else:
+            lines.append(f"  compared:    {self.checkpoints_compared} step checkpoints, up to the first that differs")
+        if found is not None:
+            at = f" (step {found.step})" if found.step is not None else ""
+            lines.append(f"  first diverging checkpoint: {found.where}{at}")
+            name = f"{found.section}: {found.name}" if found.name else found.section
+            lines.append(f"  first difference: {name} ({found.detail})")
+            for cause in self.causes:
+                named = f" [{', '.join(cause.found)}]" if cause.found else ""
+                lines += [f"  likely cause: {cause.what}{named}", f"    fix: {cause.fix}"]
+        lines += [f"  note: {note}" for note in self.notes]
+        lines += [
+            f"  runs kept:   straight {self.straight_dir}",
+            f"               interrupted {self.interrupted_dir}",
+            f"  time:        {self.seconds:.1f} s (bound: --timeout-s {self.timeout_s:g})",
+        ]
+        return lines
+
+
+def _budget_words(cfg: Any, max_steps: int | None, epochs: int | None) -> list[str]:
+    """The overrides that give both runs their small budget: the ones given; else (``cfg`` given) the config's own,
+    capped."""
+    for option, value in (("--max-steps", max_steps), ("--epochs", epochs)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ConfigError(option, "must be an integer >= 1", value)
+    if max_steps is not None or epochs is not None or cfg is None:
+        return [f"{key}={value}" for key, value in (("max_steps", max_steps), ("epochs", epochs)) if value is not None]
+    if cfg.max_steps is not None:
+        return [f"max_steps={min(cfg.max_steps, DEFAULT_MAX_STEPS)}"]
+    if cfg.epochs is not None:
+        return [f"epochs={min(cfg.epochs, DEFAULT_EPOCHS)}"]
+    return [f"max_steps={DEFAULT_MAX_STEPS}"]
+
+
+_RUN_WORDS = (
+    "ckpt.enable=true",
+    "ckpt.every_n_steps=1",
+    "ckpt.keep=every_steps:1",
+    "ckpt.resume=auto",
+    "wandb.mode=disabled",
+    "progress.enable=false",
+)
+"""What certify sets in every run: a step checkpoint at every step boundary, all of them kept, no W&B, no bars."""
+
+
+def _work_folder(work_dir: str | Path | None, user_out_dir: str) -> Path:
+    """Certify's own folder: a new temporary one, or ``work_dir`` when it is empty, absent or certify's."""
+    if work_dir is None:
+        folder = Path(tempfile.mkdtemp(prefix="trainkit-certify-"))
+    else:
+        folder = Path(work_dir)
+        user = Path(user_out_dir).resolve()
+        if folder.resolve() == user or user in folder.resolve().parents:
+            raise ConfigError(
+                "--work-dir", "must not be the config's out_dir or inside it (certify never writes there)", str(folder)
+            )
+        if folder.exists() and any(folder.iterdir()) and not (folder / _MARKER).is_file():
+            raise ConfigError("--work-dir", "must be empty, absent, or a folder certify made before", str(folder))
+        for stale in ("straight", "interrupted", "straight-again", "logs"):  # ours, from a previous certify
+            shutil.rmtree(folder / stale, ignore_errors=True)
+        folder.mkdir(parents=True, exist_ok=True)
+    (folder / _MARKER).write_text("made by python -m trainkit certify; it may delete what is in here\n")
+    (folder / "logs").mkdir(exist_ok=True)
+    return folder
+
+
+class _Runs:
+    """Starts each attempt's processes and waits for them within the deadline."""
+
+    def __init__(self, base: dict[str, Any], folder: Path, deadline: float, timeout_s: float) -> None:
+        self.base, self.folder, self.deadline, self.timeout_s = base, folder, deadline, timeout_s
+        self.attempts = 0
+
+    def attempt(self, out_dir: Path, label: str, interruption: Interruption | None) -> tuple[str, dict | None]:
+        """Run one attempt; return how it ended (``done``, ``term``, ``kill``) and what fired (step, epoch)."""
+        import torch.multiprocessing as mp
+
+        from trainkit.cli.certify_child import run_rank
+        from trainkit.distributed.collectives import free_port
+
+        self.attempts += 1
+        stem = self.folder / "logs" / f"{self.attempts:02d}-{label}"
+        paths = {name: f"{stem}.{name}.json" for name in ("findings", "fired", "done")}
+        paths["batches"] = f"{stem}.batches.jsonl"
+        env = {**self.base["env"], "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        config = {**self.base["config"], "out_dir": str(out_dir)}
+        interrupt = None if interruption is None else {"how": interruption.how, "step": interruption.step}
+        spec = {**self.base, **paths, "config": config, "env": env, "log": f"{stem}.rank{{rank}}.log",
+                "interrupt": interrupt}  # fmt: skip
+        context = mp.start_processes(
+            run_rank, args=(spec,), nprocs=self.base["world_size"], join=False, start_method="forkserver"
+        )
+        failure = self._wait(context, stem)
+        codes = [process.exitcode for process in context.processes]
+        fired = _read_json(paths["fired"])
+        if failure is None and Path(paths["done"]).is_file():
+            return "done", fired
+        if interruption is not None and fired is not None:
+            expected = -9 if interruption.how == "kill" else EXIT_SIGTERM
+            if expected in codes and all(code in (0, expected, EXIT_SIGTERM, -9, -15) for code in codes):
+                return interruption.how, fired
+        raise CertifyError(
+            f"the {label} run's attempt {self.attempts} ended with exit status(es) {codes} "
+            f"{'after' if fired else 'before'} its interruption: see {stem}.rank0.log\n{_tail(f'{stem}.rank0.log')}"
+            f"{failure or ''}"
+        )
+
+    def _wait(self, context: Any, stem: Path) -> str | None:
+        import torch.multiprocessing as mp
+
+        while True:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()  # a process this call started, by its own handle
+                    process.join()
+                raise CertifyError(
+                    f"certify ran past --timeout-s {self.timeout_s:g}: the attempt running then was killed (its log: "
+                    f"{stem}.rank0.log); raise --timeout-s or lower --max-steps/--epochs"
+                )
+            try:
+                if context.join(timeout=min(left, 0.5), grace_period=10):
+                    return None
+            except mp.ProcessRaisedException as exc:
+                return str(exc)
+            except mp.ProcessExitedException:
+                return None  # a signal's exit status: judged by the caller
+
+
+def _read_json(path: str | Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _tail(path: str | Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _run_to_the_end(runs: _Runs, out_dir: Path, label: str, plan: Sequence[Interruption]) -> list[tuple[int, int]]:
+    """Run attempts in ``out_dir`` until one finishes, the i-th interrupted by ``plan[i]``; return, for each
+    interruption, the step it fired at and the step the next attempt resumed from."""
+    from trainkit.checkpoint import load_checkpoint
+
+    resumes = []
+    for index in range(len(plan) + 1):
+        interruption = plan[index] if index < len(plan) else None
+        how, fired = runs.attempt(out_dir, label, interruption)
+        if how == "done":
+            if interruption is not None:
+                raise CertifyError(f"the {label} run finished before its {interruption.signal} at step "
+                                   f"{interruption.step}")  # fmt: skip
+            return resumes
+        last = _final(out_dir, "last")
+        resumed = 0 if last is None else int(load_checkpoint(last if last.is_file() else last / _ENGINE)["step"])
+        resumes.append((fired["step"], resumed))
+    raise CertifyError(f"the {label} run did not finish after {len(plan) + 1} attempts")  # pragma: no cover
+
+
+def _kept(out_dir: Path) -> dict[int, Path]:
+    from trainkit.checkpoint.kept import kept_step
+
+    folder = out_dir / "checkpoints"
+    found = {}
+    for entry in folder.iterdir() if folder.is_dir() else ():
+        step = kept_step(entry.name)
+        if step is not None:
+            found[step] = entry
+    return found
+
+
+def _final(out_dir: Path, stem: str) -> Path | None:
+    for name in (f"{stem}.pt", f"{stem}.ckpt"):
+        if (out_dir / name).exists():
+            return out_dir / name
+    return None
+
+
+def compare_runs(straight: Path, interrupted: Path) -> tuple[Divergence | None, int, int]:
+    """Compare two run folders: their kept step checkpoints in step order, ``last``, ``best``, then ``metrics.jsonl``.
+
+    Side effects: reads both folders.
+
+    :param straight: One run folder.
+    :param interrupted: The other.
+    :returns: The first divergence (None: the same), the step checkpoints compared and the rows compared.
+    :raises CheckpointError: When a checkpoint is damaged or unsafe.
+    """
+    from trainkit.checkpoint.compare import compare_checkpoints
+    from trainkit.run.read_metrics import read_metrics, without_wall_clock
+
+    left, right = _kept(straight), _kept(interrupted)
+    compared = 0
+    for step in sorted(set(left) | set(right)):
+        if step not in left or step not in right:
+            only = "straight" if step in left else "interrupted"
+            return Divergence(where=f"checkpoints/step-{step}", step=step, section="checkpoint", name="",
+                              detail=f"kept by the {only} run only"), compared, 0  # fmt: skip
+        compared += 1
+        found = compare_checkpoints(left[step], right[step])
+        if found is not None:
+            return _divergence(f"checkpoints/{left[step].name}", step, found), compared, 0
+    for stem in ("last", "best"):
+        a, b = _final(straight, stem), _final(interrupted, stem)
+        if (a is None) != (b is None):
+            return Divergence(where=stem, step=None, section="checkpoint", name="",
+                              detail="written by one run only"), compared, 0  # fmt: skip
+        found = None if a is None else compare_checkpoints(a, b)
+        if found is not None:
+            return _divergence(a.name, None, found), compared, 0
+    rows_a = [without_wall_clock(row) for row in read_metrics(straight)]
+    rows_b = [without_wall_clock(row) for row in read_metrics(interrupted)]
+    for index, (a_row, b_row) in enumerate(zip(rows_a, rows_b)):
+        if a_row != b_row:
+            key = next((k for k in [*a_row, *b_row] if a_row.get(k, None) != b_row.get(k, None)), "")
+            gap = _gap(a_row.get(key), b_row.get(key))
+            detail = f"{a_row.get(key, 'absent')!r} against {b_row.get(key, 'absent')!r}"
+            return Divergence(where="metrics.jsonl", step=a_row.get("trainer/step"), section=f"row {index + 1}",
+                              name=key, detail=detail, max_abs_diff=gap), compared, index  # fmt: skip
+    if len(rows_a) != len(rows_b):
+        detail = f"{len(rows_a)} rows against {len(rows_b)}"
+        return Divergence(where="metrics.jsonl", step=None, section="rows", name="", detail=detail), compared, 0
+    return None, compared, len(rows_a)
+
+
+def _gap(a: Any, b: Any) -> float | None:
+    numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (a, b))
+    return abs(float(a) - float(b)) if numbers else None
+
+
+def _divergence(where: str, step: int | None, found: Any) -> Divergence:
+    return Divergence(where=where, step=step, section=found.section, name=found.name, detail=found.detail,
+                      max_abs_diff=found.max_abs_diff)  # fmt: skip
+
+
+def _resolve(target: str, config_class: str | None) -> tuple[type, type]:
+    from trainkit.cli.certify_child import load_object
+    from trainkit.config import Config
+
+    trainer_class = load_object(target)
+    import trainkit.trainer
+
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, trainkit.trainer.BaseTrainer)):
+        raise UsageError(f"the trainer class {target!r} is no subclass of trainkit.BaseTrainer")
+    config = load_object(config_class, "config class") if config_class else trainer_class.config_class
+    if not (isinstance(config, type) and issubclass(config, Config)):
+        raise UsageError(f"the config class {config_class!r} is no subclass of trainkit.Config")
+    return trainer_class, config
+
+
+def certify(
+    target: str,
+    words: Sequence[str] = (),
+    *,
+    config_class: str | None = None,
+    max_steps: int | None = None,
+    epochs: int | None = None,
+    kill_at: Sequence[int] = (),
+    term_at: Sequence[int] = (),
+    seed: int = 0,
+    world_size: int = 1,
+    work_dir: str | Path | None = None,
+    timeout_s: float = 600.0,
+    json_path: str | Path | None = None,
+) -> CertifyReport:
+    """Check that a trainer resumed at step boundaries ends bit for bit where it ends run straight through.
+
+    Side effects: runs the trainer in subprocesses in a work folder (a new temporary one, or ``work_dir``), keeps
+    it, and writes ``json_path``. The config's ``out_dir`` is never written: each run has its own.
+
+    :param target: The trainer class, ``MODULE:Class`` (importable: the module's folder on ``sys.path`` or
+        ``PYTHONPATH``).
+    :param words: YAML config files and ``dotted.key=value`` overrides, as the trainer's script takes them
+        (:func:`~trainkit.cli.config_from_argv`).
+    :param config_class: ``MODULE:Class`` of the config; the trainer's ``config_class`` by default.
+    :param max_steps: The runs' budget in optimizer steps (replaces the config's ``max_steps``).
+    :param epochs: The runs' budget in epochs (replaces the config's ``epochs``). With neither, the config's own,
+        capped at :data:`DEFAULT_MAX_STEPS` steps or :data:`DEFAULT_EPOCHS` epochs.
+    :param kill_at: Steps at which the interrupted run's process is SIGKILLed.
+    :param term_at: Steps at which it gets SIGTERM. With neither, one of each at steps drawn with ``seed``.
+    :param seed: Seed of the drawn steps.
+    :param world_size: Processes per run (a gloo group when > 1).
+    :param work_dir: The work folder; a new temporary one by default.
+    :param timeout_s: The bound on the whole check; the attempt running then is killed.
+    :param json_path: Where to write the report as JSON.
+    :returns: The report.
+    :raises ConfigError: On a bad option, config word or step.
+    :raises UsageError: When the trainer or config class cannot be imported.
+    :raises CertifyError: When a run fails or the check runs past ``timeout_s``.
+    """
+    from trainkit.cli.argv import config_from_argv
+    from trainkit.distributed.launch import fork_server
+
+    started = time.monotonic()
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError("--world-size", "must be an integer >= 1", world_size)
+    if not timeout_s > 0:
+        raise ConfigError("--timeout-s", "must be > 0", timeout_s)
+    trainer_class, config = _resolve(target, config_class)
+    given = _budget_words(None, max_steps, epochs)
+    try:
+        user_cfg = config_from_argv(config, [*words, *given])
+    except ConfigError:
+        if given:
+            raise
+        # a config with no budget of its own (a script sets it in code): certify's default; other errors raise again
+        user_cfg = config_from_argv(config, list(words), defaults={"max_steps": DEFAULT_MAX_STEPS})
+    budget = given or _budget_words(user_cfg, None, None)
+    cfg = config_from_argv(config, [*words, *budget, *_RUN_WORDS])
+    folder = _work_folder(work_dir, user_cfg.out_dir)
+    base = {
+        "target": target,
+        "config_class": config_class or f"{config.__module__}:{config.__qualname__}",
+        "config": cfg.to_dict(),
+        "world_size": world_size,
+        "env": dict(os.environ),
+        "threads": int(os.environ.get("OMP_NUM_THREADS", "1")),
+    }
+    runs = _Runs(base, folder, started + timeout_s, timeout_s)
+    straight, interrupted = folder / "straight", folder / "interrupted"
+    with fork_server(preload=["trainkit.cli.certify_child"]):
+        _run_to_the_end(runs, straight, "straight", ())
+        from trainkit.checkpoint import load_checkpoint
+
+        last = _final(straight, "last")
+        total = int(load_checkpoint(last if last.is_file() else last / _ENGINE)["step"])
+        plan = plan_interruptions(total, kill_at=kill_at, term_at=term_at, seed=seed)
+        resumes = _run_to_the_end(runs, interrupted, "interrupted", plan)
+        divergence, compared, rows = compare_runs(straight, interrupted)
+        causes, notes = _diagnose(runs, folder, divergence, resumes)
+    kept = len(_kept(straight))
+    if kept < total:
+        notes += (
+            f"step checkpoints at {kept} of {total} step boundaries: this trainer's loop resumes at epoch ends only "
+            "(iterate the epoch's DataLoader through self.progress() for step-exact resume; docs: Step checkpoints)",
+        )
+    report = CertifyReport(
+        passed=divergence is None, trainer=target, budget=", ".join(budget), world_size=world_size,
+        total_steps=total, interruptions=plan, resumes=tuple(resumes), straight_dir=str(straight),
+        interrupted_dir=str(interrupted), checkpoints_compared=compared, rows_compared=rows, divergence=divergence,
+        causes=causes, notes=notes, seconds=time.monotonic() - started, timeout_s=timeout_s,
+    )  # fmt: skip
+    if json_path is not None:
+        Path(json_path).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    return report
+
+
+def _findings(folder: Path) -> tuple[list[tuple[str, str]], list[str]]:
+    """What the attempts found, merged in attempt order without repeats."""
+    unregistered: dict[tuple[str, str], None] = {}
+    loaders: dict[str, None] = {}
+    for path in sorted((folder / "logs").glob("*.findings.json")):
+        found = _read_json(path) or {}
+        unregistered.update((tuple(pair), None) for pair in found.get("unregistered", []))
+        loaders.update((name, None) for name in found.get("loaders_outside_progress", []))
+    return list(unregistered), list(loaders)
+
+
+def _diagnose(
+    runs: _Runs, folder: Path, divergence: Divergence | None, resumes: Sequence[tuple[int, int]]
+) -> tuple[tuple[Cause, ...], tuple[str, ...]]:
+    unregistered, loaders = _findings(folder)
+    if divergence is None:
+        notes = [f"not registered, but it did not matter here: {name} ({kind})" for name, kind in unregistered]
+        notes += [f"iterated outside progress(), but it did not matter here: {name}" for name in loaders]
+        return (), tuple(notes)
+    agree = None
+    if not unregistered and not loaders:  # a second straight run tells a non-deterministic op from a resume bug
+        again = folder / "straight-again"
+        _run_to_the_end(runs, again, "straight-again", ())
+        agree = compare_runs(folder / "straight", again)[0] is None
+    before = [resumed for _, resumed in resumes if divergence.step is None or resumed < divergence.step]
+    mid_epoch = bool(before) and _mid_epoch(folder / "interrupted", before[-1])
+    causes = likely_causes(
+        unregistered, loaders, straight_runs_agree=agree, resumed_mid_epoch=mid_epoch,
+        batches_after_resume=_batches_after_resume(folder / "logs"),
+    )  # fmt: skip
+    return causes, ()
+
+
+def _batches_after_resume(logs: Path) -> str | None:
+    """How the first training batch of a resumed attempt differs from the straight run's batch at the same epoch and
+    index, for the first resumed attempt where it does; None when every resume saw the straight run's batches."""
+    straight: dict[tuple[int, int], str] = {}
+    for path in logs.glob("*-straight.batches.jsonl"):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            straight[row["epoch"], row["index"]] = row["digest"]
+    for path in sorted(logs.glob("*-interrupted.batches.jsonl"))[1:]:  # the first attempt resumed nothing
+        lines = path.read_text().splitlines()
+        first = json.loads(lines[0]) if lines else None
+        if first is not None and straight.get((first["epoch"], first["index"])) != first["digest"]:
+            return (
+                f"the first batch after a resume (epoch {first['epoch']}, batch {first['index']}) differs from the "
+                "straight run's"
+            )
+    return None
+
+
+def _mid_epoch(out_dir: Path, step: int) -> bool:
+    """Whether the kept checkpoint at ``step`` stands inside an epoch."""
+    from trainkit.checkpoint.compare import read_comparable
+
+    path = _kept(out_dir).get(step)
+    return path is not None and read_comparable(path).get("position") is not None
+
+
+def _add_options(parser: Any, default: Any = None) -> None:
+    """certify's options, on the command's parser (``default`` None: their defaults) or on the parser of the words
+    after the trainer (``argparse.SUPPRESS``: only those given)."""
+
+    def given(value: Any) -> Any:
+        return value if default is None else default
+
+    parser.add_argument("--config-class", default=given(None), help="MODULE:Class of the config (default: the "
+                        "trainer's config_class)")  # fmt: skip
+    parser.add_argument("--max-steps", type=int, default=given(None), help=f"budget in optimizer steps (default: "
+                        f"the config's, at most {DEFAULT_MAX_STEPS})")  # fmt: skip
+    parser.add_argument("--epochs", type=int, default=given(None), help=f"budget in epochs (default: the config's, "
+                        f"at most {DEFAULT_EPOCHS})")  # fmt: skip
+    parser.add_argument("--kill-at", default=given(None), help="steps at which to SIGKILL the run, e.g. 3,7")
+    parser.add_argument("--term-at", default=given(None), help="steps at which to send SIGTERM, e.g. 5")
+    parser.add_argument("--seed", type=int, default=given(0), help="seed of the steps drawn when none is given (0)")
+    parser.add_argument("--world-size", type=int, default=given(1), help="processes per run, a gloo group (1)")
+    parser.add_argument("--work-dir", default=given(None), help="the folder for both runs (default: a new "
+                        "temporary one); kept")  # fmt: skip
+    parser.add_argument("--timeout-s", type=float, default=given(600.0), help="bound on the whole check (600)")
+    parser.add_argument("--json", default=given(None), help="also write the report as JSON to this file")
+
+
+def add_certify_parser(commands: Any) -> None:
+    """Add the ``certify`` command to ``python -m trainkit``'s subcommands.
+
+    :param commands: The parser's subparsers (``add_subparsers()``'s result).
+    """
+    parser = commands.add_parser(
+        "certify",
+        help="check that a trainer's resume is exact: run it straight and interrupted (SIGTERM, SIGKILL), compare",
+        description="Run MODULE:Trainer on a small budget in certify's own temporary folders, straight through and "
+        "interrupted at step boundaries, and compare the two runs bit for bit. Exit status 0: PASS; 1: the runs "
+        "diverge; 2: bad input, a failed run or --timeout-s. Resuming on another number of processes (elastic) "
+        "does not exist yet and is not checked.",
+    )
+    parser.add_argument("trainer", help="the trainer class, MODULE:Class (its folder on PYTHONPATH)")
+    # everything after the trainer, options among the config words included: certify_main sorts them out
+    parser.add_argument(
+        "words", nargs=argparse.REMAINDER, help="config files (*.yaml) and dotted.key=value overrides, in any order "
+        "with the options",
+    )  # fmt: skip
+    _add_options(parser)
+
+
+def certify_main(args: Any) -> int:
+    """Run ``python -m trainkit certify`` from parsed arguments: print the report, return the exit status.
+
+    The options given among the config words (after the trainer) are read there and win over those before it.
+
+    :param args: The parsed arguments (an ``argparse.Namespace`` from the command's parser).
+    :returns: 0 on PASS, 1 on a divergence.
+    :raises ConfigError: On bad input.
+    :raises SystemExit: With status 2 for an unknown option after the trainer, as argparse does.
+    """
+    after = argparse.ArgumentParser(prog="python -m trainkit certify TRAINER", add_help=False)
+    after.add_argument("words", nargs="*")
+    _add_options(after, default=argparse.SUPPRESS)
+    options = {**vars(args), **vars(after.parse_intermixed_args(args.words))}
+    args = argparse.Namespace(**options)
+    report = certify(
+        args.trainer, args.words, config_class=args.config_class, max_steps=args.max_steps, epochs=args.epochs,
+        kill_at=_steps(args.kill_at, "--kill-at"), term_at=_steps(args.term_at, "--term-at"), seed=args.seed,
+        world_size=args.world_size, work_dir=args.work_dir, timeout_s=args.timeout_s, json_path=args.json,
+    )  # fmt: skip
+    print("\n".join(report.lines()), flush=True)
+    return 0 if report.passed else 1
+
+
+def _steps(text: str | None, option: str) -> list[int]:
+    """``"3,7"`` -> ``[3, 7]``."""
+    if not text:
+        return []
+    try:
+        return [int(word) for word in text.split(",") if word.strip()]
+    except ValueError:
+        raise ConfigError(option, "must be comma-separated step numbers, e.g. 3,7", text) from None
