@@ -161,9 +161,9 @@ def export_weights(
             tensors, out, metadata=header, max_shard_size=max_shard_size, overwrite=overwrite
         )
     size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
-    files = f"{len(written)} files in " if len(written) > 1 else ""
+    where = f"{len(written)} files in {out}" if len(written) > 1 else str(written[0])
     notes = [f"{len(aliases)} tied names written once"] if aliases else []
     if format == "safetensors" and len(weights) > len(tensors) + len(aliases):
         notes.append(f"{len(weights) - len(tensors) - len(aliases)} entries that are not tensors left out")
     told = f" ({'; '.join(notes)})" if notes else ""
-    return [f"wrote {files}{out}: {len(tensors)} tensors{told}, {format_bytes(size)}, from {source}"]
+    return [f"wrote {where}: {len(tensors)} tensors{told}, {format_bytes(size)}, from {source}"]
