@@ -278,8 +278,9 @@ def test_the_file_loads_where_transformers_is_absent(file_run, tmp_path, capsys)
 
 
 def test_out_is_never_lost_unless_it_is_an_earlier_export_and_overwrite_says_so(file_run, tmp_path, capsys):
-    """An existing file or non-empty folder is refused (named, with the fix); --overwrite replaces a file, or a
-    folder of an earlier export's files, but never a folder holding anything else; an empty folder is filled."""
+    """An existing file or non-empty folder is refused (named, with the fix); --overwrite replaces a file (a link
+    itself, not what it points to), or a folder of an earlier export's files, but never a folder holding anything
+    else; an empty folder is filled."""
     last = file_run / "last.pt"
     target = tmp_path / "m.safetensors"
     target.write_bytes(b"keep me")
@@ -287,6 +288,11 @@ def test_out_is_never_lost_unless_it_is_an_earlier_export_and_overwrite_says_so(
     assert code == 2 and "exists; pass --overwrite" in errors and target.read_bytes() == b"keep me"
     assert export(capsys, last, target, "--format", "safetensors", "--overwrite")[0] == 0
     assert safetensors_torch.load_file(target).keys() == {"0.weight", "0.bias", "3.weight", "3.bias"}
+    outside, link = tmp_path / "outside.txt", tmp_path / "link.safetensors"
+    outside.write_text("not yours")
+    link.symlink_to(outside)
+    assert export(capsys, last, link, "--format", "safetensors", "--overwrite")[0] == 0
+    assert outside.read_text() == "not yours" and not link.is_symlink()  # the link replaced, never written through
 
     folder = tmp_path / "folder"
     folder.mkdir()

@@ -327,8 +327,13 @@ def _publish_folder(files: Mapping[str, Any], out: Path, *, overwrite: bool) -> 
     """Build ``out`` under a temp name beside it (mode 0700 while built), one durable file at a time, then rename
     it into place; a previous export there goes first, renamed away, and is deleted once the new one is in place."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    temporary = out.parent / f".{out.name}.{os.getpid()}.{next(_COUNTER)}{ckpt_io.TEMP_SUFFIX}"
-    os.mkdir(temporary, 0o700)  # a folder of our own: nothing planted in it, no link to write through
+    while True:  # a folder of our own (mode 0700): nothing planted in it, no link to write through
+        temporary = out.parent / f".{out.name}.{os.getpid()}.{next(_COUNTER)}{ckpt_io.TEMP_SUFFIX}"
+        try:
+            os.mkdir(temporary, 0o700)
+            break
+        except FileExistsError:  # a leftover, or something planted under a name we would use: take another
+            continue
     retired = None
     try:
         for name, build in files.items():
