@@ -40,6 +40,7 @@ __all__ = [
     "plan_shards",
     "unique_storages",
     "check_out",
+    "require_safetensors",
     "write_safetensors",
 ]
 
@@ -256,7 +257,12 @@ def check_out(out: str | os.PathLike[str], *, overwrite: bool) -> None:
         )
 
 
-def _safetensors_save() -> Any:
+def require_safetensors() -> Any:
+    """Import ``safetensors.torch.save``, or say in one line how to install it.
+
+    :returns: The function.
+    :raises ImportError: When safetensors is not installed: ``pip install 'trainkit[safetensors]'``.
+    """
     try:
         from safetensors.torch import save
     except ImportError:
@@ -293,7 +299,7 @@ def write_safetensors(
     :raises ConfigError: When a single file would exceed ``max_shard_size``.
     :raises FileExistsError: When ``out`` may not be written (:func:`check_out`).
     """
-    save = _safetensors_save()
+    save = require_safetensors()
     target = Path(out)
     check_out(target, overwrite=overwrite)
     sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in tensors.items()}

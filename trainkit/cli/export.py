@@ -144,8 +144,9 @@ def export_weights(
             show_value=False,
             hint="--format torch writes one file, replacing what is there",
         )
-    if format == "safetensors":
-        st.check_out(out, overwrite=overwrite)  # before the read: a refusal costs nothing
+    if format == "safetensors":  # refused before the read, which can take minutes
+        st.require_safetensors()
+        st.check_out(out, overwrite=overwrite)
     source = Path(checkpoint)
     weights, payload = _read(source, item)
     names = st.export_names(weights)
@@ -162,7 +163,8 @@ def export_weights(
         )
     size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
     where = f"{len(written)} files in {out}" if len(written) > 1 else str(written[0])
-    notes = [f"{len(aliases)} tied names written once"] if aliases else []
+    tied = [f"{alias} = {kept}" for alias, kept in aliases.items()]
+    notes = [f"tied, written once: {', '.join(tied[:3])}{', ...' if len(tied) > 3 else ''}"] if tied else []
     if format == "safetensors" and len(weights) > len(tensors) + len(aliases):
         notes.append(f"{len(weights) - len(tensors) - len(aliases)} entries that are not tensors left out")
     told = f" ({'; '.join(notes)})" if notes else ""
