@@ -363,3 +363,37 @@ def test_export_names_drop_wrappers_and_keep_a_submodule_named_module():
 
     with pytest.raises(CheckpointError, match="would both be exported as 'w'"):
         export_names(["w", "_orig_mod.w"])
+
+
+@st.composite
+def tangled_tensors(draw) -> dict[str, torch.Tensor]:
+    """Tensors as checkpoints hold them: whole ones, second names for them (tied), transposes, slices and reshapes
+    of them (views sharing their memory), in any order."""
+    bases = [torch.arange(draw(st.integers(1, 4)) * 6, dtype=torch.float32) * (i + 1) for i in range(3)]
+    kinds = st.sampled_from(["whole", "tied", "transposed", "slice", "reshaped"])
+    tensors = {}
+    for index, kind in enumerate(draw(st.lists(kinds, min_size=1, max_size=8))):
+        base = bases[draw(st.integers(0, 2))]
+        tensors[f"t{index}"] = {
+            "whole": base,
+            "tied": base,
+            "transposed": base.view(-1, 2).t(),
+            "slice": base[2:5],
+            "reshaped": base.view(-1, 3),
+        }[kind]
+    return tensors
+
+
+@given(tangled_tensors())
+def test_unique_storages_gives_safetensors_what_it_takes_with_every_value_kept(tensors):
+    """Whatever shares memory how: safetensors saves the result, every kept name loads its own values back, and
+    every dropped name is a second name of the very tensor a kept name holds."""
+    from trainkit.checkpoint.safetensors_files import unique_storages
+
+    kept, aliases = unique_storages(tensors)
+    assert kept.keys() | aliases.keys() == tensors.keys() and not kept.keys() & aliases.keys()
+    loaded = safetensors_torch.load(safetensors_torch.save(kept))
+    assert_bitwise(loaded, {name: tensors[name] for name in kept})
+    for alias, name in aliases.items():
+        assert name in kept and tensors[alias].data_ptr() == tensors[name].data_ptr()
+        assert tensors[alias].shape == tensors[name].shape and tensors[alias].stride() == tensors[name].stride()
