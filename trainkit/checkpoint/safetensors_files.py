@@ -216,10 +216,10 @@ def _export_file(name: str) -> bool:
 def check_out(out: str | os.PathLike[str], *, overwrite: bool) -> None:
     """Refuse an ``out`` that an export must not write: what is there is never lost unless ``overwrite`` says so.
 
-    Pure but for ``lstat`` and ``scandir`` of ``out``. ``out`` ending in ``.safetensors`` is a file: it must not
-    exist, or (with ``overwrite``) be a file or a link, which is replaced (a link itself, never what it points to).
-    Any other ``out`` is a folder: it must not exist, or be an empty folder, or (with ``overwrite``) be a folder
-    holding an export's files and nothing else.
+    Side effects: none; reads ``out``'s ``lstat`` and, for a folder, its entries. ``out`` ending in
+    ``.safetensors`` is a file: it must not exist, or (with ``overwrite``) be a file or a link, which is replaced (a
+    link itself, never what it points to). Any other ``out`` is a folder: it must not exist, or be an empty folder,
+    or (with ``overwrite``) be a folder holding an export's files and nothing else.
 
     :param out: The file or folder to write.
     :param overwrite: Whether an existing export there may be replaced.
@@ -239,17 +239,17 @@ def check_out(out: str | os.PathLike[str], *, overwrite: bool) -> None:
         if not overwrite:
             raise FileExistsError(f"{path} exists; pass --overwrite (overwrite=True) to replace it")
         return
-    entries = [entry for entry in os.scandir(path)] if is_folder else None
-    if entries == []:
-        return
-    foreign = (
-        ["it is not a folder"]
-        if entries is None
-        else [
-            entry.name for entry in entries if not (_export_file(entry.name) and entry.is_file(follow_symlinks=False))
-        ]
-    )
-    if not overwrite or foreign:
+    if not is_folder:
+        raise FileExistsError(
+            f"{path} exists and is not a folder; name a folder to write the hub's layout into, or a path ending in "
+            ".safetensors to write one file"
+        )
+    with os.scandir(path) as listing:
+        entries = list(listing)
+    foreign = [
+        entry.name for entry in entries if not (_export_file(entry.name) and entry.is_file(follow_symlinks=False))
+    ]
+    if entries and (not overwrite or foreign):
         raise FileExistsError(
             f"{path} exists and is not an empty folder; --overwrite (overwrite=True) replaces only a folder that "
             f"holds an export's files alone ({SINGLE_FILE}, model-NNNNN-of-NNNNN.safetensors, {INDEX_FILE})"
