@@ -161,7 +161,7 @@ def export_weights(
         written = st.write_safetensors(
             tensors, out, metadata=header, max_shard_size=max_shard_size, overwrite=overwrite
         )
-    size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+    size = ckpt_io.payload_nbytes(tensors)  # a tied weight's memory once, as both formats write it
     where = f"{len(written)} files in {out}" if len(written) > 1 else str(written[0])
     tied = [f"{alias} = {kept}" for alias, kept in aliases.items()]
     notes = [f"tied, written once: {', '.join(tied[:3])}{', ...' if len(tied) > 3 else ''}"] if tied else []
