@@ -26,6 +26,7 @@ from trainkit.files.allowlist import check_loadable
 from trainkit.files.durable import (
     TEMP_SUFFIX,
     atomic_save,
+    atomic_write_bytes,
     current_umask,
     fsync_directory,
     payload_nbytes,
@@ -38,6 +39,7 @@ from trainkit.files.zip_check import verify_checkpoint
 
 __all__ = [
     "atomic_save",
+    "atomic_write_bytes",
     "previous_path",
     "load_checkpoint",
     "load_archive",

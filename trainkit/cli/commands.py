@@ -37,9 +37,13 @@ def _inspect(args: argparse.Namespace) -> list[str]:
 
 
 def _export(args: argparse.Namespace) -> list[str]:
+    from trainkit.checkpoint.safetensors_files import parse_size
     from trainkit.cli.export import export_weights
 
-    return export_weights(args.checkpoint, args.out, item=args.item)
+    limit = parse_size(args.max_shard_size) if args.max_shard_size is not None else None
+    return export_weights(
+        args.checkpoint, args.out, item=args.item, format=args.format, max_shard_size=limit, overwrite=args.overwrite
+    )
 
 
 def _retain(args: argparse.Namespace) -> list[str]:
@@ -66,7 +70,7 @@ def _certify(args: argparse.Namespace) -> int:
 _COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], list[str] | int], tuple[type[Exception], ...]]] = {
     "report": (_report, (ConfigError, FileNotFoundError, CheckpointError)),
     "inspect": (_inspect, (CheckpointError,)),
-    "export": (_export, (CheckpointError,)),
+    "export": (_export, (CheckpointError, ConfigError, ImportError, FileExistsError)),
     "retain": (_retain, (ConfigError, OutDirError)),
     "replay": (_replay, (ConfigError, ValueError, FileNotFoundError)),
     "certify": (_certify, (TrainkitError,)),
@@ -92,10 +96,23 @@ def _parser() -> argparse.ArgumentParser:
         "checkpoint", help="a last.pt or best.pt, a last.ckpt/best.ckpt directory, or a run folder (out_dir)"
     )
     inspect_parser.add_argument("--all", action="store_true", help="list every tensor of every item")
-    export_parser = commands.add_parser("export", help="write a checkpoint's weights as one plain state-dict file")
+    export_parser = commands.add_parser(
+        "export", help="write a checkpoint's weights as a plain state-dict file or as safetensors"
+    )
     export_parser.add_argument("checkpoint", help="a sharded checkpoint directory (last.ckpt, best.ckpt) or a .pt")
-    export_parser.add_argument("out", help="the file to write, e.g. model.pt")
+    export_parser.add_argument(
+        "out",
+        help="the file to write (model.pt; with --format safetensors: model.safetensors), or for safetensors a folder "
+        "(the hub's layout: model.safetensors, or shards and model.safetensors.index.json)",
+    )
     export_parser.add_argument("--item", default="model", help="the registered item to export (model)")
+    export_parser.add_argument("--format", default="torch", choices=("torch", "safetensors"), help="torch (default)")
+    export_parser.add_argument(
+        "--max-shard-size", metavar="SIZE", help="safetensors folder: the largest shard, e.g. 500MB, 5GB (default 5GB)"
+    )
+    export_parser.add_argument(
+        "--overwrite", action="store_true", help="safetensors: replace an earlier export at OUT (nothing else)"
+    )
     retain_parser = commands.add_parser("retain", help="apply retention rules to a run folder's kept checkpoints")
     retain_parser.add_argument("out_dir", help="the run's out_dir (not while a run uses it)")
     retain_parser.add_argument("--keep", required=True, help="rules as ckpt.keep spells them: latest:3,best:2,...")

@@ -1,43 +1,50 @@
-"""``python -m trainkit export CHECKPOINT OUT``: one registered module's weights as a plain state dict.
+"""``python -m trainkit export CHECKPOINT OUT``: one registered module's weights as a plain state dict or safetensors.
 
-Side effects: reads the checkpoint, writes ``OUT`` durably.
+Side effects: reads the checkpoint (with trainkit's checks, before anything is written), writes ``OUT`` durably.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+from importlib import metadata as dist_metadata
 from pathlib import Path
+from typing import Any
 
 from trainkit.cli.inspect import format_bytes
 
 __all__ = [
+    "FORMATS",
+    "config_sha256",
     "export_weights",
 ]
 
+FORMATS = ("torch", "safetensors")
+"""What ``--format`` writes: a ``torch.save`` state dict, or safetensors."""
 
-def export_weights(checkpoint: str | Path, out: str | Path, *, item: str = "model") -> list[str]:
-    """Write one item's whole weights from a checkpoint as a plain state-dict file, e.g. for inference.
 
-    Reads a sharded checkpoint directory (``last.ckpt``/``best.ckpt``, written by any number of ranks; its
-    manifest is checked first) or a ``last.pt``/``best.pt``, in one process, and writes
-    ``{name: tensor}`` with :func:`~trainkit.checkpoint.atomic_save`: ``model.load_state_dict(torch.load(out))``
-    takes it, whatever wrap (DDP, FSDP2, none) wrote the checkpoint (DDP's ``module.`` prefix is dropped).
+def config_sha256(config: Any) -> str:
+    """Hash a config as an export's header records it: sha256 of its canonical JSON.
 
-    Side effects: reads the checkpoint, writes ``out``.
+    Pure. The JSON is ``json.dumps(config, sort_keys=True, separators=(",", ":"))``, so the same config hashes the
+    same whatever its keys' order.
 
-    :param checkpoint: The checkpoint directory or file.
-    :param out: The file to write.
-    :param item: The registered item to export (a ``best`` checkpoint holds only the model, under any name).
-    :returns: Lines describing what was written.
-    :raises CheckpointError: When the checkpoint is damaged, is not a trainkit checkpoint, or has no such item.
+    >>> config_sha256({"b": 1, "a": [0.5]}) == config_sha256({"a": [0.5], "b": 1})
+    True
+
+    :param config: The config a checkpoint records (its ``config`` entry).
+    :returns: The hex digest.
     """
-    import torch
+    return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
+
+def _read(source: Path, item: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One item's whole weights from a checkpoint, and the payload they came from (``trainkit.pt``'s, sharded)."""
     from trainkit import checkpoint as ckpt_io
     from trainkit.checkpoint import dcp as sharded
     from trainkit.checkpoint.payload import validate_best, validate_last
     from trainkit.errors import CheckpointCorruptError, CheckpointError
 
-    source = Path(checkpoint)
     if source.is_dir():
         problem = sharded.verify_directory(source, rank=0, world_size=1)
         if problem is not None:
@@ -52,21 +59,113 @@ def export_weights(checkpoint: str | Path, out: str | Path, *, item: str = "mode
         else:
             validate_best(engine, path=source / sharded.ENGINE_FILE)
             key = "model"
-        weights = sharded.read_whole(source, key)
-    else:
-        payload = ckpt_io.load_checkpoint(source)
-        if "loop" in payload:
-            validate_last(payload, path=source)
-            if item not in payload["items"] or not isinstance(payload[item], dict):
-                raise CheckpointError(f"{source} holds no item {item!r}; it holds {payload['items']} (--item NAME)")
-            weights = payload[item]
-        else:
-            validate_best(payload, path=source)
-            weights = payload["model"]
-    if weights and all(name.startswith("module.") for name in weights):
-        # a DDP-wrapped model was saved under DDP's names; a bare module (what inference builds) has none
-        weights = {name.removeprefix("module."): value for name, value in weights.items()}
+        return sharded.read_whole(source, key), engine
+    payload = ckpt_io.load_checkpoint(source)
+    if "loop" not in payload:
+        validate_best(payload, path=source)
+        return payload["model"], payload
+    validate_last(payload, path=source)
+    if item not in payload["items"] or not isinstance(payload[item], dict):
+        raise CheckpointError(f"{source} holds no item {item!r}; it holds {payload['items']} (--item NAME)")
+    return payload[item], payload
+
+
+def _header(payload: dict[str, Any], item: str) -> dict[str, str]:
+    """The safetensors header's metadata: what the weights are, and of which run (text only, as the format wants)."""
+    try:
+        version = dist_metadata.version("trainkit")
+    except dist_metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        version = "unknown"
+    last = "loop" in payload
+    header = {"format": "pt", "trainkit_version": version, "checkpoint": "last" if last else "best"}
+    header["item"] = item if last else "model"
+    if payload.get("epoch") is not None:  # a best checkpoint's epoch is the best one's; it records no step
+        header["epoch"] = str(payload["epoch"])
+    if last:
+        header["step"] = str(payload["step"])
+    header["config_sha256"] = config_sha256(payload["config"])
+    return header
+
+
+def export_weights(
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    item: str = "model",
+    format: str = "torch",  # noqa: A002 - the CLI's --format
+    max_shard_size: int | None = None,
+    overwrite: bool = False,
+) -> list[str]:
+    """Write one item's whole weights from a checkpoint as a plain state-dict file or as safetensors, for inference.
+
+    Reads a sharded checkpoint directory (``last.ckpt``/``best.ckpt``, written by any number of ranks; its
+    manifest is checked first) or a ``last.pt``/``best.pt``, in one process, with trainkit's checks (nothing in it
+    runs; a refused checkpoint writes nothing). Names are a bare module's, whatever wrap (DDP, FSDP2,
+    ``torch.compile``, none) wrote the checkpoint: DDP's ``module.`` and compile's ``_orig_mod.`` are dropped
+    (:func:`~trainkit.checkpoint.safetensors_files.export_names`).
+
+    ``format="torch"`` writes ``{name: tensor}`` with :func:`~trainkit.checkpoint.atomic_save` to the file ``out``
+    (replaced if there): ``model.load_state_dict(torch.load(out))`` takes it. ``format="safetensors"`` writes
+    ``out`` ending in ``.safetensors`` as one file, and any other ``out`` as a folder the Hugging Face hub reads
+    (:func:`~trainkit.checkpoint.safetensors_files.write_safetensors`); an existing ``out`` is refused unless
+    ``overwrite`` and it is an earlier export. Each file's header records ``format: pt``, the trainkit version, the
+    item, which checkpoint (``last``/``best``), its epoch and step (a best one records no step) and ``config_sha256``
+    (:func:`config_sha256` of the config it records); a tied weight is written once, each dropped name recorded as
+    ``{dropped: kept}`` as ``safetensors.torch.save_model`` records it (``safetensors.torch.load_model`` loads it
+    into a model that ties them).
+
+    Side effects: reads the checkpoint, writes ``out``.
+
+    :param checkpoint: The checkpoint directory or file.
+    :param out: The file to write, or (safetensors) the folder.
+    :param item: The registered item to export (a ``best`` checkpoint holds only the model, under any name).
+    :param format: ``"torch"`` or ``"safetensors"``.
+    :param max_shard_size: safetensors only: the largest shard's bytes (``parse_size`` in
+        :mod:`~trainkit.checkpoint.safetensors_files` reads ``"5GB"``).
+    :param overwrite: safetensors only: replace an earlier export at ``out``.
+    :returns: Lines describing what was written.
+    :raises CheckpointError: When the checkpoint is damaged, is not a trainkit checkpoint, or has no such item.
+    :raises ConfigError: When ``format`` is unknown, or an option does not go with it.
+    :raises ImportError: When safetensors is wanted and not installed, saying how to get it.
+    :raises FileExistsError: When ``out`` exists and may not be replaced.
+    """
+    import torch
+
+    from trainkit import checkpoint as ckpt_io
+    from trainkit.checkpoint import safetensors_files as st
+    from trainkit.errors import ConfigError
+
+    if format not in FORMATS:
+        raise ConfigError("--format", f"must be one of {', '.join(FORMATS)}", format)
+    if format == "torch" and (max_shard_size is not None or overwrite):
+        raise ConfigError(
+            "--max-shard-size and --overwrite",
+            "go with --format safetensors",
+            show_value=False,
+            hint="--format torch writes one file, replacing what is there",
+        )
+    if format == "safetensors":  # refused before the read, which can take minutes
+        st.require_safetensors()
+        st.check_out(out, overwrite=overwrite)
+    source = Path(checkpoint)
+    weights, payload = _read(source, item)
+    names = st.export_names(weights)
+    weights = {names[name]: value for name, value in weights.items()}
     tensors = {name: value for name, value in weights.items() if isinstance(value, torch.Tensor)}
-    ckpt_io.atomic_save(weights, out)
-    size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
-    return [f"wrote {out}: {len(tensors)} tensors, {format_bytes(size)}, from {source}"]
+    if format == "torch":
+        ckpt_io.atomic_save(weights, out)
+        written, aliases = [Path(out)], {}
+    else:
+        tensors, aliases = st.unique_storages(tensors)
+        header = {**aliases, **_header(payload, item)}
+        written = st.write_safetensors(
+            tensors, out, metadata=header, max_shard_size=max_shard_size, overwrite=overwrite
+        )
+    size = ckpt_io.payload_nbytes(tensors)  # a tied weight's memory once, as both formats write it
+    where = f"{len(written)} files in {out}" if len(written) > 1 else str(written[0])
+    tied = [f"{alias} = {kept}" for alias, kept in aliases.items()]
+    notes = [f"tied, written once: {', '.join(tied[:3])}{', ...' if len(tied) > 3 else ''}"] if tied else []
+    if format == "safetensors" and len(weights) > len(tensors) + len(aliases):
+        notes.append(f"{len(weights) - len(tensors) - len(aliases)} entries that are not tensors left out")
+    told = f" ({'; '.join(notes)})" if notes else ""
+    return [f"wrote {where}: {len(tensors)} tensors{told}, {format_bytes(size)}, from {source}"]

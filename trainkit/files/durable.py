@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import torch
 
@@ -35,6 +35,7 @@ __all__ = [
     "current_umask",
     "fsync_directory",
     "atomic_save",
+    "atomic_write_bytes",
     "payload_nbytes",
     "warn_if_low_on_space",
     "remove_stale_temp_files",
@@ -141,6 +142,39 @@ def atomic_save(
     :returns: The seconds the save took.
     :raises CheckpointError: On a full disk, naming the path, the bytes written so far and the bytes free.
     """
+    return _atomic_write(
+        path,
+        lambda handle: torch.save(payload, handle),
+        lambda: payload_nbytes(payload),
+        keep_previous=keep_previous,
+        alongside=alongside,
+    )
+
+
+def atomic_write_bytes(data: bytes, path: str | os.PathLike[str]) -> float:
+    """Write ``data`` to ``path`` as :func:`atomic_save` writes a payload: whole or not at all, durably.
+
+    Side effects: a temp file of its own in ``path``'s folder (created exclusively, never through a link), fsynced
+    and renamed over ``path`` (a link there is replaced, not written through), then the folder fsynced.
+
+    :param data: The file's bytes (a safetensors file that ``safetensors.torch.save`` made, say).
+    :param path: The destination file.
+    :returns: The seconds the write took.
+    :raises CheckpointError: On a full disk, naming the path, the bytes written so far and the bytes free.
+    """
+    return _atomic_write(path, lambda handle: handle.write(data), lambda: len(data))
+
+
+def _atomic_write(
+    path: str | os.PathLike[str],
+    write: Callable[[BinaryIO], object],
+    nbytes: Callable[[], int],
+    *,
+    keep_previous: bool = False,
+    alongside: Callable[[], None] | None = None,
+) -> float:
+    """The durable write behind :func:`atomic_save` and :func:`atomic_write_bytes`; ``nbytes`` sizes a full disk's
+    error message."""
     target = os.fspath(path)
     names = _save_names(target)
     start = time.perf_counter()
@@ -157,7 +191,7 @@ def atomic_save(
     beside = _Beside(alongside) if alongside is not None else None
     try:
         with os.fdopen(fd, "wb") as handle:
-            torch.save(payload, handle)
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         if beside is not None:
@@ -174,7 +208,7 @@ def atomic_save(
         full = _disk_full_error(exc)
         if full is not None:
             free = shutil.disk_usage(names.directory).free
-            needed = max(payload_nbytes(payload), written)
+            needed = max(nbytes(), written)
             raise CheckpointError(
                 f"cannot write checkpoint {target}: no space left after {written} bytes; about {needed} bytes "
                 f"are needed and {free} bytes are free; {target} was left unchanged"
