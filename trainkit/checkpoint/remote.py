@@ -1,0 +1,502 @@
+"""The remote tier: every published checkpoint copied to object storage (any fsspec URL) in the background.
+
+Side effects: objects under ``ckpt.remote`` (one folder per upload, its commit record last, the lease), a
+background thread on rank 0, hard links under ``out_dir/.remote-staging/`` while an upload is pending, a
+download folder ``out_dir/.remote-fetch-<token>/`` while a remote checkpoint is verified, warnings.
+
+The protocol (see ``docs/remote.rst``):
+
+- **Hand-over.** Right after a local publish the published files are hard-linked into a staging folder (no copy,
+  no bytes read) and handed to one uploader thread; one upload is in flight, and a newer hand-over replaces a
+  queued one. The loop waits for nothing else.
+- **Commit.** An upload streams each file into a fresh folder ``step-<step>-<token>/`` (CRC-32 computed on the
+  way), then writes :data:`~trainkit.checkpoint.remote_manifest.MANIFEST`, which lists every object's size and
+  CRC-32: a folder without one is never read, and is deleted by the next writer.
+- **Retention.** After each commit, the committed folders are described as the local kept checkpoints are and
+  :func:`~trainkit.bookkeeping.retain` decides which stay (never the newest).
+- **Lease.** One run writes under a prefix: :data:`~trainkit.checkpoint.remote_manifest.LEASE` is created with a
+  conditional create (S3 ``If-None-Match: *``, fsspec ``mode="create"``) and renewed by the uploader every third
+  of ``ckpt.remote_lease_s``; a lease not renewed for that long may be taken over.
+- **Faults.** A failed upload is retried with backoff a few times, warned about once, and superseded by the next
+  checkpoint; nothing here raises into the loop after the start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import socket
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from trainkit import __version__
+from trainkit import bookkeeping as core
+from trainkit.checkpoint.remote_manifest import (
+    LEASE,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    Lease,
+    Manifest,
+    RemoteObject,
+    folder_name,
+    folder_step,
+    lease_bytes,
+    manifest_bytes,
+    newest_first,
+    parse_lease,
+    parse_manifest,
+)
+from trainkit.config import CkptConfig, redact_text
+from trainkit.errors import CheckpointCorruptError, CheckpointUnsafeError, OutDirError, UsageError
+from trainkit.files.durable import fsync_directory
+from trainkit.messages import say, warn_user
+
+__all__ = ["RemoteTier", "Upload", "open_store", "STAGING_DIR", "FETCH_PREFIX"]
+
+STAGING_DIR = ".remote-staging"
+"""The folder under ``out_dir`` where handed-over files wait (hard links) for their upload."""
+FETCH_PREFIX = ".remote-fetch-"
+"""The prefix of the folder under ``out_dir`` where a remote checkpoint is downloaded and verified."""
+CHUNK = 8 << 20
+"""Bytes moved per read and write: the most of a checkpoint held in memory at once."""
+ATTEMPTS = 4
+"""Tries per upload before it is given up (the next checkpoint supersedes it)."""
+BACKOFF_S = 0.5
+"""The first retry's delay; each next one doubles it."""
+
+
+def open_store(url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """The fsspec filesystem and root path of ``url``, with fsspec's own configuration (its config files and
+    ``FSSPEC_<PROTOCOL>_<OPTION>`` variables, read now) under ``options``.
+
+    :param url: The ``ckpt.remote`` URL.
+    :param options: ``ckpt.remote_options``.
+    :returns: ``(filesystem, root)``.
+    :raises UsageError: When fsspec or the store's filesystem package is missing (one line naming it).
+    """
+    shown = redact_text(url)
+    try:
+        import fsspec
+        import fsspec.config
+    except ImportError:
+        raise UsageError(f"ckpt.remote={shown} needs fsspec: pip install 'trainkit[remote]'") from None
+    from_env: dict[str, dict[str, Any]] = {}
+    fsspec.config.set_conf_env(from_env)  # a variable set after fsspec was imported counts too
+    protocol = fsspec.utils.get_protocol(url)
+    merged = {**fsspec.config.conf.get(protocol, {}), **from_env.get(protocol, {}), **(options or {})}
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **merged)
+    except ImportError as exc:  # fsspec's message names the package to install
+        raise UsageError(f"ckpt.remote={shown}: {str(exc).strip().splitlines()[0]}") from None
+    except ValueError as exc:
+        raise UsageError(f"ckpt.remote={shown}: {str(exc).strip().splitlines()[0]}") from None
+    return fs, root.rstrip("/")
+
+
+@attrs.frozen(kw_only=True)
+class Upload:
+    """One checkpoint handed over for upload: its staged files and what its manifest says.
+
+    :ivar staged: The staging folder holding the files (hard links), removed once the upload ends.
+    :ivar files: ``(name, size)`` of each file in ``staged``; only the first ``size`` bytes go up.
+    :ivar step: The optimizer step.
+    :ivar epoch: The epoch.
+    :ivar run_id: The W&B run id.
+    :ivar description: The checkpoint as retention sees it.
+    :ivar policy: The retention policy (``ckpt.keep``) the remote folders are kept by.
+    """
+
+    staged: Path
+    files: tuple[tuple[str, int], ...]
+    step: int
+    epoch: int
+    run_id: str | None
+    description: core.Checkpoint
+    policy: Any
+
+
+class RemoteTier:
+    """Rank 0's remote copies of a run's checkpoints: lease, background uploads, retention, verified downloads.
+
+    :param url: ``ckpt.remote``.
+    :param fs: Its fsspec filesystem.
+    :param root: Its root path on ``fs``.
+    :param out_dir: The run folder (staging and downloads live there).
+    :param lease_s: ``ckpt.remote_lease_s``.
+    :param wait_s: ``ckpt.remote_wait_s``.
+    """
+
+    def __init__(self, url: str, fs: Any, root: str, *, out_dir: Path, lease_s: float, wait_s: float) -> None:
+        self.url = redact_text(url)
+        """The URL as shown in messages (credentials masked)."""
+        self._fs, self._root = fs, root
+        self._out_dir = out_dir
+        self._lease_s, self._wait_s = lease_s, wait_s
+        self._holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._cond = threading.Condition()
+        self._queued: Upload | None = None
+        self._busy = False
+        self._stopping = False
+        self._warned = False
+        self._committed_step: int | None = None
+        self._lost_step: int | None = None  # the newest step given up on
+        self._thread: threading.Thread | None = None
+        self._renewed = 0.0
+
+    @classmethod
+    def build(cls, ckpt: CkptConfig, out_dir: Path, *, rank: int) -> RemoteTier | None:
+        """The tier ``ckpt.remote`` names, on rank 0 of a run that writes checkpoints; None otherwise.
+
+        :param ckpt: The ``ckpt`` section.
+        :param out_dir: The run folder.
+        :param rank: This process's rank.
+        :returns: The tier, or None.
+        :raises UsageError: When fsspec or the store's package is missing, or with ``ckpt.format="sharded"``.
+        """
+        if ckpt.remote is None or not ckpt.enable or rank != 0:
+            return None
+        if ckpt.format != "file":
+            raise UsageError("ckpt.remote takes ckpt.format='file' checkpoints only for now; sharded ones stay local")
+        fs, root = open_store(ckpt.remote, dict(ckpt.remote_options))
+        return cls(ckpt.remote, fs, root, out_dir=out_dir, lease_s=ckpt.remote_lease_s, wait_s=ckpt.remote_wait_s)
+
+    # ------------------------------------------------------------------ the lease
+
+    def _path(self, *parts: str) -> str:
+        return "/".join((self._root, *parts))
+
+    def _read_lease(self) -> Lease | None:
+        try:
+            with self._fs.open(self._path(LEASE), "rb") as handle:
+                return parse_lease(handle.read(MAX_MANIFEST_BYTES))
+        except FileNotFoundError:
+            return None
+
+    def _create_lease(self) -> bool:
+        data = lease_bytes(Lease(holder=self._holder, expires=time.time() + self._lease_s))
+        try:
+            self._fs.pipe_file(self._path(LEASE), data, mode="create")
+        except FileExistsError:
+            return False
+        except (TypeError, NotImplementedError):  # no conditional create: check, write, read back (a race remains)
+            if self._read_lease() is not None:
+                return False
+            self._fs.pipe_file(self._path(LEASE), data)
+            held = self._read_lease()
+            return held is not None and held.holder == self._holder
+        self._renewed = time.monotonic()
+        return True
+
+    def acquire(self) -> None:
+        """Take the prefix for this run (an expired lease is taken over), then delete uncommitted leftovers.
+
+        :raises OutDirError: When another run holds it, naming the prefix, the holder and when it expires.
+        """
+        self._fs.makedirs(self._root, exist_ok=True)
+        for _ in range(2):
+            if self._create_lease():
+                break
+            held = self._read_lease()
+            if held is not None and not held.expired(time.time()):
+                until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(held.expires))
+                raise OutDirError(
+                    f"ckpt.remote={self.url} is held by another run ({held.holder}) until {until} unless it renews "
+                    "its lease; one run writes under a prefix: wait for it to end, or use another prefix"
+                )
+            with contextlib.suppress(FileNotFoundError):
+                self._fs.rm_file(self._path(LEASE))  # expired: its run is gone
+        else:
+            raise OutDirError(f"ckpt.remote={self.url}: another run took the expired lease first; try again")
+        self._remove_uncommitted(keep=None)
+        self._thread = threading.Thread(target=self._run, name="trainkit-remote-upload", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        held = self._read_lease()
+        if held is not None and held.holder != self._holder:
+            raise OutDirError(f"ckpt.remote={self.url}: the lease was taken over by {held.holder}")
+        self._fs.pipe_file(
+            self._path(LEASE), lease_bytes(Lease(holder=self._holder, expires=time.time() + self._lease_s))
+        )
+        self._renewed = time.monotonic()
+
+    # ------------------------------------------------------------------ hand-over and upload
+
+    def hand_over(
+        self, files: list[tuple[Path, int]], *, make_upload: Callable[[Path, tuple[tuple[str, int], ...]], Upload]
+    ) -> None:
+        """Stage just-published files (hard links, so the next publish cannot change them) and queue their upload,
+        replacing a queued one. Never raises: a failure is warned about once.
+
+        :param files: ``(path, size)`` of each file; the first ``size`` bytes are uploaded under its name.
+        :param make_upload: Builds the upload from the staging folder and ``(name, size)`` of each file.
+        """
+        staged = self._out_dir / STAGING_DIR / secrets.token_hex(8)
+        try:
+            staged.mkdir(parents=True)
+            for path, _ in files:
+                try:
+                    os.link(path, staged / path.name)
+                except OSError:  # a file system without hard links: a copy on disk, still not in memory
+                    shutil.copyfile(path, staged / path.name)
+        except OSError as exc:
+            shutil.rmtree(staged, ignore_errors=True)
+            self._warn(f"could not stage checkpoint files for upload ({exc})")
+            return
+        upload = make_upload(staged, tuple((path.name, size) for path, size in files))
+        with self._cond:
+            dropped, self._queued = self._queued, upload
+            self._cond.notify_all()
+        if dropped is not None:
+            shutil.rmtree(dropped.staged, ignore_errors=True)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queued is not None or self._stopping, timeout=self._lease_s / 3)
+                if self._stopping:
+                    return
+                job, self._queued = self._queued, None
+                self._busy = job is not None
+            try:
+                if time.monotonic() - self._renewed > self._lease_s / 3:
+                    self._renew()
+                if job is not None:
+                    self._upload_with_retries(job)
+            except Exception as exc:  # noqa: BLE001 - the loop must not fail for its remote copy
+                self._warn(f"the lease could not be renewed ({exc})")
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _superseded(self) -> bool:
+        with self._cond:
+            return self._queued is not None or self._stopping
+
+    def _upload_with_retries(self, job: Upload) -> None:
+        try:
+            for attempt in range(ATTEMPTS):
+                try:
+                    own = self._upload(job)
+                    self._committed_step = job.step
+                    self._retain(job, own)
+                    return
+                except Exception as exc:  # noqa: BLE001 - retried, then warned
+                    self._warn(f"uploading step {job.step} failed ({type(exc).__name__}: {exc}); retrying")
+                    if attempt == ATTEMPTS - 1 or self._superseded():
+                        break
+                    time.sleep(BACKOFF_S * 2**attempt)
+            self._lost_step = job.step
+        finally:
+            shutil.rmtree(job.staged, ignore_errors=True)
+
+    def _upload(self, job: Upload) -> str:
+        name = folder_name(job.step, secrets.token_hex(8))
+        folder = self._path(name)
+        self._fs.makedirs(folder, exist_ok=True)
+        objects = []
+        for name, size in job.files:
+            objects.append(
+                RemoteObject(name=name, size=size, crc32=self._stream_up(job.staged / name, f"{folder}/{name}", size))
+            )
+        described = job.description
+        manifest = Manifest(
+            step=job.step,
+            epoch=job.epoch,
+            kind="last",
+            objects=tuple(objects),
+            run_id=job.run_id,
+            version=__version__,
+            description={"epoch_end": described.epoch_end, "time": described.time, "scores": dict(described.scores)},
+        )
+        self._fs.pipe_file(f"{folder}/{MANIFEST}", manifest_bytes(manifest))  # the commit: written last
+        return name
+
+    def _stream_up(self, source: Path, target: str, size: int) -> int:
+        crc, remaining = 0, size
+        with open(source, "rb") as src, self._fs.open(target, "wb") as dst:
+            while remaining:
+                chunk = src.read(min(CHUNK, remaining))
+                if not chunk:
+                    raise OSError(f"{source} is shorter than the {size} bytes handed over")
+                crc = zlib.crc32(chunk, crc)
+                dst.write(chunk)
+                remaining -= len(chunk)
+        return crc
+
+    def _warn(self, text: str) -> None:
+        if not self._warned:  # once per run: a store that is down would otherwise warn at every checkpoint
+            self._warned = True
+            warn_user(
+                f"ckpt.remote={self.url}: {text}; training goes on, and the next checkpoint supersedes a lost upload "
+                "(further remote failures are not warned about)"
+            )
+
+    # ------------------------------------------------------------------ what is on the remote
+
+    def _folders(self) -> list[str]:
+        self._fs.invalidate_cache(self._root)
+        try:
+            entries = self._fs.ls(self._root, detail=False)
+        except FileNotFoundError:
+            return []
+        return [
+            name for name in (str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries) if folder_step(name) is not None
+        ]
+
+    def committed(self) -> list[tuple[str, Manifest]]:
+        """The committed checkpoint folders, newest first; a folder whose manifest is unsafe is warned about and
+        left out.
+
+        :returns: ``(folder name, manifest)`` pairs.
+        """
+        found = []
+        for name in self._folders():
+            try:
+                with self._fs.open(self._path(name, MANIFEST), "rb") as handle:
+                    manifest = parse_manifest(handle.read(MAX_MANIFEST_BYTES + 1))
+            except FileNotFoundError:
+                continue  # not committed: never read
+            except CheckpointUnsafeError as exc:
+                warn_user(f"ckpt.remote={self.url}: {name} is refused ({exc})")
+                continue
+            if manifest.step != folder_step(name):
+                warn_user(f"ckpt.remote={self.url}: {name} is refused (its manifest says step {manifest.step})")
+                continue
+            found.append((name, manifest))
+        return newest_first(found)
+
+    def _remove_uncommitted(self, keep: str | None) -> None:
+        for name in self._folders():
+            if name != keep and not self._fs.exists(self._path(name, MANIFEST)):
+                self._fs.rm(self._path(name), recursive=True)
+
+    def _retain(self, job: Upload, own: str) -> None:
+        by_step: dict[int, str] = {}
+        described = []
+        for name, manifest in sorted(self.committed(), key=lambda item: item[0] != own):
+            if manifest.step in by_step:  # the same step uploaded twice (a resumed run): one copy is enough
+                self._fs.rm(self._path(name), recursive=True)
+                continue
+            by_step[manifest.step] = name
+            d = manifest.description
+            described.append(
+                core.Checkpoint(
+                    step=manifest.step,
+                    epoch=manifest.epoch,
+                    epoch_end=d["epoch_end"],
+                    time=d["time"],
+                    scores=d["scores"],
+                )
+            )
+        kept = core.retain(job.policy, described, newest=job.step)
+        for step, name in by_step.items():
+            if step not in kept:
+                self._fs.rm(self._path(name), recursive=True)
+        self._remove_uncommitted(keep=None)
+
+    # ------------------------------------------------------------------ resuming
+
+    def download(self, name: str, manifest: Manifest) -> Path:
+        """Download a committed folder into ``out_dir/.remote-fetch-<token>/``, verified against its manifest
+        (regular objects, sizes bounded and equal, CRC-32), and return that folder.
+
+        :param name: The folder's name.
+        :param manifest: Its manifest.
+        :returns: The local folder holding the verified files.
+        :raises CheckpointCorruptError: On a missing object, a size or CRC-32 that differs.
+        :raises CheckpointUnsafeError: On an object that is not a regular file.
+        """
+        target = self._out_dir / f"{FETCH_PREFIX}{secrets.token_hex(8)}"
+        target.mkdir()
+        try:
+            for item in manifest.objects:
+                self._download_one(self._path(name, item.name), target / item.name, item, name)
+        except BaseException:
+            shutil.rmtree(target, ignore_errors=True)
+            raise
+        return target
+
+    def _download_one(self, source: str, local: Path, item: RemoteObject, name: str) -> None:
+        where = f"ckpt.remote={self.url}: {name}/{item.name}"
+        try:
+            info = self._fs.info(source)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{where} is listed in its manifest and missing") from None
+        if info.get("type") != "file" or info.get("islink"):
+            raise CheckpointUnsafeError(f"{where} is not a regular object ({info.get('type')})")
+        if info.get("size") != item.size:
+            raise CheckpointCorruptError(f"{where} is {info.get('size')} bytes, its manifest says {item.size}")
+        local.parent.mkdir(parents=True, exist_ok=True)
+        crc, total = 0, 0
+        fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with self._fs.open(source, "rb") as src, os.fdopen(fd, "wb") as dst:
+            while chunk := src.read(min(CHUNK, item.size + 1 - total)):
+                total += len(chunk)
+                if total > item.size:
+                    raise CheckpointCorruptError(f"{where} holds more than the {item.size} bytes of its manifest")
+                crc = zlib.crc32(chunk, crc)
+                dst.write(chunk)
+            dst.flush()
+            os.fsync(dst.fileno())
+        if total != item.size or crc != item.crc32:
+            raise CheckpointCorruptError(f"{where} does not match its manifest (size {total}, CRC-32 {crc:#010x})")
+
+    # ------------------------------------------------------------------ the end
+
+    def finish(self) -> None:
+        """Wait up to ``ckpt.remote_wait_s`` for the last upload; say what is not on the remote when it gives up."""
+        deadline = time.monotonic() + self._wait_s
+        with self._cond:
+            done = self._cond.wait_for(
+                lambda: self._queued is None and not self._busy, timeout=max(0.0, deadline - time.monotonic())
+            )
+            pending = self._queued.step if self._queued is not None else None
+        if not done:
+            warn_user(
+                f"ckpt.remote={self.url}: gave up waiting after ckpt.remote_wait_s={self._wait_s:g}s; step "
+                f"{pending if pending is not None else 'in flight'} is not on the remote (the newest committed one "
+                f"there is step {self._committed_step})"
+            )
+        elif self._lost_step is not None and (self._committed_step or -1) < self._lost_step:
+            warn_user(
+                f"ckpt.remote={self.url}: step {self._lost_step} is not on the remote (its upload failed); the newest "
+                f"committed one there is step {self._committed_step}"
+            )
+
+    def close(self) -> None:
+        """Stop the uploader (an upload in flight is left uncommitted) and let the prefix go."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
+            with contextlib.suppress(Exception):  # best effort: an unreleased lease expires on its own
+                held = self._read_lease()
+                if held is not None and held.holder == self._holder:
+                    self._fs.rm_file(self._path(LEASE))
+        shutil.rmtree(self._out_dir / STAGING_DIR, ignore_errors=True)
+
+
+def publish_fetched(folder: Path, out_dir: Path, names: list[str]) -> None:
+    """Move verified files into ``out_dir`` (each an atomic rename; ``last.pt``, which makes it a checkpoint, last).
+
+    :param folder: The download folder (under ``out_dir``).
+    :param out_dir: The run folder.
+    :param names: The file names, in the order to publish them.
+    """
+    for name in names:
+        os.replace(folder / name, out_dir / name)
+    fsync_directory(out_dir)
+    shutil.rmtree(folder, ignore_errors=True)
+    say(f"fetched {', '.join(names)} into {out_dir}")
