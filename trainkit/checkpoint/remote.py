@@ -57,6 +57,7 @@ from trainkit.checkpoint.remote_manifest import (
 from trainkit.config import CkptConfig, redact_text
 from trainkit.errors import CheckpointCorruptError, CheckpointUnsafeError, OutDirError, UsageError
 from trainkit.files.durable import fsync_directory
+from trainkit.files.weights_only_load import load_checkpoint
 from trainkit.messages import say, warn_user
 
 __all__ = ["RemoteTier", "Upload", "open_store", "STAGING_DIR", "FETCH_PREFIX"]
@@ -67,6 +68,8 @@ FETCH_PREFIX = ".remote-fetch-"
 """The prefix of the folder under ``out_dir`` where a remote checkpoint is downloaded and verified."""
 CHUNK = 8 << 20
 """Bytes moved per read and write: the most of a checkpoint held in memory at once."""
+LAST = "last.pt"
+"""The object that makes a remote folder a checkpoint to resume (published into ``out_dir`` last)."""
 ATTEMPTS = 4
 """Tries per upload before it is given up (the next checkpoint supersedes it)."""
 BACKOFF_S = 0.5
@@ -230,28 +233,32 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ hand-over and upload
 
-    def hand_over(
-        self, files: list[tuple[Path, int]], *, make_upload: Callable[[Path, tuple[tuple[str, int], ...]], Upload]
-    ) -> None:
+    def hand_over(self, files: list[tuple[Path, int | None]], make_upload: Callable[..., Upload]) -> None:
         """Stage just-published files (hard links, so the next publish cannot change them) and queue their upload,
         replacing a queued one. Never raises: a failure is warned about once.
 
-        :param files: ``(path, size)`` of each file; the first ``size`` bytes are uploaded under its name.
-        :param make_upload: Builds the upload from the staging folder and ``(name, size)`` of each file.
+        :param files: ``(path, size)`` of each file to upload, in order; only the first ``size`` bytes go (None:
+            the whole file). A missing file is left out.
+        :param make_upload: Builds the upload from ``staged=`` (the folder) and ``files=`` (``(name, size)`` pairs).
         """
         staged = self._out_dir / STAGING_DIR / secrets.token_hex(8)
+        listed = []
         try:
             staged.mkdir(parents=True)
-            for path, _ in files:
+            for path, size in files:
                 try:
                     os.link(path, staged / path.name)
+                except FileNotFoundError:
+                    continue
                 except OSError:  # a file system without hard links: a copy on disk, still not in memory
                     shutil.copyfile(path, staged / path.name)
+                whole = os.stat(staged / path.name).st_size
+                listed.append((path.name, whole if size is None else min(size, whole)))
         except OSError as exc:
             shutil.rmtree(staged, ignore_errors=True)
             self._warn(f"could not stage checkpoint files for upload ({exc})")
             return
-        upload = make_upload(staged, tuple((path.name, size) for path, size in files))
+        upload = make_upload(staged=staged, files=tuple(listed))
         with self._cond:
             dropped, self._queued = self._queued, upload
             self._cond.notify_all()
@@ -451,6 +458,41 @@ class RemoteTier:
         if total != item.size or crc != item.crc32:
             raise CheckpointCorruptError(f"{where} does not match its manifest (size {total}, CRC-32 {crc:#010x})")
 
+    def fetch_newer(self, local_step: int | None) -> bool:
+        """Publish into ``out_dir`` the newest committed remote checkpoint newer than ``local_step`` that verifies:
+        downloaded and checked against its manifest, each ``.pt`` file loaded by the safe reader, then moved in
+        (``last.pt`` last). A damaged one is warned about and the next older one tried.
+
+        :param local_step: The step of the local checkpoint ``resume=auto`` found (None: none).
+        :returns: Whether one was published.
+        """
+        for stale in self._out_dir.glob(f"{FETCH_PREFIX}*"):  # a download a kill interrupted
+            shutil.rmtree(stale, ignore_errors=True)
+        for name, manifest in self.committed():
+            if local_step is not None and manifest.step <= local_step:
+                return False
+            if manifest.object(LAST) is None:
+                warn_user(f"ckpt.remote={self.url}: {name} is refused (its manifest lists no {LAST})")
+                continue
+            try:
+                folder = self.download(name, manifest)
+            except (CheckpointCorruptError, CheckpointUnsafeError, OSError) as exc:
+                warn_user(f"{exc}; trying the previous committed remote checkpoint")
+                continue
+            try:
+                for item in manifest.objects:
+                    if item.name.endswith(".pt"):
+                        load_checkpoint(folder / item.name)  # refused here, before anything is published
+            except (CheckpointCorruptError, CheckpointUnsafeError) as exc:
+                shutil.rmtree(folder, ignore_errors=True)
+                warn_user(f"ckpt.remote={self.url}: {name} is refused ({exc}); trying the previous committed one")
+                continue
+            names = sorted((item.name for item in manifest.objects), key=lambda n: n == LAST)
+            publish_fetched(folder, self._out_dir, names)
+            say(f"took step {manifest.step} from ckpt.remote={self.url} ({name})")
+            return True
+        return False
+
     # ------------------------------------------------------------------ the end
 
     def finish(self) -> None:
@@ -499,4 +541,3 @@ def publish_fetched(folder: Path, out_dir: Path, names: list[str]) -> None:
         os.replace(folder / name, out_dir / name)
     fsync_directory(out_dir)
     shutil.rmtree(folder, ignore_errors=True)
-    say(f"fetched {', '.join(names)} into {out_dir}")
