@@ -153,6 +153,7 @@ class RemoteTier:
         self._lost_step: int | None = None  # the newest step given up on
         self._thread: threading.Thread | None = None
         self._renewed = 0.0
+        self._refused: set[str] = set()
 
     @classmethod
     def build(cls, ckpt: CkptConfig, out_dir: Path, *, rank: int) -> RemoteTier | None:
@@ -374,13 +375,18 @@ class RemoteTier:
             except FileNotFoundError:
                 continue  # not committed: never read
             except CheckpointUnsafeError as exc:
-                warn_user(f"ckpt.remote={self.url}: {name} is refused ({exc})")
+                self._refuse(name, str(exc))
                 continue
             if manifest.step != folder_step(name):
-                warn_user(f"ckpt.remote={self.url}: {name} is refused (its manifest says step {manifest.step})")
+                self._refuse(name, f"its manifest says step {manifest.step}")
                 continue
             found.append((name, manifest))
         return newest_first(found)
+
+    def _refuse(self, name: str, why: str) -> None:
+        if name not in self._refused:  # once per folder: retention lists the remote after every upload
+            self._refused.add(name)
+            warn_user(f"ckpt.remote={self.url}: {name} is refused ({why})")
 
     def _remove_uncommitted(self, keep: str | None) -> None:
         for name in self._folders():
