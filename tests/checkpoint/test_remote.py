@@ -175,7 +175,8 @@ KILLED_RUN = """
 import sys
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import TinyTrainer
-trainer = TinyTrainer(make_cfg(sys.argv[1], epochs=20, ckpt={"remote": sys.argv[2], "remote_lease_s": 1.0, "every_n_steps": 4}))
+ckpt = {"remote": sys.argv[2], "remote_lease_s": 1.0, "every_n_steps": 4}
+trainer = TinyTrainer(make_cfg(sys.argv[1], epochs=20, ckpt=ckpt))
 trainer.train()
 """
 
@@ -186,7 +187,7 @@ def test_a_kill_at_a_random_moment_of_the_uploads_leaves_a_committed_checkpoint_
 ):
     """SIGKILL at a random moment after the first commit (uploads are in flight at most moments): the remote has a
     committed checkpoint, and the same command on an empty out_dir, once the lease expired, ends as an
-    uninterrupted run."""
+    uninterrupted run. About 15 s: a training process must be started and killed mid-run."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     script = tmp_path / "killed.py"
     script.write_text(textwrap.dedent(KILLED_RUN))
