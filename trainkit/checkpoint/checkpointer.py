@@ -134,7 +134,8 @@ class Checkpointer:
     :param timeout_s: The bound on a background sharded save's collectives (``dist.timeout_s``).
     :param device: Where best weights read back go.
     :param config: The config as saved (``public_config``: no secrets).
-    :param remote: Rank 0's remote tier (``ckpt.remote``; :meth:`RemoteTier.build`), or None.
+    :param remote: Rank 0's remote tier (``ckpt.remote``; see
+        :meth:`~trainkit.checkpoint.remote.RemoteTier.build`), or None.
     """
 
     def __init__(
