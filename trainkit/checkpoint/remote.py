@@ -154,6 +154,7 @@ class RemoteTier:
         self._thread: threading.Thread | None = None
         self._renewed = 0.0
         self._refused: set[str] = set()
+        self._held = False
 
     @classmethod
     def build(cls, ckpt: CkptConfig, out_dir: Path, *, rank: int) -> RemoteTier | None:
@@ -177,6 +178,10 @@ class RemoteTier:
     def _path(self, *parts: str) -> str:
         return "/".join((self._root, *parts))
 
+    def lease(self) -> Lease | None:
+        """The lease on the prefix now, or None."""
+        return self._read_lease()
+
     def _read_lease(self) -> Lease | None:
         try:
             with self._fs.open(self._path(LEASE), "rb") as handle:
@@ -199,8 +204,9 @@ class RemoteTier:
         self._renewed = time.monotonic()
         return True
 
-    def acquire(self) -> None:
-        """Take the prefix for this run (an expired lease is taken over), then delete uncommitted leftovers.
+    def acquire(self, *, uploads: bool = True) -> None:
+        """Take the prefix for this run (an expired lease is taken over), delete uncommitted leftovers, and start
+        the uploader (unless ``uploads`` is False: ``retain`` holds the lease only to delete).
 
         :raises OutDirError: When another run holds it, naming the prefix, the holder and when it expires.
         """
@@ -219,9 +225,11 @@ class RemoteTier:
                 self._fs.rm_file(self._path(LEASE))  # expired: its run is gone
         else:
             raise OutDirError(f"ckpt.remote={self.url}: another run took the expired lease first; try again")
-        self._remove_uncommitted(keep=None)
-        self._thread = threading.Thread(target=self._run, name="trainkit-remote-upload", daemon=True)
-        self._thread.start()
+        self._held = True
+        self._remove_uncommitted()
+        if uploads:
+            self._thread = threading.Thread(target=self._run, name="trainkit-remote-upload", daemon=True)
+            self._thread.start()
 
     def _renew(self) -> None:
         held = self._read_lease()
@@ -388,17 +396,30 @@ class RemoteTier:
             self._refused.add(name)
             warn_user(f"ckpt.remote={self.url}: {name} is refused ({why})")
 
-    def _remove_uncommitted(self, keep: str | None) -> None:
-        for name in self._folders():
-            if name != keep and not self._fs.exists(self._path(name, MANIFEST)):
-                self._fs.rm(self._path(name), recursive=True)
+    def uncommitted(self) -> list[str]:
+        """The checkpoint folders without a commit record (uploads cut short): never read, deleted by the writer."""
+        return [name for name in self._folders() if not self._fs.exists(self._path(name, MANIFEST))]
 
-    def _retain(self, job: Upload, own: str) -> None:
+    def _remove_uncommitted(self) -> None:
+        self.delete(self.uncommitted())
+
+    def plan(
+        self, policy: Any, *, newest: int | None = None, prefer: str | None = None
+    ) -> tuple[dict[str, tuple[str, ...]], list[str]]:
+        """Which committed folders a retention policy keeps, and why; and every folder to delete: those it does not
+        keep, second copies of a step (``prefer`` is the copy kept), uncommitted ones.
+
+        :param policy: The retention policy (as ``ckpt.keep`` gives it).
+        :param newest: The step of the newest checkpoint the run wrote (None: the largest step).
+        :param prefer: The folder kept of two with the same step.
+        :returns: ``(reasons by kept folder, folders to delete)``.
+        """
         by_step: dict[int, str] = {}
+        doomed: list[str] = []
         described = []
-        for name, manifest in sorted(self.committed(), key=lambda item: item[0] != own):
+        for name, manifest in sorted(self.committed(), key=lambda item: item[0] != prefer):
             if manifest.step in by_step:  # the same step uploaded twice (a resumed run): one copy is enough
-                self._fs.rm(self._path(name), recursive=True)
+                doomed.append(name)
                 continue
             by_step[manifest.step] = name
             d = manifest.description
@@ -411,11 +432,22 @@ class RemoteTier:
                     scores=d["scores"],
                 )
             )
-        kept = core.retain(job.policy, described, newest=job.step)
-        for step, name in by_step.items():
-            if step not in kept:
+        reasons = core.keep_reasons(policy, described, newest=newest)
+        doomed += [name for step, name in by_step.items() if not reasons[step]]
+        doomed += self.uncommitted()
+        return {by_step[step]: why for step, why in reasons.items() if why}, doomed
+
+    def delete(self, names: list[str]) -> None:
+        """Delete remote folders (under the lease: only the holder deletes).
+
+        :param names: Folder names under the prefix.
+        """
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):  # gone already: the goal
                 self._fs.rm(self._path(name), recursive=True)
-        self._remove_uncommitted(keep=None)
+
+    def _retain(self, job: Upload, own: str) -> None:
+        self.delete(self.plan(job.policy, newest=job.step, prefer=own)[1])
 
     # ------------------------------------------------------------------ resuming
 
@@ -529,6 +561,8 @@ class RemoteTier:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
             self._thread = None
+        if self._held:
+            self._held = False
             with contextlib.suppress(Exception):  # best effort: an unreleased lease expires on its own
                 held = self._read_lease()
                 if held is not None and held.holder == self._holder:
