@@ -209,3 +209,39 @@ def test_a_kill_at_a_random_moment_of_the_uploads_leaves_a_committed_checkpoint_
     resumed, trainer = run(tmp_path / "empty", 20, remote=remote_url, every_n_steps=4)
     assert resumed == whole, f"killed {pause:.2f}s after the first commit"
     assert trainer.epochs_trained[0] > 0
+
+
+class FailingWrites:
+    """An fsspec memory store on which every write of a ``last.pt`` fails (a store that is down for checkpoints)."""
+
+    @staticmethod
+    def register() -> str:
+        import fsspec
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        class Failing(MemoryFileSystem):
+            protocol = "failing"
+            store: dict = {}  # noqa: RUF012 - fsspec's own layout: the store is the class's
+            pseudo_dirs = [""]  # noqa: RUF012
+
+            def _open(self, path, mode="rb", **kwargs):
+                if "w" in mode and path.endswith("/last.pt"):
+                    raise OSError("the store is down")
+                return super()._open(path, mode, **kwargs)
+
+        fsspec.register_implementation("failing", Failing, clobber=True)
+        return f"failing://trainkit-{secrets.token_hex(4)}/runs/a"
+
+
+def test_a_store_that_fails_every_upload_neither_fails_nor_stops_training(tmp_path):
+    """Every upload fails: the run trains to its end, warns once about the failures, and at its end says which step
+    is not on the remote; nothing is committed there."""
+    url = FailingWrites.register()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, trainer = run(tmp_path / "run", 3, remote=url, remote_wait_s=0.5)
+    said = [str(w.message) for w in caught if "ckpt.remote" in str(w.message)]
+    assert trainer.epochs_trained == [0, 1, 2]
+    assert sum("failed" in line and "retrying" in line for line in said) == 1, said
+    assert any("is not on the remote" in line and "18" in line for line in said), said
+    assert committed_steps(url) == []

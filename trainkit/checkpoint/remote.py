@@ -150,6 +150,7 @@ class RemoteTier:
         self._stopping = False
         self._warned = False
         self._committed_step: int | None = None
+        self._newest_step: int | None = None  # the newest step an upload started for
         self._lost_step: int | None = None  # the newest step given up on
         self._thread: threading.Thread | None = None
         self._renewed = 0.0
@@ -282,6 +283,8 @@ class RemoteTier:
                     return
                 job, self._queued = self._queued, None
                 self._busy = job is not None
+                if job is not None:
+                    self._newest_step = job.step
             try:
                 if time.monotonic() - self._renewed > self._lease_s / 3:
                     self._renew()
@@ -294,10 +297,6 @@ class RemoteTier:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _superseded(self) -> bool:
-        with self._cond:
-            return self._queued is not None or self._stopping
-
     def _upload_with_retries(self, job: Upload) -> None:
         try:
             for attempt in range(ATTEMPTS):
@@ -308,9 +307,11 @@ class RemoteTier:
                     return
                 except Exception as exc:  # noqa: BLE001 - retried, then warned
                     self._warn(f"uploading step {job.step} failed ({type(exc).__name__}: {exc}); retrying")
-                    if attempt == ATTEMPTS - 1 or self._superseded():
-                        break
-                    time.sleep(BACKOFF_S * 2**attempt)
+                    with self._cond:  # the backoff ends early for a newer checkpoint or the run's end
+                        if attempt == ATTEMPTS - 1 or self._cond.wait_for(
+                            lambda: self._queued is not None or self._stopping, timeout=BACKOFF_S * 2**attempt
+                        ):
+                            break
             self._lost_step = job.step
         finally:
             shutil.rmtree(job.staged, ignore_errors=True)
@@ -540,17 +541,17 @@ class RemoteTier:
             done = self._cond.wait_for(
                 lambda: self._queued is None and not self._busy, timeout=max(0.0, deadline - time.monotonic())
             )
-            pending = self._queued.step if self._queued is not None else None
+            pending = self._queued.step if self._queued is not None else self._newest_step
+        newest = "none" if self._committed_step is None else f"step {self._committed_step}"
         if not done:
             warn_user(
-                f"ckpt.remote={self.url}: gave up waiting after ckpt.remote_wait_s={self._wait_s:g}s; step "
-                f"{pending if pending is not None else 'in flight'} is not on the remote (the newest committed one "
-                f"there is step {self._committed_step})"
+                f"ckpt.remote={self.url}: gave up waiting after ckpt.remote_wait_s={self._wait_s:g}s; step {pending} "
+                f"is not on the remote (the newest committed there by this run: {newest})"
             )
         elif self._lost_step is not None and (self._committed_step or -1) < self._lost_step:
             warn_user(
-                f"ckpt.remote={self.url}: step {self._lost_step} is not on the remote (its upload failed); the newest "
-                f"committed one there is step {self._committed_step}"
+                f"ckpt.remote={self.url}: step {self._lost_step} is not on the remote (its upload failed; the newest "
+                f"committed there by this run: {newest})"
             )
 
     def close(self) -> None:
