@@ -126,6 +126,16 @@ class Upload:
     policy: Any
 
 
+def _crc32(path: Path, size: int) -> int:
+    """The CRC-32 of a file's first ``size`` bytes, read in chunks."""
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(min(CHUNK, size)):
+            crc = zlib.crc32(chunk, crc)
+            size -= len(chunk)
+    return crc
+
+
 class RemoteTier:
     """Rank 0's remote copies of a run's checkpoints: lease, background uploads, retention, verified downloads.
 
@@ -155,6 +165,9 @@ class RemoteTier:
         self._thread: threading.Thread | None = None
         self._renewed = 0.0
         self._refused: set[str] = set()
+        self._manifests: dict[str, Manifest] = {}
+        self.last_upload_s: float | None = None
+        """The seconds the last committed upload took, from its start to its commit record."""
         self._held = False
 
     @classmethod
@@ -301,7 +314,9 @@ class RemoteTier:
         try:
             for attempt in range(ATTEMPTS):
                 try:
+                    started = time.perf_counter()
                     own = self._upload(job)
+                    self.last_upload_s = time.perf_counter() - started
                     self._committed_step = job.step
                     self._retain(job, own)
                     return
@@ -317,14 +332,31 @@ class RemoteTier:
             shutil.rmtree(job.staged, ignore_errors=True)
 
     def _upload(self, job: Upload) -> str:
-        name = folder_name(job.step, secrets.token_hex(8))
-        folder = self._path(name)
+        """Upload a staged checkpoint into a fresh folder, its commit record last; returns the folder's name."""
+        own = folder_name(job.step, secrets.token_hex(8))
+        folder = self._path(own)
         self._fs.makedirs(folder, exist_ok=True)
-        objects = []
-        for name, size in job.files:
-            objects.append(
-                RemoteObject(name=name, size=size, crc32=self._stream_up(job.staged / name, f"{folder}/{name}", size))
-            )
+        crcs: dict[str, int] = {}
+        whole = [name for name, size in job.files if size == os.stat(job.staged / name).st_size]
+        # the CRC-32 pass reads the files beside the upload (zlib lets go of the GIL): it costs no upload time
+
+        def summed() -> None:
+            with contextlib.suppress(OSError):  # a file it could not read has no CRC: the upload fails below
+                crcs.update((name, _crc32(job.staged / name, size)) for name, size in job.files if name in whole)
+
+        summing = threading.Thread(target=summed, daemon=True)
+        summing.start()
+        try:
+            for name, size in job.files:
+                if name not in whole:  # a prefix (metrics.jsonl up to the checkpoint's line): streamed in chunks
+                    crcs[name] = self._stream_up(job.staged / name, f"{folder}/{name}", size)
+            if whole:  # the store's own put, streamed from the files: its part sizes, its concurrency
+                self._fs.put([str(job.staged / name) for name in whole], [f"{folder}/{name}" for name in whole])
+        finally:
+            summing.join()
+        if len(crcs) != len(job.files):
+            raise OSError(f"could not read every staged file of step {job.step}")
+        objects = [RemoteObject(name=name, size=size, crc32=crcs[name]) for name, size in job.files]
         described = job.description
         manifest = Manifest(
             step=job.step,
@@ -336,7 +368,7 @@ class RemoteTier:
             description={"epoch_end": described.epoch_end, "time": described.time, "scores": dict(described.scores)},
         )
         self._fs.pipe_file(f"{folder}/{MANIFEST}", manifest_bytes(manifest))  # the commit: written last
-        return name
+        return own
 
     def _stream_up(self, source: Path, target: str, size: int) -> int:
         crc, remaining = 0, size
@@ -376,30 +408,37 @@ class RemoteTier:
 
         :returns: ``(folder name, manifest)`` pairs.
         """
-        found = []
+        return self._scan()[0]
+
+    def uncommitted(self) -> list[str]:
+        """The checkpoint folders without a commit record (uploads cut short): never read, deleted by the writer."""
+        return self._scan()[1]
+
+    def _scan(self) -> tuple[list[tuple[str, Manifest]], list[str]]:
+        found, uncommitted = [], []
         for name in self._folders():
-            try:
-                with self._fs.open(self._path(name, MANIFEST), "rb") as handle:
-                    manifest = parse_manifest(handle.read(MAX_MANIFEST_BYTES + 1))
-            except FileNotFoundError:
-                continue  # not committed: never read
-            except CheckpointUnsafeError as exc:
-                self._refuse(name, str(exc))
-                continue
-            if manifest.step != folder_step(name):
-                self._refuse(name, f"its manifest says step {manifest.step}")
-                continue
+            manifest = self._manifests.get(name)  # a commit record is written once: read once
+            if manifest is None:
+                try:
+                    with self._fs.open(self._path(name, MANIFEST), "rb") as handle:
+                        manifest = parse_manifest(handle.read(MAX_MANIFEST_BYTES + 1))
+                except FileNotFoundError:
+                    uncommitted.append(name)  # never read
+                    continue
+                except CheckpointUnsafeError as exc:
+                    self._refuse(name, str(exc))
+                    continue
+                if manifest.step != folder_step(name):
+                    self._refuse(name, f"its manifest says step {manifest.step}")
+                    continue
+                self._manifests[name] = manifest
             found.append((name, manifest))
-        return newest_first(found)
+        return newest_first(found), uncommitted
 
     def _refuse(self, name: str, why: str) -> None:
         if name not in self._refused:  # once per folder: retention lists the remote after every upload
             self._refused.add(name)
             warn_user(f"ckpt.remote={self.url}: {name} is refused ({why})")
-
-    def uncommitted(self) -> list[str]:
-        """The checkpoint folders without a commit record (uploads cut short): never read, deleted by the writer."""
-        return [name for name in self._folders() if not self._fs.exists(self._path(name, MANIFEST))]
 
     def _remove_uncommitted(self) -> None:
         self.delete(self.uncommitted())
@@ -418,7 +457,8 @@ class RemoteTier:
         by_step: dict[int, str] = {}
         doomed: list[str] = []
         described = []
-        for name, manifest in sorted(self.committed(), key=lambda item: item[0] != prefer):
+        committed, uncommitted = self._scan()
+        for name, manifest in sorted(committed, key=lambda item: item[0] != prefer):
             if manifest.step in by_step:  # the same step uploaded twice (a resumed run): one copy is enough
                 doomed.append(name)
                 continue
@@ -435,7 +475,7 @@ class RemoteTier:
             )
         reasons = core.keep_reasons(policy, described, newest=newest)
         doomed += [name for step, name in by_step.items() if not reasons[step]]
-        doomed += self.uncommitted()
+        doomed += uncommitted
         return {by_step[step]: why for step, why in reasons.items() if why}, doomed
 
     def delete(self, names: list[str]) -> None:
@@ -444,6 +484,7 @@ class RemoteTier:
         :param names: Folder names under the prefix.
         """
         for name in names:
+            self._manifests.pop(name, None)
             with contextlib.suppress(FileNotFoundError):  # gone already: the goal
                 self._fs.rm(self._path(name), recursive=True)
 
