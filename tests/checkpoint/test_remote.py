@@ -224,10 +224,10 @@ class FailingWrites:
             store: dict = {}  # noqa: RUF012 - fsspec's own layout: the store is the class's
             pseudo_dirs = [""]  # noqa: RUF012
 
-            def _open(self, path, mode="rb", **kwargs):
-                if "w" in mode and path.endswith("/last.pt"):
+            def open(self, path, mode="rb", **kwargs):
+                if "w" in mode and str(path).endswith("/last.pt"):
                     raise OSError("the store is down")
-                return super()._open(path, mode, **kwargs)
+                return super().open(path, mode, **kwargs)
 
         fsspec.register_implementation("failing", Failing, clobber=True)
         return f"failing://trainkit-{secrets.token_hex(4)}/runs/a"

@@ -24,6 +24,7 @@ The protocol (see ``docs/remote.rst``):
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 import secrets
 import shutil
@@ -37,7 +38,6 @@ from typing import Any
 
 import attrs
 
-from trainkit import __version__
 from trainkit import bookkeeping as core
 from trainkit.checkpoint.remote_manifest import (
     LEASE,
@@ -124,6 +124,14 @@ class Upload:
     run_id: str | None
     description: core.Checkpoint
     policy: Any
+
+
+def _version() -> str:
+    """trainkit's installed version (the package is not imported from here: it sits above this layer)."""
+    try:
+        return importlib.metadata.version("trainkit")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _crc32(path: Path, size: int) -> int:
@@ -364,7 +372,7 @@ class RemoteTier:
             kind="last",
             objects=tuple(objects),
             run_id=job.run_id,
-            version=__version__,
+            version=_version(),
             description={"epoch_end": described.epoch_end, "time": described.time, "scores": dict(described.scores)},
         )
         self._fs.pipe_file(f"{folder}/{MANIFEST}", manifest_bytes(manifest))  # the commit: written last
