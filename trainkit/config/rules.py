@@ -140,10 +140,12 @@ _URL_SCHEME = re.compile(r"[a-z][a-z0-9+.-]*://", re.IGNORECASE)
 
 def remote_url(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if isinstance(value, str) and (not _URL_SCHEME.match(value) or not value.split("://", 1)[1].strip("/")):
+        shown = redact_text(value)
         raise ConfigError(
             attribute.name,
             "must be a URL with a scheme and a prefix (s3://bucket/prefix, file:///path)",
-            redact_text(value),
+            shown,
+            show_value="@" not in shown or "***" in shown,  # user:pw@host without a scheme: not masked, not shown
         )
 
 
