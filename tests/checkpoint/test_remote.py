@@ -76,9 +76,10 @@ def test_a_rerun_on_an_empty_machine_continues_from_the_remote_bit_for_bit(remot
     whole, _ = run(tmp_path / "whole", 3)
     run(tmp_path / "first", 2, remote=remote_url)
     assert committed_steps(remote_url) == [12]
-    resumed, _ = run(tmp_path / "empty", 3, remote=remote_url)
+    resumed, trainer = run(tmp_path / "empty", 3, remote=remote_url)
 
     assert resumed == whole
+    assert trainer.epochs_trained == [2]  # resumed, not trained again from scratch
     first, again = load_checkpoint(tmp_path / "first" / "last.pt"), load_checkpoint(tmp_path / "empty" / "last.pt")
     assert again["wandb_run_id"] == first["wandb_run_id"]
 

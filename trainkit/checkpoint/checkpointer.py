@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import secrets
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -40,7 +41,8 @@ from trainkit.checkpoint.kept import (
 )
 from trainkit.checkpoint.payload import last_payload, mid_epoch_state
 from trainkit.checkpoint.pt_files import RunFiles
-from trainkit.checkpoint.remote import RemoteTier, Upload
+from trainkit.checkpoint.remote import RemoteTier, Upload, published_files
+from trainkit.checkpoint.remote_manifest import folder_name
 from trainkit.checkpoint.storage import BestWeights, FileStorage, SaveRequest, ShardedStorage, Storage
 from trainkit.config import CkptConfig, Config, changed_on_resume, render_value, strip_secrets
 from trainkit.distributed import collectives as dist_utils
@@ -183,6 +185,8 @@ class Checkpointer:
         self._resumed: Path | None = None
         self._damaged_last = False  # a rollback found last damaged: set aside at the next save
         self._remote = remote
+        self._remote_token: str | None = None  # sharded with ckpt.remote: names the run's remote folders
+        self._remote_saves = 0
 
     @property
     def config(self) -> dict[str, Any]:
@@ -216,6 +220,8 @@ class Checkpointer:
             lambda: OutDirError(f"rank 0 could not use out_dir {self._files.out_dir}; see rank 0's error"),
             world_size=self._world_size,
         )
+        if self._ckpt.remote is not None and self._ckpt.enable and self._ckpt.format == "sharded":
+            self._remote_token = dist_utils.broadcast_object(secrets.token_hex(4))
 
     def load(self, cfg: Config, path: Path | None = None, *, quiet: bool = False) -> Resume | None:
         """Find and load what ``ckpt.resume`` names, with fallback, checked and reconciled with ``cfg``.
@@ -236,7 +242,7 @@ class Checkpointer:
         in_shards = Path(resume).is_dir() if named else self._ckpt.format == "sharded"
         ckpt, path = self._readers["sharded" if in_shards else "file"].load_resume(resume)
         if resume == "auto" and self._ckpt.remote is not None and self._fetched(ckpt):
-            ckpt, path = self._readers["file"].load_resume(resume)  # what the remote had, now in out_dir
+            ckpt, path = self._storage.load_resume(resume)  # what the remote had, now in out_dir
         if ckpt is None or path is None:
             return None
         self._check_config(ckpt, path, cfg)
@@ -266,7 +272,8 @@ class Checkpointer:
     def _fetched(self, local: Mapping[str, Any] | None) -> bool:
         """Rank 0 publishes into ``out_dir`` a remote checkpoint newer than the local one, if any; every rank learns
         whether it did (rank 0 writes before the others read)."""
-        fetched = self._remote is not None and self._remote.fetch_newer(None if local is None else int(local["step"]))
+        local_step = None if local is None else int(local["step"])
+        fetched = self._rank == 0 and self._remote is not None and self._remote.fetch_newer(local_step)
         return bool(dist_utils.broadcast_object(fetched))
 
     def rollback_resume(self, cfg: Config, first_bad_step: int) -> Resume | None:
@@ -512,7 +519,11 @@ class Checkpointer:
         changed, self._best_changed = self._best_changed, False
         if not self._ckpt.enable:
             return None
-        gathered = dist_utils.all_gather_objects({"rng": capture_rng(), "position": record.rank_position})
+        self._remote_saves += 1
+        uploaded = self._remote.report() if self._remote is not None and self._remote_token is not None else None
+        state = {"rng": capture_rng(), "position": record.rank_position, "remote": uploaded}
+        gathered = dist_utils.all_gather_objects(state)  # also carries each rank's sharded upload, for the commit
+        self._remote_reports([rank_state["remote"] for rank_state in gathered])
         self._set_damaged_aside()  # every rank is here, past any read of it
         rng = [state["rng"] for state in gathered]
         mid_epoch = None
@@ -567,9 +578,10 @@ class Checkpointer:
         """Hand the just-published ``best``, ``metrics.jsonl`` (up to this checkpoint's line) and ``last`` to the
         remote uploader (where the save's writes run, right after the publish)."""
         assert self._remote is not None
-        metrics = [(self._files.metrics_path, record.metrics_offset)] if record.metrics_offset else []
+        metrics = record.metrics_offset if self._rank == 0 else None
+        shared = self._remote_folder(record.loop.step)  # sharded: every rank's shards in one folder
         self._remote.hand_over(
-            [(self.best_path, None), *metrics, (self.last_path, None)],
+            published_files([self.best_path, self.last_path], self._files.metrics_path, metrics, rank=self._rank),
             functools.partial(
                 Upload,
                 step=record.loop.step,
@@ -577,8 +589,21 @@ class Checkpointer:
                 run_id=record.run_id,
                 description=description,
                 policy=self._kept.policy(minimize),
+                folder=shared,
+                commits=shared is None,
             ),
         )
+
+    def _remote_folder(self, step: int) -> str | None:
+        """A sharded save's remote folder, named alike on every rank (the run's token, the save's number)."""
+        if self._ckpt.format != "sharded" or self._remote_token is None:
+            return None
+        return folder_name(step, f"{self._remote_token}{self._remote_saves:08x}")
+
+    def _remote_reports(self, report: Any) -> None:
+        """Rank 0 commits the newest sharded upload every rank reported done (``report`` is each rank's)."""
+        if self._rank == 0 and self._remote is not None and self._remote_token is not None:
+            self._remote.commit_reports(report)
 
     def _payload(
         self,
@@ -651,6 +676,10 @@ class Checkpointer:
         self._kept.join()
         if self._remote is not None:
             self._remote.finish()
+        if self._remote_token is not None:  # every rank: the last sharded upload is committed once all are up
+            self._remote_reports(dist_utils.all_gather_objects(self._remote.report() if self._remote else None))
+            if self._rank == 0 and self._remote is not None:
+                self._remote.finish()
 
     def release_folder(self) -> None:
         """Let the folder go (idempotent): the next run on it may start."""

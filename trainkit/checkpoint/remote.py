@@ -17,6 +17,9 @@ The protocol (see ``docs/remote.rst``):
 - **Lease.** One run writes under a prefix: :data:`~trainkit.checkpoint.remote_manifest.LEASE` is created with a
   conditional create (S3 ``If-None-Match: *``, fsspec ``mode="create"``) and renewed by the uploader every third
   of ``ckpt.remote_lease_s``; a lease not renewed for that long may be taken over.
+- **Sharded.** Every rank uploads its own files of a sharded save into one folder (named alike on every rank);
+  rank 0 writes the commit record once every rank reported its upload done (:meth:`RemoteTier.report`, gathered
+  by the next save's collective or at the run's end; :meth:`RemoteTier.commit_reports`).
 - **Faults.** A failed upload is retried with backoff a few times, warned about once, and superseded by the next
   checkpoint; nothing here raises into the loop after the start.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -69,7 +73,9 @@ FETCH_PREFIX = ".remote-fetch-"
 CHUNK = 8 << 20
 """Bytes moved per read and write: the most of a checkpoint held in memory at once."""
 LAST = "last.pt"
-"""The object that makes a remote folder a checkpoint to resume (published into ``out_dir`` last)."""
+"""The object that makes a remote folder a file checkpoint to resume (published into ``out_dir`` last)."""
+LAST_DIR = "last.ckpt"
+"""The directory that makes a remote folder a sharded checkpoint to resume (its files under ``last.ckpt/``)."""
 ATTEMPTS = 4
 """Tries per upload before it is given up (the next checkpoint supersedes it)."""
 BACKOFF_S = 0.5
@@ -115,6 +121,9 @@ class Upload:
     :ivar run_id: The W&B run id.
     :ivar description: The checkpoint as retention sees it.
     :ivar policy: The retention policy (``ckpt.keep``) the remote folders are kept by.
+    :ivar folder: The remote folder's name (every rank's shards of a sharded save go into one); None: a fresh one.
+    :ivar commits: Write the commit record after the upload (a sharded save's is written by rank 0 once every
+        rank reported its shards uploaded, :meth:`RemoteTier.commit_reports`).
     """
 
     staged: Path
@@ -124,6 +133,17 @@ class Upload:
     run_id: str | None
     description: core.Checkpoint
     policy: Any
+    folder: str | None = None
+    commits: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class _Commit:
+    """A sharded save's commit record, to write once every rank's shards are up."""
+
+    upload: Upload
+    folder: str
+    objects: tuple[RemoteObject, ...]
 
 
 def _version() -> str:
@@ -153,9 +173,12 @@ class RemoteTier:
     :param out_dir: The run folder (staging and downloads live there).
     :param lease_s: ``ckpt.remote_lease_s``.
     :param wait_s: ``ckpt.remote_wait_s``.
+    :param rank: This process's rank: rank 0 holds the lease, commits and deletes; every rank uploads its own files.
     """
 
-    def __init__(self, url: str, fs: Any, root: str, *, out_dir: Path, lease_s: float, wait_s: float) -> None:
+    def __init__(
+        self, url: str, fs: Any, root: str, *, out_dir: Path, lease_s: float, wait_s: float, rank: int = 0
+    ) -> None:
         self.url = redact_text(url)
         """The URL as shown in messages (credentials masked)."""
         self._fs, self._root = fs, root
@@ -177,23 +200,27 @@ class RemoteTier:
         self.last_upload_s: float | None = None
         """The seconds the last committed upload took, from its start to its commit record."""
         self._held = False
+        self._rank = rank
+        self._commit: _Commit | None = None
+        self._awaiting: dict[str, Upload] = {}  # rank 0: sharded uploads waiting for every rank's report
+        self._uploaded: tuple[str, tuple[RemoteObject, ...]] | None = None  # the newest uncommitted upload done
 
     @classmethod
     def build(cls, ckpt: CkptConfig, out_dir: Path, *, rank: int) -> RemoteTier | None:
-        """The tier ``ckpt.remote`` names, on rank 0 of a run that writes checkpoints; None otherwise.
+        """The tier ``ckpt.remote`` names in a run that writes checkpoints: on rank 0 (``ckpt.format="file"``) or
+        on every rank (``"sharded"``: each uploads its own shards); None otherwise.
 
         :param ckpt: The ``ckpt`` section.
         :param out_dir: The run folder.
         :param rank: This process's rank.
         :returns: The tier, or None.
-        :raises UsageError: When fsspec or the store's package is missing, or with ``ckpt.format="sharded"``.
+        :raises UsageError: When fsspec or the store's package is missing.
         """
-        if ckpt.remote is None or not ckpt.enable or rank != 0:
+        if ckpt.remote is None or not ckpt.enable or (rank != 0 and ckpt.format != "sharded"):
             return None
-        if ckpt.format != "file":
-            raise UsageError("ckpt.remote takes ckpt.format='file' checkpoints only for now; sharded ones stay local")
         fs, root = open_store(ckpt.remote, dict(ckpt.remote_options))
-        return cls(ckpt.remote, fs, root, out_dir=out_dir, lease_s=ckpt.remote_lease_s, wait_s=ckpt.remote_wait_s)
+        options = {"lease_s": ckpt.remote_lease_s, "wait_s": ckpt.remote_wait_s, "rank": rank}
+        return cls(ckpt.remote, fs, root, out_dir=out_dir, **options)
 
     # ------------------------------------------------------------------ the lease
 
@@ -232,6 +259,9 @@ class RemoteTier:
 
         :raises OutDirError: When another run holds it, naming the prefix, the holder and when it expires.
         """
+        if self._rank != 0:  # rank 0 holds the prefix for the run
+            self._start(uploads)
+            return
         self._fs.makedirs(self._root, exist_ok=True)
         for _ in range(2):
             if self._create_lease():
@@ -249,6 +279,9 @@ class RemoteTier:
             raise OutDirError(f"ckpt.remote={self.url}: another run took the expired lease first; try again")
         self._held = True
         self._remove_uncommitted()
+        self._start(uploads)
+
+    def _start(self, uploads: bool) -> None:
         if uploads:
             self._thread = threading.Thread(target=self._run, name="trainkit-remote-upload", daemon=True)
             self._thread.start()
@@ -264,27 +297,28 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ hand-over and upload
 
-    def hand_over(self, files: list[tuple[Path, int | None]], make_upload: Callable[..., Upload]) -> None:
+    def hand_over(self, files: list[tuple[Path, str, int | None]], make_upload: Callable[..., Upload]) -> None:
         """Stage just-published files (hard links, so the next publish cannot change them) and queue their upload,
         replacing a queued one. Never raises: a failure is warned about once.
 
-        :param files: ``(path, size)`` of each file to upload, in order; only the first ``size`` bytes go (None:
-            the whole file). A missing file is left out.
+        :param files: ``(path, name, size)`` of each file to upload, in order: ``name`` is its name in the remote
+            folder; only the first ``size`` bytes go (None: the whole file). A missing file is left out.
         :param make_upload: Builds the upload from ``staged=`` (the folder) and ``files=`` (``(name, size)`` pairs).
         """
         staged = self._out_dir / STAGING_DIR / secrets.token_hex(8)
         listed = []
         try:
-            staged.mkdir(parents=True)
-            for path, size in files:
+            for path, name, size in files:
+                target = staged / name
+                target.parent.mkdir(parents=True, exist_ok=True)
                 try:
-                    os.link(path, staged / path.name)
+                    os.link(path, target)
                 except FileNotFoundError:
                     continue
                 except OSError:  # a file system without hard links: a copy on disk, still not in memory
-                    shutil.copyfile(path, staged / path.name)
-                whole = os.stat(staged / path.name).st_size
-                listed.append((path.name, whole if size is None else min(size, whole)))
+                    shutil.copyfile(path, target)
+                whole = os.stat(target).st_size
+                listed.append((name, whole if size is None else min(size, whole)))
         except OSError as exc:
             shutil.rmtree(staged, ignore_errors=True)
             self._warn(f"could not stage checkpoint files for upload ({exc})")
@@ -292,23 +326,56 @@ class RemoteTier:
         upload = make_upload(staged=staged, files=tuple(listed))
         with self._cond:
             dropped, self._queued = self._queued, upload
+            if not upload.commits and self._rank == 0 and upload.folder is not None:
+                self._awaiting[upload.folder] = upload
             self._cond.notify_all()
         if dropped is not None:
             shutil.rmtree(dropped.staged, ignore_errors=True)
 
+    def report(self) -> tuple[str, tuple[RemoteObject, ...]] | None:
+        """The newest sharded upload of this rank that is done and not committed yet: its folder and objects."""
+        with self._cond:
+            return self._uploaded
+
+    def commit_reports(self, reports: list[tuple[str, tuple[RemoteObject, ...]] | None]) -> None:
+        """Rank 0: queue the commit record of the newest sharded upload every rank reports done (the reports are
+        gathered by the save's own collective, or at the run's end); older uncommitted ones are given up.
+
+        :param reports: :meth:`report` of every rank, in rank order.
+        """
+        folders = {report[0] if report is not None else None for report in reports}
+        if len(folders) != 1 or None in folders:
+            return
+        (folder,) = folders
+        with self._cond:
+            upload = self._awaiting.pop(folder, None)
+            if upload is None:
+                return
+            for older in [name for name, job in self._awaiting.items() if job.step <= upload.step]:
+                del self._awaiting[older]
+            objects = tuple(o for report in reports if report is not None for o in report[1])
+            self._commit = _Commit(upload=upload, folder=folder, objects=objects)
+            self._cond.notify_all()
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._queued is not None or self._stopping, timeout=self._lease_s / 3)
+                self._cond.wait_for(
+                    lambda: self._queued is not None or self._commit is not None or self._stopping,
+                    timeout=self._lease_s / 3,
+                )
                 if self._stopping:
                     return
-                job, self._queued = self._queued, None
-                self._busy = job is not None
+                commit, self._commit = self._commit, None
+                job, self._queued = (None, self._queued) if commit is not None else (self._queued, None)
+                self._busy = job is not None or commit is not None
                 if job is not None:
                     self._newest_step = job.step
             try:
-                if time.monotonic() - self._renewed > self._lease_s / 3:
+                if self._held and time.monotonic() - self._renewed > self._lease_s / 3:
                     self._renew()
+                if commit is not None:
+                    self._commit_sharded(commit)
                 if job is not None:
                     self._upload_with_retries(job)
             except Exception as exc:  # noqa: BLE001 - the loop must not fail for its remote copy
@@ -323,7 +390,11 @@ class RemoteTier:
             for attempt in range(ATTEMPTS):
                 try:
                     started = time.perf_counter()
-                    own = self._upload(job)
+                    own, objects = self._upload(job)
+                    if not job.commits:  # rank 0 commits once every rank reported its shards up
+                        with self._cond:
+                            self._uploaded = (own, objects)
+                        return
                     self.last_upload_s = time.perf_counter() - started
                     self._committed_step = job.step
                     self._retain(job, own)
@@ -339,11 +410,24 @@ class RemoteTier:
         finally:
             shutil.rmtree(job.staged, ignore_errors=True)
 
-    def _upload(self, job: Upload) -> str:
-        """Upload a staged checkpoint into a fresh folder, its commit record last; returns the folder's name."""
-        own = folder_name(job.step, secrets.token_hex(8))
+    def _commit_sharded(self, commit: _Commit) -> None:
+        try:
+            self._write_manifest(commit.upload, commit.folder, commit.objects)
+            self._committed_step = commit.upload.step
+            self._retain(commit.upload, commit.folder)
+        except Exception as exc:  # noqa: BLE001 - the next save's commit supersedes it
+            self._warn(f"committing step {commit.upload.step} failed ({type(exc).__name__}: {exc})")
+            self._lost_step = commit.upload.step
+
+    def _upload(self, job: Upload) -> tuple[str, tuple[RemoteObject, ...]]:
+        """Upload a staged checkpoint into its folder, its commit record last (unless a sharded rank's share).
+
+        :returns: The folder's name and the objects uploaded.
+        """
+        own = job.folder or folder_name(job.step, secrets.token_hex(8))
         folder = self._path(own)
-        self._fs.makedirs(folder, exist_ok=True)
+        for sub in sorted({name.rpartition("/")[0] for name, _ in job.files}):  # a file system needs its folders
+            self._fs.makedirs(f"{folder}/{sub}" if sub else folder, exist_ok=True)
         crcs: dict[str, int] = {}
         whole = [name for name, size in job.files if size == os.stat(job.staged / name).st_size]
         # the CRC-32 pass reads the files beside the upload (zlib lets go of the GIL): it costs no upload time
@@ -364,19 +448,23 @@ class RemoteTier:
             summing.join()
         if len(crcs) != len(job.files):
             raise OSError(f"could not read every staged file of step {job.step}")
-        objects = [RemoteObject(name=name, size=size, crc32=crcs[name]) for name, size in job.files]
+        objects = tuple(RemoteObject(name=name, size=size, crc32=crcs[name]) for name, size in job.files)
+        if job.commits:
+            self._write_manifest(job, own, objects)
+        return own, objects
+
+    def _write_manifest(self, job: Upload, own: str, objects: tuple[RemoteObject, ...]) -> None:
         described = job.description
         manifest = Manifest(
             step=job.step,
             epoch=job.epoch,
             kind="last",
-            objects=tuple(objects),
+            objects=objects,
             run_id=job.run_id,
             version=_version(),
             description={"epoch_end": described.epoch_end, "time": described.time, "scores": dict(described.scores)},
         )
-        self._fs.pipe_file(f"{folder}/{MANIFEST}", manifest_bytes(manifest))  # the commit: written last
-        return own
+        self._fs.pipe_file(self._path(own, MANIFEST), manifest_bytes(manifest))  # the commit: written last
 
     def _stream_up(self, source: Path, target: str, size: int) -> int:
         crc, remaining = 0, size
@@ -559,8 +647,9 @@ class RemoteTier:
         for name, manifest in self.committed():
             if local_step is not None and manifest.step <= local_step:
                 return False
-            if manifest.object(LAST) is None:
-                warn_user(f"ckpt.remote={self.url}: {name} is refused (its manifest lists no {LAST})")
+            tops = {item.name.split("/")[0] for item in manifest.objects}
+            if not tops & {LAST, LAST_DIR}:
+                self._refuse(name, f"its manifest lists neither {LAST} nor {LAST_DIR}/")
                 continue
             try:
                 folder = self.download(name, manifest)
@@ -575,8 +664,7 @@ class RemoteTier:
                 shutil.rmtree(folder, ignore_errors=True)
                 warn_user(f"ckpt.remote={self.url}: {name} is refused ({exc}); trying the previous committed one")
                 continue
-            names = sorted((item.name for item in manifest.objects), key=lambda n: n == LAST)
-            publish_fetched(folder, self._out_dir, names)
+            publish_fetched(folder, self._out_dir, sorted(tops, key=lambda top: top in (LAST, LAST_DIR)))
             say(f"took step {manifest.step} from ckpt.remote={self.url} ({name})")
             return True
         return False
@@ -588,7 +676,8 @@ class RemoteTier:
         deadline = time.monotonic() + self._wait_s
         with self._cond:
             done = self._cond.wait_for(
-                lambda: self._queued is None and not self._busy, timeout=max(0.0, deadline - time.monotonic())
+                lambda: self._queued is None and self._commit is None and not self._busy,
+                timeout=max(0.0, deadline - time.monotonic()),
             )
             pending = self._queued.step if self._queued is not None else self._newest_step
         newest = "none" if self._committed_step is None else f"step {self._committed_step}"
@@ -620,14 +709,51 @@ class RemoteTier:
         shutil.rmtree(self._out_dir / STAGING_DIR, ignore_errors=True)
 
 
+_SHARD = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+def published_files(
+    checkpoints: list[Path], metrics: Path, metrics_size: int | None, *, rank: int
+) -> list[tuple[Path, str, int | None]]:
+    """What this rank uploads of a just-published save: a file checkpoint whole (rank 0), or this rank's own files
+    of a sharded directory (``__<rank>_<n>.distcp``; rank 0 also the rest: ``.metadata``, ``trainkit.pt``, the
+    manifest); ``metrics.jsonl`` up to ``metrics_size`` bytes (rank 0). ``last`` comes last.
+
+    :param checkpoints: ``best`` then ``last`` (files, or directories).
+    :param metrics: ``metrics.jsonl``.
+    :param metrics_size: Its size the checkpoint records (None: not uploaded).
+    :param rank: This rank.
+    :returns: ``(path, remote name, size or None for the whole file)`` triples.
+    """
+    files: list[tuple[Path, str, int | None]] = []
+    if metrics_size:
+        files.append((metrics, metrics.name, metrics_size))
+    for path in checkpoints:
+        if path.is_dir() and not path.is_symlink():
+            for entry in sorted(path.iterdir()):
+                shard = _SHARD.fullmatch(entry.name)
+                if (int(shard[1]) == rank if shard else rank == 0) and entry.is_file() and not entry.is_symlink():
+                    files.append((entry, f"{path.name}/{entry.name}", None))
+        elif rank == 0:
+            files.append((path, path.name, None))
+    return files
+
+
 def publish_fetched(folder: Path, out_dir: Path, names: list[str]) -> None:
-    """Move verified files into ``out_dir`` (each an atomic rename; ``last.pt``, which makes it a checkpoint, last).
+    """Move verified files and directories into ``out_dir`` (each an atomic rename; ``last.pt`` or ``last.ckpt/``,
+    which makes it a checkpoint, last). A directory in the way (an older local ``last.ckpt/``) is moved aside first
+    and deleted.
 
     :param folder: The download folder (under ``out_dir``).
     :param out_dir: The run folder.
-    :param names: The file names, in the order to publish them.
+    :param names: The top-level names, in the order to publish them.
     """
     for name in names:
-        os.replace(folder / name, out_dir / name)
+        target = out_dir / name
+        if target.is_dir() and not target.is_symlink():
+            aside = out_dir / f"{FETCH_PREFIX}old-{secrets.token_hex(8)}"
+            os.replace(target, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+        os.replace(folder / name, target)
     fsync_directory(out_dir)
     shutil.rmtree(folder, ignore_errors=True)

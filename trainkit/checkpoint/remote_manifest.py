@@ -51,7 +51,7 @@ MAX_OBJECTS = 10_000
 """No manifest may list more objects than this."""
 
 _FOLDER = re.compile(r"step-(0|[1-9][0-9]{0,17})-([0-9a-f]{8,64})")
-_NAME_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+_NAME_PART = re.compile(r"(?!\.\.?$)[A-Za-z0-9_.][A-Za-z0-9_.-]{0,127}")  # DCP's ".metadata"; never "." or ".."
 
 
 def folder_name(step: int, token: str) -> str:
@@ -78,7 +78,7 @@ def folder_step(name: str) -> int | None:
 
 def check_name(name: Any) -> str:
     """A relative object name inside a checkpoint folder, or a refusal: no ``..``, no absolute path, no empty part,
-    no backslash, only letters, digits, ``_``, ``.`` and ``-`` (a name never starts with ``.``).
+    no ``.`` part, no backslash, only letters, digits, ``_``, ``.`` and ``-``.
 
     :param name: The name as a manifest gives it.
     :returns: The name.
