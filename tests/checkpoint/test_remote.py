@@ -25,7 +25,7 @@ from tests.helpers.trainers import TinyTrainer, param_digest
 from trainkit import OutDirError
 from trainkit.checkpoint import load_checkpoint
 from trainkit.checkpoint.kept import read_kept
-from trainkit.checkpoint.remote import open_store
+from trainkit.checkpoint.remote import RemoteTier, open_store
 from trainkit.checkpoint.remote_manifest import LEASE, MANIFEST, Lease, lease_bytes, parse_manifest
 
 pytest.importorskip("fsspec")
@@ -246,3 +246,24 @@ def test_a_store_that_fails_every_upload_neither_fails_nor_stops_training(tmp_pa
     assert sum("failed" in line and "retrying" in line for line in said) == 1, said
     assert any("is not on the remote" in line and "18" in line for line in said), said
     assert committed_steps(url) == []
+
+
+@pytest.mark.parametrize("remote_url", ["memory"], indirect=True)
+def test_a_running_writer_renews_its_lease_and_a_failed_construction_lets_the_prefix_go(remote_url, tmp_path):
+    """A lease of 0.3 s held by a live writer is still refused after a second (the uploader renews it); a trainer
+    whose construction fails after it took the prefix (a damaged checkpoint to resume) lets it go."""
+    cfg = make_cfg(tmp_path / "a", epochs=1, ckpt={"remote": remote_url, "remote_lease_s": 0.3})
+    writer = RemoteTier.build(TinyTrainer.config_class.from_mapping(cfg).ckpt, tmp_path / "a", rank=0)
+    writer.acquire()
+    try:
+        time.sleep(1.0)
+        with pytest.raises(OutDirError, match="is held by another run"):
+            TinyTrainer(make_cfg(tmp_path / "b", epochs=1, ckpt={"remote": remote_url})).close()
+    finally:
+        writer.close()
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "last.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(Exception, match="last.pt"):
+        TinyTrainer(make_cfg(tmp_path / "c", epochs=1, ckpt={"remote": remote_url}))
+    _, trainer = run(tmp_path / "d", 1, remote=remote_url)  # the prefix is free again
+    assert trainer.epochs_trained == [0]

@@ -17,8 +17,18 @@ pytestmark = [pytest.mark.ddp, pytest.mark.timeout(300)]
 
 def sharded_cfg(out_dir, remote=None, **overrides):
     ckpt = {"format": "sharded", **({"remote": remote} if remote else {})}
-    return make_cfg(out_dir, **{"epochs": 3, "dist": {"timeout_s": 60}, "wrap": "fsdp", "val": {"patience": 5},
-                                "test": {"enable": True}, "ckpt": ckpt, **overrides})
+    return make_cfg(
+        out_dir,
+        **{
+            "epochs": 3,
+            "dist": {"timeout_s": 60},
+            "wrap": "fsdp",
+            "val": {"patience": 5},
+            "test": {"enable": True},
+            "ckpt": ckpt,
+            **overrides,
+        },
+    )
 
 
 def test_sharded_checkpoints_go_to_the_remote_rank_by_rank_and_resume_on_an_empty_machine(tmp_path):

@@ -682,7 +682,9 @@ class Checkpointer:
                 self._remote.finish()
 
     def release_folder(self) -> None:
-        """Let the folder go (idempotent): the next run on it may start."""
+        """Let the folder go, and the remote prefix with it (idempotent): the next run on them may start."""
+        if self._remote is not None:
+            self._remote.close()
         self._files.release()
 
     def close(self, failed: bool, before_release: Callable[[], None]) -> None:
