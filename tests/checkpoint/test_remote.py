@@ -184,7 +184,7 @@ trainer.train()
 
 @pytest.mark.parametrize("remote_url", ["s3"], indirect=True)
 def test_a_kill_at_a_random_moment_of_the_uploads_leaves_a_committed_checkpoint_and_an_exact_resume(
-    remote_url, tmp_path
+    remote_url, tmp_path, capfd
 ):
     """SIGKILL at a random moment after the first commit (uploads are in flight at most moments): the remote has a
     committed checkpoint, and the same command on an empty out_dir, once the lease expired, ends as an
@@ -205,11 +205,13 @@ def test_a_kill_at_a_random_moment_of_the_uploads_leaves_a_committed_checkpoint_
         child.wait(timeout=30)
     assert committed_steps(remote_url), f"no commit on the remote (killed {pause:.2f}s after the first one)"
     time.sleep(1.2)  # the killed run's lease expires
-    assert child.returncode == -signal.SIGKILL, "the run ended before the kill"
+    assert child.returncode == -signal.SIGKILL, f"the run ended before the kill ({pause:.2f}s after the first commit)"
+    steps = committed_steps(remote_url)
     whole, _ = run(tmp_path / "whole", 20, every_n_steps=4)
-    resumed, trainer = run(tmp_path / "empty", 20, remote=remote_url, every_n_steps=4)
-    assert resumed == whole, f"killed {pause:.2f}s after the first commit"
-    assert trainer.epochs_trained[0] > 0
+    capfd.readouterr()
+    resumed, _ = run(tmp_path / "empty", 20, remote=remote_url, every_n_steps=4)
+    assert f"took step {steps[-1]} from ckpt.remote" in capfd.readouterr().err  # resumed, not trained anew
+    assert resumed == whole, f"killed {pause:.2f}s after the first commit; resumed from step {steps[-1]}"
 
 
 class FailingWrites:

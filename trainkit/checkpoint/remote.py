@@ -201,6 +201,7 @@ class RemoteTier:
         """The seconds the last committed upload took, from its start to its commit record."""
         self._held = False
         self._rank = rank
+        self._evicted = False
         self._commit: _Commit | None = None
         self._awaiting: dict[str, Upload] = {}  # rank 0: sharded uploads waiting for every rank's report
         self._uploaded: tuple[str, tuple[RemoteObject, ...]] | None = None  # the newest uncommitted upload done
@@ -286,10 +287,18 @@ class RemoteTier:
             self._thread = threading.Thread(target=self._run, name="trainkit-remote-upload", daemon=True)
             self._thread.start()
 
+    def _renew_quietly(self) -> None:
+        try:
+            self._renew()
+        except Exception as exc:  # noqa: BLE001 - a store that is down now may be up at the next renewal
+            self._warn(f"the lease could not be renewed ({type(exc).__name__}: {exc})")
+
     def _renew(self) -> None:
         held = self._read_lease()
         if held is not None and held.holder != self._holder:
-            raise OutDirError(f"ckpt.remote={self.url}: the lease was taken over by {held.holder}")
+            self._held = False  # this run stalled past its lease and another took the prefix: it writes no more
+            self._evicted = True
+            raise OutDirError(f"the lease was taken over by {held.holder}; this run uploads nothing more")
         self._fs.pipe_file(
             self._path(LEASE), lease_bytes(Lease(holder=self._holder, expires=time.time() + self._lease_s))
         )
@@ -373,13 +382,18 @@ class RemoteTier:
                     self._newest_step = job.step
             try:
                 if self._held and time.monotonic() - self._renewed > self._lease_s / 3:
-                    self._renew()
+                    self._renew_quietly()
+                if self._evicted:
+                    if job is not None:
+                        shutil.rmtree(job.staged, ignore_errors=True)
+                        self._lost_step = job.step
+                    continue
                 if commit is not None:
                     self._commit_sharded(commit)
                 if job is not None:
                     self._upload_with_retries(job)
             except Exception as exc:  # noqa: BLE001 - the loop must not fail for its remote copy
-                self._warn(f"the lease could not be renewed ({exc})")
+                self._warn(f"the uploader failed ({type(exc).__name__}: {exc})")
             finally:
                 with self._cond:
                     self._busy = False
@@ -571,7 +585,8 @@ class RemoteTier:
             )
         reasons = core.keep_reasons(policy, described, newest=newest)
         doomed += [name for step, name in by_step.items() if not reasons[step]]
-        doomed += uncommitted
+        # an uncommitted folder of a later save may be another rank's upload in flight: only older ones go
+        doomed += [name for name in uncommitted if newest is None or (folder_step(name) or 0) < newest]
         return {by_step[step]: why for step, why in reasons.items() if why}, doomed
 
     def delete(self, names: list[str]) -> None:
@@ -581,6 +596,8 @@ class RemoteTier:
         """
         for name in names:
             self._manifests.pop(name, None)
+            with contextlib.suppress(FileNotFoundError):  # the commit record first: no reader takes a folder half gone
+                self._fs.rm_file(self._path(name, MANIFEST))
             with contextlib.suppress(FileNotFoundError):  # gone already: the goal
                 self._fs.rm(self._path(name), recursive=True)
 
