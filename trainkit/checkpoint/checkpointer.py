@@ -136,7 +136,7 @@ class Checkpointer:
     :param timeout_s: The bound on a background sharded save's collectives (``dist.timeout_s``).
     :param device: Where best weights read back go.
     :param config: The config as saved (``public_config``: no secrets).
-    :param remote: Rank 0's remote tier (``ckpt.remote``; see
+    :param remote: The remote tier (``ckpt.remote``: rank 0's, or every rank's for sharded checkpoints; see
         :meth:`~trainkit.checkpoint.remote.RemoteTier.build`), or None.
     """
 
