@@ -121,8 +121,8 @@ def measure(args: argparse.Namespace) -> int:
         atomic_save(state, best)
         metrics.write_text(json.dumps({"step": 1, "loss": 0.5}) + "\n")
         atomic_save(state, last)  # warm-up: page cache, first allocations
-        files = [(best, None), (metrics, None), (last, None)]
-        nbytes = sum(p.stat().st_size for p, _ in files)
+        files = [(path, path.name, None) for path in (best, metrics, last)]
+        nbytes = sum(path.stat().st_size for path, _, _ in files)
         tier = RemoteTier(url, fs, root, out_dir=out, lease_s=60.0, wait_s=600.0)
         tier.acquire()
         try:
@@ -145,7 +145,7 @@ def measure(args: argparse.Namespace) -> int:
                         rows["tier_s"].append(tier.last_upload_s)
                         rows["tier_and_retention_s"].append(time.perf_counter() - start)
                     else:
-                        fs.put([str(p) for p, _ in files], f"{root}/plain-{pair}/")
+                        fs.put([str(path) for path, _, _ in files], f"{root}/plain-{pair}/")
                         rows["put_s"].append(time.perf_counter() - start)
                 fs.rm(f"{root}/plain-{pair}", recursive=True)
         finally:
