@@ -4,6 +4,7 @@ and credentials."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -22,7 +23,7 @@ from tests.helpers import ROOT
 from tests.helpers.configs import make_cfg
 from tests.helpers.remote_store import ACCESS_KEY_ID, SECRET
 from tests.helpers.trainers import TinyTrainer, param_digest
-from trainkit import OutDirError
+from trainkit import OutDirError, UsageError
 from trainkit.checkpoint import load_checkpoint
 from trainkit.checkpoint.kept import read_kept
 from trainkit.checkpoint.remote import RemoteTier, open_store
@@ -269,3 +270,17 @@ def test_a_running_writer_renews_its_lease_and_a_failed_construction_lets_the_pr
         TinyTrainer(make_cfg(tmp_path / "c", epochs=1, ckpt={"remote": remote_url}))
     _, trainer = run(tmp_path / "d", 1, remote=remote_url)  # the prefix is free again
     assert trainer.epochs_trained == [0]
+
+
+def test_a_missing_filesystem_package_is_one_line_naming_it(tmp_path):
+    """A store whose fsspec filesystem is not installed (gcsfs here) stops the run before anything else, in one
+    line naming the package; an unknown protocol is named too."""
+    pytest.importorskip("fsspec")
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed")
+    with pytest.raises(UsageError, match="gcsfs") as refused:
+        TinyTrainer(make_cfg(tmp_path, epochs=1, ckpt={"remote": "gs://bucket/runs/a"}))
+    assert "\n" not in str(refused.value)
+    with pytest.raises(UsageError, match="nosuch"):
+        TinyTrainer(make_cfg(tmp_path, epochs=1, ckpt={"remote": "nosuch://bucket/runs/a"}))
+    assert not list(tmp_path.glob("*.pt"))
