@@ -52,3 +52,14 @@ def wandb_env(monkeypatch, tmp_path):
     home.mkdir()
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(home))
     monkeypatch.setenv("NETRC", str(home / "netrc"))
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 API server on localhost for the whole session (moto), with dummy credentials in the environment."""
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    from tests.helpers.remote_store import s3_server
+
+    with s3_server() as endpoint:
+        yield endpoint

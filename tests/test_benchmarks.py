@@ -313,3 +313,15 @@ def test_engine_gate_in_raw_steps_reads_the_same_on_a_host_twice_as_slow(added_u
     assert one["us"]["estimate"] == pytest.approx(added_us, rel=0.05)
     assert (one["us"]["verdict"], two["us"]["verdict"]) == ((verdict, "FAIL"))
     assert two["raw_step"]["us"] == pytest.approx(2 * one["raw_step"]["us"], rel=1e-9)
+
+
+def test_remote_upload_benchmark_runs(tmp_path):
+    """python -m benchmarks.remote_upload in its smoke mode: blocked time with the remote on and off and upload
+    throughput against a plain fs.put, on an S3 server of its own (gates decide nothing on two pairs)."""
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    proc = run_script("benchmarks.remote_upload", "--mb", "4", "--pairs", "2", "--out", str(tmp_path))
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "remote_upload.json").read_text())
+    assert report["median_s"]["hand_over_s"] > 0 and report["median_s"]["tier_s"] > 0 and report["median_s"]["put_s"] > 0
+    assert {g["gate"] for g in report["gates"]} == {"remote/blocked_extra_s", "remote/throughput_ratio"}

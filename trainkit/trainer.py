@@ -24,6 +24,7 @@ from torch import nn
 from trainkit import bookkeeping as core
 from trainkit.checkpoint.checkpointer import Checkpointer, Resume, SaveRecord
 from trainkit.checkpoint.payload import SCHEMA_VERSION
+from trainkit.checkpoint.remote import RemoteTier
 from trainkit.config import Config, public_config
 from trainkit.config.schema import skip_batches
 from trainkit.distributed import collectives as dist_utils
@@ -124,6 +125,7 @@ def _parts(
         timeout_s=timeout_s,
         device=device,
         config=public_config(cfg),
+        remote=RemoteTier.build(ckpt, Path(cfg.out_dir), rank=rank),
     )
     throughput = Throughput.build(cfg.log_throughput, cfg.throughput, position.read_step, world_size, device)
     metrics = TrainerMetrics(guard=DivergenceGuard.build(guard, world_size), throughput=throughput)

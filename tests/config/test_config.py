@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from trainkit.config import Config
+from trainkit.config import Config, public_config
 from trainkit.errors import ConfigError, TrainkitError
 
 
@@ -102,6 +102,8 @@ def test_int_is_accepted_for_float():
 
 # ----- ranges -------------------------------------------------------------------------------------
 
+REMOTE_RULE = "ckpt.remote must be a URL with a scheme and a prefix (s3://bucket/prefix, file:///path)"
+
 
 @pytest.mark.parametrize(
     ("data", "message"),
@@ -118,6 +120,14 @@ def test_int_is_accepted_for_float():
         ({"epochs": 1, "out_dir": ""}, "out_dir must be a non-empty string, got ''"),
         ({"epochs": 1, "out_dir": "  "}, "out_dir must be a non-empty string, got '  '"),
         ({"epochs": 1, "ckpt": {"resume": ""}}, "ckpt.resume must be a non-empty string, got ''"),
+        ({"epochs": 1, "ckpt": {"remote": "bucket/x"}}, f"{REMOTE_RULE}, got 'bucket/x'"),
+        ({"epochs": 1, "ckpt": {"remote": "s3://"}}, f"{REMOTE_RULE}, got 's3://'"),
+        (
+            {"epochs": 1, "ckpt": {"remote_options": [1]}},
+            "ckpt.remote_options must be a mapping of option names to values, got [1]",
+        ),
+        ({"epochs": 1, "ckpt": {"remote_wait_s": -1}}, "ckpt.remote_wait_s must be >= 0, got -1"),
+        ({"epochs": 1, "ckpt": {"remote_lease_s": 0}}, "ckpt.remote_lease_s must be > 0, got 0"),
     ],
     ids=[
         "epochs",
@@ -132,6 +142,11 @@ def test_int_is_accepted_for_float():
         "out_dir-empty",
         "out_dir-blank",
         "resume-empty",
+        "remote-no-scheme",
+        "remote-no-prefix",
+        "remote_options-list",
+        "remote_wait_s",
+        "remote_lease_s",
     ],
 )
 def test_range_rule_names_key_rule_and_value(data, message):
@@ -408,3 +423,16 @@ def test_a_requeue_signal_that_cannot_be_caught_is_refused(name):
     """ckpt.requeue_signal=SIGKILL would fail only when train() installs its handler: refused up front."""
     error = config_error({"epochs": 1, "ckpt": {"requeue_signal": name}})
     assert "ckpt.requeue_signal" in str(error) and "can catch" in str(error) and name in str(error)
+
+
+def test_remote_options_refuse_credentials_without_showing_them():
+    """ckpt.remote_options is saved with the config: a key named like a credential is refused, its value unshown;
+    a URL's password is masked in the error of a malformed URL."""
+    with pytest.raises(ConfigError, match="ckpt.remote_options must not hold credentials") as refused:
+        Config(epochs=1, ckpt={"remote_options": {"secret_access_key": "hunter2"}})
+    assert "hunter2" not in str(refused.value)
+    with pytest.raises(ConfigError, match="ckpt.remote") as refused:
+        Config(epochs=1, ckpt={"remote": "user:hunter2@bucket"})
+    assert "hunter2" not in str(refused.value)
+    cfg = Config(epochs=1, ckpt={"remote": "s3://user:hunter2@bucket/p", "remote_options": {"endpoint_url": "x"}})
+    assert "hunter2" not in str(public_config(cfg))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import secrets
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -40,6 +41,8 @@ from trainkit.checkpoint.kept import (
 )
 from trainkit.checkpoint.payload import last_payload, mid_epoch_state
 from trainkit.checkpoint.pt_files import RunFiles
+from trainkit.checkpoint.remote import RemoteTier, Upload, published_files
+from trainkit.checkpoint.remote_manifest import folder_name
 from trainkit.checkpoint.storage import BestWeights, FileStorage, SaveRequest, ShardedStorage, Storage
 from trainkit.config import CkptConfig, Config, changed_on_resume, render_value, strip_secrets
 from trainkit.distributed import collectives as dist_utils
@@ -133,6 +136,8 @@ class Checkpointer:
     :param timeout_s: The bound on a background sharded save's collectives (``dist.timeout_s``).
     :param device: Where best weights read back go.
     :param config: The config as saved (``public_config``: no secrets).
+    :param remote: The remote tier (``ckpt.remote``: rank 0's, or every rank's for sharded checkpoints; see
+        :meth:`~trainkit.checkpoint.remote.RemoteTier.build`), or None.
     """
 
     def __init__(
@@ -145,6 +150,7 @@ class Checkpointer:
         timeout_s: float,
         device: torch.device,
         config: dict[str, Any],
+        remote: RemoteTier | None = None,
     ) -> None:
         in_shards = ckpt.format == "sharded"
         self._ckpt = ckpt
@@ -178,6 +184,9 @@ class Checkpointer:
         self._score: tuple[int, float] | None = None  # (step, score) of the last save_if_best call
         self._resumed: Path | None = None
         self._damaged_last = False  # a rollback found last damaged: set aside at the next save
+        self._remote = remote
+        self._remote_token: str | None = None  # sharded with ckpt.remote: names the run's remote folders
+        self._remote_saves = 0
 
     @property
     def config(self) -> dict[str, Any]:
@@ -202,6 +211,8 @@ class Checkpointer:
         error: BaseException | None = None
         try:
             self._files.claim()
+            if self._remote is not None:
+                self._remote.acquire()
         except OutDirError as exc:
             error = exc
         dist_utils.raise_if_any_rank_failed(
@@ -209,6 +220,8 @@ class Checkpointer:
             lambda: OutDirError(f"rank 0 could not use out_dir {self._files.out_dir}; see rank 0's error"),
             world_size=self._world_size,
         )
+        if self._ckpt.remote is not None and self._ckpt.enable and self._ckpt.format == "sharded":
+            self._remote_token = dist_utils.broadcast_object(secrets.token_hex(4))
 
     def load(self, cfg: Config, path: Path | None = None, *, quiet: bool = False) -> Resume | None:
         """Find and load what ``ckpt.resume`` names, with fallback, checked and reconciled with ``cfg``.
@@ -228,6 +241,8 @@ class Checkpointer:
         named = resume not in ("auto", "never")
         in_shards = Path(resume).is_dir() if named else self._ckpt.format == "sharded"
         ckpt, path = self._readers["sharded" if in_shards else "file"].load_resume(resume)
+        if resume == "auto" and self._ckpt.remote is not None and self._fetched(ckpt):
+            ckpt, path = self._storage.load_resume(resume)  # what the remote had, now in out_dir
         if ckpt is None or path is None:
             return None
         self._check_config(ckpt, path, cfg)
@@ -253,6 +268,13 @@ class Checkpointer:
                 self._kept.resumed_from = kept_step(path.name)
         results = None if records.more else ckpt.get("results")  # a finished run that continues has none yet
         return Resume(ckpt=ckpt, path=path, records=records, results=dict(results) if results is not None else None)
+
+    def _fetched(self, local: Mapping[str, Any] | None) -> bool:
+        """Rank 0 publishes into ``out_dir`` a remote checkpoint newer than the local one, if any; every rank learns
+        whether it did (rank 0 writes before the others read)."""
+        local_step = None if local is None else int(local["step"])
+        fetched = self._rank == 0 and self._remote is not None and self._remote.fetch_newer(local_step)
+        return bool(dist_utils.broadcast_object(fetched))
 
     def rollback_resume(self, cfg: Config, first_bad_step: int) -> Resume | None:
         """The newest checkpoint written before optimizer step ``first_bad_step``, loaded (the divergence guard's
@@ -497,7 +519,11 @@ class Checkpointer:
         changed, self._best_changed = self._best_changed, False
         if not self._ckpt.enable:
             return None
-        gathered = dist_utils.all_gather_objects({"rng": capture_rng(), "position": record.rank_position})
+        self._remote_saves += 1
+        uploaded = self._remote.report() if self._remote is not None and self._remote_token is not None else None
+        state = {"rng": capture_rng(), "position": record.rank_position, "remote": uploaded}
+        gathered = dist_utils.all_gather_objects(state)  # also carries each rank's sharded upload, for the commit
+        self._remote_reports([rank_state["remote"] for rank_state in gathered])
         self._set_damaged_aside()  # every rank is here, past any read of it
         rng = [state["rng"] for state in gathered]
         mid_epoch = None
@@ -517,9 +543,10 @@ class Checkpointer:
         return self._storage.save(request)
 
     def _keeping(self, record: SaveRecord, before: Callable[[], None] | None) -> dict[str, Callable[[], None] | None]:
-        """The save's ``before`` and ``after`` under ``ckpt.keep`` (rank 0): describe the checkpoint in
-        ``checkpoints/index.json`` before it is written, keep it under ``checkpoints/`` once it is published."""
-        if not self._kept.active:
+        """The save's ``before`` and ``after`` (rank 0): under ``ckpt.keep`` describe the checkpoint in
+        ``checkpoints/index.json`` before it is written and keep it under ``checkpoints/`` once it is published;
+        with ``ckpt.remote`` hand the published files to the uploader."""
+        if not self._kept.active and self._remote is None:
             return {"before": before, "after": None}
         epoch_end, score = record.position is None, self._score
         validated_here = score is not None and score[0] == record.loop.step  # saved at a validation's step
@@ -532,16 +559,51 @@ class Checkpointer:
             latest_metrics=record.latest_metrics,
         )
         minimize = record.best.minimize if record.best is not None else self._minimize
+        if not self._kept.active:
+            return {"before": before, "after": functools.partial(self._hand_over, record, description, minimize)}
 
         def announce_then_before() -> None:
             if before is not None:
                 before()
             self._kept.announce(description, minimize=minimize)
 
-        return {
-            "before": announce_then_before,
-            "after": functools.partial(self._kept.publish, self.last_path, description, minimize=minimize),
-        }
+        def keep_then_hand_over() -> None:
+            self._kept.publish(self.last_path, description, minimize=minimize)
+            if self._remote is not None:
+                self._hand_over(record, description, minimize)
+
+        return {"before": announce_then_before, "after": keep_then_hand_over}
+
+    def _hand_over(self, record: SaveRecord, description: core.Checkpoint, minimize: bool) -> None:
+        """Hand the just-published ``best``, ``metrics.jsonl`` (up to this checkpoint's line) and ``last`` to the
+        remote uploader (where the save's writes run, right after the publish)."""
+        assert self._remote is not None
+        metrics = record.metrics_offset if self._rank == 0 else None
+        shared = self._remote_folder(record.loop.step)  # sharded: every rank's shards in one folder
+        self._remote.hand_over(
+            published_files([self.best_path, self.last_path], self._files.metrics_path, metrics, rank=self._rank),
+            functools.partial(
+                Upload,
+                step=record.loop.step,
+                epoch=record.loop.epoch,
+                run_id=record.run_id,
+                description=description,
+                policy=self._kept.policy(minimize),
+                folder=shared,
+                commits=shared is None,
+            ),
+        )
+
+    def _remote_folder(self, step: int) -> str | None:
+        """A sharded save's remote folder, named alike on every rank (the run's token, the save's number)."""
+        if self._ckpt.format != "sharded" or self._remote_token is None:
+            return None
+        return folder_name(step, f"{self._remote_token}{self._remote_saves:08x}")
+
+    def _remote_reports(self, report: Any) -> None:
+        """Rank 0 commits the newest sharded upload every rank reported done (``report`` is each rank's)."""
+        if self._rank == 0 and self._remote is not None and self._remote_token is not None:
+            self._remote.commit_reports(report)
 
     def _payload(
         self,
@@ -612,9 +674,17 @@ class Checkpointer:
         self._storage.wait()
         self._storage.release()
         self._kept.join()
+        if self._remote is not None:
+            self._remote.finish()
+        if self._remote_token is not None:  # every rank: the last sharded upload is committed once all are up
+            self._remote_reports(dist_utils.all_gather_objects(self._remote.report() if self._remote else None))
+            if self._rank == 0 and self._remote is not None:
+                self._remote.finish()
 
     def release_folder(self) -> None:
-        """Let the folder go (idempotent): the next run on it may start."""
+        """Let the folder go, and the remote prefix with it (idempotent): the next run on them may start."""
+        if self._remote is not None:
+            self._remote.close()
         self._files.release()
 
     def close(self, failed: bool, before_release: Callable[[], None]) -> None:
@@ -628,5 +698,7 @@ class Checkpointer:
         self._kept.join()  # a deletion in flight only removes whole files: waiting for it is always safe
         self._readers["sharded"].abandon()  # train() finished or abandoned it; only a trainer never trained has one
         self._readers["sharded"].release()
+        if self._remote is not None:
+            self._remote.close()
         before_release()
         self._files.release()

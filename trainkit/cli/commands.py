@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from trainkit.errors import CheckpointError, ConfigError, OutDirError, TrainkitError
+from trainkit.errors import CheckpointError, ConfigError, OutDirError, TrainkitError, UsageError
 
 __all__ = ["main"]
 
@@ -29,8 +29,11 @@ def _report(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> list[str]:
     from trainkit.cli.inspect import describe_checkpoint
+    from trainkit.cli.remote import describe_remote, is_remote
     from trainkit.cli.retain import describe_run_folder, is_run_folder
 
+    if is_remote(args.checkpoint):
+        return describe_remote(args.checkpoint, all_tensors=args.all)
     if is_run_folder(Path(args.checkpoint)):
         return describe_run_folder(args.checkpoint)
     return describe_checkpoint(args.checkpoint, all_tensors=args.all)
@@ -47,8 +50,11 @@ def _export(args: argparse.Namespace) -> list[str]:
 
 
 def _retain(args: argparse.Namespace) -> list[str]:
+    from trainkit.cli.remote import is_remote, retain_remote
     from trainkit.cli.retain import retain_run
 
+    if is_remote(args.out_dir):
+        return retain_remote(args.out_dir, args.keep, dry_run=args.dry_run)
     return retain_run(args.out_dir, args.keep, dry_run=args.dry_run)
 
 
@@ -69,9 +75,9 @@ def _certify(args: argparse.Namespace) -> int:
 
 _COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], list[str] | int], tuple[type[Exception], ...]]] = {
     "report": (_report, (ConfigError, FileNotFoundError, CheckpointError)),
-    "inspect": (_inspect, (CheckpointError,)),
+    "inspect": (_inspect, (CheckpointError, UsageError)),
     "export": (_export, (CheckpointError, ConfigError, ImportError, FileExistsError)),
-    "retain": (_retain, (ConfigError, OutDirError)),
+    "retain": (_retain, (ConfigError, OutDirError, UsageError)),
     "replay": (_replay, (ConfigError, ValueError, FileNotFoundError)),
     "certify": (_certify, (TrainkitError,)),
 }
@@ -93,7 +99,9 @@ def _parser() -> argparse.ArgumentParser:
         "inspect", help="show what a checkpoint holds (after the resume's checks), or a run folder's kept checkpoints"
     )
     inspect_parser.add_argument(
-        "checkpoint", help="a last.pt or best.pt, a last.ckpt/best.ckpt directory, or a run folder (out_dir)"
+        "checkpoint",
+        help="a last.pt or best.pt, a last.ckpt/best.ckpt directory, a run folder (out_dir), a ckpt.remote URL, or "
+        "one of its step-<step>-<token> folders",
     )
     inspect_parser.add_argument("--all", action="store_true", help="list every tensor of every item")
     export_parser = commands.add_parser(
@@ -114,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="safetensors: replace an earlier export at OUT (nothing else)"
     )
     retain_parser = commands.add_parser("retain", help="apply retention rules to a run folder's kept checkpoints")
-    retain_parser.add_argument("out_dir", help="the run's out_dir (not while a run uses it)")
+    retain_parser.add_argument("out_dir", help="the run's out_dir or ckpt.remote URL (not while a run uses it)")
     retain_parser.add_argument("--keep", required=True, help="rules as ckpt.keep spells them: latest:3,best:2,...")
     retain_parser.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     replay_parser = commands.add_parser(

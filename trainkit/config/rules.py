@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
 from trainkit.bookkeeping import is_int, is_real, parse_keep
-from trainkit.config.secrets import field_types
+from trainkit.config.secrets import field_types, is_secret_name, redact_text
 from trainkit.errors import BookkeepingError, ConfigError
 
 __all__ = []
@@ -132,6 +133,33 @@ def keep_rules(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
             ",".join(value),
             hint=str(exc),
         ) from None
+
+
+_URL_SCHEME = re.compile(r"[a-z][a-z0-9+.-]*://", re.IGNORECASE)
+
+
+def remote_url(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, str) and (not _URL_SCHEME.match(value) or not value.split("://", 1)[1].strip("/")):
+        shown = redact_text(value)
+        raise ConfigError(
+            attribute.name,
+            "must be a URL with a scheme and a prefix (s3://bucket/prefix, file:///path)",
+            shown,
+            show_value="@" not in shown or "***" in shown,  # user:pw@host without a scheme: not masked, not shown
+        )
+
+
+def remote_options(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
+        raise ConfigError(attribute.name, "must be a mapping of option names to values", value)
+    secret = [key for key in value if is_secret_name(key)]
+    if secret:  # the config file is saved in every checkpoint: credentials come from the environment
+        raise ConfigError(
+            attribute.name,
+            f"must not hold credentials (the key {secret[0]!r}): set them in the environment, as the store's own "
+            "tools read them",
+            show_value=False,
+        )
 
 
 def to_tuple(value: Any) -> Any:

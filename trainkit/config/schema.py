@@ -35,6 +35,8 @@ from trainkit.config.rules import (
     optional_rule,
     patience_rule,
     positive,
+    remote_options,
+    remote_url,
     signal_name,
     to_tuple,
     type_name,
@@ -258,6 +260,11 @@ class CkptConfig(Section):
     ``format="sharded"``), deleting the older ones no rule keeps: rules such as
     ``"latest:3,every_steps:1000,best:2"`` (a string or a list; see :func:`~trainkit.bookkeeping.parse_keep`).
     Empty (the default) keeps only ``last``/``best`` and their ``.prev`` copies.
+    ``remote`` is an fsspec URL (``s3://bucket/prefix``, ``gs://...``, ``file:///...``) every published checkpoint
+    is copied to in the background, and that ``resume="auto"`` also looks in; ``remote_options`` are extra
+    options for its filesystem (never credentials), ``remote_wait_s`` bounds the wait for the last upload at the
+    run's end, ``remote_lease_s`` is how long the run's claim on the prefix lasts unless renewed.
+    See :mod:`trainkit.checkpoint.remote`.
     """
 
     enable: bool = True
@@ -267,6 +274,10 @@ class CkptConfig(Section):
     every_n_steps: int | None = attrs.field(default=None, validator=optional_rule(at_least(1)))
     format: str = attrs.field(default="file", validator=one_of("file", "sharded"))
     keep: tuple[str, ...] = attrs.field(default=(), converter=keep_items, validator=keep_rules)
+    remote: str | None = attrs.field(default=None, validator=optional_rule(remote_url))
+    remote_options: Any = attrs.field(factory=dict, validator=remote_options)
+    remote_wait_s: float = attrs.field(default=300.0, validator=at_least(0))
+    remote_lease_s: float = attrs.field(default=60.0, validator=positive)
 
 
 @attrs.frozen(kw_only=True)

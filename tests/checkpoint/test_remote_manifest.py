@@ -1,0 +1,91 @@
+"""The remote tier's pure records: manifests round-trip, and whatever bytes a remote holds, reading them either
+gives a manifest of safe names and bounded numbers or refuses them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from trainkit.checkpoint.remote_manifest import (
+    MAX_OBJECT_BYTES,
+    Lease,
+    Manifest,
+    RemoteObject,
+    check_name,
+    folder_name,
+    folder_step,
+    lease_bytes,
+    manifest_bytes,
+    parse_lease,
+    parse_manifest,
+)
+from trainkit.errors import CheckpointUnsafeError
+
+NAMES = st.from_regex(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,20}(/[A-Za-z0-9_][A-Za-z0-9_.-]{0,20}){0,2}", fullmatch=True)
+OBJECTS = st.builds(RemoteObject, name=NAMES, size=st.integers(0, MAX_OBJECT_BYTES), crc32=st.integers(0, 0xFFFFFFFF))
+
+
+@given(
+    step=st.integers(0, 1 << 40),
+    epoch=st.integers(0, 1 << 20),
+    objects=st.lists(OBJECTS, min_size=1, max_size=5, unique_by=lambda o: o.name),
+    run_id=st.none() | st.text(max_size=20),
+    scores=st.dictionaries(st.text(max_size=8), st.floats(allow_nan=False, allow_infinity=False), max_size=3),
+)
+def test_a_manifest_reads_back_as_written(step, epoch, objects, run_id, scores):
+    manifest = Manifest(
+        step=step,
+        epoch=epoch,
+        kind="last",
+        objects=tuple(objects),
+        run_id=run_id,
+        version="0.1.0",
+        description={"epoch_end": False, "time": 1.5, "scores": scores},
+    )
+    assert parse_manifest(manifest_bytes(manifest)) == manifest
+
+
+@given(st.binary(max_size=300) | st.text(max_size=300).map(str.encode))
+def test_any_bytes_are_a_safe_manifest_or_refused(data):
+    try:
+        manifest = parse_manifest(data)
+    except CheckpointUnsafeError:
+        return
+    assert all(".." not in o.name.split("/") and not o.name.startswith("/") for o in manifest.objects)
+
+
+@pytest.mark.parametrize(
+    "name", ["../x", "..", "/etc/passwd", "a/../b", "a//b", "a/./b", "a\\b", "", "a/", 3, None, "x" * 200]
+)
+def test_unsafe_object_names_are_refused(name):
+    with pytest.raises(CheckpointUnsafeError, match="remote object name"):
+        check_name(name)
+    listed = {"step": 1, "epoch": 0, "kind": "last", "version": "0", "objects": [{"name": name, "size": 1, "crc32": 0}]}
+    with pytest.raises(CheckpointUnsafeError):
+        parse_manifest(json.dumps(listed).encode())
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("size", -1), ("size", MAX_OBJECT_BYTES + 1), ("size", True), ("crc32", 1 << 32), ("size", "1")],
+)
+def test_out_of_range_sizes_and_crcs_are_refused(field, value):
+    item = {"name": "last.pt", "size": 1, "crc32": 0, field: value}
+    listed = {"step": 1, "epoch": 0, "kind": "last", "version": "0", "objects": [item]}
+    with pytest.raises(CheckpointUnsafeError, match=field):
+        parse_manifest(json.dumps(listed).encode())
+
+
+@given(step=st.integers(0, 10**17), token=st.from_regex(r"[0-9a-f]{8,64}", fullmatch=True))
+def test_folder_names_carry_their_step(step, token):
+    assert folder_step(folder_name(step, token)) == step
+
+
+@given(holder=st.text(max_size=50), expires=st.floats(0, 1e12))
+def test_a_lease_reads_back_and_expires_after_its_time(holder, expires):
+    lease = parse_lease(lease_bytes(Lease(holder=holder, expires=expires)))
+    assert lease == Lease(holder=holder, expires=expires)
+    assert not lease.expired(expires) and lease.expired(expires + 1)

@@ -1,0 +1,776 @@
+"""The remote tier: every published checkpoint copied to object storage (any fsspec URL) in the background.
+
+Side effects: objects under ``ckpt.remote`` (one folder per upload, its commit record last, the lease), a
+background thread on rank 0, hard links under ``out_dir/.remote-staging/`` while an upload is pending, a
+download folder ``out_dir/.remote-fetch-<token>/`` while a remote checkpoint is verified, warnings.
+
+The protocol (see ``docs/remote.rst``):
+
+- **Hand-over.** Right after a local publish the published files are hard-linked into a staging folder (no copy,
+  no bytes read) and handed to one uploader thread; one upload is in flight, and a newer hand-over replaces a
+  queued one. The loop waits for nothing else.
+- **Commit.** An upload streams each file into a fresh folder ``step-<step>-<token>/`` (CRC-32 computed on the
+  way), then writes :data:`~trainkit.checkpoint.remote_manifest.MANIFEST`, which lists every object's size and
+  CRC-32: a folder without one is never read, and is deleted by the next writer.
+- **Retention.** After each commit, the committed folders are described as the local kept checkpoints are and
+  :func:`~trainkit.bookkeeping.retain` decides which stay (never the newest).
+- **Lease.** One run writes under a prefix: :data:`~trainkit.checkpoint.remote_manifest.LEASE` is created with a
+  conditional create (S3 ``If-None-Match: *``, fsspec ``mode="create"``) and renewed by the uploader every third
+  of ``ckpt.remote_lease_s``; a lease not renewed for that long may be taken over.
+- **Sharded.** Every rank uploads its own files of a sharded save into one folder (named alike on every rank);
+  rank 0 writes the commit record once every rank reported its upload done (:meth:`RemoteTier.report`, gathered
+  by the next save's collective or at the run's end; :meth:`RemoteTier.commit_reports`).
+- **Faults.** A failed upload is retried with backoff a few times, warned about once, and superseded by the next
+  checkpoint; nothing here raises into the loop after the start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+import re
+import secrets
+import shutil
+import socket
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from trainkit import bookkeeping as core
+from trainkit.checkpoint.remote_manifest import (
+    LEASE,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    Lease,
+    Manifest,
+    RemoteObject,
+    folder_name,
+    folder_step,
+    lease_bytes,
+    manifest_bytes,
+    newest_first,
+    parse_lease,
+    parse_manifest,
+)
+from trainkit.config import CkptConfig, redact_text
+from trainkit.errors import CheckpointCorruptError, CheckpointUnsafeError, OutDirError, UsageError
+from trainkit.files.durable import fsync_directory
+from trainkit.files.weights_only_load import load_checkpoint
+from trainkit.messages import say, warn_user
+
+__all__ = ["RemoteTier", "Upload", "open_store", "STAGING_DIR", "FETCH_PREFIX"]
+
+STAGING_DIR = ".remote-staging"
+"""The folder under ``out_dir`` where handed-over files wait (hard links) for their upload."""
+FETCH_PREFIX = ".remote-fetch-"
+"""The prefix of the folder under ``out_dir`` where a remote checkpoint is downloaded and verified."""
+CHUNK = 8 << 20
+"""Bytes moved per read and write: the most of a checkpoint held in memory at once."""
+LAST = "last.pt"
+"""The object that makes a remote folder a file checkpoint to resume (published into ``out_dir`` last)."""
+LAST_DIR = "last.ckpt"
+"""The directory that makes a remote folder a sharded checkpoint to resume (its files under ``last.ckpt/``)."""
+ATTEMPTS = 4
+"""Tries per upload before it is given up (the next checkpoint supersedes it)."""
+BACKOFF_S = 0.5
+"""The first retry's delay; each next one doubles it."""
+
+
+def open_store(url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """The fsspec filesystem and root path of ``url``, with fsspec's own configuration (its config files and
+    ``FSSPEC_<PROTOCOL>_<OPTION>`` variables, read now) under ``options``.
+
+    :param url: The ``ckpt.remote`` URL.
+    :param options: ``ckpt.remote_options``.
+    :returns: ``(filesystem, root)``.
+    :raises UsageError: When fsspec or the store's filesystem package is missing (one line naming it).
+    """
+    shown = redact_text(url)
+    try:
+        import fsspec
+        import fsspec.config
+    except ImportError:
+        raise UsageError(f"ckpt.remote={shown} needs fsspec: pip install 'trainkit[remote]'") from None
+    from_env: dict[str, dict[str, Any]] = {}
+    fsspec.config.set_conf_env(from_env)  # a variable set after fsspec was imported counts too
+    protocol = fsspec.utils.get_protocol(url)
+    merged = {**fsspec.config.conf.get(protocol, {}), **from_env.get(protocol, {}), **(options or {})}
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **merged)
+    except ImportError as exc:  # fsspec's message names the package to install
+        raise UsageError(f"ckpt.remote={shown}: {str(exc).strip().splitlines()[0]}") from None
+    except ValueError as exc:
+        raise UsageError(f"ckpt.remote={shown}: {str(exc).strip().splitlines()[0]}") from None
+    return fs, root.rstrip("/")
+
+
+@attrs.frozen(kw_only=True)
+class Upload:
+    """One checkpoint handed over for upload: its staged files and what its manifest says.
+
+    :ivar staged: The staging folder holding the files (hard links), removed once the upload ends.
+    :ivar files: ``(name, size)`` of each file in ``staged``; only the first ``size`` bytes go up.
+    :ivar step: The optimizer step.
+    :ivar epoch: The epoch.
+    :ivar run_id: The W&B run id.
+    :ivar description: The checkpoint as retention sees it.
+    :ivar policy: The retention policy (``ckpt.keep``) the remote folders are kept by.
+    :ivar folder: The remote folder's name (every rank's shards of a sharded save go into one); None: a fresh one.
+    :ivar commits: Write the commit record after the upload (a sharded save's is written by rank 0 once every
+        rank reported its shards uploaded, :meth:`RemoteTier.commit_reports`).
+    """
+
+    staged: Path
+    files: tuple[tuple[str, int], ...]
+    step: int
+    epoch: int
+    run_id: str | None
+    description: core.Checkpoint
+    policy: Any
+    folder: str | None = None
+    commits: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class _Commit:
+    """A sharded save's commit record, to write once every rank's shards are up."""
+
+    upload: Upload
+    folder: str
+    objects: tuple[RemoteObject, ...]
+
+
+def _version() -> str:
+    """trainkit's installed version (the package is not imported from here: it sits above this layer)."""
+    try:
+        return importlib.metadata.version("trainkit")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _crc32(path: Path, size: int) -> int:
+    """The CRC-32 of a file's first ``size`` bytes, read in chunks."""
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(min(CHUNK, size)):
+            crc = zlib.crc32(chunk, crc)
+            size -= len(chunk)
+    return crc
+
+
+class RemoteTier:
+    """Rank 0's remote copies of a run's checkpoints: lease, background uploads, retention, verified downloads.
+
+    :param url: ``ckpt.remote``.
+    :param fs: Its fsspec filesystem.
+    :param root: Its root path on ``fs``.
+    :param out_dir: The run folder (staging and downloads live there).
+    :param lease_s: ``ckpt.remote_lease_s``.
+    :param wait_s: ``ckpt.remote_wait_s``.
+    :param rank: This process's rank: rank 0 holds the lease, commits and deletes; every rank uploads its own files.
+    """
+
+    def __init__(
+        self, url: str, fs: Any, root: str, *, out_dir: Path, lease_s: float, wait_s: float, rank: int = 0
+    ) -> None:
+        self.url = redact_text(url)
+        """The URL as shown in messages (credentials masked)."""
+        self._fs, self._root = fs, root
+        self._out_dir = out_dir
+        self._lease_s, self._wait_s = lease_s, wait_s
+        self._holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._cond = threading.Condition()
+        self._queued: Upload | None = None
+        self._busy = False
+        self._stopping = False
+        self._warned = False
+        self._committed_step: int | None = None
+        self._newest_step: int | None = None  # the newest step an upload started for
+        self._lost_step: int | None = None  # the newest step given up on
+        self._thread: threading.Thread | None = None
+        self._renewed = 0.0
+        self._refused: set[str] = set()
+        self._manifests: dict[str, Manifest] = {}
+        self.last_upload_s: float | None = None
+        """The seconds the last committed upload took, from its start to its commit record."""
+        self._held = False
+        self._rank = rank
+        self._evicted = False
+        self._commit: _Commit | None = None
+        self._awaiting: dict[str, Upload] = {}  # rank 0: sharded uploads waiting for every rank's report
+        self._uploaded: tuple[str, tuple[RemoteObject, ...]] | None = None  # the newest uncommitted upload done
+
+    @classmethod
+    def build(cls, ckpt: CkptConfig, out_dir: Path, *, rank: int) -> RemoteTier | None:
+        """The tier ``ckpt.remote`` names in a run that writes checkpoints: on rank 0 (``ckpt.format="file"``) or
+        on every rank (``"sharded"``: each uploads its own shards); None otherwise.
+
+        :param ckpt: The ``ckpt`` section.
+        :param out_dir: The run folder.
+        :param rank: This process's rank.
+        :returns: The tier, or None.
+        :raises UsageError: When fsspec or the store's package is missing.
+        """
+        if ckpt.remote is None or not ckpt.enable or (rank != 0 and ckpt.format != "sharded"):
+            return None
+        fs, root = open_store(ckpt.remote, dict(ckpt.remote_options))
+        options = {"lease_s": ckpt.remote_lease_s, "wait_s": ckpt.remote_wait_s, "rank": rank}
+        return cls(ckpt.remote, fs, root, out_dir=out_dir, **options)
+
+    # ------------------------------------------------------------------ the lease
+
+    def _path(self, *parts: str) -> str:
+        return "/".join((self._root, *parts))
+
+    def lease(self) -> Lease | None:
+        """The lease on the prefix now, or None."""
+        return self._read_lease()
+
+    def _read_lease(self) -> Lease | None:
+        try:
+            with self._fs.open(self._path(LEASE), "rb") as handle:
+                return parse_lease(handle.read(MAX_MANIFEST_BYTES))
+        except FileNotFoundError:
+            return None
+
+    def _create_lease(self) -> bool:
+        data = lease_bytes(Lease(holder=self._holder, expires=time.time() + self._lease_s))
+        try:
+            self._fs.pipe_file(self._path(LEASE), data, mode="create")
+        except FileExistsError:
+            return False
+        except (TypeError, NotImplementedError):  # no conditional create: check, write, read back (a race remains)
+            if self._read_lease() is not None:
+                return False
+            self._fs.pipe_file(self._path(LEASE), data)
+            held = self._read_lease()
+            return held is not None and held.holder == self._holder
+        self._renewed = time.monotonic()
+        return True
+
+    def acquire(self, *, uploads: bool = True) -> None:
+        """Take the prefix for this run (an expired lease is taken over), delete uncommitted leftovers, and start
+        the uploader (unless ``uploads`` is False: ``retain`` holds the lease only to delete).
+
+        :raises OutDirError: When another run holds it, naming the prefix, the holder and when it expires.
+        """
+        if self._rank != 0:  # rank 0 holds the prefix for the run
+            self._start(uploads)
+            return
+        self._fs.makedirs(self._root, exist_ok=True)
+        for _ in range(2):
+            if self._create_lease():
+                break
+            held = self._read_lease()
+            if held is not None and not held.expired(time.time()):
+                until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(held.expires))
+                raise OutDirError(
+                    f"ckpt.remote={self.url} is held by another run ({held.holder}) until {until} unless it renews "
+                    "its lease; one run writes under a prefix: wait for it to end, or use another prefix"
+                )
+            with contextlib.suppress(FileNotFoundError):
+                self._fs.rm_file(self._path(LEASE))  # expired: its run is gone
+        else:
+            raise OutDirError(f"ckpt.remote={self.url}: another run took the expired lease first; try again")
+        self._held = True
+        self._remove_uncommitted()
+        self._start(uploads)
+
+    def _start(self, uploads: bool) -> None:
+        if uploads:
+            self._thread = threading.Thread(target=self._run, name="trainkit-remote-upload", daemon=True)
+            self._thread.start()
+
+    def _renew_quietly(self) -> None:
+        try:
+            self._renew()
+        except Exception as exc:  # noqa: BLE001 - a store that is down now may be up at the next renewal
+            self._warn(f"the lease could not be renewed ({type(exc).__name__}: {exc})")
+
+    def _renew(self) -> None:
+        held = self._read_lease()
+        if held is not None and held.holder != self._holder:
+            self._held = False  # this run stalled past its lease and another took the prefix: it writes no more
+            self._evicted = True
+            raise OutDirError(f"the lease was taken over by {held.holder}; this run uploads nothing more")
+        self._fs.pipe_file(
+            self._path(LEASE), lease_bytes(Lease(holder=self._holder, expires=time.time() + self._lease_s))
+        )
+        self._renewed = time.monotonic()
+
+    # ------------------------------------------------------------------ hand-over and upload
+
+    def hand_over(self, files: list[tuple[Path, str, int | None]], make_upload: Callable[..., Upload]) -> None:
+        """Stage just-published files (hard links, so the next publish cannot change them) and queue their upload,
+        replacing a queued one. Never raises: a failure is warned about once.
+
+        :param files: ``(path, name, size)`` of each file to upload, in order: ``name`` is its name in the remote
+            folder; only the first ``size`` bytes go (None: the whole file). A missing file is left out.
+        :param make_upload: Builds the upload from ``staged=`` (the folder) and ``files=`` (``(name, size)`` pairs).
+        """
+        staged = self._out_dir / STAGING_DIR / secrets.token_hex(8)
+        listed = []
+        try:
+            for path, name, size in files:
+                target = staged / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(path, target)
+                except FileNotFoundError:
+                    continue
+                except OSError:  # a file system without hard links: a copy on disk, still not in memory
+                    shutil.copyfile(path, target)
+                whole = os.stat(target).st_size
+                listed.append((name, whole if size is None else min(size, whole)))
+        except OSError as exc:
+            shutil.rmtree(staged, ignore_errors=True)
+            self._warn(f"could not stage checkpoint files for upload ({exc})")
+            return
+        upload = make_upload(staged=staged, files=tuple(listed))
+        with self._cond:
+            dropped, self._queued = self._queued, upload
+            if not upload.commits and self._rank == 0 and upload.folder is not None:
+                self._awaiting[upload.folder] = upload
+            self._cond.notify_all()
+        if dropped is not None:
+            shutil.rmtree(dropped.staged, ignore_errors=True)
+
+    def report(self) -> tuple[str, tuple[RemoteObject, ...]] | None:
+        """The newest sharded upload of this rank that is done and not committed yet: its folder and objects."""
+        with self._cond:
+            return self._uploaded
+
+    def commit_reports(self, reports: list[tuple[str, tuple[RemoteObject, ...]] | None]) -> None:
+        """Rank 0: queue the commit record of the newest sharded upload every rank reports done (the reports are
+        gathered by the save's own collective, or at the run's end); older uncommitted ones are given up.
+
+        :param reports: :meth:`report` of every rank, in rank order.
+        """
+        folders = {report[0] if report is not None else None for report in reports}
+        if len(folders) != 1 or None in folders:
+            return
+        (folder,) = folders
+        with self._cond:
+            upload = self._awaiting.pop(folder, None)
+            if upload is None:
+                return
+            for older in [name for name, job in self._awaiting.items() if job.step <= upload.step]:
+                del self._awaiting[older]
+            objects = tuple(o for report in reports if report is not None for o in report[1])
+            self._commit = _Commit(upload=upload, folder=folder, objects=objects)
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: self._queued is not None or self._commit is not None or self._stopping,
+                    timeout=self._lease_s / 3,
+                )
+                if self._stopping:
+                    return
+                commit, self._commit = self._commit, None
+                job, self._queued = (None, self._queued) if commit is not None else (self._queued, None)
+                self._busy = job is not None or commit is not None
+                if job is not None:
+                    self._newest_step = job.step
+            try:
+                if self._held and time.monotonic() - self._renewed > self._lease_s / 3:
+                    self._renew_quietly()
+                if self._evicted:
+                    if job is not None:
+                        shutil.rmtree(job.staged, ignore_errors=True)
+                        self._lost_step = job.step
+                    continue
+                if commit is not None:
+                    self._commit_sharded(commit)
+                if job is not None:
+                    self._upload_with_retries(job)
+            except Exception as exc:  # noqa: BLE001 - the loop must not fail for its remote copy
+                self._warn(f"the uploader failed ({type(exc).__name__}: {exc})")
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _upload_with_retries(self, job: Upload) -> None:
+        try:
+            for attempt in range(ATTEMPTS):
+                try:
+                    started = time.perf_counter()
+                    own, objects = self._upload(job)
+                    if not job.commits:  # rank 0 commits once every rank reported its shards up
+                        with self._cond:
+                            self._uploaded = (own, objects)
+                        return
+                    self.last_upload_s = time.perf_counter() - started
+                    self._committed_step = job.step
+                    self._retain(job, own)
+                    return
+                except Exception as exc:  # noqa: BLE001 - retried, then warned
+                    self._warn(f"uploading step {job.step} failed ({type(exc).__name__}: {exc}); retrying")
+                    with self._cond:  # the backoff ends early for a newer checkpoint or the run's end
+                        if attempt == ATTEMPTS - 1 or self._cond.wait_for(
+                            lambda: self._queued is not None or self._stopping, timeout=BACKOFF_S * 2**attempt
+                        ):
+                            break
+            self._lost_step = job.step
+        finally:
+            shutil.rmtree(job.staged, ignore_errors=True)
+
+    def _commit_sharded(self, commit: _Commit) -> None:
+        try:
+            self._write_manifest(commit.upload, commit.folder, commit.objects)
+            self._committed_step = commit.upload.step
+            self._retain(commit.upload, commit.folder)
+        except Exception as exc:  # noqa: BLE001 - the next save's commit supersedes it
+            self._warn(f"committing step {commit.upload.step} failed ({type(exc).__name__}: {exc})")
+            self._lost_step = commit.upload.step
+
+    def _upload(self, job: Upload) -> tuple[str, tuple[RemoteObject, ...]]:
+        """Upload a staged checkpoint into its folder, its commit record last (unless a sharded rank's share).
+
+        :returns: The folder's name and the objects uploaded.
+        """
+        own = job.folder or folder_name(job.step, secrets.token_hex(8))
+        folder = self._path(own)
+        for sub in sorted({name.rpartition("/")[0] for name, _ in job.files}):  # a file system needs its folders
+            self._fs.makedirs(f"{folder}/{sub}" if sub else folder, exist_ok=True)
+        crcs: dict[str, int] = {}
+        whole = [name for name, size in job.files if size == os.stat(job.staged / name).st_size]
+        # the CRC-32 pass reads the files beside the upload (zlib lets go of the GIL): it costs no upload time
+
+        def summed() -> None:
+            with contextlib.suppress(OSError):  # a file it could not read has no CRC: the upload fails below
+                crcs.update((name, _crc32(job.staged / name, size)) for name, size in job.files if name in whole)
+
+        summing = threading.Thread(target=summed, daemon=True)
+        summing.start()
+        try:
+            for name, size in job.files:
+                if name not in whole:  # a prefix (metrics.jsonl up to the checkpoint's line): streamed in chunks
+                    crcs[name] = self._stream_up(job.staged / name, f"{folder}/{name}", size)
+            if whole:  # the store's own put, streamed from the files: its part sizes, its concurrency
+                self._fs.put([str(job.staged / name) for name in whole], [f"{folder}/{name}" for name in whole])
+        finally:
+            summing.join()
+        if len(crcs) != len(job.files):
+            raise OSError(f"could not read every staged file of step {job.step}")
+        objects = tuple(RemoteObject(name=name, size=size, crc32=crcs[name]) for name, size in job.files)
+        if job.commits:
+            self._write_manifest(job, own, objects)
+        return own, objects
+
+    def _write_manifest(self, job: Upload, own: str, objects: tuple[RemoteObject, ...]) -> None:
+        described = job.description
+        manifest = Manifest(
+            step=job.step,
+            epoch=job.epoch,
+            kind="last",
+            objects=objects,
+            run_id=job.run_id,
+            version=_version(),
+            description={"epoch_end": described.epoch_end, "time": described.time, "scores": dict(described.scores)},
+        )
+        self._fs.pipe_file(self._path(own, MANIFEST), manifest_bytes(manifest))  # the commit: written last
+
+    def _stream_up(self, source: Path, target: str, size: int) -> int:
+        crc, remaining = 0, size
+        with open(source, "rb") as src, self._fs.open(target, "wb") as dst:
+            while remaining:
+                chunk = src.read(min(CHUNK, remaining))
+                if not chunk:
+                    raise OSError(f"{source} is shorter than the {size} bytes handed over")
+                crc = zlib.crc32(chunk, crc)
+                dst.write(chunk)
+                remaining -= len(chunk)
+        return crc
+
+    def _warn(self, text: str) -> None:
+        if not self._warned:  # once per run: a store that is down would otherwise warn at every checkpoint
+            self._warned = True
+            warn_user(
+                f"ckpt.remote={self.url}: {text}; training goes on, and the next checkpoint supersedes a lost upload "
+                "(further remote failures are not warned about)"
+            )
+
+    # ------------------------------------------------------------------ what is on the remote
+
+    def _folders(self) -> list[str]:
+        self._fs.invalidate_cache(self._root)
+        try:
+            entries = self._fs.ls(self._root, detail=False)
+        except FileNotFoundError:
+            return []
+        return [
+            name for name in (str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries) if folder_step(name) is not None
+        ]
+
+    def committed(self) -> list[tuple[str, Manifest]]:
+        """The committed checkpoint folders, newest first; a folder whose manifest is unsafe is warned about and
+        left out.
+
+        :returns: ``(folder name, manifest)`` pairs.
+        """
+        return self._scan()[0]
+
+    def uncommitted(self) -> list[str]:
+        """The checkpoint folders without a commit record (uploads cut short): never read, deleted by the writer."""
+        return self._scan()[1]
+
+    def _scan(self) -> tuple[list[tuple[str, Manifest]], list[str]]:
+        found, uncommitted = [], []
+        for name in self._folders():
+            manifest = self._manifests.get(name)  # a commit record is written once: read once
+            if manifest is None:
+                try:
+                    with self._fs.open(self._path(name, MANIFEST), "rb") as handle:
+                        manifest = parse_manifest(handle.read(MAX_MANIFEST_BYTES + 1))
+                except FileNotFoundError:
+                    uncommitted.append(name)  # never read
+                    continue
+                except CheckpointUnsafeError as exc:
+                    self._refuse(name, str(exc))
+                    continue
+                if manifest.step != folder_step(name):
+                    self._refuse(name, f"its manifest says step {manifest.step}")
+                    continue
+                self._manifests[name] = manifest
+            found.append((name, manifest))
+        return newest_first(found), uncommitted
+
+    def _refuse(self, name: str, why: str) -> None:
+        if name not in self._refused:  # once per folder: retention lists the remote after every upload
+            self._refused.add(name)
+            warn_user(f"ckpt.remote={self.url}: {name} is refused ({why})")
+
+    def _remove_uncommitted(self) -> None:
+        self.delete(self.uncommitted())
+
+    def plan(
+        self, policy: Any, *, newest: int | None = None, prefer: str | None = None
+    ) -> tuple[dict[str, tuple[str, ...]], list[str]]:
+        """Which committed folders a retention policy keeps, and why; and every folder to delete: those it does not
+        keep, second copies of a step (``prefer`` is the copy kept), uncommitted ones.
+
+        :param policy: The retention policy (as ``ckpt.keep`` gives it).
+        :param newest: The step of the newest checkpoint the run wrote (None: the largest step).
+        :param prefer: The folder kept of two with the same step.
+        :returns: ``(reasons by kept folder, folders to delete)``.
+        """
+        by_step: dict[int, str] = {}
+        doomed: list[str] = []
+        described = []
+        committed, uncommitted = self._scan()
+        for name, manifest in sorted(committed, key=lambda item: item[0] != prefer):
+            if manifest.step in by_step:  # the same step uploaded twice (a resumed run): one copy is enough
+                doomed.append(name)
+                continue
+            by_step[manifest.step] = name
+            d = manifest.description
+            described.append(
+                core.Checkpoint(
+                    step=manifest.step,
+                    epoch=manifest.epoch,
+                    epoch_end=d["epoch_end"],
+                    time=d["time"],
+                    scores=d["scores"],
+                )
+            )
+        reasons = core.keep_reasons(policy, described, newest=newest)
+        doomed += [name for step, name in by_step.items() if not reasons[step]]
+        # an uncommitted folder of a later save may be another rank's upload in flight: only older ones go
+        doomed += [name for name in uncommitted if newest is None or (folder_step(name) or 0) < newest]
+        return {by_step[step]: why for step, why in reasons.items() if why}, doomed
+
+    def delete(self, names: list[str]) -> None:
+        """Delete remote folders (under the lease: only the holder deletes).
+
+        :param names: Folder names under the prefix.
+        """
+        for name in names:
+            self._manifests.pop(name, None)
+            with contextlib.suppress(FileNotFoundError):  # the commit record first: no reader takes a folder half gone
+                self._fs.rm_file(self._path(name, MANIFEST))
+            with contextlib.suppress(FileNotFoundError):  # gone already: the goal
+                self._fs.rm(self._path(name), recursive=True)
+
+    def _retain(self, job: Upload, own: str) -> None:
+        self.delete(self.plan(job.policy, newest=job.step, prefer=own)[1])
+
+    # ------------------------------------------------------------------ resuming
+
+    def download(self, name: str, manifest: Manifest) -> Path:
+        """Download a committed folder into ``out_dir/.remote-fetch-<token>/``, verified against its manifest
+        (regular objects, sizes bounded and equal, CRC-32), and return that folder.
+
+        :param name: The folder's name.
+        :param manifest: Its manifest.
+        :returns: The local folder holding the verified files.
+        :raises CheckpointCorruptError: On a missing object, a size or CRC-32 that differs.
+        :raises CheckpointUnsafeError: On an object that is not a regular file.
+        """
+        target = self._out_dir / f"{FETCH_PREFIX}{secrets.token_hex(8)}"
+        target.mkdir()
+        try:
+            for item in manifest.objects:
+                self._download_one(self._path(name, item.name), target / item.name, item, name)
+        except BaseException:
+            shutil.rmtree(target, ignore_errors=True)
+            raise
+        return target
+
+    def _download_one(self, source: str, local: Path, item: RemoteObject, name: str) -> None:
+        where = f"ckpt.remote={self.url}: {name}/{item.name}"
+        try:
+            info = self._fs.info(source)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{where} is listed in its manifest and missing") from None
+        if info.get("type") != "file" or info.get("islink"):
+            raise CheckpointUnsafeError(f"{where} is not a regular object ({info.get('type')})")
+        if info.get("size") != item.size:
+            raise CheckpointCorruptError(f"{where} is {info.get('size')} bytes, its manifest says {item.size}")
+        local.parent.mkdir(parents=True, exist_ok=True)
+        crc, total = 0, 0
+        fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with self._fs.open(source, "rb") as src, os.fdopen(fd, "wb") as dst:
+            while chunk := src.read(min(CHUNK, item.size + 1 - total)):
+                total += len(chunk)
+                if total > item.size:
+                    raise CheckpointCorruptError(f"{where} holds more than the {item.size} bytes of its manifest")
+                crc = zlib.crc32(chunk, crc)
+                dst.write(chunk)
+            dst.flush()
+            os.fsync(dst.fileno())
+        if total != item.size or crc != item.crc32:
+            raise CheckpointCorruptError(f"{where} does not match its manifest (size {total}, CRC-32 {crc:#010x})")
+
+    def fetch_newer(self, local_step: int | None) -> bool:
+        """Publish into ``out_dir`` the newest committed remote checkpoint newer than ``local_step`` that verifies:
+        downloaded and checked against its manifest, each ``.pt`` file loaded by the safe reader, then moved in
+        (``last.pt`` last). A damaged one is warned about and the next older one tried.
+
+        :param local_step: The step of the local checkpoint ``resume=auto`` found (None: none).
+        :returns: Whether one was published.
+        """
+        for stale in self._out_dir.glob(f"{FETCH_PREFIX}*"):  # a download a kill interrupted
+            shutil.rmtree(stale, ignore_errors=True)
+        for name, manifest in self.committed():
+            if local_step is not None and manifest.step <= local_step:
+                return False
+            tops = {item.name.split("/")[0] for item in manifest.objects}
+            if not tops & {LAST, LAST_DIR}:
+                self._refuse(name, f"its manifest lists neither {LAST} nor {LAST_DIR}/")
+                continue
+            try:
+                folder = self.download(name, manifest)
+            except (CheckpointCorruptError, CheckpointUnsafeError, OSError) as exc:
+                warn_user(f"{exc}; trying the previous committed remote checkpoint")
+                continue
+            try:
+                for item in manifest.objects:
+                    if item.name.endswith(".pt"):
+                        load_checkpoint(folder / item.name)  # refused here, before anything is published
+            except (CheckpointCorruptError, CheckpointUnsafeError) as exc:
+                shutil.rmtree(folder, ignore_errors=True)
+                warn_user(f"ckpt.remote={self.url}: {name} is refused ({exc}); trying the previous committed one")
+                continue
+            publish_fetched(folder, self._out_dir, sorted(tops, key=lambda top: top in (LAST, LAST_DIR)))
+            say(f"took step {manifest.step} from ckpt.remote={self.url} ({name})")
+            return True
+        return False
+
+    # ------------------------------------------------------------------ the end
+
+    def finish(self) -> None:
+        """Wait up to ``ckpt.remote_wait_s`` for the last upload; say what is not on the remote when it gives up."""
+        deadline = time.monotonic() + self._wait_s
+        with self._cond:
+            done = self._cond.wait_for(
+                lambda: self._queued is None and self._commit is None and not self._busy,
+                timeout=max(0.0, deadline - time.monotonic()),
+            )
+            pending = self._queued.step if self._queued is not None else self._newest_step
+        newest = "none" if self._committed_step is None else f"step {self._committed_step}"
+        if not done:
+            warn_user(
+                f"ckpt.remote={self.url}: gave up waiting after ckpt.remote_wait_s={self._wait_s:g}s; step {pending} "
+                f"is not on the remote (the newest committed there by this run: {newest})"
+            )
+        elif self._lost_step is not None and (self._committed_step or -1) < self._lost_step:
+            warn_user(
+                f"ckpt.remote={self.url}: step {self._lost_step} is not on the remote (its upload failed; the newest "
+                f"committed there by this run: {newest})"
+            )
+
+    def close(self) -> None:
+        """Stop the uploader (an upload in flight is left uncommitted) and let the prefix go."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
+        if self._held:
+            self._held = False
+            with contextlib.suppress(Exception):  # best effort: an unreleased lease expires on its own
+                held = self._read_lease()
+                if held is not None and held.holder == self._holder:
+                    self._fs.rm_file(self._path(LEASE))
+        shutil.rmtree(self._out_dir / STAGING_DIR, ignore_errors=True)
+
+
+_SHARD = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+def published_files(
+    checkpoints: list[Path], metrics: Path, metrics_size: int | None, *, rank: int
+) -> list[tuple[Path, str, int | None]]:
+    """What this rank uploads of a just-published save: a file checkpoint whole (rank 0), or this rank's own files
+    of a sharded directory (``__<rank>_<n>.distcp``; rank 0 also the rest: ``.metadata``, ``trainkit.pt``, the
+    manifest); ``metrics.jsonl`` up to ``metrics_size`` bytes (rank 0). ``last`` comes last.
+
+    :param checkpoints: ``best`` then ``last`` (files, or directories).
+    :param metrics: ``metrics.jsonl``.
+    :param metrics_size: Its size the checkpoint records (None: not uploaded).
+    :param rank: This rank.
+    :returns: ``(path, remote name, size or None for the whole file)`` triples.
+    """
+    files: list[tuple[Path, str, int | None]] = []
+    if metrics_size:
+        files.append((metrics, metrics.name, metrics_size))
+    for path in checkpoints:
+        if path.is_dir() and not path.is_symlink():
+            for entry in sorted(path.iterdir()):
+                shard = _SHARD.fullmatch(entry.name)
+                if (int(shard[1]) == rank if shard else rank == 0) and entry.is_file() and not entry.is_symlink():
+                    files.append((entry, f"{path.name}/{entry.name}", None))
+        elif rank == 0:
+            files.append((path, path.name, None))
+    return files
+
+
+def publish_fetched(folder: Path, out_dir: Path, names: list[str]) -> None:
+    """Move verified files and directories into ``out_dir`` (each an atomic rename; ``last.pt`` or ``last.ckpt/``,
+    which makes it a checkpoint, last). A directory in the way (an older local ``last.ckpt/``) is moved aside first
+    and deleted.
+
+    :param folder: The download folder (under ``out_dir``).
+    :param out_dir: The run folder.
+    :param names: The top-level names, in the order to publish them.
+    """
+    for name in names:
+        target = out_dir / name
+        if target.is_dir() and not target.is_symlink():
+            aside = out_dir / f"{FETCH_PREFIX}old-{secrets.token_hex(8)}"
+            os.replace(target, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+        os.replace(folder / name, target)
+    fsync_directory(out_dir)
+    shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,268 @@
+"""The remote tier's records: checkpoint names, the commit record (manifest) and the lease, as plain values.
+
+Pure: stdlib and attrs only. Everything read from a remote is hostile input, so every reader here checks what
+it is given (names, sizes, CRC-32 values, types) and refuses anything else with
+:class:`~trainkit.errors.CheckpointUnsafeError`. The shell (:mod:`trainkit.checkpoint.remote`) moves the bytes.
+
+A remote prefix holds one folder per uploaded checkpoint, named ``step-<step>-<token>`` (a fresh token per
+upload: an object store has no atomic rename, so nothing is ever overwritten), and the lease object. A folder is
+a checkpoint only once its commit record, :data:`MANIFEST`, is in it: it is written last and lists every other
+object with its size and CRC-32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+
+from trainkit.errors import CheckpointUnsafeError
+
+__all__ = [
+    "MANIFEST",
+    "LEASE",
+    "MAX_MANIFEST_BYTES",
+    "MAX_OBJECT_BYTES",
+    "RemoteObject",
+    "Manifest",
+    "Lease",
+    "folder_name",
+    "folder_step",
+    "check_name",
+    "manifest_bytes",
+    "parse_manifest",
+    "lease_bytes",
+    "parse_lease",
+]
+
+MANIFEST = "commit.json"
+"""The commit record of a remote checkpoint folder, written last."""
+LEASE = "lease.json"
+"""The lease object at the prefix's root: which run writes there, until when."""
+MAX_MANIFEST_BYTES = 1 << 20
+"""A manifest or lease larger than this is refused unread."""
+MAX_OBJECT_BYTES = 1 << 40
+"""No object a manifest lists may be larger than this (1 TiB)."""
+MAX_OBJECTS = 10_000
+"""No manifest may list more objects than this."""
+
+_FOLDER = re.compile(r"step-(0|[1-9][0-9]{0,17})-([0-9a-f]{8,64})")
+_NAME_PART = re.compile(r"(?!\.\.?$)[A-Za-z0-9_.][A-Za-z0-9_.-]{0,127}")  # DCP's ".metadata"; never "." or ".."
+
+
+def folder_name(step: int, token: str) -> str:
+    """The remote folder of a checkpoint of ``step``, under a fresh ``token`` (lowercase hex).
+
+    >>> folder_name(42, "0a1b2c3d")
+    'step-42-0a1b2c3d'
+    """
+    name = f"step-{step}-{token}"
+    if _FOLDER.fullmatch(name) is None:
+        raise ValueError(f"a remote checkpoint folder needs a step >= 0 and a hex token, got {step!r}, {token!r}")
+    return name
+
+
+def folder_step(name: str) -> int | None:
+    """The step a remote folder's name carries; None for a name that is not a checkpoint folder's.
+
+    >>> folder_step("step-42-0a1b2c3d"), folder_step("step-42"), folder_step("../step-1-0a1b2c3d")
+    (42, None, None)
+    """
+    match = _FOLDER.fullmatch(name)
+    return int(match[1]) if match else None
+
+
+def check_name(name: Any) -> str:
+    """A relative object name inside a checkpoint folder, or a refusal: no ``..``, no absolute path, no empty part,
+    no ``.`` part, no backslash, only letters, digits, ``_``, ``.`` and ``-``.
+
+    :param name: The name as a manifest gives it.
+    :returns: The name.
+    :raises CheckpointUnsafeError: Naming the name and the rule it breaks.
+
+    >>> check_name("last.pt")
+    'last.pt'
+    >>> try:
+    ...     check_name("../x")
+    ... except CheckpointUnsafeError:
+    ...     print("refused")
+    refused
+    """
+    parts = name.split("/") if isinstance(name, str) else []
+    if not parts or len(parts) > 4 or not all(_NAME_PART.fullmatch(part) for part in parts):
+        raise CheckpointUnsafeError(
+            f"remote object name {name!r} must be a relative name of letters, digits, '_', '.' and '-' parts "
+            "(no '..', no absolute path)"
+        )
+    return name
+
+
+def _count(value: Any, what: str, top: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
+        raise CheckpointUnsafeError(f"remote manifest: {what} must be an int in [0, {top}], got {value!r}")
+    return value
+
+
+@attrs.frozen(kw_only=True)
+class RemoteObject:
+    """One object of a remote checkpoint: its name inside the folder, its size and its CRC-32.
+
+    >>> RemoteObject(name="last.pt", size=3, crc32=0).size
+    3
+    """
+
+    name: str = attrs.field(converter=check_name)
+    size: int = attrs.field(converter=lambda v: _count(v, "an object's size", MAX_OBJECT_BYTES))
+    crc32: int = attrs.field(converter=lambda v: _count(v, "an object's crc32", 0xFFFFFFFF))
+
+
+def _text(data: Mapping[str, Any], key: str, *, optional: bool = False) -> Any:
+    value = data.get(key)
+    if (value is None and optional) or (isinstance(value, str) and len(value) <= 256):
+        return value
+    raise CheckpointUnsafeError(f"remote manifest: {key} must be a short string, got {value!r:.80}")
+
+
+def _description(value: Any) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise CheckpointUnsafeError(f"remote manifest: description must be a mapping, got {value!r:.80}")
+    scores = value.get("scores", {})
+    if not isinstance(scores, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool) for k, v in scores.items()
+    ):
+        raise CheckpointUnsafeError(
+            f"remote manifest: description.scores must map names to numbers, got {scores!r:.80}"
+        )
+    seconds = value.get("time", 0.0)
+    if not isinstance(seconds, int | float) or isinstance(seconds, bool) or not math.isfinite(seconds):
+        raise CheckpointUnsafeError(f"remote manifest: description.time must be a number, got {seconds!r:.80}")
+    return {"epoch_end": bool(value.get("epoch_end", True)), "time": float(seconds), "scores": dict(scores)}
+
+
+@attrs.frozen(kw_only=True)
+class Manifest:
+    """A remote checkpoint's commit record.
+
+    :ivar step: The optimizer step of the checkpoint.
+    :ivar epoch: Its epoch.
+    :ivar kind: What was saved (``"last"``).
+    :ivar objects: Every object of the folder but the manifest.
+    :ivar run_id: The W&B run id it belongs to (None without one).
+    :ivar version: The trainkit version that wrote it.
+    :ivar description: How retention sees it: ``epoch_end``, ``time`` and ``scores`` (plain values).
+    """
+
+    step: int = attrs.field(converter=lambda v: _count(v, "step", 1 << 62))
+    epoch: int = attrs.field(converter=lambda v: _count(v, "epoch", 1 << 62))
+    kind: str
+    objects: tuple[RemoteObject, ...]
+    run_id: str | None
+    version: str
+    description: Mapping[str, Any] = attrs.field(factory=dict, converter=_description, hash=False)
+
+    def object(self, name: str) -> RemoteObject | None:
+        """The object named ``name``, or None."""
+        return next((o for o in self.objects if o.name == name), None)
+
+
+def manifest_bytes(manifest: Manifest) -> bytes:
+    """The manifest as written: JSON, keys sorted.
+
+    >>> m = Manifest(step=1, epoch=0, kind="last", objects=(RemoteObject(name="a", size=1, crc32=2),),
+    ...              run_id=None, version="0")
+    >>> parse_manifest(manifest_bytes(m)) == m
+    True
+    """
+    data = attrs.asdict(manifest, recurse=True)
+    data["objects"] = [attrs.asdict(o) for o in manifest.objects]
+    return json.dumps(data, sort_keys=True, allow_nan=False).encode()
+
+
+def parse_manifest(data: bytes) -> Manifest:
+    """A manifest read from a remote, checked: bounded size, JSON of the right shape, safe unique names.
+
+    :param data: The object's bytes.
+    :returns: The manifest.
+    :raises CheckpointUnsafeError: On anything else, naming what is wrong.
+    """
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointUnsafeError(f"remote manifest is {len(data)} bytes, more than {MAX_MANIFEST_BYTES}")
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointUnsafeError(f"remote manifest is not JSON ({exc})") from None
+    objects = raw.get("objects") if isinstance(raw, dict) else None
+    if (
+        not isinstance(objects, list)
+        or not 0 < len(objects) <= MAX_OBJECTS
+        or not all(isinstance(o, dict) for o in objects)
+    ):
+        raise CheckpointUnsafeError(f"remote manifest must be a mapping with a list of 1 to {MAX_OBJECTS} objects")
+    listed = tuple(RemoteObject(name=o.get("name"), size=o.get("size"), crc32=o.get("crc32")) for o in objects)
+    names = [o.name for o in listed]
+    if len(set(names)) != len(names) or MANIFEST in names:
+        raise CheckpointUnsafeError(f"remote manifest lists a name twice, or itself: {names}")
+    return Manifest(
+        step=raw.get("step"),
+        epoch=raw.get("epoch"),
+        kind=_text(raw, "kind"),
+        objects=listed,
+        run_id=_text(raw, "run_id", optional=True),
+        version=_text(raw, "version"),
+        description=_description(raw.get("description", {})),
+    )
+
+
+@attrs.frozen(kw_only=True)
+class Lease:
+    """Who writes to a remote prefix, and until when (Unix seconds).
+
+    >>> Lease(holder="host:12:ab", expires=100.0).expired(now=101.0)
+    True
+    """
+
+    holder: str
+    expires: float
+
+    def expired(self, now: float) -> bool:
+        """Whether the lease ran out at ``now`` (Unix seconds)."""
+        return now > self.expires
+
+
+def lease_bytes(lease: Lease) -> bytes:
+    """The lease as written.
+
+    >>> parse_lease(lease_bytes(Lease(holder="h", expires=1.5)))
+    Lease(holder='h', expires=1.5)
+    """
+    return json.dumps({"holder": lease.holder, "expires": lease.expires}).encode()
+
+
+def parse_lease(data: bytes) -> Lease:
+    """A lease read from a remote; a malformed one counts as expired at once (its writer cannot be told apart from
+    a torn write, and refusing forever would lock the prefix for good).
+
+    >>> parse_lease(b"garbage").expires
+    0.0
+    """
+    try:
+        raw = json.loads(data[:MAX_MANIFEST_BYTES].decode("utf-8"))
+        holder, expires = str(raw["holder"])[:256], float(raw["expires"])
+    except (UnicodeDecodeError, ValueError, TypeError, KeyError, RecursionError):
+        return Lease(holder="(unreadable)", expires=0.0)
+    return Lease(holder=holder, expires=expires if math.isfinite(expires) else 0.0)
+
+
+def newest_first(manifests: Iterable[tuple[str, Manifest]]) -> list[tuple[str, Manifest]]:
+    """Committed folders, newest (largest step, then name) first.
+
+    >>> m = lambda s: Manifest(step=s, epoch=0, kind="last", objects=(RemoteObject(name="a", size=0, crc32=0),),
+    ...                        run_id=None, version="0")
+    >>> [name for name, _ in newest_first([("a", m(1)), ("b", m(3))])]
+    ['b', 'a']
+    """
+    return sorted(manifests, key=lambda item: (item[1].step, item[0]), reverse=True)
