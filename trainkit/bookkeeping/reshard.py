@@ -152,8 +152,9 @@ def decide_resume(
     ResumeDecision(action='reshard', skip_batches=2, skip_samples=4, reason=None)
     >>> decide_resume(p, world_size=2, batch_size=3, dataset_length=24, batches_per_epoch=4, order=order).action
     'same'
-    >>> decide_resume(p, world_size=3, batch_size=3, dataset_length=24, batches_per_epoch=3, order=order).reason.split(': ')[-1]
-    'set batch_size=2 (global_batch // world_size) to resume it on 3 ranks'
+    >>> refused = decide_resume(p, world_size=3, batch_size=3, dataset_length=24, batches_per_epoch=3, order=order)
+    >>> refused.action, refused.reason.split(': ')[-1]
+    ('refuse', 'set batch_size=2 (global_batch // world_size) to resume it on 3 ranks')
     """
     if world_size == saved.world_size:
         mismatch = position_mismatch(
