@@ -112,15 +112,9 @@ def _parts(
     ckpt, timeout_s, guard = cfg.ckpt, cfg.dist.timeout_s, cfg.guard
     signals = StopSignals(["SIGTERM", "SIGINT", *([ckpt.requeue_signal] if ckpt.requeue_signal else [])])
     position = EpochTracker(
-        every_n_steps=ckpt.every_n_steps,
-        enabled=ckpt.enable,
-        world_size=world_size,
-        timeout_s=timeout_s,
-        left_out=skip_batches(guard),
-        count_always=guard.nonfinite == "rollback",  # a rollback names batches
-        max_steps=cfg.max_steps,
-        val_every_n_steps=cfg.val.every_n_steps,
-        log_every_n_steps=cfg.log_every_n_steps,
+        every_n_steps=ckpt.every_n_steps, enabled=ckpt.enable, world_size=world_size, timeout_s=timeout_s,
+        left_out=skip_batches(guard), count_always=guard.nonfinite == "rollback",  # a rollback names batches
+        max_steps=cfg.max_steps, val_every_n_steps=cfg.val.every_n_steps, log_every_n_steps=cfg.log_every_n_steps,
     )
     checkpointer = Checkpointer(
         Path(cfg.out_dir),
