@@ -1008,12 +1008,7 @@ class StepValTrainer(TinyTrainer):
         from pathlib import Path
 
         result = super().train()
-        report = {
-            "validations": self.validations,
-            "step": self.step,
-            "epoch": self.epoch,
-            "digest": param_digest(self.model),
-            "best": self.best_metrics,
-        }
+        report = {"validations": self.validations, "step": self.step, "epoch": self.epoch,
+                  "digest": param_digest(self.model), "best": self.best_metrics}
         Path(self.cfg.out_dir, f"rank{self.rank}.json").write_text(json.dumps(report))
         return result
