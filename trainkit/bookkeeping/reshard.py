@@ -98,7 +98,8 @@ def world_change_refusal(saved: EpochPosition, world_size: int) -> str | None:
     if saved.global_batch is None or saved.order is None:
         return (
             f"it was written on {saved.world_size} ranks without its place in the epoch's global order (by a trainkit "
-            "before it was recorded, or from a loader without a batch_size), so it resumes only on "
+            "before it was recorded, from a loader without a batch_size, or from one that carries its own per-rank "
+            "position), so it resumes only on "
             f"{saved.world_size} ranks; resume it there, or from a checkpoint written at an epoch's end"
         )
     if not saved.order.startswith(DISTRIBUTED):

@@ -535,7 +535,9 @@ class EpochTracker:
         :param world_size: The number of processes.
         """
         batch_size, dataset_length, _ = loader_facts(batches.loader)
-        global_batch = None if batch_size is None else batch_size * world_size
+        # a loader that carries its own position keeps it per rank: no place in a global order to record
+        own = isinstance(batches, StatefulBatches)
+        global_batch = None if batch_size is None or own else batch_size * world_size
         return core.EpochPosition(
             epoch=epoch,
             batches=batches.consumed,
@@ -545,7 +547,7 @@ class EpochTracker:
             world_size=world_size,
             samples=None if global_batch is None else batches.consumed * global_batch,
             global_batch=global_batch,
-            order=loader_order(batches.loader),
+            order=None if own else loader_order(batches.loader),
         )
 
     @staticmethod

@@ -75,7 +75,8 @@ def loader_order(loader: Any) -> str | None:
 
     A ``DataLoader`` whose sampler is exactly torch's ``DistributedSampler`` deals an order that does not depend on
     the world size (:func:`~trainkit.bookkeeping.distributed_order`); any other sampler, and a loader that carries
-    its own position (its state is per rank), is named by its class: it resumes only on the world size that wrote it.
+    its own position (its state is per rank), is named by its class: it resumes only on the world size that wrote it
+    (a step position records no order for the latter at all).
 
     >>> loader_order([[1, 2]]) is None
     True
