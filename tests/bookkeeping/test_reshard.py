@@ -6,11 +6,19 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from tests.helpers.sampling import batches_per_epoch, deal
-from trainkit.bookkeeping import EpochPosition, decide_resume, distributed_order, resumable_world_sizes
+from trainkit.bookkeeping import (
+    EpochPosition,
+    decide_resume,
+    distributed_order,
+    pooled_mean_share,
+    resumable_world_sizes,
+)
+from trainkit.errors import BookkeepingError
 
 ORDER = distributed_order(shuffle=True, seed=0, drop_last=False)
 
@@ -133,3 +141,17 @@ def test_with_drop_last_a_resharded_epoch_never_repeats_a_sample(case):
     before = {i for r in range(world) for i in deal(order, world, r, True)[: consumed * batch]}
     after = [i for r in range(new_world) for i in deal(order, new_world, r, True)[decision.skip_samples :]]
     assert len(after) == len(set(after)) and not before & set(after)
+
+
+@given(st.lists(st.integers(-1000, 1000), min_size=1, max_size=6), st.integers(1, 50), st.integers(0, 3))
+def test_running_means_pool_into_shares_that_weigh_every_value_alike(sums, count, extra):
+    """Saved ranks' (sum, count) with one count pool into the mean of all their values over that count (a value added
+    later weighs as much as a saved one); identical shares stay as they are; unequal counts are refused by name."""
+    shares = [(float(total), count) for total in sums]
+    pooled, pooled_count = pooled_mean_share(shares, name="loss_mean")
+    assert pooled_count == count and pooled / pooled_count == pytest.approx(sum(sums) / (count * len(sums)))
+    assert pooled_mean_share([shares[0]] * len(shares), name="loss_mean") == shares[0]
+    if extra:
+        uneven = [*shares, (float(sums[0]) + 1.0, count + extra)]
+        with pytest.raises(BookkeepingError, match="loss_mean differs between the saved ranks with different counts"):
+            pooled_mean_share(uneven, name="loss_mean")

@@ -68,13 +68,21 @@ def ledger(out_dir: str) -> dict[tuple[int, int], list[int]]:
     return {key: sorted(by_attempt[max(by_attempt)]) for key, by_attempt in sorted(served.items())}
 
 
+def journal(out_dir: str) -> list[tuple[int, int, list[str]]]:
+    """metrics.jsonl as (step, epoch, keys) per row: the same rows at the same steps, whatever the world size (the
+    values of a rank-0 metric such as train/batch_loss depend on which samples rank 0 held)."""
+    rows = [json.loads(line) for line in Path(out_dir, "metrics.jsonl").read_text().splitlines()]
+    return [(row["trainer/step"], row["trainer/epoch"], sorted(row)) for row in rows]
+
+
 def final_weights(out_dir: str) -> dict[str, torch.Tensor]:
     return torch.load(Path(out_dir, "final.pt"), weights_only=True)
 
 
 def test_a_run_interrupted_mid_epoch_resumes_on_other_world_sizes_with_the_same_steps(tmp_path):
     """2 -> 1 (SIGTERM), 2 -> 3 (SIGKILL), 3 -> 2 (SIGTERM), 1 -> 2 (SIGKILL) in single files, 2 -> 3 (SIGTERM) sharded:
-    each later step serves the uninterrupted run's samples, each sample once per epoch, and the final weights match."""
+    each later step serves the uninterrupted run's samples, each sample once per epoch, metrics.jsonl continues with
+    the same rows at the same steps, and the final weights match."""
     runs = [
         [{"world": 2}],  # the uninterrupted reference
         [{"world": 2, "kill": ["sigterm", 0, 0]}, {"world": 1}],
@@ -99,6 +107,7 @@ def test_a_run_interrupted_mid_epoch_resumes_on_other_world_sizes_with_the_same_
         assert first != [0] * run[0]["world"], (run, result)  # the interruption landed
         assert last == [0] * run[1]["world"], (run, result, stderr[-3000:])
         assert ledger(result["out_dir"]) == expected, f"{run}: a step served other samples than the uninterrupted run's"
+        assert journal(result["out_dir"]) == journal(reference["out_dir"]), f"{run}: metrics.jsonl rows differ"
         weights = final_weights(result["out_dir"])
         for name, value in reference_weights.items():
             torch.testing.assert_close(weights[name], value, rtol=RTOL, atol=ATOL, msg=f"{run}: {name}")
