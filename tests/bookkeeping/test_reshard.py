@@ -155,3 +155,28 @@ def test_running_means_pool_into_shares_that_weigh_every_value_alike(sums, count
         uneven = [*shares, (float(sums[0]) + 1.0, count + extra)]
         with pytest.raises(BookkeepingError, match="loss_mean differs between the saved ranks with different counts"):
             pooled_mean_share(uneven, name="loss_mean")
+
+
+def test_a_position_written_before_the_global_order_was_recorded_resumes_only_on_its_own_world_size():
+    """A version-1 position (no samples, global batch or order) loads as before: the same world size resumes it as
+    it did; another is refused, saying why and what works; inspect's list of world sizes holds its own only."""
+    old = {
+        "kind": "EpochPosition",
+        "schema_version": 1,
+        "epoch": 0,
+        "batches": 2,
+        "batches_per_epoch": 6,
+        "batch_size": 3,
+        "dataset_length": 36,
+        "world_size": 2,
+    }
+    position = EpochPosition.from_dict(old)
+    assert (position.samples, position.global_batch, position.order) == (None, None, None)
+    assert position.to_dict() == old  # written back as an older trainkit reads it
+    facts = {"dataset_length": 36, "batches_per_epoch": 6, "order": ORDER}
+    assert decide_resume(position, world_size=2, batch_size=3, **facts).action == "same"
+    refused = decide_resume(position, world_size=1, batch_size=6, **facts)
+    assert refused.action == "refuse"
+    assert "without its place in the epoch's global order" in refused.reason
+    assert "resumes only on 2 ranks; resume it there, or from a checkpoint written at an epoch's end" in refused.reason
+    assert resumable_world_sizes(position) == [(2, 3)]
