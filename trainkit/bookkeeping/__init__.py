@@ -29,6 +29,8 @@ from trainkit.bookkeeping.registry import (
 from trainkit.bookkeeping.reshard import (
     ResumeDecision,
     decide_resume,
+    differing_items,
+    differing_items_refusal,
     distributed_order,
     pooled_mean_share,
     resumable_world_sizes,
@@ -105,6 +107,8 @@ __all__ = [
     "position_mismatch",
     "ResumeDecision",
     "decide_resume",
+    "differing_items",
+    "differing_items_refusal",
     "distributed_order",
     "pooled_mean_share",
     "resumable_world_sizes",

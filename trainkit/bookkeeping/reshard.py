@@ -12,7 +12,7 @@ the rest of the epoch, each sample once: the skip is the same number of batches,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -28,6 +28,8 @@ __all__ = [
     "world_change_refusal",
     "resumable_world_sizes",
     "pooled_mean_share",
+    "differing_items",
+    "differing_items_refusal",
 ]
 
 DISTRIBUTED = "DistributedSampler"
@@ -250,3 +252,45 @@ def pooled_mean_share(shares: Sequence[tuple[float, int]], *, name: str) -> tupl
         )
     (count,) = counts
     return sum(total for total, _ in shares) / len(shares), count
+
+
+def differing_items(digests: Sequence[Mapping[str, str]]) -> list[str]:
+    """The items whose state differs between ranks, from each rank's digests of them (by rank).
+
+    :param digests: Per rank, item name to the digest of its state (every rank names the same items).
+    :returns: The names whose digests are not all equal, in rank 0's order.
+
+    >>> differing_items([{"loss_mean": "a", "steps": "b"}, {"loss_mean": "c", "steps": "b"}])
+    ['loss_mean']
+    >>> differing_items([{"steps": "b"}])
+    []
+    """
+    if not digests:
+        return []
+    return [name for name, digest in digests[0].items() if any(other.get(name) != digest for other in digests[1:])]
+
+
+def differing_items_refusal(names: Sequence[str], *, saved_world_size: int, world_size: int) -> str | None:
+    """Say why registered items whose state differed between the saved ranks cannot resume on ``world_size`` ranks;
+    None when they may (none differed, or the same world size: each rank continues as it did before).
+
+    :param names: The items whose state differed (running means excepted: those pool).
+    :param saved_world_size: The world size that wrote the checkpoint.
+    :param world_size: This run's.
+    :returns: The reason, naming the items and what would work, or None.
+
+    >>> differing_items_refusal(["tally"], saved_world_size=2, world_size=2) is None
+    True
+    >>> differing_items_refusal(["tally"], saved_world_size=2, world_size=1).split(", which")[0]
+    "checkpoint item 'tally' held a different state on each of the 2 ranks that wrote it"
+    """
+    if not names or world_size == saved_world_size:
+        return None
+    which = ", ".join(repr(name) for name in names)
+    plural = "s" if len(names) > 1 else ""
+    return (
+        f"checkpoint item{plural} {which} held a different state on each of the {saved_world_size} ranks that wrote "
+        f"it, which does not map onto {world_size} ranks (only a trainkit.RunningMean pools); resume on "
+        f"{saved_world_size} ranks, or make the item's state the same on every rank (all-reduce a value before "
+        "adding it, say)"
+    )
