@@ -78,14 +78,30 @@ def journal(out_dir: str) -> list[tuple[int, int, list[str]]]:
     return [(row["trainer/step"], row["trainer/epoch"], sorted(row)) for row in rows]
 
 
+def epoch_means(out_dir: str) -> dict[int, list[float]]:
+    """Each epoch's per-rank mean loss (each rank's own RunningMean), by rank, from the last attempt that ended it."""
+    rows = defaultdict(dict)
+    for path in sorted(Path(out_dir).glob("means-*.jsonl")):
+        rank = int(path.stem.split("-")[1])
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            rows[(row["epoch"], row["attempt"])][rank] = row["mean"]
+    last = {epoch: max(a for e, a in rows if e == epoch) for epoch, _ in rows}
+    return {
+        epoch: [rows[(epoch, attempt)][r] for r in sorted(rows[(epoch, attempt)])] for epoch, attempt in last.items()
+    }
+
+
 def final_weights(out_dir: str) -> dict[str, torch.Tensor]:
     return torch.load(Path(out_dir, "final.pt"), weights_only=True)
 
 
 def test_a_run_interrupted_mid_epoch_resumes_on_other_world_sizes_with_the_same_steps(tmp_path):
-    """2 -> 1 (SIGTERM), 2 -> 3 (SIGKILL), 3 -> 2 (SIGTERM), 1 -> 2 (SIGKILL) in single files, 2 -> 3 (SIGTERM) sharded:
-    each later step serves the uninterrupted run's samples, each sample once per epoch, metrics.jsonl continues with
-    the same rows at the same steps, and the final weights match."""
+    """2 -> 1 (SIGTERM), 2 -> 3 (SIGKILL), 3 -> 2 (SIGTERM), 1 -> 2 (SIGKILL), 2 -> 2 (SIGKILL) in single files,
+    2 -> 3 (SIGTERM) sharded: each later step serves the uninterrupted run's samples, each sample once per epoch,
+    metrics.jsonl continues with the same rows at the same steps, and the final weights match. Each rank's own
+    RunningMean of the loss (registered) comes back as its own on the same world size (every rank's epoch mean bit for
+    bit the uninterrupted run's) and pooled on another, so the ranks' epoch means average to the uninterrupted run's."""
     runs = [
         [{"world": 2}],  # the uninterrupted reference
         [{"world": 2, "kill": ["sigterm", 0, 0]}, {"world": 1}],
@@ -93,6 +109,7 @@ def test_a_run_interrupted_mid_epoch_resumes_on_other_world_sizes_with_the_same_
         [{"world": 3, "kill": ["sigterm", 0, 0]}, {"world": 2}],
         [{"world": 1, "kill": ["batch", 0, 4]}, {"world": 2}],
         [{"world": 2, "kill": ["sigterm", 1, 1], "config": SHARDED}, {"world": 3, "config": SHARDED}],
+        [{"world": 2, "kill": ["batch", 0, 2]}, {"world": 2}],
     ]
     report, stderr = run_scenario(tmp_path, runs)
     reference = report[0]
@@ -103,6 +120,8 @@ def test_a_run_interrupted_mid_epoch_resumes_on_other_world_sizes_with_the_same_
         served = [i for (e, _), indices in expected.items() if e == epoch for i in indices]
         assert Counter(served) == Counter(range(N_SAMPLES))
     reference_weights = final_weights(reference["out_dir"])
+    reference_means = epoch_means(reference["out_dir"])
+    assert reference_means[0][0] != reference_means[0][1]  # each rank's own mean: the ranks' states differ
     for run, result in zip(runs[1:], report[1:], strict=True):
         first, last = result["exit_codes"]
         interrupted = run[0]["kill"][0]
@@ -111,6 +130,14 @@ def test_a_run_interrupted_mid_epoch_resumes_on_other_world_sizes_with_the_same_
         assert last == [0] * run[1]["world"], (run, result, stderr[-3000:])
         assert ledger(result["out_dir"]) == expected, f"{run}: a step served other samples than the uninterrupted run's"
         assert journal(result["out_dir"]) == journal(reference["out_dir"]), f"{run}: metrics.jsonl rows differ"
+        means = epoch_means(result["out_dir"])
+        assert sorted(means) == [0, 1], run
+        for epoch, expected_means in reference_means.items():
+            if run[0]["world"] == run[1]["world"]:
+                assert means[epoch] == expected_means, f"{run}: epoch {epoch}'s per-rank means"
+            else:
+                average = sum(means[epoch]) / len(means[epoch])
+                assert average == pytest.approx(sum(expected_means) / 2, rel=RTOL), f"{run}: epoch {epoch}"
         weights = final_weights(result["out_dir"])
         for name, value in reference_weights.items():
             torch.testing.assert_close(weights[name], value, rtol=RTOL, atol=ATOL, msg=f"{run}: {name}")

@@ -401,6 +401,8 @@ class StepTrainer(BaseTrainer):
             loss = nn.functional.mse_loss(self.model(x), y)
             (loss / cfg.accumulate).backward()
             self.loss_mean.add(loss.detach())
+            if cfg.rank_item:
+                self.tally.batches += 1
             if (index + 1) % cfg.accumulate == 0 or index + 1 == batches:
                 self.clip_and_log_grad_norm()
                 self.optimizer.step()
@@ -442,6 +444,20 @@ class ElasticConfig(StepConfig):
     batch_size: int = 0
     n_samples: int = 36
     distributed_sampler: bool = True
+    rank_item: bool = False
+
+
+class RankTally:
+    """A registered item whose state differs between ranks and is no running mean: the rank that counted."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.batches = rank, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"rank": self.rank, "batches": self.batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.batches = state["batches"]
 
 
 class LedgerDataset(NoisyDataset):
@@ -454,8 +470,9 @@ class LedgerDataset(NoisyDataset):
 
 class ElasticTrainer(StepTrainer):
     """Accumulation, per-sample noise, a RunningMean and mid-epoch pushes, on any world size with one global batch;
-    rank r appends ``{"attempt", "epoch", "step", "indices"}`` per batch to ``out_dir/ledger-<r>.jsonl`` and rank 0
-    saves the final weights to ``out_dir/final.pt``."""
+    rank r appends ``{"attempt", "epoch", "step", "indices"}`` per batch to ``out_dir/ledger-<r>.jsonl`` and its epoch's
+    mean loss (its own RunningMean, registered) to ``out_dir/means-<r>.jsonl``; rank 0 saves the final weights to
+    ``out_dir/final.pt``. ``rank_item`` registers a RankTally too."""
 
     config_class = ElasticConfig
     cfg: ElasticConfig
@@ -478,6 +495,9 @@ class ElasticTrainer(StepTrainer):
             self.loader = DataLoader(self.train_set, shuffle=True, batch_size=batch_size)
         self.loss_mean = trainkit.RunningMean()
         self.add_checkpoint_items(model=self.model, optimizer=self.optimizer, loss_mean=self.loss_mean)
+        if cfg.rank_item:
+            self.tally = RankTally(self.rank)
+            self.add_checkpoint_items(tally=self.tally)
         self.ledger = open(os.path.join(cfg.out_dir, f"ledger-{self.rank}.jsonl"), "a")  # noqa: SIM115 - closed in close()
 
     def train_epoch(self):
@@ -501,7 +521,10 @@ class ElasticTrainer(StepTrainer):
             if (index + 1) % cfg.push_every == 0:
                 self.push_logs()
             _maybe_die(("batch", self.epoch, index), self.rank)
-        self.log({"train/loss": self.loss_mean.take()})
+        mean = self.loss_mean.take()
+        with open(os.path.join(cfg.out_dir, f"means-{self.rank}.jsonl"), "a") as means:
+            means.write(json.dumps({"attempt": ATTEMPT, "epoch": self.epoch, "mean": float(mean)}) + "\n")
+        self.log({"train/loss": mean})
         self.log_epoch_grad_norm()
 
     def train(self):
@@ -1008,7 +1031,12 @@ class StepValTrainer(TinyTrainer):
         from pathlib import Path
 
         result = super().train()
-        report = {"validations": self.validations, "step": self.step, "epoch": self.epoch,
-                  "digest": param_digest(self.model), "best": self.best_metrics}
+        report = {
+            "validations": self.validations,
+            "step": self.step,
+            "epoch": self.epoch,
+            "digest": param_digest(self.model),
+            "best": self.best_metrics,
+        }
         Path(self.cfg.out_dir, f"rank{self.rank}.json").write_text(json.dumps(report))
         return result

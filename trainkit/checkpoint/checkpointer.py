@@ -38,7 +38,13 @@ from trainkit.checkpoint.kept import (
     read_kept,
     run_folder_of,
 )
-from trainkit.checkpoint.payload import last_payload, mid_epoch_state
+from trainkit.checkpoint.payload import (
+    is_running_mean,
+    item_states_for_rank,
+    last_payload,
+    mid_epoch_state,
+    rank_items_state,
+)
 from trainkit.checkpoint.pt_files import RunFiles
 from trainkit.checkpoint.storage import BestWeights, FileStorage, SaveRequest, ShardedStorage, Storage
 from trainkit.config import CkptConfig, Config, changed_on_resume, render_value, strip_secrets
@@ -54,6 +60,7 @@ from trainkit.errors import (
 from trainkit.messages import say, warn_user
 from trainkit.run.folder import same_directory
 from trainkit.run.journal import JsonlSink
+from trainkit.state.digest import state_digest
 from trainkit.state.modules import load_module_state, restore_training_modes, training_modes
 from trainkit.state.rng import capture_rng, reshard_seed, restore_rng, seed_everything
 
@@ -391,6 +398,9 @@ class Checkpointer:
     def restore(self, resume: Resume, registry: core.CkptRegistry) -> core.CkptRegistry:
         """Put a checkpoint's items, train/eval modes and this rank's RNG states back (after ``setup()``).
 
+        A running mean whose state differed between the saving ranks comes back as this rank's own (the same world
+        size) or as the pooled share (another one); any other item as the checkpoint holds it (rank 0's).
+
         A sharded directory's modules and optimizers are read from its DCP files, resharded to this run; a file
         checkpoint (DDP or one process) loads into FSDP2 modules as whole states, sharded on load.
 
@@ -405,6 +415,8 @@ class Checkpointer:
         elif any(sharding.is_sharded(obj) for obj in items.values() if isinstance(obj, nn.Module)):
             converted = sharded.apply_whole_items(items, ckpt)
             ckpt = {**ckpt, **dict.fromkeys(converted, sharded.SHARDED)}
+        # a running mean that differed between the saved ranks: this rank's own, or the pooled share on another world
+        ckpt = {**ckpt, **item_states_for_rank(ckpt, rank=self._rank, world_size=self._world_size)}
         registry, _ = core.apply_payload(registry, ckpt, load_into=load_item)
         modes = ckpt.get("training_modes") or {}
         for name, obj in registry.items.items():
@@ -502,16 +514,26 @@ class Checkpointer:
         changed, self._best_changed = self._best_changed, False
         if not self._ckpt.enable:
             return None
-        gathered = dist_utils.all_gather_objects({"rng": capture_rng(), "position": record.rank_position})
+        shares = self._item_shares(registry)
+        gathered = dist_utils.all_gather_objects(
+            {"rng": capture_rng(), "position": record.rank_position, "items": shares}
+        )
         self._set_damaged_aside()  # every rank is here, past any read of it
         rng = [state["rng"] for state in gathered]
         mid_epoch = None
         if record.position is not None:
             mid_epoch = mid_epoch_state(record.position, [state["position"] for state in gathered])
+        rank_items = None
+        if shares is not None:
+            differ = core.differing_items([state["items"]["digests"] for state in gathered])
+            rank_items = rank_items_state([state["items"]["means"] for state in gathered], differ)
         best = best_weights if changed and record.best is not None else None
+        engine = functools.partial(
+            self._payload, record=record, rng=rng, mid_epoch=mid_epoch, registry=registry, rank_items=rank_items
+        )
         request = SaveRequest(
             registry=registry,
-            engine=functools.partial(self._payload, record=record, rng=rng, mid_epoch=mid_epoch, registry=registry),
+            engine=engine,
             best_weights=best,
             best=record.best,
             config=self._config,
@@ -520,6 +542,23 @@ class Checkpointer:
             **self._keeping(record, before),
         )
         return self._storage.save(request)
+
+    def _item_shares(self, registry: core.CkptRegistry) -> dict[str, dict[str, Any]] | None:
+        """This rank's digest of every registered item's state but the modules and optimizers (replicated by DDP,
+        sharded by FSDP: never hashed), and the state of each running mean among them; None on one process.
+
+        Sent with the RNG states the save gathers anyway, so comparing the ranks costs no collective of its own."""
+        if self._world_size == 1:
+            return None
+        digests, means = {}, {}
+        for name, obj in registry.items.items():
+            if isinstance(obj, (nn.Module, torch.optim.Optimizer)):
+                continue
+            state = obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
+            digests[name] = state_digest(state)
+            if is_running_mean(state):
+                means[name] = state
+        return {"digests": digests, "means": means}
 
     def _keeping(self, record: SaveRecord, before: Callable[[], None] | None) -> dict[str, Callable[[], None] | None]:
         """The save's ``before`` and ``after`` under ``ckpt.keep`` (rank 0): describe the checkpoint in
@@ -556,6 +595,7 @@ class Checkpointer:
         rng: list[dict[str, Any]],
         mid_epoch: dict[str, Any] | None,
         registry: core.CkptRegistry,
+        rank_items: dict[str, Any] | None,
     ) -> dict[str, Any]:
         return last_payload(
             items=items,
@@ -576,6 +616,7 @@ class Checkpointer:
             },
             mid_epoch=mid_epoch,
             guard_skips=[[epoch, batch] for epoch, batch in record.left_out],
+            rank_items=rank_items,
         )
 
     def keep_best_on_disk(self, tracked: bool, epoch: int | None) -> None:

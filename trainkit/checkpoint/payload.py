@@ -705,8 +705,8 @@ def item_states_for_rank(ckpt: dict[str, Any], *, rank: int, world_size: int) ->
     :raises BookkeepingError: When the saved counts differ on another world size, naming the item (the readers
         refuse such a checkpoint first, through :func:`world_change_refusal`).
 
-    >>> ckpt = {"world_size": 2, "rank_items": {"means": {"m": [{"sum": torch.tensor(1.0), "count": 1},
-    ...                                                          {"sum": torch.tensor(3.0), "count": 1}]}, "differ": []}}
+    >>> shares = [{"sum": torch.tensor(1.0), "count": 1}, {"sum": torch.tensor(3.0), "count": 1}]
+    >>> ckpt = {"world_size": 2, "rank_items": {"means": {"m": shares}, "differ": []}}
     >>> item_states_for_rank(ckpt, rank=1, world_size=2)["m"]["sum"].item()
     3.0
     >>> item_states_for_rank(ckpt, rank=2, world_size=3)["m"]
