@@ -146,16 +146,20 @@ def test_a_run_interrupted_mid_epoch_resumes_on_other_world_sizes_with_the_same_
 
 def test_world_size_changes_that_cannot_continue_the_order_are_refused_before_anything_is_written(tmp_path):
     """A global batch the new world size does not divide (2 -> 4), a per-rank batch changed otherwise (2 -> 1 with 3
-    samples per rank), an order that depends on the world size (a plain shuffle on 1 -> 2): each refused, naming what
-    changed and what would work, with the checkpoint and metrics.jsonl left as they were; ``inspect`` says which
-    world sizes each checkpoint resumes on."""
+    samples per rank), an order that depends on the world size (a plain shuffle on 1 -> 2), a registered item whose
+    state differs between the ranks and is no running mean (2 -> 1): each refused, naming what changed and what would
+    work, with the checkpoint and metrics.jsonl left as they were; ``inspect`` says which world sizes each checkpoint
+    resumes on. The same item resumes on the world size that wrote it, as before."""
     plain = {"distributed_sampler": False}
+    tally = {"rank_item": True}
     written, stderr = run_scenario(
         tmp_path,
         [
             [{"world": 2, "kill": ["sigterm", 0, 0]}],
             [{"world": 2, "kill": ["sigterm", 0, 0]}],
             [{"world": 1, "kill": ["sigterm", 0, 0], "config": plain}],
+            [{"world": 2, "kill": ["sigterm", 0, 0], "config": tally}],
+            [{"world": 2, "kill": ["sigterm", 0, 0], "config": tally}],
         ],
     )
     assert all(code not in ([0], [0, 0]) for result in written for code in result["exit_codes"]), stderr[-3000:]
@@ -172,9 +176,22 @@ def test_world_size_changes_that_cannot_continue_the_order_are_refused_before_an
     assert any(line.startswith("resumes on:   1 rank (batch_size=6) only") for line in described[2])
     report, stderr = run_scenario(
         tmp_path,
-        [[{"world": 4}], [{"world": 1, "config": {"batch_size": 3}}], [{"world": 2, "config": plain}]],
+        [
+            [{"world": 4}],
+            [{"world": 1, "config": {"batch_size": 3}}],
+            [{"world": 2, "config": plain}],
+            [{"world": 1, "config": tally}],
+            [{"world": 2, "config": tally}],
+        ],
     )
-    assert [result["exit_codes"] for result in report] == [[[1] * 4], [[1]], [[1] * 2]], stderr[-3000:]
+    resumed = report.pop()
+    assert resumed["exit_codes"] == [[0, 0]], stderr[-3000:]
+    assert [result["exit_codes"] for result in report] == [[[1] * 4], [[1]], [[1] * 2], [[1]]], stderr[-3000:]
+    assert (
+        "checkpoint item 'tally' held a different state on each of the 2 ranks that wrote it, which does not map onto "
+        "1 ranks (only a trainkit.RunningMean pools); resume on 2 ranks, or make the item's state the same on every "
+        "rank" in stderr
+    )
     assert (
         "the global batch of 6 samples (3 per rank on 2 ranks) cannot be split over 4 ranks; it resumes on "
         "1, 2, 3 or 6 ranks (a per-rank batch of 6, 3, 2 or 1)" in stderr
