@@ -14,6 +14,8 @@ from tests.helpers.sampling import batches_per_epoch, deal
 from trainkit.bookkeeping import (
     EpochPosition,
     decide_resume,
+    differing_items,
+    differing_items_refusal,
     distributed_order,
     pooled_mean_share,
     resumable_world_sizes,
@@ -180,3 +182,17 @@ def test_a_position_written_before_the_global_order_was_recorded_resumes_only_on
     assert "without its place in the epoch's global order" in refused.reason
     assert "resumes only on 2 ranks; resume it there, or from a checkpoint written at an epoch's end" in refused.reason
     assert resumable_world_sizes(position) == [(2, 3)]
+
+
+@given(st.lists(st.dictionaries(st.sampled_from("abcd"), st.sampled_from("xy"), min_size=4, max_size=4), min_size=1))
+def test_the_items_that_differ_are_those_whose_digests_are_not_all_equal(ranks):
+    """Every name whose digest differs on some rank is named, once, in rank 0's order; no other; and a world change
+    refuses them by name while the same world size does not."""
+    names = differing_items(ranks)
+    assert names == [name for name in ranks[0] if len({rank[name] for rank in ranks}) > 1]
+    world = len(ranks)
+    assert differing_items_refusal(names, saved_world_size=world, world_size=world) is None
+    refusal = differing_items_refusal(names, saved_world_size=world, world_size=world + 1)
+    assert (refusal is None) == (not names)
+    if names:
+        assert all(repr(name) in refusal for name in names) and f"resume on {world} ranks" in refusal
