@@ -401,8 +401,6 @@ class StepTrainer(BaseTrainer):
             loss = nn.functional.mse_loss(self.model(x), y)
             (loss / cfg.accumulate).backward()
             self.loss_mean.add(loss.detach())
-            if cfg.rank_item:
-                self.tally.batches += 1
             if (index + 1) % cfg.accumulate == 0 or index + 1 == batches:
                 self.clip_and_log_grad_norm()
                 self.optimizer.step()
@@ -513,6 +511,8 @@ class ElasticTrainer(StepTrainer):
             loss = nn.functional.mse_loss(self.model(x.to(self.device)), y.to(self.device))
             (loss / cfg.accumulate).backward()
             self.loss_mean.add(loss.detach())
+            if cfg.rank_item:
+                self.tally.batches += 1
             if (index + 1) % cfg.accumulate == 0 or index + 1 == batches:
                 self.clip_and_log_grad_norm()
                 self.optimizer.step()
@@ -1031,12 +1031,7 @@ class StepValTrainer(TinyTrainer):
         from pathlib import Path
 
         result = super().train()
-        report = {
-            "validations": self.validations,
-            "step": self.step,
-            "epoch": self.epoch,
-            "digest": param_digest(self.model),
-            "best": self.best_metrics,
-        }
+        report = {"validations": self.validations, "step": self.step, "epoch": self.epoch,
+                  "digest": param_digest(self.model), "best": self.best_metrics}
         Path(self.cfg.out_dir, f"rank{self.rank}.json").write_text(json.dumps(report))
         return result
