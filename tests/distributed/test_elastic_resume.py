@@ -193,7 +193,7 @@ def test_world_size_changes_that_cannot_continue_the_order_are_refused_before_an
     assert [result["exit_codes"] for result in report] == [[[1] * 4], [[1]], [[1] * 2], [[1]]], stderr[-3000:]
     assert (
         "checkpoint item 'tally' held a different state on each of the 2 ranks that wrote it, which does not map onto "
-        "1 ranks (only a trainkit.RunningMean pools); resume on 2 ranks, or make the item's state the same on every "
+        "1 rank (only a trainkit.RunningMean pools); resume on 2 ranks, or make the item's state the same on every "
         "rank" in stderr
     )
     assert (

@@ -288,9 +288,9 @@ def differing_items_refusal(names: Sequence[str], *, saved_world_size: int, worl
         return None
     which = ", ".join(repr(name) for name in names)
     plural = "s" if len(names) > 1 else ""
+    onto = f"{world_size} rank{'s' * (world_size > 1)}"
     return (
         f"checkpoint item{plural} {which} held a different state on each of the {saved_world_size} ranks that wrote "
-        f"it, which does not map onto {world_size} ranks (only a trainkit.RunningMean pools); resume on "
-        f"{saved_world_size} ranks, or make the item's state the same on every rank (all-reduce a value before "
-        "adding it, say)"
+        f"it, which does not map onto {onto} (only a trainkit.RunningMean pools); resume on {saved_world_size} "
+        "ranks, or make the item's state the same on every rank (all-reduce a value before adding it, say)"
     )
