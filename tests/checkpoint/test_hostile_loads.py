@@ -534,6 +534,22 @@ LAST_CASES = {
     "rng_python_is_garbage": ("rng", "python", "rng[0]['python'] must be [version, state"),
     "rng_torch_is_garbage": ("rng", "torch", "rng[0]['torch'] must be torch's CPU generator state"),
     "rng_for_two_ranks": ("rng", "two ranks", "rng must be a list of 1 states (world_size=1, one per rank)"),
+    "rank_items_is_a_list": ("rank_items", [1], "rank_items must be None or {'means': {item name:"),
+    "rank_items_names_no_item": (
+        "rank_items",
+        {"means": {}, "differ": ["ghost"]},
+        "the names of items listed in items",
+    ),
+    "rank_items_mean_is_a_float": (
+        "rank_items",
+        {"means": {"model": [{"sum": 1.0, "count": 1}]}, "differ": []},
+        "rank_items['means']['model'][0]['sum'] must be None or a 0-d floating tensor",
+    ),
+    "rank_items_mean_for_two_ranks": (
+        "rank_items",
+        {"means": {"model": [{"sum": None, "count": 0}] * 2}, "differ": []},
+        "rank_items['means']['model'] must be a list of 1 states (world_size=1, one per rank)",
+    ),
     "latest_metrics_is_an_int": (
         "latest_metrics",
         3,

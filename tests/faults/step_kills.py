@@ -47,6 +47,8 @@ from tests.helpers import trainers
 from trainkit.distributed.collectives import free_port
 
 TIMEOUT_S = float(os.environ.get("STEP_KILLS_TIMEOUT_S", "180"))
+TRAINER = "StepTrainer"
+"""The class of tests.helpers.trainers every attempt trains (a driver that imports this module may change it)."""
 
 
 def _digest(state: Any) -> str:
@@ -131,7 +133,7 @@ def _attempt(
     trainers.KILL_AT = tuple(kill) if kill and kill[0] not in ("sigterm", "op") else None
     trainers.SIGTERM_AT = ("batch", *kill[1:]) if kill and kill[0] == "sigterm" else None
     seen = _count_ops(kill) if rank == 0 and (ops is not None or (kill and kill[0] == "op")) else None
-    trainer = trainers.StepTrainer(config, rank, world_size)
+    trainer = getattr(trainers, TRAINER)(config, rank, world_size)
     summary = None
     try:
         try:
@@ -157,7 +159,7 @@ def _attempt(
         ops.write_text(str(seen[0]))
 
 
-def _fork_attempt(
+def fork_attempt(
     config: dict[str, Any], world_size: int, kill: list | None, report: Path, ops: Path | None = None
 ) -> list[int]:
     """Run one attempt (every rank a forked child); return each rank's exit code (-9 when killed). After an
@@ -225,7 +227,7 @@ def main() -> None:
             kills = [["op", max(1, round(kill[1] * total_ops)), kill[2]] if kill[0] == "op" else kill for kill in kills]
         codes = []
         for kill in [*kills, None]:
-            codes.append(_fork_attempt(config, world_size, kill, summary_path, counter))
+            codes.append(fork_attempt(config, world_size, kill, summary_path, counter))
         if counter is not None:
             total_ops = int(counter.read_text())
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None

@@ -35,6 +35,7 @@ RESERVED_NAMES = frozenset(
         "latest_metrics",
         "metrics_offset",
         "training_modes",
+        "rank_items",
     }
 )
 """Top-level checkpoint keys that hold the engine's own state; no registered item may take them."""

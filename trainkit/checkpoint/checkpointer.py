@@ -39,7 +39,13 @@ from trainkit.checkpoint.kept import (
     read_kept,
     run_folder_of,
 )
-from trainkit.checkpoint.payload import last_payload, mid_epoch_state
+from trainkit.checkpoint.payload import (
+    is_running_mean,
+    item_states_for_rank,
+    last_payload,
+    mid_epoch_state,
+    rank_items_state,
+)
 from trainkit.checkpoint.pt_files import RunFiles
 from trainkit.checkpoint.remote import RemoteTier, Upload, published_files
 from trainkit.checkpoint.remote_manifest import folder_name
@@ -57,8 +63,9 @@ from trainkit.errors import (
 from trainkit.messages import say, warn_user
 from trainkit.run.folder import same_directory
 from trainkit.run.journal import JsonlSink
+from trainkit.state.digest import state_digest
 from trainkit.state.modules import load_module_state, restore_training_modes, training_modes
-from trainkit.state.rng import capture_rng, restore_rng
+from trainkit.state.rng import capture_rng, reshard_seed, restore_rng, seed_everything
 
 __all__ = ["Checkpointer", "Resume", "SaveRecord", "load_item"]
 
@@ -357,7 +364,10 @@ class Checkpointer:
     def _say_resuming(self, path: Path, records: core.Resumed, mid_epoch: Mapping[str, Any] | None) -> None:
         line = records.line
         if records.more and mid_epoch is not None:
-            line += f", inside it: {core.EpochPosition.from_dict(mid_epoch['position']).done} done"
+            position = core.EpochPosition.from_dict(mid_epoch["position"])
+            line += f", inside it: {position.done} done"
+            if position.world_size != self._world_size:
+                line += f" on {position.world_size} ranks, dealt anew over {self._world_size}"
         if self._rank == 0:
             say(f"resuming {path}: {line}")
 
@@ -410,6 +420,9 @@ class Checkpointer:
     def restore(self, resume: Resume, registry: core.CkptRegistry) -> core.CkptRegistry:
         """Put a checkpoint's items, train/eval modes and this rank's RNG states back (after ``setup()``).
 
+        A running mean whose state differed between the saving ranks comes back as this rank's own (the same world
+        size) or as the pooled share (another one); any other item as the checkpoint holds it (rank 0's).
+
         A sharded directory's modules and optimizers are read from its DCP files, resharded to this run; a file
         checkpoint (DDP or one process) loads into FSDP2 modules as whole states, sharded on load.
 
@@ -424,13 +437,17 @@ class Checkpointer:
         elif any(sharding.is_sharded(obj) for obj in items.values() if isinstance(obj, nn.Module)):
             converted = sharded.apply_whole_items(items, ckpt)
             ckpt = {**ckpt, **dict.fromkeys(converted, sharded.SHARDED)}
+        # a running mean that differed between the saved ranks: this rank's own, or the pooled share on another world
+        ckpt = {**ckpt, **item_states_for_rank(ckpt, rank=self._rank, world_size=self._world_size)}
         registry, _ = core.apply_payload(registry, ckpt, load_into=load_item)
         modes = ckpt.get("training_modes") or {}
         for name, obj in registry.items.items():
             if isinstance(obj, nn.Module) and isinstance(modes.get(name), Mapping):
                 restore_training_modes(obj, modes[name])
         rng = ckpt.get("rng")
-        if rng is not None and self._rank < len(rng):  # a rank added by resharding keeps its fresh seed
+        if ckpt.get("world_size") != self._world_size:  # saved states do not map onto another number of ranks
+            seed_everything(reshard_seed(self._config.get("seed", 0), self._rank, int(ckpt["step"])))
+        elif rng is not None:
             restore_rng(rng[self._rank])
         return registry
 
@@ -521,7 +538,8 @@ class Checkpointer:
             return None
         self._remote_saves += 1
         uploaded = self._remote.report() if self._remote is not None and self._remote_token is not None else None
-        state = {"rng": capture_rng(), "position": record.rank_position, "remote": uploaded}
+        shares = self._item_shares(registry)
+        state = {"rng": capture_rng(), "position": record.rank_position, "remote": uploaded, "items": shares}
         gathered = dist_utils.all_gather_objects(state)  # also carries each rank's sharded upload, for the commit
         self._remote_reports([rank_state["remote"] for rank_state in gathered])
         self._set_damaged_aside()  # every rank is here, past any read of it
@@ -529,10 +547,17 @@ class Checkpointer:
         mid_epoch = None
         if record.position is not None:
             mid_epoch = mid_epoch_state(record.position, [state["position"] for state in gathered])
+        rank_items = None
+        if shares is not None:
+            differ = core.differing_items([state["items"]["digests"] for state in gathered])
+            rank_items = rank_items_state([state["items"]["means"] for state in gathered], differ)
         best = best_weights if changed and record.best is not None else None
+        engine = functools.partial(
+            self._payload, record=record, rng=rng, mid_epoch=mid_epoch, registry=registry, rank_items=rank_items
+        )
         request = SaveRequest(
             registry=registry,
-            engine=functools.partial(self._payload, record=record, rng=rng, mid_epoch=mid_epoch, registry=registry),
+            engine=engine,
             best_weights=best,
             best=record.best,
             config=self._config,
@@ -541,6 +566,23 @@ class Checkpointer:
             **self._keeping(record, before),
         )
         return self._storage.save(request)
+
+    def _item_shares(self, registry: core.CkptRegistry) -> dict[str, dict[str, Any]] | None:
+        """This rank's digest of every registered item's state but the modules and optimizers (replicated by DDP,
+        sharded by FSDP: never hashed), and the state of each running mean among them; None on one process.
+
+        Sent with the RNG states the save gathers anyway, so comparing the ranks costs no collective of its own."""
+        if self._world_size == 1:
+            return None
+        digests, means = {}, {}
+        for name, obj in registry.items.items():
+            if isinstance(obj, (nn.Module, torch.optim.Optimizer)):
+                continue
+            state = obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
+            digests[name] = state_digest(state)
+            if is_running_mean(state):
+                means[name] = state
+        return {"digests": digests, "means": means}
 
     def _keeping(self, record: SaveRecord, before: Callable[[], None] | None) -> dict[str, Callable[[], None] | None]:
         """The save's ``before`` and ``after`` (rank 0): under ``ckpt.keep`` describe the checkpoint in
@@ -613,6 +655,7 @@ class Checkpointer:
         rng: list[dict[str, Any]],
         mid_epoch: dict[str, Any] | None,
         registry: core.CkptRegistry,
+        rank_items: dict[str, Any] | None,
     ) -> dict[str, Any]:
         return last_payload(
             items=items,
@@ -633,6 +676,7 @@ class Checkpointer:
             },
             mid_epoch=mid_epoch,
             guard_skips=[[epoch, batch] for epoch, batch in record.left_out],
+            rank_items=rank_items,
         )
 
     def keep_best_on_disk(self, tracked: bool, epoch: int | None) -> None:

@@ -24,8 +24,9 @@ from typing import Any
 import attrs
 import torch
 
+from trainkit import bookkeeping as core
 from trainkit.bookkeeping import RESERVED_NAMES, BestState, EpochPosition, LoopState, PatienceState
-from trainkit.errors import CheckpointCorruptError
+from trainkit.errors import BookkeepingError, CheckpointCorruptError
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -40,6 +41,10 @@ __all__ = [
     "last_payload",
     "best_payload",
     "mid_epoch_state",
+    "world_change_refusal",
+    "is_running_mean",
+    "rank_items_state",
+    "item_states_for_rank",
 ]
 
 SCHEMA_VERSION = 1
@@ -371,6 +376,28 @@ def _check_running_mean(value: Any, where: str) -> None:
         raise _Bad(f"{where}['sum']", "None or a 0-d floating tensor", total)
 
 
+_RANK_ITEMS_RULE = (
+    "{'means': {item name: [a running mean's {'sum', 'count'}, one per rank]}, 'differ': [item names]}: the "
+    "registered items whose state differed between ranks"
+)
+
+
+def _check_rank_items(value: Any, where: str) -> None:
+    """The registered items whose state differed between the saving ranks (see :func:`rank_items_state`)."""
+    if type(value) is not dict or set(value) != {"means", "differ"}:
+        raise _Bad(where, _RANK_ITEMS_RULE, value)
+    means, differ = value["means"], value["differ"]
+    if type(means) is not dict or not all(type(name) is str for name in means):
+        raise _Bad(f"{where}['means']", "a dict of item name to a list of running-mean states", means)
+    for name, states in means.items():
+        if type(states) is not list or not states:
+            raise _Bad(f"{where}['means'][{_short(name)}]", "a non-empty list, one state per rank", states)
+        for rank, state in enumerate(states):
+            _check_running_mean(state, f"{where}['means'][{_short(name)}][{rank}]")
+    if type(differ) is not list or not all(type(name) is str for name in differ):
+        raise _Bad(f"{where}['differ']", "a list of item names", differ)
+
+
 def _check_model(value: Any, where: str) -> None:
     if not isinstance(value, dict) or not all(type(key) is str for key in value):
         raise _Bad(where, "a state dict: str keys to tensors and plain values", value)
@@ -476,12 +503,14 @@ LAST_PT: tuple[Key, ...] = (
     Key("training_modes", "a dict of item name to a dict of submodule name to bool", _check_modes, required=False),
     Key("trainkit", f"None or {_MID_EPOCH_RULE}", _check_mid_epoch, nullable=True, required=False),
     Key("guard_skips", _SKIPS_RULE, _check_skips, required=False),
+    Key("rank_items", f"None or {_RANK_ITEMS_RULE}", _check_rank_items, nullable=True, required=False),
 )
 """The engine's keys of a ``last.pt``, in the order the trainer writes them; each registered item's state sits
 beside them under its own name (listed in ``items``). ``training_modes`` is absent from checkpoints written before
 trainkit saved it, and ``trainkit`` (the state of a step checkpoint written inside an epoch, None at an epoch's end)
 from checkpoints written before step checkpoints existed, ``guard_skips`` (the batches a rollback of the divergence
-guard leaves out) from those written before it existed; a ``loop`` dict may lack ``last_validated``
+guard leaves out) from those written before it existed, ``rank_items`` (the items whose state differed between ranks,
+None when none did) from those written before trainkit compared them; a ``loop`` dict may lack ``last_validated``
 (LoopState.from_dict supplies the default)."""
 
 BEST_PT: tuple[Key, ...] = (
@@ -515,6 +544,7 @@ def last_payload(
     training_modes: dict[str, dict[str, bool]],
     mid_epoch: dict[str, Any] | None = None,
     guard_skips: list[list[int]] | None = None,
+    rank_items: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Build a ``last.pt`` payload: every registered item's state under its name, then the engine's keys.
 
@@ -543,6 +573,7 @@ def last_payload(
     :param training_modes: Per registered module, its submodules' ``training`` flags.
     :param mid_epoch: For a step checkpoint inside an epoch, :func:`mid_epoch_state`'s dict; None at an epoch's end.
     :param guard_skips: ``[epoch, batch]`` positions the divergence guard's rollback leaves out (None: none).
+    :param rank_items: :func:`rank_items_state`'s dict, or None when every item's state was the same on every rank.
     :returns: The payload, ready for :func:`~trainkit.checkpoint.atomic_save`.
     """
     return {
@@ -564,6 +595,7 @@ def last_payload(
         "training_modes": training_modes,
         "trainkit": mid_epoch,
         "guard_skips": list(guard_skips or []),
+        "rank_items": rank_items,
     }
 
 
@@ -586,6 +618,114 @@ def mid_epoch_state(position: EpochPosition, ranks: list[dict[str, Any]]) -> dic
     :returns: ``{"position": ..., "ranks": [...]}``.
     """
     return {"position": position.to_dict(), "ranks": ranks}
+
+
+def world_change_refusal(ckpt: dict[str, Any], world_size: int) -> str | None:
+    """Say why a checkpoint (validated) cannot resume on ``world_size`` processes, or None when it can.
+
+    Pure. An epoch's end resumes on any number (the model and optimizer are replicated in a file, resharded from a
+    sharded directory); a position inside an epoch resumes on another number only when it records its place in a
+    world-size-free order whose global batch the new number divides
+    (:func:`~trainkit.bookkeeping.world_change_refusal`).
+
+    >>> world_change_refusal({"world_size": 2, "trainkit": None}, 3) is None
+    True
+
+    :param ckpt: The checkpoint's engine entries.
+    :param world_size: This run's number of processes.
+    :returns: The reason, naming what would work; None when it resumes here.
+    """
+    mid_epoch = ckpt.get("trainkit")
+    if ckpt.get("world_size") == world_size:
+        return None
+    rank_items = ckpt.get("rank_items") or {"means": {}, "differ": []}
+    refusal = core.differing_items_refusal(
+        rank_items["differ"], saved_world_size=ckpt["world_size"], world_size=world_size
+    )
+    for name, states in rank_items["means"].items():
+        if refusal is None:
+            try:
+                _pooled(states, name)
+            except BookkeepingError as exc:
+                refusal = str(exc)
+    if refusal is not None or mid_epoch is None:
+        return refusal
+    return core.world_change_refusal(EpochPosition.from_dict(mid_epoch["position"]), world_size)
+
+
+def is_running_mean(state: Any) -> bool:
+    """Whether a registered item's state is a running mean's (``trainkit.RunningMean.state_dict()``), which pools
+    over ranks.
+
+    Pure.
+
+    >>> is_running_mean({"sum": torch.tensor(3.0), "count": 2}), is_running_mean({"sum": 3.0, "count": 2})
+    (True, False)
+
+    :param state: The state.
+    :returns: True for ``{"sum": None or a 0-d floating tensor, "count": an int >= 0}``.
+    """
+    try:
+        _check_running_mean(state, "state")
+    except _Bad:
+        return False
+    return True
+
+
+def rank_items_state(states: list[dict[str, Any]], differ: list[str]) -> dict[str, Any] | None:
+    """The ``rank_items`` entry of a checkpoint: every rank's state of each running mean that differed between the
+    ranks, and the names of the other items that did.
+
+    Pure.
+
+    >>> rank_items_state([{"m": {"sum": torch.tensor(1.0), "count": 1}}, {"m": {"sum": torch.tensor(3.0), "count": 1}}],
+    ...                  ["m", "tally"])["differ"]
+    ['tally']
+    >>> rank_items_state([{}, {}], []) is None
+    True
+
+    :param states: Per rank, the state of each of its running means (item name to state).
+    :param differ: The items whose state differed between ranks (:func:`~trainkit.bookkeeping.differing_items`).
+    :returns: ``{"means": {name: [state per rank]}, "differ": [other names]}``, or None when nothing differed.
+    """
+    if not differ:
+        return None
+    means = {name: [rank[name] for rank in states] for name in differ if name in states[0]}
+    return {"means": means, "differ": [name for name in differ if name not in means]}
+
+
+def item_states_for_rank(ckpt: dict[str, Any], *, rank: int, world_size: int) -> dict[str, Any]:
+    """The running means' states this rank resumes with: its own on the world size that wrote them, the pooled
+    share (:func:`~trainkit.bookkeeping.pooled_mean_share`) on another.
+
+    :param ckpt: The checkpoint (validated; :func:`world_change_refusal` found nothing in the way).
+    :param rank: This rank.
+    :param world_size: This run's number of processes.
+    :returns: Item name to the state to load (empty for a checkpoint whose ranks held the same states).
+    :raises BookkeepingError: When the saved counts differ on another world size, naming the item (the readers
+        refuse such a checkpoint first, through :func:`world_change_refusal`).
+
+    >>> shares = [{"sum": torch.tensor(1.0), "count": 1}, {"sum": torch.tensor(3.0), "count": 1}]
+    >>> ckpt = {"world_size": 2, "rank_items": {"means": {"m": shares}, "differ": []}}
+    >>> item_states_for_rank(ckpt, rank=1, world_size=2)["m"]["sum"].item()
+    3.0
+    >>> item_states_for_rank(ckpt, rank=2, world_size=3)["m"]
+    {'sum': tensor(2.), 'count': 1}
+    """
+    means = (ckpt.get("rank_items") or {}).get("means") or {}
+    if ckpt.get("world_size") == world_size:
+        return {name: states[rank] for name, states in means.items()}
+    return {name: _pooled(states, name) for name, states in means.items()}
+
+
+def _pooled(states: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """Running-mean states pooled into one share, summed in float64 and kept in the saved dtype."""
+    total, count = core.pooled_mean_share(
+        [(0.0 if state["sum"] is None else float(state["sum"].double()), state["count"]) for state in states],
+        name=f"checkpoint item {name!r}",
+    )
+    dtype = next((state["sum"].dtype for state in states if state["sum"] is not None), None)
+    return {"sum": None if dtype is None else torch.tensor(total, dtype=dtype), "count": count}
 
 
 def best_payload(*, model: dict[str, Any], best: BestState, config: dict[str, Any]) -> dict[str, Any]:
@@ -717,6 +857,15 @@ def _check_last_consistency(payload: dict[str, Any], world_size: int | None) -> 
             raise _Bad(f"training_modes[{_short(name)}]", "the mode of an item listed in items", name)
     for name in items:
         _check_nesting(payload[name], name, MAX_ITEM_DEPTH)
+    rank_items = payload.get("rank_items")
+    if rank_items is not None:
+        for name in [*rank_items["means"], *rank_items["differ"]]:
+            if name not in items:
+                raise _Bad("rank_items", "the names of items listed in items", name)
+        for name, states in rank_items["means"].items():
+            if len(states) != saved:
+                rule = f"a list of {saved} states (world_size={saved}, one per rank)"
+                raise _Bad(f"rank_items['means'][{_short(name)}]", rule, states)
     mid_epoch = payload.get("trainkit")
     if mid_epoch is not None:
         position = mid_epoch["position"]
