@@ -566,9 +566,10 @@ def test_test_after_resume_uses_the_repaired_best_weights(tmp_path):
 # ---------------------------------------------------------------------------------------------- mismatches
 
 
-@pytest.mark.parametrize("what", ["schema", "world_size"])
+@pytest.mark.parametrize("what", ["schema"])
 def test_mismatched_checkpoint_is_refused_naming_both_sides(tmp_path, what):
-    """A last.pt from a newer schema or another world size is refused, naming both values, and is left untouched."""
+    """A last.pt from a newer schema is refused, naming both values, and is left untouched (an epoch's end resumes on
+    any world size; the refusals of a mid-epoch one: tests/distributed/test_elastic_resume.py)."""
     TinyTrainer(make_cfg(tmp_path, epochs=1)).train()
     payload = load(tmp_path / "last.pt")
     payload.update(schema_version=7) if what == "schema" else payload.update(world_size=4)

@@ -169,7 +169,7 @@ def test_a_damaged_or_unpublished_sharded_checkpoint_is_never_resumed(tmp_path, 
 
 def test_a_sharded_model_is_refused_where_it_cannot_be_saved_or_resumed(tmp_path):
     """An FSDP2 model with ckpt.format='file' (rank 0 alone would be written), a folder of the other format,
-    and a mid-epoch sharded checkpoint on another world size: each a clear error."""
+    and a mid-epoch sharded checkpoint on another world size with another global batch: each a clear error."""
     with pytest.raises(Exception, match=r"sharded by make_fsdp\(\).*set ckpt.format='sharded'"):
         trainkit.spawn(ShardTrainer, sharded_cfg(tmp_path / "file", ckpt={"format": "file"}), 2)
     files = tmp_path / "files"
@@ -189,8 +189,10 @@ def test_a_sharded_model_is_refused_where_it_cannot_be_saved_or_resumed(tmp_path
     # 6 batches per rank and epoch: step 8 is written after batch 2 of epoch 1, then rank 1 fails at batch 4
     with pytest.raises(Exception, match="injected failure on rank 1 at epoch 1"):
         trainkit.spawn(ShardTrainer, sharded_cfg(steps, ckpt=stepping, fail_rank=1, fail_epoch=1, fail_batch=4), 2)
-    with pytest.raises(trainkit.CheckpointMismatchError, match=r"inside an epoch by 2 processes and this run has 1"):
-        ShardTrainer(sharded_cfg(steps, ckpt=stepping))
+    # its global batch of 32 resumes on 1 process only with a per-rank batch of 32: refused as the epoch starts
+    refused = r"on 2 ranks, and this run has 1: the per-rank batch_size is 16"
+    with pytest.raises(trainkit.CheckpointMismatchError, match=refused):
+        ShardTrainer(sharded_cfg(steps, ckpt=stepping)).train()
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])

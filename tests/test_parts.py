@@ -16,7 +16,7 @@ from trainkit.checkpoint.dcp import SHARDED
 from trainkit.checkpoint.dcp_files import ShardedFiles
 from trainkit.checkpoint.payload import BEST_PT, LAST_PT, best_payload, last_payload, validate_best, validate_last
 from trainkit.checkpoint.pt_files import RunFiles
-from trainkit.errors import CheckpointError, CheckpointMismatchError, OutDirError
+from trainkit.errors import CheckpointError, OutDirError
 from trainkit.loop.signals import StopSignals
 from trainkit.state.rng import capture_rng
 
@@ -175,8 +175,7 @@ def test_resume_falls_back_to_the_previous_checkpoint_and_keeps_the_damaged_one(
         ckpt, path = run.load_resume("auto", world_size=1)
     assert ckpt["epoch"] == 1 and path == tmp_path / "last.prev.pt"
     assert (tmp_path / "last.corrupt.pt").read_bytes() == b"not a checkpoint"
-    with pytest.raises(CheckpointMismatchError, match="world_size=1, this run has world_size=2"):
-        run.load_resume(str(path), world_size=2)
+    assert run.load_resume(str(path), world_size=2)[0]["epoch"] == 1  # an epoch's end resumes on any world size
     with pytest.raises(CheckpointError, match="there is no file at"):
         run.load_resume("sometimes", world_size=1)
 

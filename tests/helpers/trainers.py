@@ -428,6 +428,101 @@ class StepTrainer(BaseTrainer):
         return stop
 
 
+ATTEMPT = 0
+"""Which attempt of a run this process is (set by the scenario driver before it forks): the sample ledger's key."""
+
+
+@attrs.frozen(kw_only=True)
+class ElasticConfig(StepConfig):
+    """A StepTrainer run that holds its global batch on any world size: a DistributedSampler on every world size,
+    ``global_batch // world_size`` samples per rank (``batch_size`` > 0 overrides it), no dropout (the global RNG of
+    a resharded run is seeded anew), and a sample ledger: every index served, per optimizer step, per rank."""
+
+    global_batch: int = 6
+    batch_size: int = 0
+    n_samples: int = 36
+    distributed_sampler: bool = True
+
+
+class LedgerDataset(NoisyDataset):
+    """NoisyDataset whose samples also say their index (for the ledger)."""
+
+    def __getitem__(self, index):
+        x, y = super().__getitem__(index)
+        return x, y, int(index)
+
+
+class ElasticTrainer(StepTrainer):
+    """Accumulation, per-sample noise, a RunningMean and mid-epoch pushes, on any world size with one global batch;
+    rank r appends ``{"attempt", "epoch", "step", "indices"}`` per batch to ``out_dir/ledger-<r>.jsonl`` and rank 0
+    saves the final weights to ``out_dir/final.pt``."""
+
+    config_class = ElasticConfig
+    cfg: ElasticConfig
+
+    def setup(self, ckpt):
+        import trainkit
+
+        cfg = self.cfg
+        x, y = make_data(cfg.n_samples + 16)
+        self.train_set = LedgerDataset(x[: cfg.n_samples], y[: cfg.n_samples], cfg.seed)
+        self.val_x, self.val_y = x[cfg.n_samples :].to(self.device), y[cfg.n_samples :].to(self.device)
+        self.model = self.make_ddp(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
+        self.optimizer = torch.optim.SGD(self.get_param_groups(), lr=cfg.lr, momentum=0.9)
+        batch_size = cfg.batch_size or cfg.global_batch // self.world_size
+        if cfg.distributed_sampler:
+            sampler = DistributedSampler(self.train_set, num_replicas=self.world_size, rank=self.rank, seed=cfg.seed)
+            self.add_samplers(sampler)
+            self.loader = DataLoader(self.train_set, sampler=sampler, batch_size=batch_size)
+        else:
+            self.loader = DataLoader(self.train_set, shuffle=True, batch_size=batch_size)
+        self.loss_mean = trainkit.RunningMean()
+        self.add_checkpoint_items(model=self.model, optimizer=self.optimizer, loss_mean=self.loss_mean)
+        self.ledger = open(os.path.join(cfg.out_dir, f"ledger-{self.rank}.jsonl"), "a")  # noqa: SIM115 - closed in close()
+
+    def train_epoch(self):
+        import json
+
+        cfg = self.cfg
+        self.model.train()
+        batches = len(self.loader)
+        for index, (x, y, indices) in enumerate(self.progress(self.loader), start=self.first_batch):
+            record = {"attempt": ATTEMPT, "epoch": self.epoch, "step": self.step, "indices": indices.tolist()}
+            self.ledger.write(json.dumps(record) + "\n")
+            self.ledger.flush()
+            loss = nn.functional.mse_loss(self.model(x.to(self.device)), y.to(self.device))
+            (loss / cfg.accumulate).backward()
+            self.loss_mean.add(loss.detach())
+            if (index + 1) % cfg.accumulate == 0 or index + 1 == batches:
+                self.clip_and_log_grad_norm()
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            self.log({"train/batch_loss": loss.detach()})
+            if (index + 1) % cfg.push_every == 0:
+                self.push_logs()
+            _maybe_die(("batch", self.epoch, index), self.rank)
+        self.log({"train/loss": self.loss_mean.take()})
+        self.log_epoch_grad_norm()
+
+    def train(self):
+        result = super().train()
+        if self.rank == 0:
+            torch.save(dist_state(self.model), os.path.join(self.cfg.out_dir, "final.pt"))
+        return result
+
+    def close(self):
+        ledger = getattr(self, "ledger", None)
+        if ledger is not None:
+            ledger.close()
+        super().close()
+
+
+def dist_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A (DDP-wrapped) model's weights, unwrapped, on the CPU."""
+    inner = getattr(model, "module", model)
+    return {name: value.detach().cpu().clone() for name, value in inner.state_dict().items()}
+
+
 @attrs.frozen(kw_only=True)
 class ShardConfig(Config):
     """A 2-hidden-layer regressor wrapped with DDP or FSDP2 (``wrap``), AdamW, clipping and statistics."""

@@ -26,6 +26,14 @@ from trainkit.bookkeeping.registry import (
     collect_payload,
     register_items,
 )
+from trainkit.bookkeeping.reshard import (
+    ResumeDecision,
+    decide_resume,
+    distributed_order,
+    pooled_mean_share,
+    resumable_world_sizes,
+    world_change_refusal,
+)
 from trainkit.bookkeeping.resume import Resumed, reconcile
 from trainkit.bookkeeping.retention import (
     Checkpoint,
@@ -95,6 +103,12 @@ __all__ = [
     "step_checkpoint_due",
     "next_step_checkpoint",
     "position_mismatch",
+    "ResumeDecision",
+    "decide_resume",
+    "distributed_order",
+    "pooled_mean_share",
+    "resumable_world_sizes",
+    "world_change_refusal",
     "ThroughputMark",
     "throughput_rates",
     "PERF_KEYS",

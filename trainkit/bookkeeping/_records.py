@@ -15,12 +15,14 @@ import attrs
 
 from trainkit.errors import BookkeepingError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The newest version of the dicts ``to_dict`` writes and ``from_dict`` reads; bumped when a field changes meaning.
 
 A record is written with the oldest version that describes it, so a trainkit that reads only version 1 still reads
 every record that uses nothing newer. Version 2: an :class:`~trainkit.bookkeeping.EpochPosition` may leave the
-epoch's length and the dataset's unknown (None), for a loader that carries its own position."""
+epoch's length and the dataset's unknown (None), for a loader that carries its own position. Version 3: it also
+records its place in the epoch's global order (``samples``, ``global_batch``, ``order``), which lets another world
+size resume it."""
 
 R = TypeVar("R")
 

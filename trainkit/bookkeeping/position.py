@@ -51,11 +51,19 @@ class EpochPosition:
     :ivar batch_size: The loader's ``batch_size`` (None for a loader built from a ``batch_sampler``, or without one).
     :ivar dataset_length: ``len(loader.dataset)``, or None when there is none with a length.
     :ivar world_size: The number of processes.
+    :ivar samples: The samples of the epoch's global order consumed, ``batches * global_batch`` (None: unknown, as in
+        a checkpoint written before it was recorded, or for a loader without a ``batch_size``).
+    :ivar global_batch: The samples one batch position holds across the ranks, ``batch_size * world_size``.
+    :ivar order: What decides the epoch's global order when it does not depend on the world size (a
+        ``DistributedSampler``'s shuffle, seed and drop_last: :func:`~trainkit.bookkeeping.distributed_order`), else
+        the sampler's class name; None when unknown. Only a world-size-free order resumes on another world size.
 
-    >>> EpochPosition(epoch=2, batches=5, batches_per_epoch=10, batch_size=32, dataset_length=320, world_size=1)
-    EpochPosition(epoch=2, batches=5, batches_per_epoch=10, batch_size=32, dataset_length=320, world_size=1)
-    >>> EpochPosition(epoch=0, batches=7, batches_per_epoch=None, batch_size=8, dataset_length=None, world_size=1)
-    EpochPosition(epoch=0, batches=7, batches_per_epoch=None, batch_size=8, dataset_length=None, world_size=1)
+    >>> EpochPosition(epoch=2, batches=5, batches_per_epoch=10, batch_size=16, dataset_length=320, world_size=2,
+    ...               samples=160, global_batch=32, order="DistributedSampler(shuffle=True, seed=0, drop_last=False)")
+    ... # doctest: +ELLIPSIS
+    EpochPosition(epoch=2, batches=5, batches_per_epoch=10, batch_size=16, dataset_length=320, world_size=2, ...)
+    >>> EpochPosition(epoch=0, batches=7, batches_per_epoch=None, batch_size=8, dataset_length=None, world_size=1).done
+    '7 batches'
     >>> EpochPosition(epoch=0, batches=11, batches_per_epoch=10, batch_size=None, dataset_length=1, world_size=1)
     Traceback (most recent call last):
     ...
@@ -68,11 +76,25 @@ class EpochPosition:
     batch_size: int | None = attrs.field(validator=_optional_count)
     dataset_length: int | None = attrs.field(validator=_optional_count)
     world_size: int = attrs.field(validator=_positive)
+    samples: int | None = attrs.field(default=None, validator=_optional_count)
+    global_batch: int | None = attrs.field(default=None, validator=_optional_positive)
+    order: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str))
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.batches_per_epoch is not None and self.batches > self.batches_per_epoch:
             raise BookkeepingError(
                 f"EpochPosition.batches must be at most batches_per_epoch={self.batches_per_epoch}, got {self.batches}"
+            )
+        if (
+            self.global_batch is not None
+            and self.samples is not None
+            and self.samples != self.batches * self.global_batch
+        ):
+            raise BookkeepingError(
+                f"EpochPosition.samples must be batches * global_batch = {self.batches * self.global_batch}, "
+                f"got {self.samples}"
             )
 
     @property
@@ -89,7 +111,8 @@ class EpochPosition:
     def to_dict(self) -> dict[str, Any]:
         """Return the record as plain JSON-able values with a schema version.
 
-        Version 1 when every length is known (what a trainkit before unknown lengths reads), else 2.
+        Version 1 when every length is known (what a trainkit before unknown lengths reads), else 2; 3 when it
+        records its place in the global order (``samples``, ``global_batch``, ``order``).
 
         >>> p = EpochPosition(epoch=0, batches=1, batches_per_epoch=2, batch_size=8, dataset_length=16, world_size=1)
         >>> EpochPosition.from_dict(p.to_dict()) == p, p.to_dict()["schema_version"]
@@ -98,8 +121,13 @@ class EpochPosition:
         >>> EpochPosition.from_dict(stream.to_dict()) == stream, stream.to_dict()["schema_version"]
         (True, 2)
         """
+        if (self.samples, self.global_batch, self.order) != (None, None, None):
+            return record_to_dict(self, version=3)
         unknown = self.batches_per_epoch is None or self.dataset_length is None
-        return record_to_dict(self, version=2 if unknown else 1)
+        data = record_to_dict(self, version=2 if unknown else 1)
+        for name in ("samples", "global_batch", "order"):  # absent, as an older trainkit wrote it and reads it
+            del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EpochPosition:

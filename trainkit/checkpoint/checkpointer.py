@@ -55,7 +55,7 @@ from trainkit.messages import say, warn_user
 from trainkit.run.folder import same_directory
 from trainkit.run.journal import JsonlSink
 from trainkit.state.modules import load_module_state, restore_training_modes, training_modes
-from trainkit.state.rng import capture_rng, restore_rng
+from trainkit.state.rng import capture_rng, reshard_seed, restore_rng, seed_everything
 
 __all__ = ["Checkpointer", "Resume", "SaveRecord", "load_item"]
 
@@ -335,7 +335,10 @@ class Checkpointer:
     def _say_resuming(self, path: Path, records: core.Resumed, mid_epoch: Mapping[str, Any] | None) -> None:
         line = records.line
         if records.more and mid_epoch is not None:
-            line += f", inside it: {core.EpochPosition.from_dict(mid_epoch['position']).done} done"
+            position = core.EpochPosition.from_dict(mid_epoch["position"])
+            line += f", inside it: {position.done} done"
+            if position.world_size != self._world_size:
+                line += f" on {position.world_size} ranks, dealt anew over {self._world_size}"
         if self._rank == 0:
             say(f"resuming {path}: {line}")
 
@@ -408,7 +411,9 @@ class Checkpointer:
             if isinstance(obj, nn.Module) and isinstance(modes.get(name), Mapping):
                 restore_training_modes(obj, modes[name])
         rng = ckpt.get("rng")
-        if rng is not None and self._rank < len(rng):  # a rank added by resharding keeps its fresh seed
+        if ckpt.get("world_size") != self._world_size:  # saved states do not map onto another number of ranks
+            seed_everything(reshard_seed(self._config.get("seed", 0), self._rank, int(ckpt["step"])))
+        elif rng is not None:
             restore_rng(rng[self._rank])
         return registry
 

@@ -20,7 +20,7 @@ import attrs
 
 from trainkit.bookkeeping import BestState
 from trainkit.checkpoint import dcp as sharded
-from trainkit.checkpoint.payload import validate_best, validate_last
+from trainkit.checkpoint.payload import validate_best, validate_last, world_change_refusal
 from trainkit.errors import CheckpointCorruptError, CheckpointMismatchError
 from trainkit.messages import warn_user
 
@@ -89,13 +89,11 @@ class ShardedFiles:
             if ckpt is not None:
                 if problems and self.rank == 0:
                     warn_user(f"{problems[-1]}; resuming from the previous checkpoint {candidate} instead")
-                saved = ckpt["world_size"]
-                if saved != self.world_size and ckpt.get("trainkit") is not None:
+                refusal = world_change_refusal(ckpt, self.world_size)
+                if refusal is not None:
                     raise CheckpointMismatchError(
-                        f"{candidate} was written inside an epoch by {saved} processes and this run has "
-                        f"{self.world_size}: the batches of a partly trained epoch are only known for the same "
-                        "number of processes; resume it with the same world size, or from a checkpoint written at "
-                        "an epoch's end (a sharded one reshards to any number of processes)"
+                        f"{candidate} was written inside an epoch by {ckpt['world_size']} processes and this run has "
+                        f"{self.world_size}: {refusal}"
                     )
                 return ckpt, candidate
             problems.append(problem)

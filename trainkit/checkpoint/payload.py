@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 import torch
 
+from trainkit import bookkeeping as core
 from trainkit.bookkeeping import RESERVED_NAMES, BestState, EpochPosition, LoopState, PatienceState
 from trainkit.errors import CheckpointCorruptError
 
@@ -40,6 +41,7 @@ __all__ = [
     "last_payload",
     "best_payload",
     "mid_epoch_state",
+    "world_change_refusal",
 ]
 
 SCHEMA_VERSION = 1
@@ -586,6 +588,27 @@ def mid_epoch_state(position: EpochPosition, ranks: list[dict[str, Any]]) -> dic
     :returns: ``{"position": ..., "ranks": [...]}``.
     """
     return {"position": position.to_dict(), "ranks": ranks}
+
+
+def world_change_refusal(ckpt: dict[str, Any], world_size: int) -> str | None:
+    """Say why a checkpoint (validated) cannot resume on ``world_size`` processes, or None when it can.
+
+    Pure. An epoch's end resumes on any number (the model and optimizer are replicated in a file, resharded from a
+    sharded directory); a position inside an epoch resumes on another number only when it records its place in a
+    world-size-free order whose global batch the new number divides
+    (:func:`~trainkit.bookkeeping.world_change_refusal`).
+
+    >>> world_change_refusal({"world_size": 2, "trainkit": None}, 3) is None
+    True
+
+    :param ckpt: The checkpoint's engine entries.
+    :param world_size: This run's number of processes.
+    :returns: The reason, naming what would work; None when it resumes here.
+    """
+    mid_epoch = ckpt.get("trainkit")
+    if ckpt.get("world_size") == world_size or mid_epoch is None:
+        return None
+    return core.world_change_refusal(EpochPosition.from_dict(mid_epoch["position"]), world_size)
 
 
 def best_payload(*, model: dict[str, Any], best: BestState, config: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import attrs
 from trainkit import checkpoint as ckpt_io
 from trainkit.bookkeeping import BestState
 from trainkit.checkpoint.async_save import AsyncCheckpointWriter, StagingBuffers, SyncCheckpointWriter
-from trainkit.checkpoint.payload import SCHEMA_VERSION, validate_best, validate_last
+from trainkit.checkpoint.payload import SCHEMA_VERSION, validate_best, validate_last, world_change_refusal
 from trainkit.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, OutDirError
 from trainkit.files.bounded_read import UnreadableFile, open_regular
 from trainkit.messages import warn_user
@@ -275,9 +275,9 @@ def _check_compatible(ckpt: Mapping[str, Any], path: Path, world_size: int) -> N
             f"{path} has checkpoint schema version {version}, newer than this trainkit's "
             f"{SCHEMA_VERSION}; upgrade trainkit to resume it"
         )
-    if ckpt.get("world_size") != world_size:
+    refusal = world_change_refusal(dict(ckpt), world_size)
+    if refusal is not None:
         raise CheckpointMismatchError(
-            f"{path} was written by a run with world_size={ckpt.get('world_size')}, this run has "
-            f"world_size={world_size}; exact resume needs the same number of processes "
-            "(or start fresh with ckpt.resume=never)"
+            f"{path} was written inside an epoch by a run with world_size={ckpt.get('world_size')}, this run has "
+            f"world_size={world_size}: {refusal} (or start fresh with ckpt.resume=never)"
         )

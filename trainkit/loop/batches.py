@@ -212,7 +212,8 @@ class RankPosition:
     """What one rank must put back to resume inside an epoch (saved per rank in a step checkpoint).
 
     :param rng_at_iter: The RNG states (:func:`iterator_rng`) when the loader's iterator was created.
-    :param generators_at_iter: The states of the loader's own generators then, in ``loader_generators`` order.
+    :param generators_at_iter: The states of the loader's own generators then, in ``loader_generators`` order; None
+        on another world size (no saved rank's states map onto this one: the generators keep this run's states).
     :param rng_at_save: The RNG states at the save point.
     :param loader_state: What a loader that carries its own position returned from ``state_dict()`` at the save
         point (read back from the checkpoint, unchecked but for its nesting); None for an index-level position.
@@ -222,7 +223,7 @@ class RankPosition:
     def __init__(
         self,
         rng_at_iter: dict[str, Any],
-        generators_at_iter: list[torch.Tensor],
+        generators_at_iter: list[torch.Tensor] | None,
         rng_at_save: dict[str, Any],
         loader_state: dict[str, Any] | None = None,
         generators_at_save: list[torch.Tensor] | None = None,
@@ -592,8 +593,10 @@ class TrackedBatches:
         resume = self._resume
         if resume is not None:
             restore_rng(resume.rng_at_iter)
-            for generator, state in zip(generators, resume.generators_at_iter, strict=True):
-                generator.set_state(state)
+            saved = resume.generators_at_iter  # None on another world size: they keep this run's states
+            for generator, state in zip(generators, saved if saved is not None else generators, strict=True):
+                if saved is not None:
+                    generator.set_state(state)
         self._rng_at_iter = iterator_rng(loader)
         self.generators_at_iter = [generator.get_state() for generator in generators]
 

@@ -20,13 +20,15 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
+
 from trainkit import bookkeeping as core
 from trainkit.distributed import collectives as dist_utils
-from trainkit.errors import CheckpointMismatchError, UsageError
+from trainkit.errors import BookkeepingError, CheckpointMismatchError, UsageError
 from trainkit.loop.batches import RankPosition, TrackedBatches, WatchedBatches, epoch_tagged, unskippable_reason
-from trainkit.loop.stateful import StatefulBatches, carries_own_position, loader_facts
+from trainkit.loop.stateful import StatefulBatches, carries_own_position, loader_facts, loader_order
 from trainkit.messages import warn_user
-from trainkit.state.rng import loader_generators
+from trainkit.state.rng import capture_rng, loader_generators
 
 __all__ = ["EpochTracker", "StepDue"]
 
@@ -53,6 +55,26 @@ def _next_due(step: int, every_n_steps: int | None) -> float:
     """The first step after ``step`` that is a multiple of ``every_n_steps`` (inf: never)."""
     due = core.next_step_checkpoint(step, every_n_steps)
     return math.inf if due is None else due
+
+
+def _pooled_share(ranks: list[dict[str, Any]], resume_path: Path) -> dict[str, Any]:
+    """What every rank of a run on another world size takes of a step checkpoint's per-rank shares.
+
+    The unpushed logs are saved rank 0's (rank 0 writes the rows: the journal and W&B continue as they would have);
+    the epoch's grad-norm mean pools the saved ranks' sums and counts (:func:`~trainkit.bookkeeping.pooled_mean_share`:
+    identical ones, as DDP's all-reduced gradients give, stay as they are).
+    """
+    means = [state["grad_norm"] for state in ranks]
+    shares = [(0.0 if mean["sum"] is None else float(mean["sum"]), int(mean["count"])) for mean in means]
+    try:
+        total, count = core.pooled_mean_share(shares, name="the epoch's grad-norm mean (train/grad_norm_epoch)")
+    except BookkeepingError as exc:
+        raise CheckpointMismatchError(f"{resume_path} was written inside an epoch: {exc}") from exc
+    grad_norm = means[0]
+    if (total, count) != shares[0]:
+        dtype = grad_norm["sum"].dtype if grad_norm["sum"] is not None else torch.float64
+        grad_norm = {"sum": torch.tensor(total, dtype=dtype), "count": count}
+    return {"logs": ranks[0]["logs"], "grad_norm": grad_norm}
 
 
 class EpochTracker:
@@ -192,15 +214,16 @@ class EpochTracker:
         :param loop: The reconciled loop record.
         :param budget: The run's length as configured (``epochs=3``, ``max_steps=900``), for the warning.
         :returns: This rank's share of a step checkpoint (its unpushed ``logs`` and ``grad_norm`` mean), or None
-            (an epoch-end checkpoint, a finished run's, or a run that ends before that epoch: warned).
-        :raises CheckpointMismatchError: When written by another number of processes.
+            (an epoch-end checkpoint, a finished run's, or a run that ends before that epoch: warned). On another
+            world size every rank's share is the same: saved rank 0's logs and the pooled grad-norm mean.
+        :raises CheckpointMismatchError: When written by another number of processes and it cannot be dealt over
+            this one (:func:`~trainkit.bookkeeping.world_change_refusal`), or its grad-norm means cannot be pooled.
         """
         for epoch, batch in ckpt.get("guard_skips") or []:
             self.leave_out(epoch, (batch,))
         mid_epoch, rng = ckpt.get("trainkit"), ckpt.get("rng")
         if mid_epoch is None or rng is None:
             return None
-        rng_at_save = rng[rank]
         position = core.EpochPosition.from_dict(mid_epoch["position"])
         if loop.finished or loop.epoch != position.epoch:
             if ckpt["loop"].get("stop_reason") is None:  # a finished run's final position is no news
@@ -209,17 +232,22 @@ class EpochTracker:
                     "ends the run before it: the rest of that epoch is not trained"
                 )
             return None
-        mismatch = core.position_mismatch(position, world_size=self._world_size)
-        if mismatch is not None:  # the checkpoint's reader refuses another world size already; kept for a caller
-            raise CheckpointMismatchError(f"{resume_path} was written inside an epoch: {mismatch}")
-        state = mid_epoch["ranks"][rank]
+        refusal = core.world_change_refusal(position, self._world_size)
+        if refusal is not None:  # the checkpoint's reader refuses it already; kept for a caller
+            raise CheckpointMismatchError(f"{resume_path} was written inside an epoch: {refusal}")
         self.first_batch = position.batches
+        if position.world_size != self._world_size:
+            state = _pooled_share(mid_epoch["ranks"], resume_path)
+            now = capture_rng()  # the states the checkpointer seeded for this rank (no saved rank's maps onto it)
+            self._pending = (position, RankPosition(rng_at_iter=now, generators_at_iter=None, rng_at_save=now))
+            return state
+        state = mid_epoch["ranks"][rank]
         self._pending = (
             position,
             RankPosition(
                 rng_at_iter=state["rng_at_iter"],
                 generators_at_iter=state["generators_at_iter"],
-                rng_at_save=rng_at_save,
+                rng_at_save=rng[rank],
                 loader_state=state.get("loader_state"),
                 generators_at_save=state.get("generators_at_save"),
             ),
@@ -379,10 +407,26 @@ class EpochTracker:
             )
 
     def _check_same_data(self, position: core.EpochPosition, resume: Any, loader: Any) -> None:
-        mismatch = core.position_mismatch(position, world_size=self._world_size, loader=loader_facts(loader))
+        batch_size, dataset_length, per_epoch = loader_facts(loader)
+        decision = core.decide_resume(
+            position,
+            world_size=self._world_size,
+            batch_size=batch_size,
+            dataset_length=dataset_length,
+            batches_per_epoch=per_epoch,
+            order=loader_order(loader),
+        )
+        if decision.action == "refuse" and position.world_size != self._world_size:
+            raise CheckpointMismatchError(
+                f"the checkpoint was written inside epoch {position.epoch}, after {position.done}, on "
+                f"{position.world_size} ranks, and this run has {self._world_size}: {decision.reason}; or resume from "
+                "an epoch-boundary checkpoint, or start fresh (ckpt.resume=never)"
+            )
+        mismatch = decision.reason
         generators = len(loader_generators(loader))
-        if mismatch is None and generators != len(resume.generators_at_iter):
-            mismatch = f"generators of its own: {len(resume.generators_at_iter)} then, {generators} now"
+        saved = resume.generators_at_iter  # None: another world size, whose ranks keep this run's generators
+        if mismatch is None and saved is not None and generators != len(saved):
+            mismatch = f"generators of its own: {len(saved)} then, {generators} now"
         if mismatch is not None:
             raise CheckpointMismatchError(
                 f"the checkpoint was written inside epoch {position.epoch}, after {position.done}, and resuming "
@@ -491,6 +535,9 @@ class EpochTracker:
         :param world_size: The number of processes.
         """
         batch_size, dataset_length, _ = loader_facts(batches.loader)
+        # a loader that carries its own position keeps it per rank: no place in a global order to record
+        own = isinstance(batches, StatefulBatches)
+        global_batch = None if batch_size is None or own else batch_size * world_size
         return core.EpochPosition(
             epoch=epoch,
             batches=batches.consumed,
@@ -498,6 +545,9 @@ class EpochTracker:
             batch_size=batch_size,
             dataset_length=dataset_length,
             world_size=world_size,
+            samples=None if global_batch is None else batches.consumed * global_batch,
+            global_batch=global_batch,
+            order=None if own else loader_order(batches.loader),
         )
 
     @staticmethod

@@ -18,11 +18,14 @@ import reprlib
 from collections.abc import Iterator
 from typing import Any
 
+from torch.utils.data import DistributedSampler
+
+from trainkit import bookkeeping as core
 from trainkit.errors import CheckpointMismatchError, UsageError
 from trainkit.loop.batches import TrackedBatches
 from trainkit.state.rng import loader_generators, restore_rng
 
-__all__ = ["carries_own_position", "loader_facts", "StatefulBatches"]
+__all__ = ["carries_own_position", "loader_facts", "loader_order", "StatefulBatches"]
 
 
 def carries_own_position(loader: Any) -> bool:
@@ -64,6 +67,31 @@ def loader_facts(loader: Any) -> tuple[int | None, int | None, int | None]:
     """
     dataset = getattr(loader, "dataset", None)
     return getattr(loader, "batch_size", None), None if dataset is None else _length(dataset), _length(loader)
+
+
+def loader_order(loader: Any) -> str | None:
+    """What orders ``loader``'s epoch, as a step position records it
+    (:attr:`~trainkit.bookkeeping.EpochPosition.order`).
+
+    A ``DataLoader`` whose sampler is exactly torch's ``DistributedSampler`` deals an order that does not depend on
+    the world size (:func:`~trainkit.bookkeeping.distributed_order`); any other sampler, and a loader that carries
+    its own position (its state is per rank), is named by its class: it resumes only on the world size that wrote it
+    (a step position records no order for the latter at all).
+
+    >>> loader_order([[1, 2]]) is None
+    True
+
+    :param loader: What ``self.progress()`` was given.
+    :returns: The order's description, or None for a loader without a sampler.
+    """
+    if carries_own_position(loader):
+        return type(loader).__name__
+    sampler = getattr(loader, "sampler", None)
+    if sampler is None:
+        return None
+    if type(sampler) is DistributedSampler:
+        return core.distributed_order(shuffle=sampler.shuffle, seed=sampler.seed, drop_last=sampler.drop_last)
+    return type(sampler).__name__
 
 
 class StatefulBatches(TrackedBatches):

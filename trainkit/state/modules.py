@@ -23,6 +23,7 @@ __all__ = [
 ]
 
 _COMPILE_SEGMENT = "_orig_mod"
+_DDP_PREFIX = "module."
 
 
 def canonical_name(name: str) -> str:
@@ -52,7 +53,8 @@ def module_state(module: nn.Module) -> dict[str, Any]:
 
 
 def load_module_state(module: nn.Module, state: Mapping[str, Any], *, strict: bool = True) -> None:
-    """Load a state dict saved with or without ``_orig_mod.`` names into a module compiled or not.
+    """Load a state dict saved with or without ``_orig_mod.`` names into a module compiled or not, and one saved
+    through a ``DistributedDataParallel`` wrapper (``module.`` names) into a bare module, or back.
 
     Side effects: ``module.load_state_dict`` with the saved names mapped onto the module's own.
 
@@ -62,8 +64,22 @@ def load_module_state(module: nn.Module, state: Mapping[str, Any], *, strict: bo
     :raises RuntimeError: From ``load_state_dict``, when names or shapes do not match.
     """
     own = {canonical_name(key): key for key in module.state_dict()}
-    mapped = {own.get(canonical_name(key), key): value for key, value in state.items()}
+    saved = {canonical_name(key): key for key in state}
+    if set(saved) != set(own) and set(map(_unwrapped_name, saved)) == set(map(_unwrapped_name, own)):
+        # saved by a DDP-wrapped module and loaded into a bare one, or back (a resume on another world size)
+        own = {_unwrapped_name(name): key for name, key in own.items()}
+        saved = {_unwrapped_name(name): key for name, key in saved.items()}
+    mapped = {own.get(name, key): state[key] for name, key in saved.items()}
     module.load_state_dict(mapped, strict=strict)
+
+
+def _unwrapped_name(name: str) -> str:
+    """``name`` without DDP's leading ``module.`` segment.
+
+    >>> _unwrapped_name("module.0.weight"), _unwrapped_name("0.weight")
+    ('0.weight', '0.weight')
+    """
+    return name.removeprefix(_DDP_PREFIX)
 
 
 def training_modes(module: nn.Module) -> dict[str, bool]:

@@ -26,6 +26,7 @@ __all__ = [
     "sample_seed",
     "sample_generator",
     "sample_epoch",
+    "reshard_seed",
     "LOADING",
 ]
 
@@ -242,6 +243,26 @@ def sample_seed(seed: int, index: int, epoch: int | None = None) -> int:
                 "iterate the indices it is given); anywhere else, pass epoch= explicitly"
             )
     digest = hashlib.blake2b(f"{int(seed)}/{int(epoch)}/{int(index)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def reshard_seed(seed: int, rank: int, step: int) -> int:
+    """The seed of every generator of rank ``rank`` resuming at optimizer step ``step`` on another world size.
+
+    A checkpoint holds one RNG state per saved rank; they cannot be dealt onto another number of ranks, so every
+    rank of a resharded run (the ones whose number existed before too) seeds Python's, numpy's and torch's global
+    generators from this pure function of ``(seed, rank, step)`` instead: a resume is repeatable, and two ranks
+    never share a stream. Randomness keyed by the sample (:func:`sample_generator`) does not depend on it.
+
+    >>> reshard_seed(0, 1, 40) == reshard_seed(0, 1, 40), reshard_seed(0, 1, 40) == reshard_seed(0, 2, 40)
+    (True, False)
+
+    :param seed: The run's seed (``cfg.seed``).
+    :param rank: This rank.
+    :param step: The optimizer steps the checkpoint had taken.
+    :returns: An int in ``[0, 2**63)``.
+    """
+    digest = hashlib.blake2b(f"reshard/{int(seed)}/{int(rank)}/{int(step)}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
