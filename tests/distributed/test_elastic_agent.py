@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ import pytest
 import torch
 
 import trainkit
+from tests.distributed.test_elastic_resume import ATOL, RTOL
 from tests.faults.harness import assert_equal_state, child_env, load
 from tests.helpers import ROOT
 from tests.helpers.configs import make_cfg
@@ -60,9 +62,11 @@ class Agents:
         )
         self.procs: dict[str, subprocess.Popen] = {}
         self.seen: set[int] = set()
+        self.killed: set[str] = set()
 
     def start(self, name: str) -> None:
-        """Start an agent; its workers' output goes to ``<name>.log``."""
+        """Start an agent; its and its workers' output goes to ``<name>.log``. The first one started hosts the
+        rendezvous store (the recipe's "keep the store's host alive"): the call returns once it listens."""
         args = [
             "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3",
             "--monitor-interval=0.1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}",
@@ -76,6 +80,16 @@ class Agents:
                 [sys.executable, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
+        if len(self.procs) == 1:
+            self._wait_listening()
+
+    def _wait_listening(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"the first agent did not host the rendezvous store within {timeout} s")
 
     def log(self, name: str) -> str:
         return (self.tmp_path / f"{name}.log").read_text(errors="replace")
@@ -97,7 +111,7 @@ class Agents:
         deadline = time.monotonic() + timeout
         while not condition(self.entries()):
             for name, proc in self.procs.items():
-                if proc.poll() is not None and proc.returncode != 0:
+                if proc.poll() is not None and proc.returncode != 0 and name not in self.killed:
                     raise AssertionError(
                         f"agent {name} exited {proc.returncode} waiting for {what}:\n{self.log(name)[-3000:]}"
                     )
@@ -113,6 +127,7 @@ class Agents:
         killed = time.time()
         if agent:
             os.killpg(self.procs[name].pid, signal.SIGKILL)
+            self.killed.add(name)
         for proc in workers:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
@@ -201,16 +216,17 @@ def restart_cost(entries: list[dict], killed: float) -> float:
     return min(entry["time"] for entry in entries if entry["attempt"] not in before) - killed
 
 
-def reference_state(tmp_path: Path) -> dict:
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
     """The uninterrupted run's last.pt, on 2 processes."""
     from tests.distributed.elastic_worker import LedgerTrainer
 
-    out = tmp_path / "ref"
+    out = tmp_path_factory.mktemp("elastic") / "ref"
     trainkit.spawn(LedgerTrainer, run_cfg(out), world_size=2)
     return load(out / "last.pt")
 
 
-def test_a_killed_worker_is_restarted_by_both_agents_and_the_run_resumes_bit_identically(tmp_path, agents):
+def test_a_killed_worker_is_restarted_by_both_agents_and_the_run_resumes_bit_identically(agents, reference):
     """SIGKILL one node's worker mid-epoch: the other worker fails fast out of its collective, both agents restart
     their workers on 2 processes again, and they resume from the newest step checkpoint: each step's final samples
     are the uninterrupted run's, at most ckpt.every_n_steps steps trained again, the weights bit for bit."""
@@ -227,8 +243,40 @@ def test_a_killed_worker_is_restarted_by_both_agents_and_the_run_resumes_bit_ide
     assert "still held the tensors" not in agents.log("a") + agents.log("b")
     print(f"restart cost: {restart_cost(entries, killed):.1f} s from the kill to the next step, "
           f"{done['redone']} step(s) trained again")  # fmt: skip
-    got, ref = load(agents.out / "last.pt"), reference_state(tmp_path)
+    got, ref = load(agents.out / "last.pt"), reference
     assert got["step"] == ref["step"] == EPOCHS * STEPS_PER_EPOCH
     for key, value in ref["model"].items():
         assert torch.equal(got["model"][key], value), f"model[{key!r}] differs"
     assert_equal_state(got["optimizer"], ref["optimizer"], "optimizer")
+
+
+def test_a_lost_node_continues_on_one_process_and_scales_back_to_two_when_it_joins(agents, reference):
+    """2 agents -> 1 -> 2. SIGKILL a node (its agent and worker) mid-epoch: the survivor fails fast, its agent
+    restarts it alone and it resumes the newest step checkpoint on 1 process. A new agent joins: the running agent
+    sees a node waiting and stops its worker with SIGTERM, which writes a step checkpoint at the next step
+    boundary; both resume it on 2 processes and finish. Each step's final samples are the uninterrupted run's (only
+    the SIGKILL re-does steps), and the weights match it within the documented tolerance."""
+    agents.start("a")
+    agents.start("b")
+    agents.wait_for(lambda entries: any(entry["step"] >= 4 for entry in entries), "step 4")
+    killed = agents.kill_node("b", agent=True)
+    agents.wait_for(lambda entries: any(e["world"] == 1 and e["step"] >= 7 for e in entries), "step 7 on 1 process")
+    joined = time.time()
+    agents.start("b2")
+    assert agents.wait("a") == 0, agents.log("a")[-4000:]
+    assert agents.wait("b2") == 0, agents.log("b2")[-4000:]
+    entries = agents.entries()
+    done = check_ledger(entries, kills=1)
+    assert done["worlds"] == [1, 2]
+    final = final_steps(entries)
+    assert final[EPOCHS * STEPS_PER_EPOCH][0]["world"] == 2
+    assert "SIGTERM received" in agents.log("a")  # the stopped worker saved at a step boundary
+    scale_up = min(e["time"] for e in entries if e["time"] > joined and e["world"] == 2) - joined
+    print(
+        f"restart cost: {restart_cost(entries, killed):.1f} s from the SIGKILL to the next step (on 1 process), "
+        f"{scale_up:.1f} s from starting the new agent to the next step on 2; {done['redone']} step(s) re-done"
+    )
+    got = load(agents.out / "last.pt")
+    assert got["step"] == reference["step"] == EPOCHS * STEPS_PER_EPOCH
+    for name, value in reference["model"].items():
+        torch.testing.assert_close(got["model"][name], value, rtol=RTOL, atol=ATOL, msg=f"model[{name!r}]")
