@@ -1,11 +1,12 @@
 """A torchrun worker for the elastic-agent tests: it trains and keeps a ledger of the samples of every optimizer step.
 
 Usage: ``python -m tests.distributed.elastic_worker RUN.json`` (under ``torchrun``). The file holds
-``{"config": {...}, "ledger": DIR, "step_sleep": SECONDS}``. The trainer holds its global batch on any world size
-(``batch_size = global_batch // world_size``, the documented pattern) and appends one JSON line per optimizer step
+``{"config": {...}, "ledger": DIR, "step_sleep": {WORLD_SIZE: SECONDS}}``. The trainer holds its global batch on
+any world size (``batch_size = global_batch // world_size``, the documented pattern) and appends one JSON line per optimizer step
 to ``DIR/<pid>.jsonl``: the attempt (a tag rank 0 draws and broadcasts when the attempt starts), the world size, the
-rank, the epoch, the step and the dataset indices of the step's batch. ``step_sleep`` slows every step down, so a
-test can kill a process mid-epoch.
+rank, the epoch, the step, the dataset indices of the step's batch, and when the process started. ``step_sleep``
+slows every step down on a world size, so that a test can kill a process mid-epoch, or start an agent while one
+process trains alone.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import attrs
+import psutil
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -56,7 +58,7 @@ class LedgerTrainer(BaseTrainer):
     config_class = LedgerConfig
     cfg: LedgerConfig
     ledger: Path | None = None
-    step_sleep: float = 0.0
+    step_sleep: dict[str, float] = {}
 
     def setup(self, ckpt):
         cfg = self.cfg
@@ -80,7 +82,7 @@ class LedgerTrainer(BaseTrainer):
             loss.backward()
             self.optimizer.step()
             self._write(index.tolist())
-            time.sleep(self.step_sleep)
+            time.sleep(self.step_sleep.get(str(self.world_size), 0.0))
         self.log({"train/loss": loss.detach()})
 
     def val_epoch(self):
@@ -92,6 +94,7 @@ class LedgerTrainer(BaseTrainer):
         entry = {
             "attempt": self.attempt, "world": self.world_size, "rank": self.rank, "epoch": self.epoch,
             "step": self.step, "indices": indices, "time": time.time(), "pid": os.getpid(),
+            "born": psutil.Process().create_time(),
         }  # fmt: skip
         # one write() per line, whole or absent: a SIGKILL may come at any moment
         with open(self.ledger / f"{os.getpid()}.jsonl", "a") as handle:
@@ -102,7 +105,7 @@ def main() -> None:
     """Train as the JSON file named on the command line says."""
     run = json.loads(Path(sys.argv[1]).read_text())
     LedgerTrainer.ledger = Path(run["ledger"]) if run.get("ledger") else None
-    LedgerTrainer.step_sleep = float(run.get("step_sleep", 0.0))
+    LedgerTrainer.step_sleep = dict(run.get("step_sleep", {}))
     trainkit.launch(LedgerTrainer, run["config"])
 
 
