@@ -2,11 +2,11 @@
 
 Usage: ``python -m tests.distributed.elastic_worker RUN.json`` (under ``torchrun``). The file holds
 ``{"config": {...}, "ledger": DIR, "step_sleep": {WORLD_SIZE: SECONDS}}``. The trainer holds its global batch on
-any world size (``batch_size = global_batch // world_size``, the documented pattern) and appends one JSON line per optimizer step
-to ``DIR/<pid>.jsonl``: the attempt (a tag rank 0 draws and broadcasts when the attempt starts), the world size, the
-rank, the epoch, the step, the dataset indices of the step's batch, and when the process started. ``step_sleep``
-slows every step down on a world size, so that a test can kill a process mid-epoch, or start an agent while one
-process trains alone.
+any world size (``batch_size = global_batch // world_size``, the documented pattern) and appends one JSON line per
+optimizer step to ``DIR/<pid>.jsonl``: the attempt (a tag rank 0 draws and broadcasts when the attempt starts), the
+world size, the rank, the epoch, the step, the dataset indices of the step's batch, and when the process started.
+``step_sleep`` slows every step down on a world size, so that a test can kill a process mid-epoch, or start an agent
+while one process trains alone.
 """
 
 from __future__ import annotations
