@@ -203,9 +203,10 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent(parent: int) -> None:
-    """Ask the kernel to SIGKILL this rank when ``parent`` (the fork server) dies, as torchrun's workers die with
-    their agent, and let the server exit when :func:`spawn`'s caller does: a caller killed with SIGKILL leaves no
-    rank training on. The signal is Linux's (a no-op elsewhere).
+    """Ask the kernel to SIGKILL this rank when ``parent`` (the fork server) dies, and let the server exit when
+    :func:`spawn`'s caller does: a caller killed with SIGKILL leaves no rank training on (torchrun's workers, each
+    in a session of its own and without such a signal, outlive an agent killed so). The signal is Linux's (a no-op
+    elsewhere).
 
     torch's own wrapper asks for SIGINT, which trainkit takes as "stop after this epoch": a rank whose caller is
     gone would train to its epoch's end, however long, with nobody to return to.
