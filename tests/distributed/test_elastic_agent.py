@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -68,12 +67,12 @@ class Agents:
 
     def start(self, name: str) -> None:
         """Start an agent; its and its workers' output goes to ``<name>.log``. The first one started hosts the
-        rendezvous store (the recipe's "keep the store's host alive"): the call returns once it listens."""
+        rendezvous store (``is_host``: the node the recipe keeps alive); the others connect to it."""
+        conf = f"is_host={int(not self.procs)},last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
         args = [
             "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3",
             "--monitor-interval=0.1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}",
-            "--rdzv-id=elastic-test",
-            "--rdzv-conf=last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3",
+            "--rdzv-id=elastic-test", f"--rdzv-conf={conf}",
             "-m", "tests.distributed.elastic_worker", str(self.run_json),
         ]  # fmt: skip
         # the recipe's settings (docs: "torchrun elastic"): each attempt's process group gets a store of its own, and
@@ -84,16 +83,6 @@ class Agents:
                 [sys.executable, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
-        if len(self.procs) == 1:
-            self._wait_listening()
-
-    def _wait_listening(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"the first agent did not host the rendezvous store within {timeout} s")
 
     def log(self, name: str) -> str:
         return (self.tmp_path / f"{name}.log").read_text(errors="replace")
