@@ -5,6 +5,7 @@ Run from the repository root, as a module (the ``trainkit`` measured is this che
 
     .venv/bin/python -m benchmarks.step_resume            # full run (~2.5 min on 2 cores), gates enforced
     .venv/bin/python -m benchmarks.step_resume --quick    # smoke run (~25 s; ~55 s with Lightning), gates advisory
+    .venv/bin/python -m benchmarks.step_resume --world-change [--quick]  # resume latency on another world size
 
 Four sections, one run, results side by side in ``--out`` (default ``benchmarks/results/``) as
 ``step_resume.json`` and ``step_resume.md``:
@@ -71,12 +72,14 @@ from benchmarks.common import (
 from benchmarks.step_resume_sections import (
     FULL,
     QUICK,
+    Settings,
     bench_blocked,
     bench_exactness,
     bench_iteration,
     bench_latency,
     child_main,
 )
+from benchmarks.step_resume_world import bench_world_change
 
 GATE_LATENCY_FLAT = 1.5  # trainkit: median latency at the farthest position / at the first
 GATE_BLOCKED = 0.15  # median blocked time per step checkpoint, async / sync
@@ -208,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="output folder")
     parser.add_argument("--no-lightning", action="store_true", help="skip the Lightning exactness run")
     parser.add_argument("--enforce-gates", action="store_true", help="exit 1 on a missed gate in --quick mode too")
+    parser.add_argument(
+        "--world-change", action="store_true", help="only the latency of a resume on another world size (1 -> 2)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -216,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     s = QUICK if args.quick else FULL
     enforce = args.enforce_gates or not args.quick
     one_thread()
+    if args.world_change:
+        return world_change_main(s, args.out, enforce)
     start = time.perf_counter()
     meta: dict[str, Any] = run_meta()
     lightning_why = "--no-lightning" if args.no_lightning else lightning_missing()
@@ -293,6 +301,38 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def world_change_main(s: Settings, out: Path, enforce: bool) -> int:
+    """``--world-change``: the latency section on another world size (:mod:`benchmarks.step_resume_world`), its gate
+    (flat in the position, as the same-world one), ``step_resume_world.json``.
+
+    :param s: The settings.
+    :param out: The output folder.
+    :param enforce: Whether a missed gate fails the run.
+    :returns: The exit status (see the module's docstring).
+    """
+    meta: dict[str, Any] = run_meta()
+    start = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="trainkit-world-bench-"))
+    try:
+        world = bench_world_change(s, tmp)
+    except Exception:
+        traceback.print_exc()
+        return 3
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    meta["loadavg_end"], meta["seconds"] = load_average(), round(time.perf_counter() - start, 1)
+    gate = {"name": "world-change latency last/first", "value": world["ratio_last_over_first"]}
+    gate.update(limit=GATE_LATENCY_FLAT, passed=gate["value"] <= GATE_LATENCY_FLAT)
+    write_json(out, "step_resume_world.json", {"meta": meta, "settings": asdict(s), "latency": world, "gate": gate})
+    log(f"wrote {out / 'step_resume_world.json'} in {meta['seconds']} s")
+    if not all(world["first_batch_matches_uninterrupted"].values()):
+        log("FAILED: a resumed first batch did not hold the uninterrupted run's samples")
+        return 2
+    if not gate["passed"]:
+        log(f"gate missed: {gate['name']} {gate['value']:.2f} > {GATE_LATENCY_FLAT}")
+        return 1 if enforce else 0
+    return 0
+
+
 if __name__ == "__main__":
     sys.exit(main())
-

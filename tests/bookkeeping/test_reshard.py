@@ -6,11 +6,19 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from tests.helpers.sampling import batches_per_epoch, deal
-from trainkit.bookkeeping import EpochPosition, decide_resume, distributed_order, resumable_world_sizes
+from trainkit.bookkeeping import (
+    EpochPosition,
+    decide_resume,
+    distributed_order,
+    pooled_mean_share,
+    resumable_world_sizes,
+)
+from trainkit.errors import BookkeepingError
 
 ORDER = distributed_order(shuffle=True, seed=0, drop_last=False)
 
@@ -133,3 +141,42 @@ def test_with_drop_last_a_resharded_epoch_never_repeats_a_sample(case):
     before = {i for r in range(world) for i in deal(order, world, r, True)[: consumed * batch]}
     after = [i for r in range(new_world) for i in deal(order, new_world, r, True)[decision.skip_samples :]]
     assert len(after) == len(set(after)) and not before & set(after)
+
+
+@given(st.lists(st.integers(-1000, 1000), min_size=1, max_size=6), st.integers(1, 50), st.integers(0, 3))
+def test_running_means_pool_into_shares_that_weigh_every_value_alike(sums, count, extra):
+    """Saved ranks' (sum, count) with one count pool into the mean of all their values over that count (a value added
+    later weighs as much as a saved one); identical shares stay as they are; unequal counts are refused by name."""
+    shares = [(float(total), count) for total in sums]
+    pooled, pooled_count = pooled_mean_share(shares, name="loss_mean")
+    assert pooled_count == count and pooled / pooled_count == pytest.approx(sum(sums) / (count * len(sums)))
+    assert pooled_mean_share([shares[0]] * len(shares), name="loss_mean") == shares[0]
+    if extra:
+        uneven = [*shares, (float(sums[0]) + 1.0, count + extra)]
+        with pytest.raises(BookkeepingError, match="loss_mean differs between the saved ranks with different counts"):
+            pooled_mean_share(uneven, name="loss_mean")
+
+
+def test_a_position_written_before_the_global_order_was_recorded_resumes_only_on_its_own_world_size():
+    """A version-1 position (no samples, global batch or order) loads as before: the same world size resumes it as
+    it did; another is refused, saying why and what works; inspect's list of world sizes holds its own only."""
+    old = {
+        "kind": "EpochPosition",
+        "schema_version": 1,
+        "epoch": 0,
+        "batches": 2,
+        "batches_per_epoch": 6,
+        "batch_size": 3,
+        "dataset_length": 36,
+        "world_size": 2,
+    }
+    position = EpochPosition.from_dict(old)
+    assert (position.samples, position.global_batch, position.order) == (None, None, None)
+    assert position.to_dict() == old  # written back as an older trainkit reads it
+    facts = {"dataset_length": 36, "batches_per_epoch": 6, "order": ORDER}
+    assert decide_resume(position, world_size=2, batch_size=3, **facts).action == "same"
+    refused = decide_resume(position, world_size=1, batch_size=6, **facts)
+    assert refused.action == "refuse"
+    assert "without its place in the epoch's global order" in refused.reason
+    assert "resumes only on 2 ranks; resume it there, or from a checkpoint written at an epoch's end" in refused.reason
+    assert resumable_world_sizes(position) == [(2, 3)]

@@ -30,7 +30,7 @@ def main() -> None:
         for attempt, spec in enumerate(attempts):
             trainers.ATTEMPT = attempt  # inherited by the forked ranks: the ledger's key
             config = {**scenario["config"], **spec.get("config", {}), "out_dir": str(out)}
-            codes.append(step_kills._fork_attempt(config, spec["world"], spec.get("kill"), base / f"run{number}.json"))
+            codes.append(step_kills.fork_attempt(config, spec["world"], spec.get("kill"), base / f"run{number}.json"))
         results.append({"out_dir": str(out), "exit_codes": codes})
     Path(sys.argv[2]).write_text(json.dumps(results))
 

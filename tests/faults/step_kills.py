@@ -159,7 +159,7 @@ def _attempt(
         ops.write_text(str(seen[0]))
 
 
-def _fork_attempt(
+def fork_attempt(
     config: dict[str, Any], world_size: int, kill: list | None, report: Path, ops: Path | None = None
 ) -> list[int]:
     """Run one attempt (every rank a forked child); return each rank's exit code (-9 when killed). After an
@@ -227,7 +227,7 @@ def main() -> None:
             kills = [["op", max(1, round(kill[1] * total_ops)), kill[2]] if kill[0] == "op" else kill for kill in kills]
         codes = []
         for kill in [*kills, None]:
-            codes.append(_fork_attempt(config, world_size, kill, summary_path, counter))
+            codes.append(fork_attempt(config, world_size, kill, summary_path, counter))
         if counter is not None:
             total_ops = int(counter.read_text())
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None

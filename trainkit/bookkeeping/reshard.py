@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 DISTRIBUTED = "DistributedSampler"
-"""The prefix of an :attr:`EpochPosition.order` that does not depend on the world size."""
+"""The prefix of an ``EpochPosition.order`` that does not depend on the world size."""
 
 _WHAT_WORKS = (
     "what resumes on another world size is DistributedSampler(dataset, shuffle=..., seed=...) on every world size, "
@@ -58,7 +58,7 @@ class ResumeDecision:
     """How a mid-epoch position resumes on this run's ranks.
 
     :ivar action: ``"same"`` (the same world size: as the checkpoint says, bit for bit), ``"reshard"`` (another world
-        size: each rank skips :attr:`skip_samples` of its share of the epoch's global order) or ``"refuse"``.
+        size: each rank skips ``skip_samples`` of its share of the epoch's global order) or ``"refuse"``.
     :ivar skip_batches: Batches of this run's loader each rank skips (the saved count, whatever the world size).
     :ivar skip_samples: Samples of its share each rank skips, ``skip_batches`` of this run's per-rank batch (None
         when the batch size is unknown).
@@ -143,7 +143,7 @@ def decide_resume(
     :param batch_size: This run's loader's per-rank ``batch_size``.
     :param dataset_length: ``len(loader.dataset)``.
     :param batches_per_epoch: ``len(loader)``.
-    :param order: This run's loader's order, as :attr:`EpochPosition.order` records it.
+    :param order: This run's loader's order, as ``EpochPosition.order`` records it.
     :returns: The decision.
 
     >>> order = distributed_order(shuffle=True, seed=0, drop_last=False)

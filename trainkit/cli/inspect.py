@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainkit.bookkeeping import EpochPosition
+from trainkit.bookkeeping import EpochPosition, resumable_world_sizes
 from trainkit.cli.report import format_value
 
 __all__ = [
@@ -35,6 +35,27 @@ def format_bytes(nbytes: float) -> str:
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
         nbytes /= 1024
     return f"{nbytes} B"  # pragma: no cover
+
+
+def _global_order_lines(position: EpochPosition) -> list[str]:
+    """What ``inspect`` says of a mid-epoch position's place in the epoch's global order, and the world sizes it
+    resumes on (:func:`~trainkit.bookkeeping.resumable_world_sizes`).
+
+    >>> p = EpochPosition(epoch=0, batches=2, batches_per_epoch=6, batch_size=3, dataset_length=36, world_size=2,
+    ...                   samples=12, global_batch=6, order="DistributedSampler(shuffle=True, seed=0, drop_last=False)")
+    >>> print("\\n".join(_global_order_lines(p)))
+    global order: 12 samples consumed, a global batch of 6, DistributedSampler(shuffle=True, seed=0, drop_last=False)
+    resumes on:   1 rank (batch_size=6), 2 ranks (batch_size=3), 3 ranks (batch_size=2), 6 ranks (batch_size=1)
+    """
+    if position.samples is None or position.global_batch is None:
+        order = "not recorded (written before it was, or by a loader that carries its own per-rank position)"
+    else:
+        order = f"{position.samples} samples consumed, a global batch of {position.global_batch}, {position.order}"
+    sizes = resumable_world_sizes(position)
+    ranks = ", ".join(f"{world} rank{'s' * (world > 1)} (batch_size={batch})" for world, batch in sizes)
+    if len(sizes) == 1:
+        ranks += " only (its order depends on the world size, or is not recorded)"
+    return [f"global order: {order}", f"resumes on:   {ranks or f'{position.world_size} ranks only'}"]
 
 
 def _tensors(value: Any, path: str) -> list[tuple[str, Any]]:
@@ -113,6 +134,7 @@ def describe_checkpoint(path: str | Path, *, all_tensors: bool = False) -> list[
                 f"position:     inside epoch {position.epoch}: {position.done} done (batch size "
                 f"{position.batch_size}, {samples}); a resume continues from the next batch{own}"
             )
+            lines += _global_order_lines(position)
         else:
             lines.append("position:     at an epoch's end")
     else:

@@ -71,7 +71,7 @@ def loader_facts(loader: Any) -> tuple[int | None, int | None, int | None]:
 
 def loader_order(loader: Any) -> str | None:
     """What orders ``loader``'s epoch, as a step position records it
-    (:attr:`~trainkit.bookkeeping.EpochPosition.order`).
+    (``EpochPosition.order``).
 
     A ``DataLoader`` whose sampler is exactly torch's ``DistributedSampler`` deals an order that does not depend on
     the world size (:func:`~trainkit.bookkeeping.distributed_order`); any other sampler, and a loader that carries
