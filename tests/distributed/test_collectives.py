@@ -82,3 +82,30 @@ def test_wait_for_the_backend_returns_once_it_lets_go_and_gives_up_at_the_bound(
     assert time.monotonic() - start >= 0.3
     stuck.release()
     assert dist_utils.wait_until_backend_lets_go(0.3) is True
+
+
+def _join_with_restart_count(rank: int, port: int, out_dir: str) -> None:
+    """One rank of a 2-agent torchrun job under the agents' shared store, whose agent counted ``rank + 1`` restarts
+    (one agent joined later than the other): it writes what joining the process group raised."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", GROUP_WORLD_SIZE="2",
+        TORCHELASTIC_RESTART_COUNT=str(rank + 1),
+    )  # fmt: skip
+    try:
+        dist_utils.init_process_group(rank, 2, backend="gloo", timeout_s=2.0, device=torch.device("cpu"))
+        raised = None
+    except Exception as exc:  # noqa: BLE001 - what it raised is what the test reads
+        raised = f"{type(exc).__name__}: {exc}"
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
+        json.dump({"raised": raised}, handle)
+
+
+def test_agents_that_counted_different_restarts_are_told_to_stop_sharing_the_store(tmp_path):
+    """The ranks of two torchrun agents whose restart counts differ do not meet in the shared agent store: each
+    fails within dist.timeout_s with an error naming the counts and the setting that gives each attempt its store."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the agent's shared store
+    mp.start_processes(_join_with_restart_count, args=(store.port, str(tmp_path)), nprocs=2, start_method="spawn")
+    for rank in range(2):
+        raised = json.loads((tmp_path / f"rank{rank}.json").read_text())["raised"]
+        assert raised.startswith("DistributedError: ") and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in raised
+        assert f"TORCHELASTIC_RESTART_COUNT={rank + 1} here" in raised

@@ -72,8 +72,9 @@ def init_process_group(rank: int, world_size: int, *, backend: str, timeout_s: f
     :param timeout_s: The bound on every collective, in seconds.
     :param device: The device this rank computes on; nccl binds to it.
     :returns: True when this call created the group (and so the caller owns its teardown).
-    :raises DistributedError: When an existing group disagrees with ``rank``/``world_size``, or when nccl
-        would have to put two of this node's processes on one GPU.
+    :raises DistributedError: When an existing group disagrees with ``rank``/``world_size``, when nccl
+        would have to put two of this node's processes on one GPU, or when the ranks of a job of several torchrun
+        agents do not meet in the agents' shared store (naming ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``).
     """
     if is_distributed():
         if dist.get_rank() != rank or dist.get_world_size() != world_size:
@@ -93,13 +94,24 @@ def init_process_group(rank: int, world_size: int, *, backend: str, timeout_s: f
     store = _elastic_attempt_store(world_size, datetime.timedelta(seconds=timeout_s))
     if store is not None:
         kwargs["store"] = store
-    dist.init_process_group(
-        backend=backend,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        **kwargs,
-    )
+    try:
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **kwargs,
+        )
+    except dist.DistStoreError as exc:
+        if store is None or int(os.environ.get("GROUP_WORLD_SIZE", "1")) < 2:
+            raise
+        raise DistributedError(
+            f"the ranks did not meet within dist.timeout_s={timeout_s} in torchrun's shared agent store; with "
+            "several agents (nodes) each counts its own restarts (TORCHELASTIC_RESTART_COUNT="
+            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} here), which part the ranks of one attempt when "
+            "an agent joined or was replaced; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for every agent, so that "
+            "each attempt's process group gets a store of its own (docs: 'torchrun elastic')"
+        ) from exc
     return True
 
 
@@ -125,7 +137,10 @@ def _elastic_attempt_store(world_size: int, timeout: datetime.timedelta) -> dist
     torchrun's agent hosts one TCPStore for every restart attempt (``TORCHELASTIC_USE_AGENT_STORE``), and
     the process group's keys carry no attempt in their names: a restarted rank would read the dead
     attempt's peer addresses and fail to connect. A prefix per ``TORCHELASTIC_RESTART_COUNT`` keeps the
-    attempts apart (the count is the same on every rank of a single-node job).
+    attempts apart (the count is the same on every rank of a single-node job). With several agents each counts its
+    own: one that joined later, or replaced a lost one, counts fewer, and a restart for a node that joins counts
+    none. Elastic jobs therefore set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: no shared store, and rank 0 of each
+    attempt hosts a new one (:func:`init_process_group` names it when the ranks do not meet in the shared one).
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None

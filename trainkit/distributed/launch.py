@@ -44,11 +44,32 @@ def _run(
     try:
         result = trainer.train()
         return broadcast_object(result, src=0) if world_size > 1 else result
-    except BaseException:
+    except BaseException as exc:
         _record_failure(failures, rank)  # before close() tears the process group down: before any rank it fails
+        _drop_locals(exc)
         raise
     finally:
         trainer.close()
+
+
+def _drop_locals(exc: BaseException) -> None:
+    """Clear the local variables of the finished frames of ``exc``'s tracebacks (and of the errors it chains).
+
+    A collective that failed (a peer died) leaves its tensors in those frames, where the process-group teardown
+    waits for the backend to let go of them: it never would, and each failure cost the full wait (10 s) before the
+    process exited and torchrun's agent could restart it. The traceback's text is kept; only the values go.
+
+    :param exc: The error the rank fails with.
+    """
+    seen: set[int] = set()
+    pending = [exc]
+    while pending:
+        error = pending.pop()
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        pending.extend(chained for chained in (error.__cause__, error.__context__) if chained is not None)
 
 
 def _record_failure(folder: str | None, rank: int) -> None:
@@ -182,9 +203,10 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent(parent: int) -> None:
-    """Ask the kernel to SIGKILL this rank when ``parent`` (the fork server) dies, as torchrun's workers die with
-    their agent, and let the server exit when :func:`spawn`'s caller does: a caller killed with SIGKILL leaves no
-    rank training on. The signal is Linux's (a no-op elsewhere).
+    """Ask the kernel to SIGKILL this rank when ``parent`` (the fork server) dies, and let the server exit when
+    :func:`spawn`'s caller does: a caller killed with SIGKILL leaves no rank training on (torchrun's workers, each
+    in a session of its own and without such a signal, outlive an agent killed so). The signal is Linux's (a no-op
+    elsewhere).
 
     torch's own wrapper asks for SIGINT, which trainkit takes as "stop after this epoch": a rank whose caller is
     gone would train to its epoch's end, however long, with nobody to return to.
