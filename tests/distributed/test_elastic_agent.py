@@ -24,10 +24,10 @@ import pytest
 import torch
 
 import trainkit
-from tests.distributed.test_elastic_resume import ATOL, RTOL
 from tests.faults.harness import assert_equal_state, child_env, load
 from tests.helpers import ROOT
 from tests.helpers.configs import make_cfg
+from tests.helpers.sampling import ATOL, RTOL
 from trainkit.distributed.collectives import free_port
 
 pytestmark = [pytest.mark.ddp, pytest.mark.timeout(240)]

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests.faults.harness import ROOT, child_env
+from tests.helpers.sampling import ATOL, RTOL
 from trainkit.cli.inspect import describe_checkpoint
 
 pytestmark = pytest.mark.timeout(600)
@@ -37,9 +38,6 @@ BASE = {
     "dist": {"backend": "gloo", "timeout_s": 30},
 }
 SHARDED = {"ckpt": {"every_n_steps": 1, "format": "sharded"}}
-RTOL, ATOL = 1e-5, 1e-6
-"""What docs/checkpoints.rst states for float32 on this model: measured, the largest difference after a world-size
-change was 1.2e-7 absolute (one unit in the last place at the weights' scale of ~1), the float summation order."""
 
 
 def run_scenario(tmp_path: Path, runs: list[list[dict]]) -> tuple[list[dict], str]:
