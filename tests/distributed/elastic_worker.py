@@ -76,6 +76,7 @@ class LedgerTrainer(BaseTrainer):
 
     def train_epoch(self):
         self.model.train()
+        loss = None  # a resume at the epoch's last step boundary enters the epoch with no batch left
         for x, y, index in self.progress(self.loader):
             loss = nn.functional.mse_loss(self.model(x), y)
             self.optimizer.zero_grad(set_to_none=True)
@@ -83,7 +84,8 @@ class LedgerTrainer(BaseTrainer):
             self.optimizer.step()
             self._write(index.tolist())
             time.sleep(self.step_sleep.get(str(self.world_size), 0.0))
-        self.log({"train/loss": loss.detach()})
+        if loss is not None:
+            self.log({"train/loss": loss.detach()})
 
     def val_epoch(self):
         return False

@@ -96,7 +96,7 @@ def final_weights(out_dir: str) -> dict[str, torch.Tensor]:
 
 def test_a_run_interrupted_mid_epoch_resumes_on_other_world_sizes_with_the_same_steps(tmp_path):
     """2 -> 1 (SIGTERM), 2 -> 3 (SIGKILL), 3 -> 2 (SIGTERM), 1 -> 2 (SIGKILL), 2 -> 2 (SIGKILL) in single files,
-    2 -> 3 (SIGTERM) sharded: each later step serves the uninterrupted run's samples, each sample once per epoch,
+    2 -> 3 (SIGTERM), 2 -> 1 (SIGKILL) and 1 -> 2 (SIGTERM) sharded: each later step serves the uninterrupted run's samples, each sample once per epoch,
     metrics.jsonl continues with the same rows at the same steps, and the final weights match. Each rank's own
     RunningMean of the loss (registered) comes back as its own on the same world size (every rank's epoch mean bit for
     bit the uninterrupted run's) and pooled on another, so the ranks' epoch means average to the uninterrupted run's."""
@@ -107,6 +107,8 @@ def test_a_run_interrupted_mid_epoch_resumes_on_other_world_sizes_with_the_same_
         [{"world": 3, "kill": ["sigterm", 0, 0]}, {"world": 2}],
         [{"world": 1, "kill": ["batch", 0, 4]}, {"world": 2}],
         [{"world": 2, "kill": ["sigterm", 1, 1], "config": SHARDED}, {"world": 3, "config": SHARDED}],
+        [{"world": 2, "kill": ["batch", 1, 2], "config": SHARDED}, {"world": 1, "config": SHARDED}],
+        [{"world": 1, "kill": ["sigterm", 0, 1], "config": SHARDED}, {"world": 2, "config": SHARDED}],
         [{"world": 2, "kill": ["batch", 0, 2]}, {"world": 2}],
     ]
     report, stderr = run_scenario(tmp_path, runs)
