@@ -24,6 +24,7 @@ import torch
 
 from tests.faults.harness import ROOT, child_env
 from tests.helpers.sampling import ATOL, RTOL
+from tests.helpers.wandb_files import offline_runs
 from trainkit.cli.inspect import describe_checkpoint
 
 pytestmark = pytest.mark.timeout(600)
@@ -38,6 +39,7 @@ BASE = {
     "dist": {"backend": "gloo", "timeout_s": 30},
 }
 SHARDED = {"ckpt": {"every_n_steps": 1, "format": "sharded"}}
+WANDB = {"wandb": {"mode": "offline"}}
 
 
 def run_scenario(tmp_path: Path, runs: list[list[dict]]) -> tuple[list[dict], str]:
@@ -96,8 +98,9 @@ def final_weights(out_dir: str) -> dict[str, torch.Tensor]:
 
 def test_a_run_interrupted_mid_epoch_resumes_on_other_world_sizes_with_the_same_steps(tmp_path):
     """2 -> 1 (SIGTERM), 2 -> 3 (SIGKILL), 3 -> 2 (SIGTERM), 1 -> 2 (SIGKILL), 2 -> 2 (SIGKILL) in single files,
-    2 -> 3 (SIGTERM), 2 -> 1 (SIGKILL) and 1 -> 2 (SIGTERM) sharded: each later step serves the uninterrupted run's samples, each sample once per epoch,
-    metrics.jsonl continues with the same rows at the same steps, and the final weights match. Each rank's own
+    2 -> 3 (SIGTERM), 2 -> 1 (SIGKILL) and 1 -> 2 (SIGTERM) sharded, 2 -> 1 (SIGTERM) with an offline W&B run: each
+    later step serves the uninterrupted run's samples, each sample once per epoch, metrics.jsonl continues with the
+    same rows at the same steps (and the W&B run as the same run), and the final weights match. Each rank's own
     RunningMean of the loss (registered) comes back as its own on the same world size (every rank's epoch mean bit for
     bit the uninterrupted run's) and pooled on another, so the ranks' epoch means average to the uninterrupted run's."""
     runs = [
@@ -110,6 +113,7 @@ def test_a_run_interrupted_mid_epoch_resumes_on_other_world_sizes_with_the_same_
         [{"world": 2, "kill": ["batch", 1, 2], "config": SHARDED}, {"world": 1, "config": SHARDED}],
         [{"world": 1, "kill": ["sigterm", 0, 1], "config": SHARDED}, {"world": 2, "config": SHARDED}],
         [{"world": 2, "kill": ["batch", 0, 2]}, {"world": 2}],
+        [{"world": 2, "kill": ["sigterm", 1, 1], "config": WANDB}, {"world": 1, "config": WANDB}],
     ]
     report, stderr = run_scenario(tmp_path, runs)
     reference = report[0]
@@ -142,6 +146,15 @@ def test_a_run_interrupted_mid_epoch_resumes_on_other_world_sizes_with_the_same_
         for name, value in reference_weights.items():
             torch.testing.assert_close(weights[name], value, rtol=RTOL, atol=ATOL, msg=f"{run}: {name}")
     assert "dealt anew over" in stderr  # the resume said it resharded
+    # the W&B run continues as the same run on the new world size: one id, every row of metrics.jsonl once, at its
+    # step, and W&B's step never goes back from the first folder to the second
+    out_dir = Path(report[-1]["out_dir"])
+    run_id = torch.load(out_dir / "last.pt", weights_only=True)["wandb_run_id"]
+    parts = offline_runs(out_dir)
+    assert [part.run_id for part in parts] == [run_id, run_id] and parts[-1].exit_code == 0
+    steps = [row["_step"] for part in parts for row in part.history]
+    rows = Path(out_dir, "metrics.jsonl").read_text().splitlines()
+    assert steps == list(range(len(rows))), steps
 
 
 def test_world_size_changes_that_cannot_continue_the_order_are_refused_before_anything_is_written(tmp_path):
