@@ -63,3 +63,31 @@ def test_a_digest_tells_states_apart_by_value_not_by_object(dtype):
     changed = value.clone()
     changed[0] = 1
     assert state_digest({"v": value}) != state_digest({"v": changed})
+
+
+_DIGEST_IN_A_FRESH_PROCESS = """
+import threading
+from trainkit.state.digest import state_digest
+print(state_digest({"seen": {"alpha", "beta", "gamma", "delta", "epsilon"}, "lock": threading.Lock()}))
+"""
+
+
+def test_equal_states_digest_alike_in_processes_that_hash_strings_differently():
+    """Ranks are separate processes: a set of strings (whose pickle follows the process's string hashing) and an
+    unpicklable object (whose repr names its address) must not make equal states look different."""
+    import os
+    import subprocess
+    import sys
+
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", _DIGEST_IN_A_FRESH_PROCESS],
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        ).stdout.strip()
+        for seed in (1, 2, 3)
+    }
+    assert len(digests) == 1, digests

@@ -92,6 +92,8 @@ def world_change_refusal(saved: EpochPosition, world_size: int) -> str | None:
     (True, True)
     >>> world_change_refusal(p, 4).split("; ")[1]
     'it resumes on 1, 2, 3 or 6 ranks (a per-rank batch of 6, 3, 2 or 1)'
+    >>> world_change_refusal(attrs.evolve(p, order="DistributedSamplerWrapper"), 3) is None  # another class's order
+    False
     """
     if not is_int(world_size) or world_size < 1:
         raise BookkeepingError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -104,7 +106,7 @@ def world_change_refusal(saved: EpochPosition, world_size: int) -> str | None:
             "position), so it resumes only on "
             f"{saved.world_size} ranks; resume it there, or from a checkpoint written at an epoch's end"
         )
-    if not saved.order.startswith(DISTRIBUTED):
+    if not saved.order.startswith(f"{DISTRIBUTED}("):
         return (
             f"its epoch was ordered by a {saved.order}, whose order depends on the world size (a plain shuffle on one "
             f"process is not what a DistributedSampler deals on several), so it resumes only on {saved.world_size} "
@@ -219,7 +221,7 @@ def resumable_world_sizes(saved: EpochPosition) -> list[tuple[int, int]]:
     [(3, 2)]
     """
     global_batch = saved.global_batch
-    if global_batch is None or saved.order is None or not saved.order.startswith(DISTRIBUTED):
+    if global_batch is None or saved.order is None or not saved.order.startswith(f"{DISTRIBUTED}("):
         return [(saved.world_size, saved.batch_size)] if saved.batch_size is not None else []
     return [(world, global_batch // world) for world in range(1, global_batch + 1) if global_batch % world == 0]
 

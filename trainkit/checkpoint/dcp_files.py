@@ -73,8 +73,8 @@ class ShardedFiles:
         :param resume: ``ckpt.resume``: ``auto``, ``never`` or a checkpoint directory.
         :returns: ``(payload, directory)``, or ``(None, None)`` when there is nothing to resume.
         :raises CheckpointCorruptError: When no candidate directory is whole (each one's problem named).
-        :raises CheckpointMismatchError: When a step checkpoint (written inside an epoch) was written by another
-            number of processes.
+        :raises CheckpointMismatchError: When a checkpoint written by another number of processes cannot resume on
+            this one (:func:`~trainkit.checkpoint.payload.world_change_refusal`).
         """
         if resume == "never" or (resume == "auto" and not self.enabled):
             return None, None
@@ -92,7 +92,7 @@ class ShardedFiles:
                 refusal = world_change_refusal(ckpt, self.world_size)
                 if refusal is not None:
                     raise CheckpointMismatchError(
-                        f"{candidate} was written inside an epoch by {ckpt['world_size']} processes and this run has "
+                        f"{candidate} was written by {ckpt['world_size']} processes and this run has "
                         f"{self.world_size}: {refusal}"
                     )
                 return ckpt, candidate

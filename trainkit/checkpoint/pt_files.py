@@ -278,6 +278,6 @@ def _check_compatible(ckpt: Mapping[str, Any], path: Path, world_size: int) -> N
     refusal = world_change_refusal(dict(ckpt), world_size)
     if refusal is not None:
         raise CheckpointMismatchError(
-            f"{path} was written inside an epoch by a run with world_size={ckpt.get('world_size')}, this run has "
+            f"{path} was written by a run with world_size={ckpt.get('world_size')}, this run has "
             f"world_size={world_size}: {refusal} (or start fresh with ckpt.resume=never)"
         )

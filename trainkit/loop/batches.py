@@ -594,8 +594,8 @@ class TrackedBatches:
         if resume is not None:
             restore_rng(resume.rng_at_iter)
             saved = resume.generators_at_iter  # None on another world size: they keep this run's states
-            for generator, state in zip(generators, saved if saved is not None else generators, strict=True):
-                if saved is not None:
+            if saved is not None:
+                for generator, state in zip(generators, saved, strict=True):
                     generator.set_state(state)
         self._rng_at_iter = iterator_rng(loader)
         self.generators_at_iter = [generator.get_state() for generator in generators]

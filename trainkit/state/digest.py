@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,12 +16,15 @@ import torch
 
 __all__ = ["state_digest"]
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
 
 def state_digest(state: Any) -> str:
     """A digest of ``state`` that two processes holding equal states compute alike.
 
     Tensors count by dtype, shape and bytes (not by device or identity), dicts by their sorted keys, lists and
-    tuples in order, other leaves by their pickle (by their ``repr`` when they cannot be pickled).
+    tuples in order, sets by their members' sorted digests, other leaves by their pickle (by their ``repr`` without
+    memory addresses when they cannot be pickled).
 
     :param state: A state dict, a plain value, or a tensor.
     :returns: A 32-character hex digest.
@@ -29,6 +33,8 @@ def state_digest(state: Any) -> str:
     True
     >>> state_digest({"rank": 0}) == state_digest({"rank": 1})
     False
+    >>> state_digest({"seen": {"b", "a"}}) == state_digest({"seen": {"a", "b"}})
+    True
     """
     digest = hashlib.blake2b(digest_size=16)
     _feed(digest, state)
@@ -49,9 +55,13 @@ def _feed(digest: Any, value: Any) -> None:
         digest.update(f"L{len(value)}".encode())
         for item in value:
             _feed(digest, item)
+    elif isinstance(value, (set, frozenset)):  # pickled, a set follows the process's own string hashing
+        digest.update(f"S{len(value)}".encode())
+        for item in sorted(state_digest(item) for item in value):
+            digest.update(item.encode())
     else:
         try:
             data = pickle.dumps(value, protocol=4)
         except Exception:  # noqa: BLE001 - an unpicklable leaf still has a repr to compare
-            data = repr(value).encode()
+            data = _ADDRESS.sub("", repr(value)).encode()  # an object's address differs on every rank
         digest.update(b"P" + len(data).to_bytes(8, "little") + data)
