@@ -122,8 +122,8 @@ class RunsCode:
 @pytest.mark.parametrize("remote_url", ["file", "s3"], indirect=True)
 def test_planted_remote_objects_are_refused_and_the_resume_falls_back(remote_url, tmp_path, monkeypatch):
     """Newer planted folders, one per fault (no commit record; a size that lies; a CRC that lies; a pickle that
-    runs code; a name with ``..``), are each refused with a warning, nothing is written outside out_dir, no code
-    runs, and the resume takes the newest honest checkpoint."""
+    runs code; a name with ``..``; a name of out_dir's own, the run's lock), are each refused with a warning,
+    nothing is written outside out_dir, no code runs, and the resume takes the newest honest checkpoint."""
     import pickle
 
     monkeypatch.chdir(tmp_path)
@@ -135,16 +135,19 @@ def test_planted_remote_objects_are_refused_and_the_resume_falls_back(remote_url
     plant(remote_url, "step-102-0000000c", {"last.pt": honest}, manifest_of(102, {"last.pt": honest}, crc32=1))
     plant(remote_url, "step-103-0000000d", {"last.pt": evil}, manifest_of(103, {"last.pt": evil}))
     plant(remote_url, "step-104-0000000e", {"last.pt": honest}, manifest_of(104, {"../escaped.pt": honest}))
+    lock = {"last.pt": honest, ".trainkit.lock": b"planted"}  # a name out_dir holds, not a checkpoint's
+    plant(remote_url, "step-105-0000000f", lock, manifest_of(105, lock))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, trainer = run(tmp_path / "empty", 2, remote=remote_url)
     said = "\n".join(str(w.message) for w in caught)
-    for refused in ("step-101", "step-102", "step-103", "step-104"):
+    for refused in ("step-101", "step-102", "step-103", "step-104", "step-105"):
         assert refused in said, said
     assert "step-100" not in said  # uncommitted: never read, not even warned about
     assert trainer.epochs_trained == [1]
     assert not (tmp_path / "planted-code-ran").exists()
     assert not list(tmp_path.rglob("escaped.pt")) and not list((tmp_path / "empty").glob(".remote-*"))
+    assert (tmp_path / "empty" / ".trainkit.lock").read_bytes() != b"planted"
 
 
 def test_the_lease_refuses_a_second_writer_and_an_expired_one_is_taken_over(remote_url, tmp_path):
@@ -284,3 +287,19 @@ def test_a_missing_filesystem_package_is_one_line_naming_it(tmp_path):
     with pytest.raises(UsageError, match="nosuch"):
         TinyTrainer(make_cfg(tmp_path, epochs=1, ckpt={"remote": "nosuch://bucket/runs/a"}))
     assert not list(tmp_path.glob("*.pt"))
+
+
+@pytest.mark.parametrize("remote_url", ["file"], indirect=True)
+def test_a_checkpoint_whose_validation_scored_nan_still_reaches_the_remote(remote_url, tmp_path):
+    """A NaN score cannot go into a JSON commit record: it is left out of the description (as the local index
+    leaves it out), and the checkpoint is committed like any other."""
+    import math
+
+    trainer = TinyTrainer(
+        make_cfg(tmp_path / "run", epochs=2, scripted_scores=(1.0, math.nan), ckpt={"remote": remote_url})
+    )
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert committed_steps(remote_url)[-1] == 12

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import math
 import os
 import re
 import secrets
@@ -76,6 +77,8 @@ LAST = "last.pt"
 """The object that makes a remote folder a file checkpoint to resume (published into ``out_dir`` last)."""
 LAST_DIR = "last.ckpt"
 """The directory that makes a remote folder a sharded checkpoint to resume (its files under ``last.ckpt/``)."""
+PUBLISHED_NAMES = frozenset({"best.pt", LAST, "best.ckpt", LAST_DIR, "metrics.jsonl"})
+"""The only top-level names a remote checkpoint may hold: what the uploader writes, and all a fetch may publish."""
 ATTEMPTS = 4
 """Tries per upload before it is given up (the next checkpoint supersedes it)."""
 BACKOFF_S = 0.5
@@ -162,6 +165,15 @@ def _crc32(path: Path, size: int) -> int:
             crc = zlib.crc32(chunk, crc)
             size -= len(chunk)
     return crc
+
+
+def _copy_prefix(source: Path, target: Path, size: int) -> None:
+    """Copy the first ``size`` bytes of ``source`` (fewer if it is shorter) to the new file ``target``, in chunks."""
+    with open(source, "rb") as src, open(target, "xb") as dst:
+        remaining = size
+        while remaining and (chunk := src.read(min(CHUNK, remaining))):
+            dst.write(chunk)
+            remaining -= len(chunk)
 
 
 class RemoteTier:
@@ -321,13 +333,15 @@ class RemoteTier:
                 target = staged / name
                 target.parent.mkdir(parents=True, exist_ok=True)
                 try:
-                    os.link(path, target)
+                    if size is not None:  # metrics.jsonl grows while the upload runs: its prefix, frozen on disk
+                        _copy_prefix(path, target, size)
+                    else:
+                        os.link(path, target)
                 except FileNotFoundError:
                     continue
                 except OSError:  # a file system without hard links: a copy on disk, still not in memory
                     shutil.copyfile(path, target)
-                whole = os.stat(target).st_size
-                listed.append((name, whole if size is None else min(size, whole)))
+                listed.append((name, os.stat(target).st_size))
         except OSError as exc:
             shutil.rmtree(staged, ignore_errors=True)
             self._warn(f"could not stage checkpoint files for upload ({exc})")
@@ -443,21 +457,17 @@ class RemoteTier:
         for sub in sorted({name.rpartition("/")[0] for name, _ in job.files}):  # a file system needs its folders
             self._fs.makedirs(f"{folder}/{sub}" if sub else folder, exist_ok=True)
         crcs: dict[str, int] = {}
-        whole = [name for name, size in job.files if size == os.stat(job.staged / name).st_size]
+        names = [name for name, _ in job.files]  # staged: none of them changes any more
         # the CRC-32 pass reads the files beside the upload (zlib lets go of the GIL): it costs no upload time
 
         def summed() -> None:
             with contextlib.suppress(OSError):  # a file it could not read has no CRC: the upload fails below
-                crcs.update((name, _crc32(job.staged / name, size)) for name, size in job.files if name in whole)
+                crcs.update((name, _crc32(job.staged / name, size)) for name, size in job.files)
 
         summing = threading.Thread(target=summed, daemon=True)
         summing.start()
-        try:
-            for name, size in job.files:
-                if name not in whole:  # a prefix (metrics.jsonl up to the checkpoint's line): streamed in chunks
-                    crcs[name] = self._stream_up(job.staged / name, f"{folder}/{name}", size)
-            if whole:  # the store's own put, streamed from the files: its part sizes, its concurrency
-                self._fs.put([str(job.staged / name) for name in whole], [f"{folder}/{name}" for name in whole])
+        try:  # the store's own put, streamed from the files: its part sizes, its concurrency
+            self._fs.put([str(job.staged / name) for name in names], [f"{folder}/{name}" for name in names])
         finally:
             summing.join()
         if len(crcs) != len(job.files):
@@ -476,21 +486,13 @@ class RemoteTier:
             objects=objects,
             run_id=job.run_id,
             version=_version(),
-            description={"epoch_end": described.epoch_end, "time": described.time, "scores": dict(described.scores)},
+            description={
+                "epoch_end": described.epoch_end,
+                "time": described.time,
+                "scores": {metric: value for metric, value in described.scores.items() if math.isfinite(value)},
+            },
         )
         self._fs.pipe_file(self._path(own, MANIFEST), manifest_bytes(manifest))  # the commit: written last
-
-    def _stream_up(self, source: Path, target: str, size: int) -> int:
-        crc, remaining = 0, size
-        with open(source, "rb") as src, self._fs.open(target, "wb") as dst:
-            while remaining:
-                chunk = src.read(min(CHUNK, remaining))
-                if not chunk:
-                    raise OSError(f"{source} is shorter than the {size} bytes handed over")
-                crc = zlib.crc32(chunk, crc)
-                dst.write(chunk)
-                remaining -= len(chunk)
-        return crc
 
     def _warn(self, text: str) -> None:
         if not self._warned:  # once per run: a store that is down would otherwise warn at every checkpoint
@@ -667,6 +669,9 @@ class RemoteTier:
             tops = {item.name.split("/")[0] for item in manifest.objects}
             if not tops & {LAST, LAST_DIR}:
                 self._refuse(name, f"its manifest lists neither {LAST} nor {LAST_DIR}/")
+                continue
+            if not tops <= PUBLISHED_NAMES:  # anything else would replace a file or folder of out_dir
+                self._refuse(name, f"its manifest lists {sorted(tops - PUBLISHED_NAMES)}, not a checkpoint's files")
                 continue
             try:
                 folder = self.download(name, manifest)

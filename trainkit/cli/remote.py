@@ -95,19 +95,22 @@ def retain_remote(url: str, keep: str, *, dry_run: bool) -> list[str]:
     """
     from trainkit.cli.retain import _policy
 
-    tier = _tier(url, Path(tempfile.gettempdir()))
-    policy = _policy(keep, True, where="--keep")  # a best rule without a direction: the manifests' scores are losses
-    leftovers = tier.uncommitted()  # taking the lease deletes them
-    if not dry_run:
-        tier.acquire(uploads=False)
-    try:
-        reasons, doomed = tier.plan(policy)
-        doomed = sorted(set(doomed) | set(leftovers))
-        lines = [f"{redact_text(url)}: {len(reasons)} kept, {len(doomed)} {'to delete' if dry_run else 'deleted'}"]
-        lines += [f"  keep   {name}: {', '.join(why)}" for name, why in sorted(reasons.items())]
-        lines += [f"  delete {name}" for name in sorted(doomed)]
+    # the tier's scratch folder (its staging, removed at close) is a folder of its own, never the system's temp
+    with tempfile.TemporaryDirectory(prefix="trainkit-retain-") as scratch:
+        tier = _tier(url, Path(scratch))
+        # a best rule without a direction: the manifests' scores are losses
+        policy = _policy(keep, True, where="--keep")
+        leftovers = tier.uncommitted()  # taking the lease deletes them
         if not dry_run:
-            tier.delete(doomed)
-        return lines
-    finally:
-        tier.close()
+            tier.acquire(uploads=False)
+        try:
+            reasons, doomed = tier.plan(policy)
+            doomed = sorted(set(doomed) | set(leftovers))
+            lines = [f"{redact_text(url)}: {len(reasons)} kept, {len(doomed)} {'to delete' if dry_run else 'deleted'}"]
+            lines += [f"  keep   {name}: {', '.join(why)}" for name, why in sorted(reasons.items())]
+            lines += [f"  delete {name}" for name in sorted(doomed)]
+            if not dry_run:
+                tier.delete(doomed)
+            return lines
+        finally:
+            tier.close()
