@@ -47,7 +47,7 @@ _INDEX_FILE = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
-def mark_export(weights: Mapping[str, Any], header: Mapping[str, str]) -> OrderedDict[str, Any]:
+def mark_export(weights: Mapping[str, Any], header: Mapping[str, str]) -> dict[str, Any]:
     """The state dict a torch-format export saves: ``weights`` in their order, marked with ``header``.
 
     Pure.
@@ -135,7 +135,7 @@ def check_out(
     :param format: ``"torch"`` (one file) or ``"safetensors"``.
     :param source: The checkpoint being exported, when known.
     :returns: ``out``'s ``lstat`` when something is there (to check before the rename that it is still the same
-        file: :func:`same_file_still`), else None.
+        file: :func:`~trainkit.checkpoint.export_target.same_file_still`), else None.
     :raises ConfigError: When ``out`` is the checkpoint, lies inside it, or bears a checkpoint's name.
     :raises FileExistsError: When ``out`` is there and may not be replaced, saying what to do.
     """
