@@ -26,7 +26,13 @@ from trainkit import bookkeeping as core
 from trainkit.distributed import collectives as dist_utils
 from trainkit.errors import BookkeepingError, CheckpointMismatchError, UsageError
 from trainkit.loop.batches import RankPosition, TrackedBatches, WatchedBatches, epoch_tagged, unskippable_reason
-from trainkit.loop.stateful import StatefulBatches, carries_own_position, check_rollback_loader, loader_facts, loader_order
+from trainkit.loop.stateful import (
+    StatefulBatches,
+    carries_own_position,
+    check_rollback_loader,
+    loader_facts,
+    loader_order,
+)
 from trainkit.messages import warn_user
 from trainkit.state.rng import capture_rng, loader_generators
 

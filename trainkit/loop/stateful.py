@@ -54,10 +54,10 @@ def check_rollback_loader(loader: Any) -> None:
     knows how to go on from its state, and a stream has no index to skip; without this check the run would train
     until its first non-finite step, roll back, and only then stop.
 
-    >>> check_rollback_loader([[1.0]])
+    >>> check_rollback_loader([[1.0]])  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    trainkit.errors.ConfigError: guard.nonfinite=rollback cannot leave batches out of train_epoch()'s loop over a list, not a DataLoader: ...
+    trainkit.errors.ConfigError: guard.nonfinite=rollback cannot leave batches out of ... a list, not a DataLoader: ...
 
     :param loader: What ``self.progress()`` was given inside ``train_epoch()``.
     :raises ConfigError: Naming ``guard.nonfinite``, the loader, the rule and what to do instead.
