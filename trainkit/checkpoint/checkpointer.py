@@ -40,11 +40,13 @@ from trainkit.checkpoint.kept import (
     run_folder_of,
 )
 from trainkit.checkpoint.payload import (
+    finished_run,
     is_running_mean,
     item_states_for_rank,
     last_payload,
     mid_epoch_state,
     rank_items_state,
+    world_change_refusal,
 )
 from trainkit.checkpoint.pt_files import RunFiles
 from trainkit.checkpoint.remote import RemoteTier, Upload, published_files
@@ -265,6 +267,8 @@ class Checkpointer:
             start_patience=val.start_patience,
             min_delta=val.min_delta,
         )
+        if records.more and finished_run(ckpt):  # the readers let a finished run's file through: it continues here
+            self._refuse_world_change(ckpt, path)
         if records.notes:
             warn_user(f"resuming {path}: " + "; ".join(records.notes))
         if not quiet:
@@ -275,6 +279,16 @@ class Checkpointer:
                 self._kept.resumed_from = kept_step(path.name)
         results = None if records.more else ckpt.get("results")  # a finished run that continues has none yet
         return Resume(ckpt=ckpt, path=path, records=records, results=dict(results) if results is not None else None)
+
+    def _refuse_world_change(self, ckpt: dict[str, Any], path: Path) -> None:
+        """Refuse to continue, on this number of processes, a finished run that cannot resume here (the readers
+        refuse an unfinished one as they read it)."""
+        refusal = world_change_refusal(ckpt, self._world_size)
+        if refusal is not None:
+            raise CheckpointMismatchError(
+                f"{path} was written by a run with world_size={ckpt['world_size']}, this run has "
+                f"world_size={self._world_size} and continues it: {refusal} (or start fresh with ckpt.resume=never)"
+            )
 
     def _fetched(self, local: Mapping[str, Any] | None) -> bool:
         """Rank 0 publishes into ``out_dir`` a remote checkpoint newer than the local one, if any; every rank learns

@@ -26,7 +26,13 @@ from trainkit import bookkeeping as core
 from trainkit.distributed import collectives as dist_utils
 from trainkit.errors import BookkeepingError, CheckpointMismatchError, UsageError
 from trainkit.loop.batches import RankPosition, TrackedBatches, WatchedBatches, epoch_tagged, unskippable_reason
-from trainkit.loop.stateful import StatefulBatches, carries_own_position, loader_facts, loader_order
+from trainkit.loop.stateful import (
+    StatefulBatches,
+    carries_own_position,
+    check_rollback_loader,
+    loader_facts,
+    loader_order,
+)
 from trainkit.messages import warn_user
 from trainkit.state.rng import capture_rng, loader_generators
 
@@ -284,6 +290,8 @@ class EpochTracker:
         :param at_boundary: Called at each step boundary; True ends the loop there.
         :returns: The tracked batches, or None when this loop is not counted (warned once when it should be).
         :raises CheckpointMismatchError: When a resumed epoch's loader cannot be skipped into, or differs.
+        :raises ConfigError: Under ``guard.nonfinite=rollback`` (``count_always``), when the loop is one a rollback
+            could not leave batches out of (:func:`~trainkit.loop.stateful.check_rollback_loader`).
         """
         pending, epoch = self._pending, self.epoch
         drop = self._left_out.get(epoch, _NOTHING)
@@ -295,6 +303,8 @@ class EpochTracker:
                 "no step checkpoint, step validation or step budget acts while this one runs"
             )
             return None
+        if self._count_always:  # guard.nonfinite=rollback: refused here, before the first step, not at a rollback
+            check_rollback_loader(loader)
         stateful = carries_own_position(loader)
         if stateful or (pending is not None and pending[1].loader_state is not None):
             self._check_stateful(loader, pending, drop)

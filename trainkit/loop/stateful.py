@@ -21,11 +21,11 @@ from typing import Any
 from torch.utils.data import DistributedSampler
 
 from trainkit import bookkeeping as core
-from trainkit.errors import CheckpointMismatchError, UsageError
-from trainkit.loop.batches import TrackedBatches
+from trainkit.errors import CheckpointMismatchError, ConfigError, UsageError
+from trainkit.loop.batches import TrackedBatches, unskippable_reason
 from trainkit.state.rng import loader_generators, restore_rng
 
-__all__ = ["carries_own_position", "loader_facts", "loader_order", "StatefulBatches"]
+__all__ = ["carries_own_position", "check_rollback_loader", "loader_facts", "loader_order", "StatefulBatches"]
 
 
 def carries_own_position(loader: Any) -> bool:
@@ -45,6 +45,43 @@ def carries_own_position(loader: Any) -> bool:
     :returns: Whether both methods are there.
     """
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def check_rollback_loader(loader: Any) -> None:
+    """Refuse, before the first step, a training loop that ``guard.nonfinite="rollback"`` could not leave a bad
+    step's batches out of: a rollback skips them at the index level, which only a ``DataLoader`` over a map-style
+    dataset with a length allows. A loader that carries its own position (torchdata's ``StatefulDataLoader``) only
+    knows how to go on from its state, and a stream has no index to skip; without this check the run would train
+    until its first non-finite step, roll back, and only then stop.
+
+    >>> check_rollback_loader([[1.0]])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    trainkit.errors.ConfigError: guard.nonfinite=rollback cannot leave batches out of ... a list, not a DataLoader: ...
+
+    :param loader: What ``self.progress()`` was given inside ``train_epoch()``.
+    :raises ConfigError: Naming ``guard.nonfinite``, the loader, the rule and what to do instead.
+    """
+    if carries_own_position(loader):
+        what = (
+            f"a {type(loader).__name__}, which carries its own position (state_dict() and load_state_dict()) and "
+            "can only go on from it"
+        )
+    else:
+        reason = unskippable_reason(loader)
+        if reason is None:
+            return
+        what = reason
+    raise ConfigError(
+        "guard.nonfinite",
+        "needs a loop it can leave batches out of",
+        "rollback",
+        message=(
+            f"guard.nonfinite=rollback cannot leave batches out of train_epoch()'s loop over {what}: a rollback "
+            "skips a bad step's batches at the index level, which needs a torch DataLoader over a map-style dataset "
+            "with a length; iterate one through self.progress(), or set guard.nonfinite=skip (or raise)"
+        ),
+    )
 
 
 def _length(value: Any) -> int | None:
