@@ -222,18 +222,23 @@ def test_retain_url_refuses_a_best_rule_without_a_direction_on_older_commit_reco
 
 
 def test_a_run_that_fails_still_commits_the_checkpoint_it_just_published(tmp_path):
-    """The run raises at epoch 1 while epoch 0's upload (slow) is in flight: the same exception propagates, and
-    the checkpoint is committed on the remote (waited for up to ckpt.remote_wait_s, as at a normal end)."""
+    """The run raises at epoch 2 while epoch 0's upload (slow) is still in flight and epoch 1's waits for it: the
+    same exception propagates, and epoch 1's checkpoint is committed on the remote (waited for up to
+    ckpt.remote_wait_s, as at a normal end), not abandoned in the queue."""
     from fsspec.implementations.memory import MemoryFileSystem
 
-    def slow_put(self, lpath, rpath, **kwargs):
-        time.sleep(1.0)
+    puts = []
+
+    def first_put_slow(self, lpath, rpath, **kwargs):
+        puts.append(rpath)
+        if len(puts) == 1:
+            time.sleep(2.0)
         return MemoryFileSystem.put(self, lpath, rpath, **kwargs)
 
-    url = memory_store("slowput", put=slow_put)
-    with pytest.raises(RuntimeError, match="injected failure on rank 0 at epoch 1"):
-        run(tmp_path / "run", 3, url=url, fail_epoch=1, fail_rank=0, fail_in="train")
-    assert sorted(committed(url)) == [6]
+    url = memory_store("slowput", put=first_put_slow)
+    with pytest.raises(RuntimeError, match="injected failure on rank 0 at epoch 2"):
+        run(tmp_path / "run", 3, url=url, fail_epoch=2, fail_rank=0, fail_in="train")
+    assert sorted(committed(url)) == [12]
 
 
 # ---------------------------------------------------------------------- 15: leftovers of killed runs
