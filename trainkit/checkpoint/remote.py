@@ -15,13 +15,15 @@ The protocol (see ``docs/remote.rst``):
 - **Retention.** After each commit, the committed folders are described as the local kept checkpoints are and
   :func:`~trainkit.bookkeeping.retain` decides which stay (never the newest).
 - **Lease.** One run writes under a prefix: :data:`~trainkit.checkpoint.remote_manifest.LEASE` is created with a
-  conditional create (S3 ``If-None-Match: *``, fsspec ``mode="create"``) and renewed by the uploader every third
-  of ``ckpt.remote_lease_s``; a lease not renewed for that long may be taken over.
+  conditional create and renewed by the uploader every third of ``ckpt.remote_lease_s``; a lease not renewed for
+  that long may be taken over. A takeover or renewal replaces the lease only if it is still the object read
+  (S3 ``If-Match`` on its ETag; a file system: rename aside, check, hard-link a new one; memory: a lock).
 - **Sharded.** Every rank uploads its own files of a sharded save into one folder (named alike on every rank);
   rank 0 writes the commit record once every rank reported its upload done (:meth:`RemoteTier.report`, gathered
   by the next save's collective or at the run's end; :meth:`RemoteTier.commit_reports`).
 - **Faults.** A failed upload is retried with backoff a few times, warned about once, and superseded by the next
-  checkpoint; nothing here raises into the loop after the start.
+  checkpoint; a failed deletion of retention is warned about once and tried again after the next commit (the
+  commit stands); nothing here raises into the loop after the start.
 """
 
 from __future__ import annotations
