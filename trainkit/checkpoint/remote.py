@@ -345,6 +345,8 @@ class RemoteTier:
         """
         path, store = self._path(LEASE), self._store()
         if store == "s3":
+            if not isinstance(version, str):  # no ETag to condition on: never an unconditional overwrite
+                return False
             try:
                 self._fs.pipe_file(path, self._new_lease(), IfMatch=version)
             except FileNotFoundError:  # deleted meanwhile: the caller creates one, or is refused
@@ -366,6 +368,26 @@ class RemoteTier:
             self._fs.pipe_file(path, self._new_lease())
         self._renewed = time.monotonic()
         return True
+
+    def _release(self) -> None:
+        """Delete this run's lease, conditionally on it being the object read (as :meth:`_replace_lease`): a
+        successor's lease, taken over meanwhile, is never deleted."""
+        held, version = self._lease_version()
+        if held is None or held.holder != self._holder:
+            return
+        path, store = self._path(LEASE), self._store()
+        if store == "s3" and isinstance(version, str):  # s3fs's rm_file takes no condition: the client's call does
+            bucket, key, _ = self._fs.split_path(path)
+            self._fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=version)
+            self._fs.invalidate_cache(path)
+        elif store == "local":
+            _remove_if_read(path, held, version)
+        elif store == "memory":
+            with _MEMORY_LEASES:
+                if self._read_lease() == held:
+                    self._fs.rm_file(path)
+        else:
+            self._fs.rm_file(path)
 
     def acquire(self, *, uploads: bool = True) -> None:
         """Take the prefix for this run (an expired lease is taken over, conditionally on the very object read),
@@ -867,9 +889,7 @@ class RemoteTier:
         if self._held:
             self._held = False
             with contextlib.suppress(Exception):  # best effort: an unreleased lease expires on its own
-                held = self._read_lease()
-                if held is not None and held.holder == self._holder:
-                    self._fs.rm_file(self._path(LEASE))
+                self._release()
         shutil.rmtree(self._staging, ignore_errors=True)  # this rank's only: another rank may still upload
         with contextlib.suppress(OSError):
             (self._out_dir / STAGING_DIR).rmdir()  # the last rank out removes the folder
