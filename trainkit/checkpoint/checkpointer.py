@@ -49,7 +49,7 @@ from trainkit.checkpoint.payload import (
     world_change_refusal,
 )
 from trainkit.checkpoint.pt_files import RunFiles
-from trainkit.checkpoint.remote import RemoteTier, Upload, published_files
+from trainkit.checkpoint.remote import RemoteTier, Upload, published_files, remove_transfer_leftovers
 from trainkit.checkpoint.remote_manifest import folder_name
 from trainkit.checkpoint.storage import BestWeights, FileStorage, SaveRequest, ShardedStorage, Storage
 from trainkit.config import CkptConfig, Config, changed_on_resume, render_value, strip_secrets
@@ -220,6 +220,8 @@ class Checkpointer:
         error: BaseException | None = None
         try:
             self._files.claim()
+            if self._files.writes:  # rank 0 holds the folder now, and no rank staged anything yet
+                remove_transfer_leftovers(self._files.out_dir)
             if self._remote is not None:
                 self._remote.acquire()
         except OutDirError as exc:
@@ -645,6 +647,7 @@ class Checkpointer:
                 run_id=record.run_id,
                 description=description,
                 policy=self._kept.policy(minimize),
+                minimize=minimize,
                 folder=shared,
                 commits=shared is None,
             ),
@@ -723,9 +726,17 @@ class Checkpointer:
         self._storage.wait_local()
 
     def abandon(self) -> None:
-        """Let a background save end without raising or publishing a sharded one (this run is failing)."""
+        """Let a background save end without raising or publishing a sharded one (this run is failing), then give
+        this rank's upload of the checkpoint it published last up to ``ckpt.remote_wait_s``, as at a normal end (it
+        needs no other rank; a sharded one is committed only with every rank's report, so it stays uncommitted).
+        Never raises: the run's own failure is what propagates."""
         self._readers["file"].abandon()
         self._readers["sharded"].abandon()
+        if self._remote is not None:
+            try:
+                self._remote.finish()
+            except Exception as exc:  # noqa: BLE001 - never in the way of the failure that ends the run
+                warn_user(f"ckpt.remote={self._remote.url}: could not wait for the last upload ({exc})")
 
     def finish(self) -> None:
         """At the end of a run: publish a background save (every rank) and free what saves kept between them."""
