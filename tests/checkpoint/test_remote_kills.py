@@ -106,6 +106,7 @@ def fuzz_plan(tmp_path: Path, url: str, fmt: str, runs: list[list[list[Any]]], s
         text=True,
         timeout=240 + 60 * len(runs),
     )
+    (tmp_path / "driver.err").write_text(done.stderr)  # the attempts' warnings, for a failure's diagnosis
     assert done.returncode == 0, f"{seed}: the driver failed\n{done.stderr[-4000:]}"
     return json.loads((tmp_path / "r.json").read_text())
 
@@ -143,8 +144,9 @@ def kept_steps(records: dict[int, dict[str, Any]], newest: int) -> set[int]:
     return {step for step, why in reasons.items() if why}
 
 
-def check_run(run: dict[str, Any], reference: dict[str, Any], scratch: Path, where: str) -> set[int]:
-    """Checks (a) to (e) of the module's docstring on one completed run; returns its committed steps."""
+def check_run(run: dict[str, Any], reference: dict[str, Any], scratch: Path, where: str) -> set[tuple[int, bool]]:
+    """Checks (a) to (e) of the module's docstring on one completed run; returns its committed checkpoints as
+    ``(step, written at an epoch's end)``: a step saved inside an epoch and again at its end is two checkpoints."""
     assert run["exit_codes"][-1] == [0], f"{where}: the last attempt did not complete: {run['exit_codes']}"
     summary, ref = run["summary"], reference["summary"]
     assert summary is not None, f"{where}: no summary"
@@ -170,7 +172,7 @@ def check_run(run: dict[str, Any], reference: dict[str, Any], scratch: Path, whe
     staged = out_dir / STAGING_DIR
     left = [p.name for p in out_dir.glob(f"{FETCH_PREFIX}*")] + (os.listdir(staged) if staged.exists() else [])
     assert not left, f"{where}: leftovers in out_dir: {left}"
-    return set(steps)
+    return {(manifest.step, manifest.description["epoch_end"]) for _, manifest in committed}
 
 
 def remote_url(store: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
@@ -195,7 +197,7 @@ def test_kills_at_random_store_calls_end_like_the_uninterrupted_run(fmt, store, 
     reference = report[0]
     schedule = ever_committed(reference)
     assert len(schedule) >= 8, f"the reference committed only {sorted(schedule)}"
-    reference_steps = check_run(reference, reference, tmp_path / "scratch0", f"seed {seed}, reference")
+    reference_steps = {step for step, _ in check_run(reference, reference, tmp_path / "scratch0", f"seed {seed}")}
     assert reference_steps == kept_steps(schedule, reference["summary"]["step"])
     for number, run in enumerate(report[1:], start=1):
         check_run(run, reference, tmp_path / f"scratch{number}", f"seed {seed}, run {number}, kills {run['kills']}")
@@ -217,3 +219,20 @@ def test_a_killed_runs_staged_files_are_gone_once_the_next_run_is_under_way(tmp_
     assert first, "the first kill left nothing staged: the test does not test anything"
     assert not set(first) & set(second), f"the second attempt kept the first one's staged {first}"
     check_run(run, report[0], tmp_path / "scratch", "after two kills")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a rerun does not upload the checkpoint it resumes from when the remote lacks it (a finished run's rerun "
+    "returns at once from BaseTrainer.train; a mid-run resume hands over only its later saves): the remote keeps "
+    "the final step's copy lost to the kill out for ever",
+)
+def test_the_remote_ends_with_the_uninterrupted_runs_committed_set(tmp_path):
+    """SIGKILL just before the last commit record (the finished run's final checkpoint; step 24 was committed once
+    already, as saved inside the epoch): the rerun of the command must leave the remote with the uninterrupted
+    run's committed set, the final checkpoint among it."""
+    report = fuzz_plan(tmp_path, f"file://{tmp_path}/remote", "file", [[], [["commit", 1.0, "before"]]])
+    reference, run = report
+    assert [codes[0] for codes in run["exit_codes"]] == [-9, 0], run["exit_codes"]
+    expected = check_run(reference, reference, tmp_path / "scratch0", "reference")
+    assert check_run(run, reference, tmp_path / "scratch1", "killed at the last commit") == expected
