@@ -40,6 +40,7 @@ from trainkit.checkpoint.kept import (
     run_folder_of,
 )
 from trainkit.checkpoint.payload import (
+    MAX_ITEM_DEPTH,
     finished_run,
     is_running_mean,
     item_states_for_rank,
@@ -66,6 +67,7 @@ from trainkit.messages import say, warn_user
 from trainkit.run.folder import same_directory
 from trainkit.run.journal import JsonlSink
 from trainkit.state.digest import state_digest
+from trainkit.state.graph import check_state_graph
 from trainkit.state.modules import load_module_state, restore_training_modes, training_modes
 from trainkit.state.rng import capture_rng, reshard_seed, restore_rng, seed_everything
 
@@ -87,6 +89,35 @@ def load_item(obj: Any, state: Any) -> None:
         load_module_state(obj, state)
     else:
         obj.load_state_dict(state)
+
+
+def _checked_item_states(registry: core.CkptRegistry) -> tuple[dict[str, Any], CheckpointUnsafeError | None]:
+    """Every registered item's state but the modules' and optimizers' (torch's own), each checked by
+    :func:`~trainkit.state.graph.check_state_graph` (no cycle, a depth a resume reads back, bounded size), with the
+    first refusal (None when all pass).
+
+    Checked on every rank before anything of the save is gathered or written; the later walks over the states
+    (digest, copy, size, the loadable check) then meet no cycle, and visit each shared part once.
+    """
+    states: dict[str, Any] = {}
+    for name, obj in registry.items.items():
+        if isinstance(obj, (nn.Module, torch.optim.Optimizer)):
+            continue
+        state = obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
+        try:
+            check_state_graph(name, state, owner=f"checkpoint item {name!r}", max_depth=MAX_ITEM_DEPTH)
+        except CheckpointUnsafeError as exc:
+            return states, exc
+        states[name] = state
+    return states, None
+
+
+def _raise_refused(refusals: list[CheckpointUnsafeError | None]) -> None:
+    """Raise on every rank when a rank's item states were refused: that rank's refusal, said as its."""
+    for rank, refused in enumerate(refusals):
+        if refused is not None:
+            message = f"rank {rank}: {refused}" if len(refusals) > 1 else str(refused)
+            raise CheckpointUnsafeError(message, refused.type_name, refused.location)
 
 
 @attrs.frozen(kw_only=True)
@@ -552,11 +583,16 @@ class Checkpointer:
         changed, self._best_changed = self._best_changed, False
         if not self._ckpt.enable:
             return None
+        states, refused = _checked_item_states(registry)
+        if refused is not None and self._world_size == 1:
+            raise refused
         self._remote_saves += 1
         uploaded = self._remote.report() if self._remote is not None and self._remote_token is not None else None
-        shares = self._item_shares(registry)
+        shares = self._item_shares(states) if refused is None else None
         state = {"rng": capture_rng(), "position": record.rank_position, "remote": uploaded, "items": shares}
+        state["refused"] = refused
         gathered = dist_utils.all_gather_objects(state)  # also carries each rank's sharded upload, for the commit
+        _raise_refused([rank_state["refused"] for rank_state in gathered])
         self._remote_reports([rank_state["remote"] for rank_state in gathered])
         self._set_damaged_aside()  # every rank is here, past any read of it
         rng = [state["rng"] for state in gathered]
@@ -583,7 +619,7 @@ class Checkpointer:
         )
         return self._storage.save(request)
 
-    def _item_shares(self, registry: core.CkptRegistry) -> dict[str, dict[str, Any]] | None:
+    def _item_shares(self, states: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
         """This rank's digest of every registered item's state but the modules and optimizers (replicated by DDP,
         sharded by FSDP: never hashed), and the state of each running mean among them; None on one process.
 
@@ -591,10 +627,7 @@ class Checkpointer:
         if self._world_size == 1:
             return None
         digests, means = {}, {}
-        for name, obj in registry.items.items():
-            if isinstance(obj, (nn.Module, torch.optim.Optimizer)):
-                continue
-            state = obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
+        for name, state in states.items():
             digests[name] = state_digest(state)
             if is_running_mean(state):
                 means[name] = state

@@ -21,8 +21,10 @@ from typing import Any
 from torch.utils.data import DistributedSampler
 
 from trainkit import bookkeeping as core
+from trainkit.checkpoint.payload import MAX_ITEM_DEPTH
 from trainkit.errors import CheckpointMismatchError, ConfigError, UsageError
 from trainkit.loop.batches import TrackedBatches, unskippable_reason
+from trainkit.state.graph import check_state_graph
 from trainkit.state.rng import loader_generators, restore_rng
 
 __all__ = ["carries_own_position", "check_rollback_loader", "loader_facts", "loader_order", "StatefulBatches"]
@@ -172,6 +174,8 @@ class StatefulBatches(TrackedBatches):
 
         :returns: The two entries.
         :raises UsageError: When ``state_dict()`` returns something else than a dict with str keys.
+        :raises CheckpointUnsafeError: When it holds a cycle, nests too deep or holds too many containers
+            (:func:`~trainkit.state.graph.check_state_graph`).
         """
         state = self.loader.state_dict()
         if not isinstance(state, dict) or not all(isinstance(key, str) for key in state):
@@ -179,6 +183,12 @@ class StatefulBatches(TrackedBatches):
                 f"{type(self.loader).__name__}.state_dict() must return a dict with str keys to be saved in a step "
                 f"checkpoint, got {type(state).__name__} {reprlib.repr(state)}"
             )
+        check_state_graph(
+            "loader_state",
+            state,
+            owner=f"the state_dict() of the {type(self.loader).__name__}",
+            max_depth=MAX_ITEM_DEPTH,
+        )
         generators = [generator.get_state() for generator in loader_generators(self.loader)]
         return {"loader_state": copy.deepcopy(state), "generators_at_save": generators}
 
