@@ -164,6 +164,7 @@ FOREIGN_PRIVATE = {
     ("usage", "_replace"),  # a namedtuple's public API, underscored so as not to clash with field names
     ("state", "_metadata"),  # torch's state-dict convention
     ("metadata", "_metadata"),
+    ("loaded", "_metadata"),
 }
 """Underscored names of the standard library's, torch's and namedtuples' own, which tests and benchmarks may use."""
 

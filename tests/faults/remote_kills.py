@@ -128,36 +128,36 @@ class KillingStore:
         return self._call(self._verb(path, "delete"), str(path), self._fs.rm, path, *args, **kwargs)
 
 
-def _wait_idle(tier: Any) -> None:
-    """Wait until the tier's uploader has nothing queued, no commit to write and no upload in flight."""
-    with tier._cond:
-        tier._cond.wait_for(
-            lambda: tier._queued is None and tier._commit is None and not tier._busy, timeout=IDLE_WAIT_S
-        )
-
-
 def install(kill: list | None, log: Path, counts: dict[str, int]) -> None:
     """Wrap the store of every remote tier this process builds (see :class:`KillingStore`), and make its hand-overs
     and reports wait for an idle uploader (no upload superseded)."""
-    from trainkit.checkpoint.remote import RemoteTier
+    from trainkit.checkpoint import remote
 
-    real_build = RemoteTier.build.__func__
+    real_build = remote.RemoteTier.build.__func__
+    real_open = remote.open_store
 
     def build(cls: type, ckpt: Any, out_dir: Path, *, rank: int) -> Any:
-        tier = real_build(cls, ckpt, out_dir, rank=rank)
+        def open_killing(url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
+            fs, root = real_open(url, options)
+            return KillingStore(fs, kill if rank == 0 else None, log, counts), root
+
+        remote.open_store = open_killing
+        try:
+            tier = real_build(cls, ckpt, out_dir, rank=rank)
+        finally:
+            remote.open_store = real_open
         if tier is not None:
-            tier._fs = KillingStore(tier._fs, kill if rank == 0 else None, log, counts)
             for name in ("hand_over", "report"):
                 real = getattr(tier, name)
 
                 def waiting(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
-                    _wait_idle(tier)
+                    tier.wait_idle(IDLE_WAIT_S)
                     return _real(*args, **kwargs)
 
                 setattr(tier, name, waiting)
         return tier
 
-    RemoteTier.build = classmethod(build)
+    remote.RemoteTier.build = classmethod(build)
 
 
 def _attempt(
@@ -172,7 +172,7 @@ def _attempt(
         if rank == 0:
             summary = {
                 "model": trainers.param_digest(trainer.model),
-                "optimizer": step_kills._digest(trainer.optimizer.state_dict()),
+                "optimizer": trainers.optimizer_digest(trainer.optimizer),
                 "step": trainer.step,
             }
     finally:

@@ -857,14 +857,22 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ the end
 
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until the uploader has nothing queued, no commit record to write and no upload in flight.
+
+        :param timeout_s: The most seconds to wait.
+        :returns: Whether it is idle (False: the time ran out first).
+        """
+        with self._cond:
+            return self._cond.wait_for(self._idle, timeout=max(0.0, timeout_s))
+
+    def _idle(self) -> bool:
+        return self._queued is None and self._commit is None and not self._busy
+
     def finish(self) -> None:
         """Wait up to ``ckpt.remote_wait_s`` for the last upload; say what is not on the remote when it gives up."""
-        deadline = time.monotonic() + self._wait_s
+        done = self.wait_idle(self._wait_s)
         with self._cond:
-            done = self._cond.wait_for(
-                lambda: self._queued is None and self._commit is None and not self._busy,
-                timeout=max(0.0, deadline - time.monotonic()),
-            )
             pending = self._queued.step if self._queued is not None else self._newest_step
         newest = "none" if self._committed_step is None else f"step {self._committed_step}"
         if not done:
