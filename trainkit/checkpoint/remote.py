@@ -656,8 +656,8 @@ class RemoteTier:
 
     def _folders(self) -> list[str]:
         self._fs.invalidate_cache(self._root)
-        try:
-            entries = self._fs.ls(self._root, detail=False)
+        try:  # a hung mount or connection must not hang the run: the listing is bounded in time as a read is
+            entries = _within_deadline(functools.partial(self._fs.ls, self._root, detail=False), f"listing {self.url}")
         except FileNotFoundError:
             return []
         return [
