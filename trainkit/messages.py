@@ -14,7 +14,7 @@ import sys
 import warnings
 from typing import NoReturn, TextIO
 
-__all__ = ["say", "warn_user", "exit_refused", "REFUSED_EXIT_CODE"]
+__all__ = ["say", "warn_user", "exit_refused", "REFUSED_EXIT_CODE", "printable"]
 
 REFUSED_EXIT_CODE = 2
 """The exit status of a refusal (a bad config, a checkpoint this run cannot resume), as ``argparse`` exits on a bad
@@ -84,3 +84,32 @@ def exit_refused(error: BaseException, *, show: bool = True) -> NoReturn:
         except (OSError, AttributeError, ValueError):  # stderr replaced by an object without a descriptor (a test's)
             print(line.decode().rstrip("\n"), file=sys.stderr, flush=True)
     raise SystemExit(REFUSED_EXIT_CODE) from None
+
+
+def printable(text: object, *, limit: int = 512) -> str:
+    r"""Text from elsewhere (a remote store, a file trainkit did not write) made safe to show on one line.
+
+    Pure. Every character Python does not call printable (control characters such as ESC and newline, Unicode
+    format characters such as a right-to-left override, unassigned code points) is written as its escape, as
+    ``repr`` writes it, and so is a backslash (so an escape shown is never mistaken for one in the text): a
+    planted value can neither move the cursor, recolour the terminal, nor forge a line of trainkit's output. At
+    most ``limit`` characters of the text are shown, then ``...``.
+
+    >>> print(printable("run\x1b[2J\nstep-9: forged"))
+    run\x1b[2J\nstep-9: forged
+    >>> printable("x" * 10, limit=4)
+    'xxxx...'
+
+    :param text: The text (anything else is shown as ``str`` of it).
+    :param limit: The most characters of ``text`` shown.
+    :returns: The text, escaped, on one line.
+    """
+    text = str(text)
+    shown = "".join(_escaped(char) for char in text[:limit])
+    return shown + "..." if len(text) > limit else shown
+
+
+def _escaped(char: str) -> str:
+    if char == "\\":
+        return "\\\\"
+    return char if char.isprintable() else repr(char)[1:-1]

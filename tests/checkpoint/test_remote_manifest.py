@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from trainkit.checkpoint.remote_manifest import (
     MAX_OBJECT_BYTES,
+    MAX_UNIX_TIME,
     Lease,
     Manifest,
     RemoteObject,
@@ -84,7 +85,7 @@ def test_folder_names_carry_their_step(step, token):
     assert folder_step(folder_name(step, token)) == step
 
 
-@given(holder=st.text(max_size=50), expires=st.floats(0, 1e12))
+@given(holder=st.text(max_size=50), expires=st.floats(0, MAX_UNIX_TIME))
 def test_a_lease_reads_back_and_expires_after_its_time(holder, expires):
     lease = parse_lease(lease_bytes(Lease(holder=holder, expires=expires)))
     assert lease == Lease(holder=holder, expires=expires)

@@ -126,8 +126,13 @@ REMOTE_RULE = "ckpt.remote must be a URL with a scheme and a prefix (s3://bucket
             {"epochs": 1, "ckpt": {"remote_options": [1]}},
             "ckpt.remote_options must be a mapping of option names to values, got [1]",
         ),
-        ({"epochs": 1, "ckpt": {"remote_wait_s": -1}}, "ckpt.remote_wait_s must be >= 0, got -1"),
-        ({"epochs": 1, "ckpt": {"remote_lease_s": 0}}, "ckpt.remote_lease_s must be > 0, got 0"),
+        ({"epochs": 1, "ckpt": {"remote_wait_s": -1}}, "ckpt.remote_wait_s must be in [0, 86400], got -1"),
+        ({"epochs": 1, "ckpt": {"remote_wait_s": 1e10}}, "ckpt.remote_wait_s must be in [0, 86400], got 10000000000.0"),
+        ({"epochs": 1, "ckpt": {"remote_lease_s": 0}}, "ckpt.remote_lease_s must be in [0.1, 86400], got 0"),
+        (
+            {"epochs": 1, "ckpt": {"remote_lease_s": 1e11}},
+            "ckpt.remote_lease_s must be in [0.1, 86400], got 100000000000.0",
+        ),
     ],
     ids=[
         "epochs",
@@ -146,7 +151,9 @@ REMOTE_RULE = "ckpt.remote must be a URL with a scheme and a prefix (s3://bucket
         "remote-no-prefix",
         "remote_options-list",
         "remote_wait_s",
+        "remote_wait_s-huge",
         "remote_lease_s",
+        "remote_lease_s-huge",
     ],
 )
 def test_range_rule_names_key_rule_and_value(data, message):
@@ -434,5 +441,26 @@ def test_remote_options_refuse_credentials_without_showing_them():
     with pytest.raises(ConfigError, match="ckpt.remote") as refused:
         Config(epochs=1, ckpt={"remote": "user:hunter2@bucket"})
     assert "hunter2" not in str(refused.value)
-    cfg = Config(epochs=1, ckpt={"remote": "s3://user:hunter2@bucket/p", "remote_options": {"endpoint_url": "x"}})
+    cfg = Config(epochs=1, ckpt={"remote": "s3://bucket/p?api_key=hunter2", "remote_options": {"endpoint_url": "x"}})
     assert "hunter2" not in str(public_config(cfg))
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["s3://AKIAKEY:hunter2@bucket/runs", "s3://AKIAKEY:hun/ter2@bucket/runs", "gs://hunter2@bucket/runs"],
+    ids=["key-secret", "secret-with-slash", "token"],
+)
+def test_a_remote_url_with_credentials_is_refused_in_one_line_that_does_not_repeat_them(url):
+    """s3fs would take ``KEY:SECRET@bucket`` for the bucket's name and print it in a traceback: a URL with userinfo
+    is refused when the config is built (from a mapping or an override), naming the key and the store's own way,
+    in one line without the URL; an ``@`` in the prefix's path is not userinfo."""
+    for build in (
+        lambda: Config(epochs=1, ckpt={"remote": url}),
+        lambda: Config.from_mapping({"epochs": 1}, [f"ckpt.remote={url}"]),
+    ):
+        with pytest.raises(ConfigError, match="ckpt.remote must not hold credentials") as refused:
+            build()
+        message = str(refused.value)
+        assert "hunter2" not in message and "hun/ter2" not in message and "\n" not in message
+        assert "environment variables" in message
+    assert Config(epochs=1, ckpt={"remote": "file:///srv/me@site/runs"}).ckpt.remote == "file:///srv/me@site/runs"

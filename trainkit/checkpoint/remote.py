@@ -24,11 +24,17 @@ The protocol (see ``docs/remote.rst``):
 - **Faults.** A failed upload is retried with backoff a few times, warned about once, and superseded by the next
   checkpoint; a failed deletion of retention is warned about once and tried again after the next commit (the
   commit stands); nothing here raises into the loop after the start.
+- **Hostile objects.** Every object is read as hostile input (:meth:`RemoteTier._read_object`,
+  :func:`_open_regular`): only a regular object is opened (on a local or mounted file system with ``O_NONBLOCK``
+  and ``O_NOFOLLOW`` and checked with ``fstat``, so a FIFO or device never blocks), no more bytes are read than
+  it may hold, and no open or read waits longer than :data:`READ_DEADLINE_S`. What a store's client raises
+  reaches the user as one line, credentials masked and control characters escaped (:func:`store_errors`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import math
 import os
@@ -40,9 +46,9 @@ import stat
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, TypeVar
 
 import attrs
 
@@ -51,6 +57,7 @@ from trainkit.checkpoint.remote_manifest import (
     LEASE,
     MANIFEST,
     MAX_MANIFEST_BYTES,
+    UNREADABLE_LEASE,
     Lease,
     Manifest,
     RemoteObject,
@@ -59,16 +66,29 @@ from trainkit.checkpoint.remote_manifest import (
     lease_bytes,
     manifest_bytes,
     newest_first,
-    parse_lease,
     parse_manifest,
+    read_lease,
 )
 from trainkit.config import CkptConfig, redact_text
-from trainkit.errors import CheckpointCorruptError, CheckpointUnsafeError, OutDirError, UsageError
+from trainkit.config.secrets import has_url_userinfo
+from trainkit.errors import CheckpointCorruptError, CheckpointUnsafeError, OutDirError, TrainkitError, UsageError
+from trainkit.files.bounded_read import UnreadableFile, open_regular
 from trainkit.files.durable import fsync_directory
 from trainkit.files.weights_only_load import load_checkpoint
-from trainkit.messages import say, warn_user
+from trainkit.messages import printable, say, warn_user
 
-__all__ = ["RemoteTier", "Upload", "open_store", "remove_transfer_leftovers", "STAGING_DIR", "FETCH_PREFIX"]
+__all__ = [
+    "RemoteTier",
+    "Upload",
+    "open_store",
+    "remove_transfer_leftovers",
+    "store_errors",
+    "STAGING_DIR",
+    "FETCH_PREFIX",
+    "READ_DEADLINE_S",
+]
+
+_T = TypeVar("_T")
 
 STAGING_DIR = ".remote-staging"
 """The folder under ``out_dir`` where handed-over files wait (hard links) for their upload, in a folder per rank."""
@@ -86,6 +106,117 @@ ATTEMPTS = 4
 """Tries per upload before it is given up (the next checkpoint supersedes it)."""
 BACKOFF_S = 0.5
 """The first retry's delay; each next one doubles it."""
+READ_DEADLINE_S = 120.0
+"""The most seconds opening a store's object, or one read of it (a record, or one chunk of a download), may take;
+past it the read is given up as a ``TimeoutError`` (its thread is left behind, a daemon)."""
+USERINFO_REFUSAL = (
+    "a remote URL must not hold credentials before the host (user:password@ or token@), so it is not repeated "
+    "here: give them the store's own way (its environment variables, its config files, an instance role)"
+)
+"""Why a URL with userinfo is refused, in every command (the URL is not shown: it holds the secret)."""
+
+
+def shown(text: object) -> str:
+    """Text that came from a store (or its client's error) made safe to show: credentials masked, one line,
+    control characters escaped (:func:`~trainkit.messages.printable`).
+
+    :param text: The text.
+    :returns: The text to put in a message.
+    """
+    return printable(redact_text(" ".join(str(text).split())), limit=1000)
+
+
+def _failure(exc: BaseException) -> str:
+    return shown(f"{type(exc).__name__}: {exc}")
+
+
+@contextlib.contextmanager
+def store_errors(url: str, doing: str) -> Iterator[None]:
+    """Turn what a store's client raises into one :class:`~trainkit.errors.OutDirError` line: the URL and the
+    exception's message with credentials masked and control characters escaped, and no traceback of the client's
+    (``from None``). trainkit's own errors pass unchanged.
+
+    :param url: The URL the store was opened at.
+    :param doing: What was being done, e.g. ``"listing the checkpoints"``.
+    :raises OutDirError: For any other exception.
+    """
+    try:
+        yield
+    except TrainkitError:
+        raise
+    except Exception as exc:
+        raise OutDirError(f"ckpt.remote={shown(url)}: {doing} failed ({_failure(exc)})") from None
+
+
+def _guarded(doing: str) -> Callable[[Callable[..., _T]], Callable[..., _T]]:
+    """A :class:`RemoteTier` method whose store failures are one line (:func:`store_errors`)."""
+
+    def wrap(method: Callable[..., _T]) -> Callable[..., _T]:
+        @functools.wraps(method)
+        def guarded(self: RemoteTier, *args: Any, **kwargs: Any) -> _T:
+            with store_errors(self.url, doing):
+                return method(self, *args, **kwargs)
+
+        return guarded
+
+    return wrap
+
+
+def _within_deadline(call: Callable[[], _T], what: str) -> _T:
+    """``call()`` in a daemon thread, waited for at most :data:`READ_DEADLINE_S`.
+
+    :raises TimeoutError: When it takes longer (the thread is left to finish or hang on its own).
+    """
+    done = threading.Event()
+    outcome: list[tuple[bool, Any]] = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, which raises it
+            outcome.append((False, exc))
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="trainkit-remote-read", daemon=True).start()
+    if not done.wait(READ_DEADLINE_S):
+        raise TimeoutError(f"{what} took more than {READ_DEADLINE_S:g} s")
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _is_local(fs: Any) -> bool:
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(fs, LocalFileSystem)
+
+
+def _open_regular(fs: Any, path: str) -> tuple[BinaryIO, int | None]:
+    """Open a store's object for reading only if it is a regular object, and say its size.
+
+    On a local (or mounted) file system the object is opened with ``O_NONBLOCK | O_NOFOLLOW`` and the descriptor
+    ``fstat``-ed (:func:`~trainkit.files.bounded_read.open_regular`): a FIFO, a device, a directory or a link is
+    refused without blocking, and nothing can be swapped in between the check and the open. An object store holds
+    only objects and prefixes: its ``info`` must say ``file``, not a link.
+
+    :raises FileNotFoundError: When it is missing.
+    :raises UnreadableFile: When it is not a regular object (the reason names what it is).
+    """
+    if _is_local(fs):
+        local = fs._strip_protocol(path)
+        try:
+            fd, info = open_regular(local)
+        except UnreadableFile as exc:
+            if exc.reason == "missing":
+                raise FileNotFoundError(local) from None
+            raise
+        return os.fdopen(fd, "rb"), info.st_size
+    info = fs.info(path)
+    if info.get("type") != "file" or info.get("islink"):
+        raise UnreadableFile(path, f"a {info.get('type')} object, not a regular one")
+    return fs.open(path, "rb"), info.get("size")
 
 
 def remove_transfer_leftovers(out_dir: Path) -> list[Path]:
@@ -118,14 +249,17 @@ def open_store(url: str, options: dict[str, Any] | None = None) -> tuple[Any, st
     :param url: The ``ckpt.remote`` URL.
     :param options: ``ckpt.remote_options``.
     :returns: ``(filesystem, root)``.
-    :raises UsageError: When fsspec or the store's filesystem package is missing (one line naming it).
+    :raises UsageError: When fsspec or the store's filesystem package is missing (one line naming it), the URL
+        holds credentials (not repeated), or the store's client refuses the URL or an option (one line).
     """
-    shown = redact_text(url)
+    if has_url_userinfo(url):
+        raise UsageError(USERINFO_REFUSAL)
+    where = f"ckpt.remote={shown(url)}"
     try:
         import fsspec
         import fsspec.config
     except ImportError:
-        raise UsageError(f"ckpt.remote={shown} needs fsspec: pip install 'trainkit[remote]'") from None
+        raise UsageError(f"{where} needs fsspec: pip install 'trainkit[remote]'") from None
     from_env: dict[str, dict[str, Any]] = {}
     fsspec.config.set_conf_env(from_env)  # a variable set after fsspec was imported counts too
     protocol = fsspec.utils.get_protocol(url)
@@ -133,9 +267,9 @@ def open_store(url: str, options: dict[str, Any] | None = None) -> tuple[Any, st
     try:
         fs, root = fsspec.core.url_to_fs(url, **merged)
     except ImportError as exc:  # fsspec's message names the package to install
-        raise UsageError(f"ckpt.remote={shown}: {str(exc).strip().splitlines()[0]}") from None
-    except ValueError as exc:
-        raise UsageError(f"ckpt.remote={shown}: {str(exc).strip().splitlines()[0]}") from None
+        raise UsageError(f"{where}: {shown(str(exc).strip().splitlines()[0])}") from None
+    except Exception as exc:  # a bad option, an unknown protocol: the store's client, in one line
+        raise UsageError(f"{where}: {_failure(exc)}") from None
     return fs, root.rstrip("/")
 
 
@@ -277,10 +411,33 @@ class RemoteTier:
 
     def _read_lease(self) -> Lease | None:
         try:
-            with self._fs.open(self._path(LEASE), "rb") as handle:
-                return parse_lease(handle.read(MAX_MANIFEST_BYTES))
+            return read_lease(self._read_object(self._path(LEASE), MAX_MANIFEST_BYTES))
         except FileNotFoundError:
             return None
+        except (UnreadableFile, CheckpointUnsafeError) as exc:  # no run wrote it: it must not lock the prefix
+            warn_user(f"ckpt.remote={self.url}: {LEASE} is unreadable ({shown(exc)}); it counts as expired")
+            return UNREADABLE_LEASE
+
+    def _read_object(self, path: str, limit: int) -> bytes:
+        """A small object's bytes (a commit record, the lease): regular, at most ``limit`` bytes, within
+        :data:`READ_DEADLINE_S`.
+
+        :raises FileNotFoundError: When it is missing.
+        :raises UnreadableFile: When it is not a regular object, or larger than ``limit``.
+        :raises TimeoutError: When the store takes longer.
+        """
+
+        def read() -> bytes:
+            handle, size = _open_regular(self._fs, path)
+            with handle:
+                if size is not None and size > limit:
+                    raise UnreadableFile(path, f"{size} bytes, more than the {limit} it may hold")
+                data = handle.read(limit + 1)
+            if len(data) > limit:
+                raise UnreadableFile(path, f"more than the {limit} bytes it may hold")
+            return data
+
+        return _within_deadline(read, f"reading {path}")
 
     def _store(self) -> str:
         """Which lease mechanism the store has: ``"s3"`` (conditional puts), ``"local"`` (a file system: renames and
@@ -389,13 +546,14 @@ class RemoteTier:
         else:
             self._fs.rm_file(path)
 
+    @_guarded("taking the lease")
     def acquire(self, *, uploads: bool = True) -> None:
         """Take the prefix for this run (an expired lease is taken over, conditionally on the very object read),
         delete uncommitted leftovers and start the uploader (unless ``uploads`` is False: ``retain`` holds the lease
         only to delete, and deletes the leftovers itself).
 
         :raises OutDirError: When another run holds it (or took the expired lease first), naming the prefix, the
-            holder and when it expires.
+            holder and when it expires; or the store fails (one line, :func:`store_errors`).
         """
         if self._rank != 0:  # rank 0 holds the prefix for the run
             self._start(uploads)
@@ -408,8 +566,8 @@ class RemoteTier:
             if held is not None and not held.expired(time.time()):
                 until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(held.expires))
                 raise OutDirError(
-                    f"ckpt.remote={self.url} is held by another run ({held.holder}) until {until} unless it renews "
-                    "its lease; one run writes under a prefix: wait for it to end, or use another prefix"
+                    f"ckpt.remote={self.url} is held by another run ({shown(held.holder)}) until {until} unless it "
+                    "renews its lease; one run writes under a prefix: wait for it to end, or use another prefix"
                 )
             if held is not None and self._replace_lease(held, version):  # expired: its run is gone
                 break
@@ -444,7 +602,7 @@ class RemoteTier:
         if not renewed:
             self._held = False  # this run stalled past its lease and another took the prefix: it writes no more
             self._evicted = True
-            holder = held.holder if held is not None else "another run"
+            holder = shown(held.holder) if held is not None else "another run"
             raise OutDirError(f"the lease was taken over by {holder}; this run uploads nothing more")
 
     # ------------------------------------------------------------------ hand-over and upload
@@ -638,16 +796,16 @@ class RemoteTier:
         if not self._warned:  # once per run: a store that is down would otherwise warn at every checkpoint
             self._warned = True
             warn_user(
-                f"ckpt.remote={self.url}: {text}; training goes on, and the next checkpoint supersedes a lost upload "
-                "(further remote failures are not warned about)"
+                f"ckpt.remote={self.url}: {shown(text)}; training goes on, and the next checkpoint supersedes a lost "
+                "upload (further remote failures are not warned about)"
             )
 
     # ------------------------------------------------------------------ what is on the remote
 
     def _folders(self) -> list[str]:
         self._fs.invalidate_cache(self._root)
-        try:
-            entries = self._fs.ls(self._root, detail=False)
+        try:  # a hung mount or connection must not hang the run: the listing is bounded in time as a read is
+            entries = _within_deadline(functools.partial(self._fs.ls, self._root, detail=False), f"listing {self.url}")
         except FileNotFoundError:
             return []
         return [
@@ -672,12 +830,11 @@ class RemoteTier:
             manifest = self._manifests.get(name)  # a commit record is written once: read once
             if manifest is None:
                 try:
-                    with self._fs.open(self._path(name, MANIFEST), "rb") as handle:
-                        manifest = parse_manifest(handle.read(MAX_MANIFEST_BYTES + 1))
+                    manifest = parse_manifest(self._read_object(self._path(name, MANIFEST), MAX_MANIFEST_BYTES))
                 except FileNotFoundError:
                     uncommitted.append(name)  # never read
                     continue
-                except CheckpointUnsafeError as exc:
+                except (CheckpointUnsafeError, UnreadableFile, TimeoutError) as exc:  # the rest are still used
                     self._refuse(name, str(exc))
                     continue
                 if manifest.step != folder_step(name):
@@ -690,7 +847,7 @@ class RemoteTier:
     def _refuse(self, name: str, why: str) -> None:
         if name not in self._refused:  # once per folder: retention lists the remote after every upload
             self._refused.add(name)
-            warn_user(f"ckpt.remote={self.url}: {name} is refused ({why})")
+            warn_user(f"ckpt.remote={self.url}: {name} is refused ({shown(why)})")
 
     def _remove_uncommitted(self) -> None:
         self.delete(self.uncommitted())
@@ -795,18 +952,24 @@ class RemoteTier:
     def _download_one(self, source: str, local: Path, item: RemoteObject, name: str) -> None:
         where = f"ckpt.remote={self.url}: {name}/{item.name}"
         try:
-            info = self._fs.info(source)
+            src, size = _within_deadline(lambda: _open_regular(self._fs, source), f"opening {where}")
         except FileNotFoundError:
             raise CheckpointCorruptError(f"{where} is listed in its manifest and missing") from None
-        if info.get("type") != "file" or info.get("islink"):
-            raise CheckpointUnsafeError(f"{where} is not a regular object ({info.get('type')})")
-        if info.get("size") != item.size:
-            raise CheckpointCorruptError(f"{where} is {info.get('size')} bytes, its manifest says {item.size}")
-        local.parent.mkdir(parents=True, exist_ok=True)
+        except UnreadableFile as exc:
+            raise CheckpointUnsafeError(f"{where} is not a regular object ({shown(exc.reason)})") from None
+        with src:
+            if size != item.size:
+                raise CheckpointCorruptError(f"{where} is {size} bytes, its manifest says {item.size}")
+            local.parent.mkdir(parents=True, exist_ok=True)
+            self._copy_verified(src, local, item, where)
+
+    def _copy_verified(self, src: BinaryIO, local: Path, item: RemoteObject, where: str) -> None:
+        """Copy an opened object into the new file ``local``, each read within :data:`READ_DEADLINE_S`, checking
+        its size and CRC-32 against ``item``."""
         crc, total = 0, 0
         fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        with self._fs.open(source, "rb") as src, os.fdopen(fd, "wb") as dst:
-            while chunk := src.read(min(CHUNK, item.size + 1 - total)):
+        with os.fdopen(fd, "wb") as dst:
+            while chunk := _within_deadline(functools.partial(src.read, min(CHUNK, item.size + 1 - total)), where):
                 total += len(chunk)
                 if total > item.size:
                     raise CheckpointCorruptError(f"{where} holds more than the {item.size} bytes of its manifest")
@@ -817,6 +980,7 @@ class RemoteTier:
         if total != item.size or crc != item.crc32:
             raise CheckpointCorruptError(f"{where} does not match its manifest (size {total}, CRC-32 {crc:#010x})")
 
+    @_guarded("looking for a newer checkpoint")
     def fetch_newer(self, local_step: int | None) -> bool:
         """Publish into ``out_dir`` the newest committed remote checkpoint newer than ``local_step`` that verifies:
         downloaded and checked against its manifest, each ``.pt`` file loaded by the safe reader, then moved in
@@ -824,6 +988,7 @@ class RemoteTier:
 
         :param local_step: The step of the local checkpoint ``resume=auto`` found (None: none).
         :returns: Whether one was published.
+        :raises OutDirError: When the store fails to list the prefix (one line, :func:`store_errors`).
         """
         for stale in self._out_dir.glob(f"{FETCH_PREFIX}*"):  # a download a kill interrupted
             shutil.rmtree(stale, ignore_errors=True)
@@ -840,7 +1005,7 @@ class RemoteTier:
             try:
                 folder = self.download(name, manifest)
             except (CheckpointCorruptError, CheckpointUnsafeError, OSError) as exc:
-                warn_user(f"{exc}; trying the previous committed remote checkpoint")
+                warn_user(f"{shown(exc)}; trying the previous committed remote checkpoint")
                 continue
             try:
                 for item in manifest.objects:

@@ -1,7 +1,8 @@
 """The remote tier's records: checkpoint names, the commit record (manifest) and the lease, as plain values.
 
 Pure: stdlib and attrs only. Everything read from a remote is hostile input, so every reader here checks what
-it is given (names, sizes, CRC-32 values, types) and refuses anything else with
+it is given (names, sizes, CRC-32 values, types, JSON nesting, and that every number fits its range: a step, a
+time or a score of 400 digits is refused, never met later as an ``OverflowError``) and refuses anything else with
 :class:`~trainkit.errors.CheckpointUnsafeError`. The shell (:mod:`trainkit.checkpoint.remote`) moves the bytes.
 
 A remote prefix holds one folder per uploaded checkpoint, named ``step-<step>-<token>`` (a fresh token per
@@ -13,14 +14,15 @@ object with its size and CRC-32.
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
 
+from trainkit.bookkeeping import is_finite_real
 from trainkit.errors import CheckpointUnsafeError
+from trainkit.files.bounded_read import load_json
 
 __all__ = [
     "MANIFEST",
@@ -37,6 +39,9 @@ __all__ = [
     "parse_manifest",
     "lease_bytes",
     "parse_lease",
+    "read_lease",
+    "UNREADABLE_LEASE",
+    "MAX_UNIX_TIME",
 ]
 
 MANIFEST = "commit.json"
@@ -49,6 +54,8 @@ MAX_OBJECT_BYTES = 1 << 40
 """No object a manifest lists may be larger than this (1 TiB)."""
 MAX_OBJECTS = 10_000
 """No manifest may list more objects than this."""
+MAX_UNIX_TIME = 253_402_300_799.0
+"""The latest time a record may name (9999-12-31 23:59:59 UTC): what the clock and ``time.gmtime`` take."""
 
 _FOLDER = re.compile(r"step-(0|[1-9][0-9]{0,17})-([0-9a-f]{8,64})")
 _NAME_PART = re.compile(r"(?!\.\.?$)[A-Za-z0-9_.][A-Za-z0-9_.-]{0,127}")  # DCP's ".metadata"; never "." or ".."
@@ -103,7 +110,7 @@ def check_name(name: Any) -> str:
 
 def _count(value: Any, what: str, top: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
-        raise CheckpointUnsafeError(f"remote manifest: {what} must be an int in [0, {top}], got {value!r}")
+        raise CheckpointUnsafeError(f"remote manifest: {what} must be an int in [0, {top}], got {_short(value)}")
     return value
 
 
@@ -137,14 +144,34 @@ def _description(value: Any) -> dict[str, Any]:
         raise CheckpointUnsafeError(
             f"remote manifest: description.scores must map names to numbers, got {scores!r:.80}"
         )
+    unfit = [key for key, score in scores.items() if not is_finite_real(score)]
+    if unfit:  # NaN is never written (it is left out), and an int of 400 digits fits no float
+        raise CheckpointUnsafeError(
+            f"remote manifest: description.scores[{unfit[0][:64]!r}] must be a finite number that fits a float, got "
+            f"{_short(scores[unfit[0]])}"
+        )
     seconds = value.get("time", 0.0)
-    if not isinstance(seconds, int | float) or isinstance(seconds, bool) or not math.isfinite(seconds):
-        raise CheckpointUnsafeError(f"remote manifest: description.time must be a number, got {seconds!r:.80}")
+    if not is_finite_real(seconds) or not 0 <= seconds <= MAX_UNIX_TIME:
+        raise CheckpointUnsafeError(
+            f"remote manifest: description.time must be a number of seconds in [0, {MAX_UNIX_TIME:.0f}], got "
+            f"{_short(seconds)}"
+        )
+    epoch_end = value.get("epoch_end", True)
+    if not isinstance(epoch_end, bool):
+        raise CheckpointUnsafeError(f"remote manifest: description.epoch_end must be a bool, got {_short(epoch_end)}")
     minimize = value.get("minimize")  # absent in records written before it was recorded: not known
     if minimize is not None and not isinstance(minimize, bool):
-        raise CheckpointUnsafeError(f"remote manifest: description.minimize must be a bool, got {minimize!r:.80}")
-    described = {"epoch_end": bool(value.get("epoch_end", True)), "time": float(seconds), "scores": dict(scores)}
+        raise CheckpointUnsafeError(f"remote manifest: description.minimize must be a bool, got {_short(minimize)}")
+    described = {"epoch_end": epoch_end, "time": float(seconds), "scores": {k: float(v) for k, v in scores.items()}}
     return described if minimize is None else {**described, "minimize": minimize}
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut short: an int of 400 digits is named by its size, not printed whole."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an int of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
 @attrs.frozen(kw_only=True)
@@ -197,8 +224,8 @@ def parse_manifest(data: bytes) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         raise CheckpointUnsafeError(f"remote manifest is {len(data)} bytes, more than {MAX_MANIFEST_BYTES}")
     try:
-        raw = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raw = load_json(data.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError too
         raise CheckpointUnsafeError(f"remote manifest is not JSON ({exc})") from None
     objects = raw.get("objects") if isinstance(raw, dict) else None
     if (
@@ -247,19 +274,50 @@ def lease_bytes(lease: Lease) -> bytes:
     return json.dumps({"holder": lease.holder, "expires": lease.expires}).encode()
 
 
-def parse_lease(data: bytes) -> Lease:
-    """A lease read from a remote; a malformed one counts as expired at once (its writer cannot be told apart from
-    a torn write, and refusing forever would lock the prefix for good).
+UNREADABLE_LEASE = Lease(holder="(unreadable)", expires=0.0)
+"""What a malformed lease counts as: expired at once (its writer cannot be told apart from a torn write, and
+refusing forever would lock the prefix for good)."""
 
-    >>> parse_lease(b"garbage").expires
-    0.0
+
+def read_lease(data: bytes) -> Lease:
+    """A lease read from a remote, checked: bounded size and nesting, a holder, and an expiry time that is a finite
+    number in ``[0, MAX_UNIX_TIME]`` (``1e300`` or an int of 400 digits would overflow the clock's arithmetic).
+
+    >>> read_lease(b'{"holder": "h", "expires": 1e300}')  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    trainkit.errors.CheckpointUnsafeError: remote lease: expires must be a number of seconds in [0, ...], got 1e+300
+
+    :param data: The object's bytes.
+    :returns: The lease.
+    :raises CheckpointUnsafeError: On anything else, naming what is wrong.
+    """
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointUnsafeError(f"remote lease is {len(data)} bytes, more than {MAX_MANIFEST_BYTES}")
+    try:
+        raw = load_json(data.decode("utf-8"))
+    except ValueError as exc:
+        raise CheckpointUnsafeError(f"remote lease is not JSON ({exc})") from None
+    if not isinstance(raw, dict) or "holder" not in raw or "expires" not in raw:
+        raise CheckpointUnsafeError("remote lease must be a mapping with a holder and an expiry time")
+    expires = raw["expires"]
+    if not is_finite_real(expires) or not 0 <= expires <= MAX_UNIX_TIME:
+        raise CheckpointUnsafeError(
+            f"remote lease: expires must be a number of seconds in [0, {MAX_UNIX_TIME:.0f}], got {_short(expires)}"
+        )
+    return Lease(holder=str(raw["holder"])[:256], expires=float(expires))
+
+
+def parse_lease(data: bytes) -> Lease:
+    """A lease read from a remote (:func:`read_lease`); a malformed one is :data:`UNREADABLE_LEASE`, expired.
+
+    >>> parse_lease(b"garbage").expires, parse_lease(b'{"holder": "h", "expires": 10e400}').expires
+    (0.0, 0.0)
     """
     try:
-        raw = json.loads(data[:MAX_MANIFEST_BYTES].decode("utf-8"))
-        holder, expires = str(raw["holder"])[:256], float(raw["expires"])
-    except (UnicodeDecodeError, ValueError, TypeError, KeyError, RecursionError):
-        return Lease(holder="(unreadable)", expires=0.0)
-    return Lease(holder=holder, expires=expires if math.isfinite(expires) else 0.0)
+        return read_lease(data)
+    except CheckpointUnsafeError:
+        return UNREADABLE_LEASE
 
 
 def newest_first(manifests: Iterable[tuple[str, Manifest]]) -> list[tuple[str, Manifest]]:

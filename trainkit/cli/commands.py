@@ -28,12 +28,14 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> list[str]:
+    from trainkit.checkpoint.remote import store_errors
     from trainkit.cli.inspect import describe_checkpoint
     from trainkit.cli.remote import describe_remote, is_remote
     from trainkit.cli.retain import describe_run_folder, is_run_folder
 
     if is_remote(args.checkpoint):
-        return describe_remote(args.checkpoint, all_tensors=args.all)
+        with store_errors(args.checkpoint, "reading the prefix"):
+            return describe_remote(args.checkpoint, all_tensors=args.all)
     if is_run_folder(Path(args.checkpoint)):
         return describe_run_folder(args.checkpoint)
     return describe_checkpoint(args.checkpoint, all_tensors=args.all)
@@ -50,11 +52,13 @@ def _export(args: argparse.Namespace) -> list[str]:
 
 
 def _retain(args: argparse.Namespace) -> list[str]:
+    from trainkit.checkpoint.remote import store_errors
     from trainkit.cli.remote import is_remote, retain_remote
     from trainkit.cli.retain import retain_run
 
     if is_remote(args.out_dir):
-        return retain_remote(args.out_dir, args.keep, dry_run=args.dry_run)
+        with store_errors(args.out_dir, "applying retention"):
+            return retain_remote(args.out_dir, args.keep, dry_run=args.dry_run)
     return retain_run(args.out_dir, args.keep, dry_run=args.dry_run)
 
 
@@ -75,7 +79,7 @@ def _certify(args: argparse.Namespace) -> int:
 
 _COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], list[str] | int], tuple[type[Exception], ...]]] = {
     "report": (_report, (ConfigError, FileNotFoundError, CheckpointError)),
-    "inspect": (_inspect, (CheckpointError, UsageError)),
+    "inspect": (_inspect, (CheckpointError, OutDirError, UsageError)),
     "export": (_export, (CheckpointError, ConfigError, ImportError, FileExistsError)),
     "retain": (_retain, (ConfigError, OutDirError, UsageError)),
     "replay": (_replay, (ConfigError, ValueError, FileNotFoundError)),

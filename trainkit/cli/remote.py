@@ -3,6 +3,10 @@
 Side effects: reads the prefix (``ckpt.remote``'s store, through fsspec); ``inspect`` of one checkpoint folder
 downloads and verifies it into a temporary folder (removed after); ``retain`` without ``--dry-run`` deletes the
 folders its rules do not keep, holding the prefix's lease meanwhile (it refuses a prefix a live run holds).
+
+Everything shown that came from the store (a lease's holder, a commit record's run id and version, what the
+downloaded checkpoint holds) is escaped (:func:`~trainkit.messages.printable`): a planted value can neither
+drive the terminal nor forge a line.
 """
 
 from __future__ import annotations
@@ -11,10 +15,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainkit.checkpoint.remote import LAST, RemoteTier, open_store
+from trainkit.checkpoint.remote import LAST, RemoteTier, open_store, shown
 from trainkit.checkpoint.remote_manifest import folder_step
 from trainkit.cli.inspect import describe_checkpoint, format_bytes
 from trainkit.config import redact_text
+from trainkit.messages import printable
 
 __all__ = ["is_remote", "describe_remote", "retain_remote"]
 
@@ -45,33 +50,34 @@ def describe_remote(url: str, *, all_tensors: bool = False) -> list[str]:
     """
     from trainkit.errors import CheckpointCorruptError
 
-    shown = redact_text(url)
+    where = shown(url)
     head, _, last = url.rstrip("/").rpartition("/")
     if folder_step(last) is not None:
         with tempfile.TemporaryDirectory(prefix="trainkit-inspect-") as scratch:
             tier = _tier(head, Path(scratch))
             found = dict(tier.committed())
             if last not in found:
-                raise CheckpointCorruptError(f"{shown} is not a committed remote checkpoint (no valid commit record)")
+                raise CheckpointCorruptError(f"{where} is not a committed remote checkpoint (no valid commit record)")
             folder = tier.download(last, found[last])
             lines = describe_checkpoint(folder / LAST, all_tensors=all_tensors)
-            return [f"remote:       {shown} (verified: sizes and CRC-32 of its commit record)", *lines[1:]]
+            described = [printable(line, limit=4096) for line in lines[1:]]  # what the store's checkpoint holds
+            return [f"remote:       {where} (verified: sizes and CRC-32 of its commit record)", *described]
     tier = _tier(url, Path(tempfile.gettempdir()))
-    lines = [f"{shown}: a remote checkpoint prefix"]
+    lines = [f"{where}: a remote checkpoint prefix"]
     lease = tier.lease()
     if lease is None:
         lines.append("lease:        none (no run writes here)")
     else:
         state = "expired" if lease.expired(time.time()) else "held"
         until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(lease.expires))
-        lines.append(f"lease:        {state} by {lease.holder} until {until}")
+        lines.append(f"lease:        {state} by {printable(lease.holder)} until {until}")
     committed = tier.committed()
     for name, manifest in committed:
         size = format_bytes(sum(o.size for o in manifest.objects))
         names = ", ".join(o.name for o in manifest.objects)
         lines.append(
-            f"  {name}: step {manifest.step}, epoch {manifest.epoch}, {size} ({names}), W&B run {manifest.run_id}, "
-            f"trainkit {manifest.version}"
+            f"  {name}: step {manifest.step}, epoch {manifest.epoch}, {size} ({names}), "
+            f"W&B run {printable(manifest.run_id)}, trainkit {printable(manifest.version)}"
         )
     uncommitted = tier.uncommitted()
     if uncommitted:

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from trainkit.bookkeeping import is_int, is_real, parse_keep
-from trainkit.config.secrets import field_types, is_secret_name, redact_text
+from trainkit.config.secrets import field_types, has_url_userinfo, is_secret_name, redact_text
 from trainkit.errors import BookkeepingError, ConfigError
 
 __all__ = []
@@ -36,6 +36,10 @@ def range_rule(check: typing.Callable[[Any], bool], text: str) -> typing.Callabl
 
 def at_least(minimum: float) -> typing.Callable[[Any, attrs.Attribute, Any], None]:
     return range_rule(lambda v: v >= minimum, f"must be >= {minimum}")
+
+
+def within(low: float, high: float) -> typing.Callable[[Any, attrs.Attribute, Any], None]:
+    return range_rule(lambda v: low <= v <= high, f"must be in [{low:g}, {high:g}]")
 
 
 def positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -138,7 +142,17 @@ def keep_rules(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 _URL_SCHEME = re.compile(r"[a-z][a-z0-9+.-]*://", re.IGNORECASE)
 
 
+REMOTE_USERINFO_RULE = (
+    "must not hold credentials before the host (user:password@ or token@); they would be saved in every "
+    "checkpoint and shown in messages: give them the store's own way (its environment variables, its config files, "
+    "an instance role), as its own tools read them"
+)
+"""Why a ``ckpt.remote`` URL with userinfo is refused (the URL is not repeated: it holds the secret)."""
+
+
 def remote_url(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, str) and has_url_userinfo(value):
+        raise ConfigError(attribute.name, REMOTE_USERINFO_RULE, show_value=False)
     if isinstance(value, str) and (not _URL_SCHEME.match(value) or not value.split("://", 1)[1].strip("/")):
         shown = redact_text(value)
         raise ConfigError(

@@ -42,6 +42,7 @@ from trainkit.config.rules import (
     type_name,
     wandb_project,
     wandb_tags,
+    within,
 )
 from trainkit.config.secrets import field_types, hide_if_secret, is_secret_key, strip_secrets
 from trainkit.errors import ConfigError
@@ -237,6 +238,14 @@ class TestConfig(Section):
     enable: bool = False
 
 
+MAX_REMOTE_WAIT_S = 86_400.0
+"""``ckpt.remote_wait_s`` at most: a day (a longer wait is a hung run; the clock and ``Condition.wait`` take it)."""
+MIN_REMOTE_LEASE_S = 0.1
+"""``ckpt.remote_lease_s`` at least: renewed every third of it, a shorter lease is a request storm on the store."""
+MAX_REMOTE_LEASE_S = 86_400.0
+"""``ckpt.remote_lease_s`` at most: a day (a killed run's lease blocks its prefix this long)."""
+
+
 @attrs.frozen(kw_only=True)
 class CkptConfig(Section):
     """``ckpt.*``: checkpoint writing and resuming.
@@ -262,8 +271,9 @@ class CkptConfig(Section):
     Empty (the default) keeps only ``last``/``best`` and their ``.prev`` copies.
     ``remote`` is an fsspec URL (``s3://bucket/prefix``, ``gs://...``, ``file:///...``) every published checkpoint
     is copied to in the background, and that ``resume="auto"`` also looks in; ``remote_options`` are extra
-    options for its filesystem (never credentials), ``remote_wait_s`` bounds the wait for the last upload at the
-    run's end, ``remote_lease_s`` is how long the run's claim on the prefix lasts unless renewed.
+    options for its filesystem (never credentials, nor credentials in the URL), ``remote_wait_s`` (at most a day)
+    bounds the wait for the last upload at the run's end, ``remote_lease_s`` (0.1 s to a day) is how long the run's
+    claim on the prefix lasts unless renewed.
     See :mod:`trainkit.checkpoint.remote`.
     """
 
@@ -276,8 +286,8 @@ class CkptConfig(Section):
     keep: tuple[str, ...] = attrs.field(default=(), converter=keep_items, validator=keep_rules)
     remote: str | None = attrs.field(default=None, validator=optional_rule(remote_url))
     remote_options: Any = attrs.field(factory=dict, validator=remote_options)
-    remote_wait_s: float = attrs.field(default=300.0, validator=at_least(0))
-    remote_lease_s: float = attrs.field(default=60.0, validator=positive)
+    remote_wait_s: float = attrs.field(default=300.0, validator=within(0, MAX_REMOTE_WAIT_S))
+    remote_lease_s: float = attrs.field(default=60.0, validator=within(MIN_REMOTE_LEASE_S, MAX_REMOTE_LEASE_S))
 
 
 @attrs.frozen(kw_only=True)

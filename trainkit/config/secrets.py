@@ -22,6 +22,7 @@ __all__ = [
     "secret_field",
     "is_secret_key",
     "redact_text",
+    "has_url_userinfo",
     "strip_secrets",
     "render_value",
     "redact_argv",
@@ -259,6 +260,23 @@ def redact_text(text: str) -> str:
     if "=" in text:
         text = _PAIR.sub(_mask_pair, text)
     return text
+
+
+def has_url_userinfo(url: str) -> bool:
+    """Say whether a URL carries credentials before its host (``scheme://user:password@host``, ``scheme://token@``).
+
+    Pure. The same rule :func:`redact_text` masks by, applied to the start of the URL: whatever
+    :func:`redact_text` would mask there, this calls userinfo (a password may hold ``/``, as secret keys do).
+
+    :param url: A URL.
+    :returns: Whether it has userinfo.
+
+    >>> has_url_userinfo("s3://KEY:SECRET@bucket/runs"), has_url_userinfo("s3://bucket/runs/a@b")
+    (True, False)
+    >>> has_url_userinfo("s3://KEY:se/cret@bucket/runs"), has_url_userinfo("file:///home/me@site/runs")
+    (True, False)
+    """
+    return _URL_USERINFO.match(url) is not None
 
 
 def strip_secrets(data: Any, config: Any = None) -> Any:
