@@ -66,6 +66,7 @@ from trainkit.checkpoint.remote_manifest import (
     lease_bytes,
     manifest_bytes,
     newest_first,
+    parse_lease,
     parse_manifest,
     read_lease,
 )
