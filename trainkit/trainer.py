@@ -35,7 +35,7 @@ from trainkit.loop.batches import TrackedBatches
 from trainkit.loop.guard import DivergenceGuard
 from trainkit.loop.metrics import TrainerMetrics
 from trainkit.loop.position import EpochTracker
-from trainkit.loop.progress import EpochBar, step_bar
+from trainkit.loop.progress import EpochBar, StepBar, step_bar
 from trainkit.loop.rollback import Rollback, rolled_back
 from trainkit.loop.signals import StopSignals
 from trainkit.loop.snapshot import WeightSnapshot, modes_kept, weights_swapped_in
@@ -113,9 +113,15 @@ def _parts(
     ckpt, timeout_s, guard = cfg.ckpt, cfg.dist.timeout_s, cfg.guard
     signals = StopSignals(["SIGTERM", "SIGINT", *([ckpt.requeue_signal] if ckpt.requeue_signal else [])])
     position = EpochTracker(
-        every_n_steps=ckpt.every_n_steps, enabled=ckpt.enable, world_size=world_size, timeout_s=timeout_s,
-        left_out=skip_batches(guard), count_always=guard.nonfinite == "rollback",  # a rollback names batches
-        max_steps=cfg.max_steps, val_every_n_steps=cfg.val.every_n_steps, log_every_n_steps=cfg.log_every_n_steps,
+        every_n_steps=ckpt.every_n_steps,
+        enabled=ckpt.enable,
+        world_size=world_size,
+        timeout_s=timeout_s,
+        left_out=skip_batches(guard),
+        count_always=guard.nonfinite == "rollback",  # a rollback names batches
+        max_steps=cfg.max_steps,
+        val_every_n_steps=cfg.val.every_n_steps,
+        log_every_n_steps=cfg.log_every_n_steps,
     )
     checkpointer = Checkpointer(
         Path(cfg.out_dir),
@@ -198,8 +204,8 @@ def _agree_on_stop(stop: bool, signalled: bool, *, epoch: int, rank: int) -> tup
 
 
 def _summary(records: _Records, best_metrics: Mapping[str, float], latest: Mapping[str, float]) -> dict[str, Any]:
-    """The run summary: epochs (completed) and optimizer steps run, why it stopped, the best metrics and epoch, the
-    test metrics."""
+    """The run summary: epochs (completed) and optimizer steps run, why it stopped, the best metrics, epoch and step,
+    the test metrics."""
     summary: dict[str, Any] = {
         "epochs_run": records.loop.epoch,
         "steps_run": records.loop.step,
@@ -209,8 +215,32 @@ def _summary(records: _Records, best_metrics: Mapping[str, float], latest: Mappi
     }
     if records.best is not None and records.best.score is not None:
         summary["best/epoch"] = records.best.epoch
+        if records.best.step is not None:
+            summary["best/step"] = records.best.step
         summary["best/score"] = records.best.score
     return summary
+
+
+def _final_line(summary: Mapping[str, Any], cfg: Config, loop: core.LoopState) -> str:
+    """The summary as rank 0 prints it, in the run's own unit: a run measured in steps (``max_steps`` without
+    ``epochs``) leads with ``steps_run`` and says inside which epoch it stopped; the stop reason says the step or
+    epoch it acted at (``stop_reason=max_steps (step 150)``)."""
+    in_steps = cfg.epochs is None
+    values = dict(summary)
+    if loop.stop_reason == core.STOP_MAX_STEPS or (in_steps and loop.stop_reason is not None):
+        values["stop_reason"] = f"{loop.stop_reason} (step {loop.step})"
+    elif loop.stop_reason is not None:
+        values["stop_reason"] = f"{loop.stop_reason} (epoch {loop.current_epoch})"
+    if in_steps:
+        inside = f" (stopped inside epoch {loop.current_epoch})" if loop.in_epoch else ""
+        values = {"steps_run": values.pop("steps_run"), "epochs_run": f"{values.pop('epochs_run')}{inside}", **values}
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
+
+
+def _bar_losses(latest: Mapping[str, float]) -> dict[str, float]:
+    """What the step bar shows beside the count: the latest pushed training losses, ``train/loss`` as ``loss``."""
+    losses = (key for key in latest if key.startswith("train/") and "loss" in key)
+    return {key.removeprefix("train/"): latest[key] for key in losses}
 
 
 def _budget(cfg: Config) -> str:
@@ -329,6 +359,7 @@ class BaseTrainer(abc.ABC):
         self._registry = core.CkptRegistry()
         self._results: dict[str, float] | None = None
         self._validating: bool | None = None  # None outside val_epoch(); True once step_patience() ran in it
+        self._step_bar: StepBar | None = None  # a run with max_steps, while train() runs its epochs
         self._failed = False
         self._run_log = RunLog()
         dist = self.cfg.dist
@@ -472,8 +503,14 @@ class BaseTrainer(abc.ABC):
             self._checkpointer.release_folder()  # after the last write: the next run on this folder may start
 
     def _run_epochs(self) -> None:
-        loop = self._records.loop
-        bar = EpochBar(total=self.cfg.epochs, initial=loop.epoch, enabled=self._bars_enabled)
+        loop, cfg = self._records.loop, self.cfg
+        # a run measured in steps alone has no epoch total to show: its step bar reports
+        bar = EpochBar(total=cfg.epochs, initial=loop.epoch, enabled=self._bars_enabled and cfg.epochs is not None)
+        if cfg.max_steps is not None:
+            self._step_bar = StepBar(
+                total=cfg.max_steps, initial=loop.step, enabled=self._bars_enabled,
+                plain_interval_s=cfg.progress.plain_interval_s,
+            )  # fmt: skip
         try:
             if loop.finished and not loop.last_validated:  # the budget lowered below where a resumed run stood
                 self.epoch = loop.current_epoch
@@ -487,6 +524,9 @@ class BaseTrainer(abc.ABC):
                 more = self._run_epoch(bar, rollback)
         finally:
             bar.close()
+            if self._step_bar is not None:
+                self._step_bar.close()
+                self._step_bar = None
 
     def _run_epoch(self, bar: EpochBar, rollback: Rollback | None) -> bool:
         """One epoch: train, validate on schedule, agree on stopping, push, save; act on a signal."""
@@ -616,8 +656,7 @@ class BaseTrainer(abc.ABC):
         summary = _summary(self._records, self.best_metrics, self._metrics.latest)
         self._run_log.summary(summary)
         if self.is_main:
-            parts = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()]
-            say(", ".join(parts), stream=sys.stdout)
+            say(_final_line(summary, self.cfg, self._records.loop), stream=sys.stdout)
 
     def add_checkpoint_items(self, **kwargs: Any) -> None:
         """Add items to the checkpoint dictionary, saved and restored by state_dict.
@@ -732,7 +771,9 @@ class BaseTrainer(abc.ABC):
         """
         if self._records.best is None:
             self.reset_best_tracking()
-        state, improved = core.save_if_best(self._records.best, score, epoch=self.epoch, metrics=metrics)
+        state, improved = core.save_if_best(
+            self._records.best, score, epoch=self.epoch, metrics=metrics, step=self.step
+        )
         if improved:
             model = dist_utils.unwrap(self.model)
             if model is None:
@@ -959,7 +1000,9 @@ class BaseTrainer(abc.ABC):
     def progress(self, iterable: Iterable[T], desc: str | None = None, total: int | None = None) -> Iterable[T]:
         """Iterate with a per-step progress bar: ``for x, y in self.progress(loader)``.
 
-        The bar shows on rank 0 (``progress.enable``, stderr a terminal). With ``ckpt.every_n_steps`` the
+        The bar shows on rank 0 (``progress.enable``, stderr a terminal). With ``max_steps`` a training loop moves
+        the run's step bar instead (optimizer steps out of ``max_steps``, its ETA and the latest ``train/*loss*``;
+        plain lines when stderr is not a terminal). With ``ckpt.every_n_steps`` the
         ``DataLoader`` iterated here is counted: step checkpoints and signals act at step boundaries, and a
         resumed epoch skips its trained batches at the index level (docs: "Step checkpoints").
 
@@ -971,10 +1014,13 @@ class BaseTrainer(abc.ABC):
         :raises CheckpointMismatchError: When a resumed epoch's loader differs or cannot be skipped into.
         """
         start_persistent_workers(iterable)
+        steps = self._step_bar if self._validating is None else None  # a validation loop gets a bar of its own
         self._position.check_loader(iterable, epoch=self.epoch, registered=lambda: _generators(self._registry))
         tracked = self._position.track(iterable, self._at_step_boundary)
         shown, initial = (self._position.epoch_tagged(iterable), 0) if tracked is None else (tracked, tracked.skip)
         shown = shown if self._metrics.throughput is None else CountedBatches(shown, self._metrics.throughput)
+        if steps is not None:
+            return steps.follow(shown, lambda: self.step, lambda: _bar_losses(self._metrics.latest))
         return step_bar(
             shown, desc=desc or f"epoch {self.epoch}", total=total, enabled=self._bars_enabled, initial=initial
         )
