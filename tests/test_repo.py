@@ -72,10 +72,8 @@ def test_the_trainer_class_stays_thin():
     attributes = {
         node.attr
         for node in ast.walk(init)
-        if isinstance(node, ast.Attribute)
-        and isinstance(node.ctx, ast.Store)
-        and isinstance(node.value, ast.Name)
-        and node.value.id == "self"
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+        and isinstance(node.value, ast.Name) and node.value.id == "self"
     }
     assert len(attributes) <= 20, sorted(attributes)
     reads_format = [node.lineno for node in ast.walk(cls) if isinstance(node, ast.Attribute) and node.attr == "format"]

@@ -113,15 +113,9 @@ def _parts(
     ckpt, timeout_s, guard = cfg.ckpt, cfg.dist.timeout_s, cfg.guard
     signals = StopSignals(["SIGTERM", "SIGINT", *([ckpt.requeue_signal] if ckpt.requeue_signal else [])])
     position = EpochTracker(
-        every_n_steps=ckpt.every_n_steps,
-        enabled=ckpt.enable,
-        world_size=world_size,
-        timeout_s=timeout_s,
-        left_out=skip_batches(guard),
-        count_always=guard.nonfinite == "rollback",  # a rollback names batches
-        max_steps=cfg.max_steps,
-        val_every_n_steps=cfg.val.every_n_steps,
-        log_every_n_steps=cfg.log_every_n_steps,
+        every_n_steps=ckpt.every_n_steps, enabled=ckpt.enable, world_size=world_size, timeout_s=timeout_s,
+        left_out=skip_batches(guard), count_always=guard.nonfinite == "rollback",  # a rollback names batches
+        max_steps=cfg.max_steps, val_every_n_steps=cfg.val.every_n_steps, log_every_n_steps=cfg.log_every_n_steps,
     )
     checkpointer = Checkpointer(
         Path(cfg.out_dir),
@@ -237,10 +231,21 @@ def _final_line(summary: Mapping[str, Any], cfg: Config, loop: core.LoopState) -
     return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
 
 
-def _bar_losses(latest: Mapping[str, float]) -> dict[str, float]:
-    """What the step bar shows beside the count: the latest pushed training losses, ``train/loss`` as ``loss``."""
-    losses = (key for key in latest if key.startswith("train/") and "loss" in key)
-    return {key.removeprefix("train/"): latest[key] for key in losses}
+def _bars(cfg: Config, loop: core.LoopState, enabled: bool) -> tuple[EpochBar, StepBar | None]:
+    """The run's bars: over epochs (not drawn for a run measured in steps alone: it has no epoch total), and over
+    optimizer steps for a run with ``max_steps``."""
+    epochs = EpochBar(total=cfg.epochs, initial=loop.epoch, enabled=enabled and cfg.epochs is not None)
+    if cfg.max_steps is None:
+        return epochs, None
+    interval = cfg.progress.plain_interval_s
+    return epochs, StepBar(total=cfg.max_steps, initial=loop.step, enabled=enabled, plain_interval_s=interval)
+
+
+def _closed(epochs: EpochBar, steps: StepBar | None) -> None:
+    """Close the run's bars; None, the step bar a trainer holds once they are closed."""
+    epochs.close()
+    if steps is not None:
+        steps.close()
 
 
 def _budget(cfg: Config) -> str:
@@ -503,14 +508,7 @@ class BaseTrainer(abc.ABC):
             self._checkpointer.release_folder()  # after the last write: the next run on this folder may start
 
     def _run_epochs(self) -> None:
-        loop, cfg = self._records.loop, self.cfg
-        # a run measured in steps alone has no epoch total to show: its step bar reports
-        bar = EpochBar(total=cfg.epochs, initial=loop.epoch, enabled=self._bars_enabled and cfg.epochs is not None)
-        if cfg.max_steps is not None:
-            self._step_bar = StepBar(
-                total=cfg.max_steps, initial=loop.step, enabled=self._bars_enabled,
-                plain_interval_s=cfg.progress.plain_interval_s,
-            )  # fmt: skip
+        bar, self._step_bar = _bars(self.cfg, loop := self._records.loop, self._bars_enabled)
         try:
             if loop.finished and not loop.last_validated:  # the budget lowered below where a resumed run stood
                 self.epoch = loop.current_epoch
@@ -523,10 +521,7 @@ class BaseTrainer(abc.ABC):
             while more:
                 more = self._run_epoch(bar, rollback)
         finally:
-            bar.close()
-            if self._step_bar is not None:
-                self._step_bar.close()
-                self._step_bar = None
+            self._step_bar = _closed(bar, self._step_bar)
 
     def _run_epoch(self, bar: EpochBar, rollback: Rollback | None) -> bool:
         """One epoch: train, validate on schedule, agree on stopping, push, save; act on a signal."""
@@ -771,16 +766,14 @@ class BaseTrainer(abc.ABC):
         """
         if self._records.best is None:
             self.reset_best_tracking()
-        state, improved = core.save_if_best(
-            self._records.best, score, epoch=self.epoch, metrics=metrics, step=self.step
-        )
+        best, improved = core.save_if_best(self._records.best, score, epoch=self.epoch, metrics=metrics, step=self.step)
         if improved:
             model = dist_utils.unwrap(self.model)
             if model is None:
                 raise UsageError("save_if_best() snapshots self.model, which is not set; assign it in setup()")
             self._best.take(module_state(model))  # written (best.pt) at the end of the epoch, before last.pt
-        self._records = self._records._replace(best=state)  # after the snapshot: a failed one leaves the record
-        self._checkpointer.scored(score, step=self.step, improved=improved, minimize=state.minimize)
+        self._records = self._records._replace(best=best)  # after the snapshot: a failed one leaves the record
+        self._checkpointer.scored(score, step=self.step, improved=improved, minimize=best.minimize)
         return improved
 
     def step_patience(self, improved: bool) -> bool:
@@ -1000,11 +993,9 @@ class BaseTrainer(abc.ABC):
     def progress(self, iterable: Iterable[T], desc: str | None = None, total: int | None = None) -> Iterable[T]:
         """Iterate with a per-step progress bar: ``for x, y in self.progress(loader)``.
 
-        The bar shows on rank 0 (``progress.enable``, stderr a terminal). With ``max_steps`` a training loop moves
-        the run's step bar instead (optimizer steps out of ``max_steps``, its ETA and the latest ``train/*loss*``;
-        plain lines when stderr is not a terminal). With ``ckpt.every_n_steps`` the
-        ``DataLoader`` iterated here is counted: step checkpoints and signals act at step boundaries, and a
-        resumed epoch skips its trained batches at the index level (docs: "Step checkpoints").
+        The bar shows on rank 0 (``progress.enable``, stderr a terminal; ``max_steps``: the run's step bar). With
+        ``ckpt.every_n_steps`` the ``DataLoader`` iterated here is counted: step checkpoints and signals act at step
+        boundaries, and a resumed epoch skips its trained batches at the index level (docs: "Step checkpoints").
 
         :param iterable: The batches.
         :param desc: The bar's label; defaults to the current epoch.
@@ -1014,14 +1005,12 @@ class BaseTrainer(abc.ABC):
         :raises CheckpointMismatchError: When a resumed epoch's loader differs or cannot be skipped into.
         """
         start_persistent_workers(iterable)
-        steps = self._step_bar if self._validating is None else None  # a validation loop gets a bar of its own
         self._position.check_loader(iterable, epoch=self.epoch, registered=lambda: _generators(self._registry))
         tracked = self._position.track(iterable, self._at_step_boundary)
         shown, initial = (self._position.epoch_tagged(iterable), 0) if tracked is None else (tracked, tracked.skip)
         shown = shown if self._metrics.throughput is None else CountedBatches(shown, self._metrics.throughput)
-        if steps is not None:
-            return steps.follow(shown, lambda: self.step, lambda: _bar_losses(self._metrics.latest))
-        return step_bar(
+        steps = self._step_bar if self._validating is None else None  # a validation loop gets a bar of its own
+        return steps.follow(shown, lambda: self.step, self._metrics.latest) if steps is not None else step_bar(
             shown, desc=desc or f"epoch {self.epoch}", total=total, enabled=self._bars_enabled, initial=initial
         )
 

@@ -135,15 +135,16 @@ class StepBar:
         if self._plain and self._clock() - self._printed_at >= self._interval:
             self._print_line()
 
-    def follow(self, iterable: Iterable[T], step: Callable[[], int], metrics: Callable[[], Mapping[str, float]]) -> Any:
+    def follow(self, iterable: Iterable[T], step: Callable[[], int], latest: Mapping[str, float]) -> Any:
         """Wrap a training loop's batches so that fetching each one moves the bar to the steps taken so far.
 
         :param iterable: The batches (``len()`` and attributes read through).
         :param step: The optimizer steps taken so far.
-        :param metrics: What :meth:`advance` shows.
+        :param latest: The latest pushed metrics, read at each move: its ``train/*loss*`` are shown (``train/loss``
+            as ``loss``).
         :returns: An iterable over the same items.
         """
-        return _Following(iterable, lambda: self.advance(step(), metrics()))
+        return _Following(iterable, lambda: self.advance(step(), _losses(latest)))
 
     def line(self) -> str:
         """The plain line for where the bar stands: ``step 50/150 (33%), 2.1 steps/s, ETA 0:00:47, loss=2.31``.
@@ -172,6 +173,11 @@ class StepBar:
         if self._plain and self._n != self._printed_n:
             self._print_line()
         self._plain = False
+
+
+def _losses(latest: Mapping[str, float]) -> dict[str, float]:
+    losses = (key for key in latest if key.startswith("train/") and "loss" in key)
+    return {key.removeprefix("train/"): latest[key] for key in losses}
 
 
 class _Following:
