@@ -100,3 +100,58 @@ def test_the_test_folders_mirror_the_package():
     assert folders and all((folder / "__init__.py").is_file() for folder in folders)
     assert sorted(folder.name for folder in folders if folder.name not in subpackages) == []
     assert not list((ROOT / "tests" / "helpers").glob("test_*.py"))  # the helpers hold no test file
+
+
+def readme_config_table() -> dict[str, str]:
+    """README's config table as dotted key to the default as written (``a / b`` rows split into their keys)."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| key | default | meaning |") :].split("\n\n", 1)[0]
+    rows: dict[str, str] = {}
+    for line in table.splitlines()[2:]:
+        cells = [cell.strip() for cell in line.strip("|").split(" | ")]
+        keys = [key.strip("` ") for key in cells[0].split(" / ")]
+        defaults = [value.strip("` ") for value in cells[1].split(" / ")]
+        section = keys[0].rsplit(".", 1)[0] + "." if "." in keys[0] else ""
+        keys = [key if "." in key or not section else section + key for key in keys]
+        assert len(keys) == len(defaults), f"README config row {line!r}: {len(keys)} keys, {len(defaults)} defaults"
+        rows.update(zip(keys, defaults, strict=True))
+    return rows
+
+
+def schema_default(key: str) -> object:
+    """The default of a dotted config key, as the schema declares it."""
+    import attrs
+
+    from trainkit import Config
+    from trainkit.config.secrets import field_types
+
+    cls: type = Config
+    *sections, name = key.split(".")
+    for section in sections:
+        cls = field_types(cls)[section]
+    default = attrs.fields_dict(cls)[name].default
+    return default.factory() if isinstance(default, attrs.Factory) else default  # type: ignore[misc]
+
+
+def test_readme_config_table_lists_every_key_with_its_true_default():
+    """Every key of the engine's config appears in README's table, with the default the schema gives it (an empty
+    list and an empty tuple read alike), and the table names no key the schema does not have."""
+    import ast
+
+    from trainkit import Config
+    from trainkit.config.overrides import all_keys
+
+    table = readme_config_table()
+    keys = set(all_keys(Config))
+    assert sorted(keys - set(table)) == [], "config keys missing from README's table"
+    assert sorted(set(table) - keys) == [], "README's table names keys the schema does not have"
+
+    def plain(value: object) -> object:
+        return tuple(value) if isinstance(value, list | tuple) else value
+
+    wrong = {
+        key: (written, schema_default(key))
+        for key, written in table.items()
+        if plain(ast.literal_eval(written)) != plain(schema_default(key))
+    }
+    assert wrong == {}, "README default (as written) differs from the schema's"

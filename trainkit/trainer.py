@@ -35,7 +35,7 @@ from trainkit.loop.batches import TrackedBatches
 from trainkit.loop.guard import DivergenceGuard
 from trainkit.loop.metrics import TrainerMetrics
 from trainkit.loop.position import EpochTracker
-from trainkit.loop.progress import EpochBar, step_bar
+from trainkit.loop.progress import EpochBar, StepBar, step_bar
 from trainkit.loop.rollback import Rollback, rolled_back
 from trainkit.loop.signals import StopSignals
 from trainkit.loop.snapshot import WeightSnapshot, modes_kept, weights_swapped_in
@@ -198,8 +198,8 @@ def _agree_on_stop(stop: bool, signalled: bool, *, epoch: int, rank: int) -> tup
 
 
 def _summary(records: _Records, best_metrics: Mapping[str, float], latest: Mapping[str, float]) -> dict[str, Any]:
-    """The run summary: epochs (completed) and optimizer steps run, why it stopped, the best metrics and epoch, the
-    test metrics."""
+    """The run summary: epochs (completed) and optimizer steps run, why it stopped, the best metrics, epoch and step,
+    the test metrics."""
     summary: dict[str, Any] = {
         "epochs_run": records.loop.epoch,
         "steps_run": records.loop.step,
@@ -209,8 +209,43 @@ def _summary(records: _Records, best_metrics: Mapping[str, float], latest: Mappi
     }
     if records.best is not None and records.best.score is not None:
         summary["best/epoch"] = records.best.epoch
+        if records.best.step is not None:
+            summary["best/step"] = records.best.step
         summary["best/score"] = records.best.score
     return summary
+
+
+def _final_line(summary: Mapping[str, Any], cfg: Config, loop: core.LoopState) -> str:
+    """The summary as rank 0 prints it, in the run's own unit: a run measured in steps (``max_steps`` without
+    ``epochs``) leads with ``steps_run`` and says inside which epoch it stopped; the stop reason says the step or
+    epoch it acted at (``stop_reason=max_steps (step 150)``)."""
+    in_steps = cfg.epochs is None
+    values = dict(summary)
+    if loop.stop_reason == core.STOP_MAX_STEPS or (in_steps and loop.stop_reason is not None):
+        values["stop_reason"] = f"{loop.stop_reason} (step {loop.step})"
+    elif loop.stop_reason is not None:
+        values["stop_reason"] = f"{loop.stop_reason} (epoch {loop.current_epoch})"
+    if in_steps:
+        inside = f" (stopped inside epoch {loop.current_epoch})" if loop.in_epoch else ""
+        values = {"steps_run": values.pop("steps_run"), "epochs_run": f"{values.pop('epochs_run')}{inside}", **values}
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
+
+
+def _bars(cfg: Config, loop: core.LoopState, enabled: bool) -> tuple[EpochBar, StepBar | None]:
+    """The run's bars: over epochs (not drawn for a run measured in steps alone: it has no epoch total), and over
+    optimizer steps for a run with ``max_steps``."""
+    epochs = EpochBar(total=cfg.epochs, initial=loop.epoch, enabled=enabled and cfg.epochs is not None)
+    if cfg.max_steps is None:
+        return epochs, None
+    interval = cfg.progress.plain_interval_s
+    return epochs, StepBar(total=cfg.max_steps, initial=loop.step, enabled=enabled, plain_interval_s=interval)
+
+
+def _closed(epochs: EpochBar, steps: StepBar | None) -> None:
+    """Close the run's bars; None, the step bar a trainer holds once they are closed."""
+    epochs.close()
+    if steps is not None:
+        steps.close()
 
 
 def _budget(cfg: Config) -> str:
@@ -329,6 +364,7 @@ class BaseTrainer(abc.ABC):
         self._registry = core.CkptRegistry()
         self._results: dict[str, float] | None = None
         self._validating: bool | None = None  # None outside val_epoch(); True once step_patience() ran in it
+        self._step_bar: StepBar | None = None  # a run with max_steps, while train() runs its epochs
         self._failed = False
         self._run_log = RunLog()
         dist = self.cfg.dist
@@ -472,8 +508,7 @@ class BaseTrainer(abc.ABC):
             self._checkpointer.release_folder()  # after the last write: the next run on this folder may start
 
     def _run_epochs(self) -> None:
-        loop = self._records.loop
-        bar = EpochBar(total=self.cfg.epochs, initial=loop.epoch, enabled=self._bars_enabled)
+        bar, self._step_bar = _bars(self.cfg, loop := self._records.loop, self._bars_enabled)
         try:
             if loop.finished and not loop.last_validated:  # the budget lowered below where a resumed run stood
                 self.epoch = loop.current_epoch
@@ -486,7 +521,7 @@ class BaseTrainer(abc.ABC):
             while more:
                 more = self._run_epoch(bar, rollback)
         finally:
-            bar.close()
+            self._step_bar = _closed(bar, self._step_bar)
 
     def _run_epoch(self, bar: EpochBar, rollback: Rollback | None) -> bool:
         """One epoch: train, validate on schedule, agree on stopping, push, save; act on a signal."""
@@ -616,8 +651,7 @@ class BaseTrainer(abc.ABC):
         summary = _summary(self._records, self.best_metrics, self._metrics.latest)
         self._run_log.summary(summary)
         if self.is_main:
-            parts = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()]
-            say(", ".join(parts), stream=sys.stdout)
+            say(_final_line(summary, self.cfg, self._records.loop), stream=sys.stdout)
 
     def add_checkpoint_items(self, **kwargs: Any) -> None:
         """Add items to the checkpoint dictionary, saved and restored by state_dict.
@@ -732,14 +766,14 @@ class BaseTrainer(abc.ABC):
         """
         if self._records.best is None:
             self.reset_best_tracking()
-        state, improved = core.save_if_best(self._records.best, score, epoch=self.epoch, metrics=metrics)
+        best, improved = core.save_if_best(self._records.best, score, epoch=self.epoch, metrics=metrics, step=self.step)
         if improved:
             model = dist_utils.unwrap(self.model)
             if model is None:
                 raise UsageError("save_if_best() snapshots self.model, which is not set; assign it in setup()")
             self._best.take(module_state(model))  # written (best.pt) at the end of the epoch, before last.pt
-        self._records = self._records._replace(best=state)  # after the snapshot: a failed one leaves the record
-        self._checkpointer.scored(score, step=self.step, improved=improved, minimize=state.minimize)
+        self._records = self._records._replace(best=best)  # after the snapshot: a failed one leaves the record
+        self._checkpointer.scored(score, step=self.step, improved=improved, minimize=best.minimize)
         return improved
 
     def step_patience(self, improved: bool) -> bool:
@@ -959,9 +993,9 @@ class BaseTrainer(abc.ABC):
     def progress(self, iterable: Iterable[T], desc: str | None = None, total: int | None = None) -> Iterable[T]:
         """Iterate with a per-step progress bar: ``for x, y in self.progress(loader)``.
 
-        The bar shows on rank 0 (``progress.enable``, stderr a terminal). With ``ckpt.every_n_steps`` the
-        ``DataLoader`` iterated here is counted: step checkpoints and signals act at step boundaries, and a
-        resumed epoch skips its trained batches at the index level (docs: "Step checkpoints").
+        The bar shows on rank 0 (``progress.enable``, stderr a terminal; ``max_steps``: the run's step bar). With
+        ``ckpt.every_n_steps`` the ``DataLoader`` iterated here is counted: step checkpoints and signals act at step
+        boundaries, and a resumed epoch skips its trained batches at the index level (docs: "Step checkpoints").
 
         :param iterable: The batches.
         :param desc: The bar's label; defaults to the current epoch.
@@ -975,7 +1009,8 @@ class BaseTrainer(abc.ABC):
         tracked = self._position.track(iterable, self._at_step_boundary)
         shown, initial = (self._position.epoch_tagged(iterable), 0) if tracked is None else (tracked, tracked.skip)
         shown = shown if self._metrics.throughput is None else CountedBatches(shown, self._metrics.throughput)
-        return step_bar(
+        steps = self._step_bar if self._validating is None else None  # a validation loop gets a bar of its own
+        return steps.follow(shown, lambda: self.step, self._metrics.latest) if steps is not None else step_bar(
             shown, desc=desc or f"epoch {self.epoch}", total=total, enabled=self._bars_enabled, initial=initial
         )
 

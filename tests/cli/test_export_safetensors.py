@@ -88,9 +88,9 @@ def test_last_pt_round_trips_bit_for_bit_with_its_run_in_the_header(file_run, tm
     }
 
 
-def test_best_pt_exports_to_a_folder_of_one_file_and_a_best_records_no_step(file_run, tmp_path, capsys):
+def test_best_pt_exports_to_a_folder_of_one_file_and_a_best_records_its_step(file_run, tmp_path, capsys):
     """best.pt into a folder: the weights fit in one shard, so the folder holds model.safetensors alone (no index,
-    as the hub writes it), equal to the best weights; the header says best, its epoch, and no step."""
+    as the hub writes it), equal to the best weights; the header says best, its epoch, and the best's step."""
     out = tmp_path / "best"
     assert export(capsys, file_run / "best.pt", out, "--format", "safetensors")[0] == 0
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
@@ -100,7 +100,8 @@ def test_best_pt_exports_to_a_folder_of_one_file_and_a_best_records_no_step(file
 
     with safe_open(str(out / "model.safetensors"), framework="pt") as handle:
         header = handle.metadata()
-    assert header["checkpoint"] == "best" and header["epoch"] == str(best["epoch"]) and "step" not in header
+    assert header["checkpoint"] == "best" and header["epoch"] == str(best["epoch"])
+    assert best["best"]["step"] is not None and header["step"] == str(best["best"]["step"])
 
 
 def test_small_shards_carry_the_hubs_index(file_run, tmp_path, capsys):

@@ -70,8 +70,9 @@ def test_a_run_that_pushes_every_step_is_drawn_against_the_step_by_default(per_s
     train = lines["train/loss"]
     assert train == steps_of(per_step_run, "train/loss") and train == sorted(set(train)) and len(train) >= 12
     assert lines["val/loss"] == [6, 12]
-    best_epoch = summarize_run(per_step_run)["best_epoch"]
-    assert lines[f"best (epoch {best_epoch})"] == [6 * (best_epoch + 1)] * 2
+    summary = summarize_run(per_step_run)
+    best_step = 6 * (summary["best_epoch"] + 1)
+    assert summary["best_step"] == best_step and lines[f"best (step {best_step})"] == [best_step] * 2
 
 
 def test_a_run_that_pushes_once_an_epoch_is_still_drawn_against_the_epoch(per_epoch_run, capsys):

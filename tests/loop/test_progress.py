@@ -5,14 +5,18 @@ from __future__ import annotations
 import io
 import itertools
 import re
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import tqdm.std
 
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import TinyTrainer, train_and_close
-from trainkit.loop.progress import NON_TTY_INTERVAL_S, TTY_INTERVAL_S, EpochBar, step_bar
+from trainkit.loop.progress import NON_TTY_INTERVAL_S, TTY_INTERVAL_S, EpochBar, StepBar, step_bar
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class TTYStream(io.StringIO):
@@ -155,3 +159,75 @@ def test_main_rank_progress_wraps_the_iterable(tmp_path, monkeypatch):
         assert "epoch 3:" in tty.getvalue()
     finally:
         trainer.close()
+
+
+STEPS = {"epochs": None, "max_steps": 7}
+"""A run measured in steps: 7 optimizer steps, which end inside the second epoch of TinyTrainer's 6."""
+
+
+def test_a_run_measured_in_steps_ends_with_a_line_in_steps(tmp_path, capsys):
+    """The final line of a max_steps run leads with the steps run, says inside which epoch it stopped, and gives
+    the stop reason at its step."""
+    train_and_close(TinyTrainer(make_cfg(tmp_path, BARS, STEPS, progress={"enable": False})))
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith(
+        "trainkit: steps_run=7, epochs_run=1 (stopped inside epoch 1), stop_reason=max_steps (step 7), "
+    )
+    assert "best/step=" in line
+
+
+def test_a_run_measured_in_steps_draws_one_bar_of_optimizer_steps_with_eta_and_loss(tmp_path, monkeypatch):
+    """On a terminal a max_steps run draws a 'steps' bar out of max_steps (with an ETA and the latest train loss),
+    not a bar of micro-batches per epoch nor an epoch bar without a total."""
+    tty = fake_terminal(monkeypatch)
+    train_and_close(TinyTrainer(make_cfg(tmp_path, BARS, STEPS)))
+    out = tty.getvalue()
+    final = out.rsplit("\rsteps:", 1)[-1]
+    assert re.search(r"7/7 \[\d\d:\d\d<\d\d:\d\d", final) and "loss=" in final
+    assert redraws(out, "steps") >= 2 and redraws(out, "epoch 0") == 0 and redraws(out, "epochs") == 0
+
+
+def test_a_resumed_step_bar_starts_at_the_resumed_step(monkeypatch):
+    """A resumed run's bar stands at its step out of max_steps from the start."""
+    tty = fake_terminal(monkeypatch)
+    bar = StepBar(total=150, initial=50, enabled=True)
+    bar.advance(51, {"loss": 2.5})
+    bar.close()
+    assert "51/150" in tty.getvalue() and "loss=2.5" in tty.getvalue()
+
+
+def test_off_a_terminal_the_step_bar_prints_plain_lines_at_a_bounded_rate(capsys):
+    """Off a terminal 200 one-second steps print a plain 'trainkit: step N/200' line at most every 30 s (and one
+    at the end), with the rate and ETA of this run's steps: no tqdm redraws."""
+    ticks = itertools.count(0.0, 1.0)
+    bar = StepBar(total=200, initial=20, enabled=True, plain_interval_s=30.0, clock=lambda: next(ticks))
+    for step in range(21, 201):
+        bar.advance(step, {"loss": 1.0 / step})
+    bar.close()
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert "\r" not in err and 4 <= len(lines) <= 180 / 30 + 2
+    assert all(
+        re.fullmatch(r"trainkit: step \d+/200 \(\d+%\), [\d.]+ steps/s, ETA [\d:]+, loss=[\d.e-]+", x) for x in lines
+    )
+    assert lines[-1].startswith("trainkit: step 200/200 (100%)")
+
+
+def test_a_run_with_stderr_in_a_file_writes_plain_step_lines(tmp_path):
+    """A real max_steps run whose stderr is a file (a job's log) writes plain step lines there, bounded by
+    progress.plain_interval_s (an hour: only the closing line), and no carriage return."""
+    script = (
+        "from tests.helpers.configs import make_cfg\n"
+        "from tests.helpers.trainers import TinyTrainer, train_and_close\n"
+        f"cfg = make_cfg({str(tmp_path / 'run')!r}, {BARS!r}, {STEPS!r}, progress={{'plain_interval_s': 3600}})\n"
+        "train_and_close(TinyTrainer(cfg))\n"
+    )
+    log = tmp_path / "job.log"
+    with open(log, "w") as handle:
+        proc = subprocess.run(
+            [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=handle, text=True, timeout=120
+        )
+    text = log.read_text()
+    assert proc.returncode == 0, text[-2000:]
+    steps = [line for line in text.splitlines() if line.startswith("trainkit: step ")]
+    assert len(steps) == 1 and steps[0].startswith("trainkit: step 7/7 (100%)") and "\r" not in text

@@ -81,6 +81,8 @@ class BestState:
     :ivar min_delta: How much a score must beat the best by to count; a gain of exactly this much does not.
     :ivar score: The best finite score so far, or None before the first finite one.
     :ivar epoch: The epoch of the best score, when the caller gave one.
+    :ivar step: The optimizer steps taken when the best score was seen, when the caller gave them (a run measured in
+        steps reads its best by the step; records written before it was kept have None).
     :ivar metrics: The ``best/val/*`` metrics recorded at the best epoch, read-only.
 
     >>> BestState(minimize=True).score is None
@@ -91,6 +93,7 @@ class BestState:
     min_delta: float = attrs.field(default=0.0, converter=_float, validator=_check_min_delta)
     score: float | None = attrs.field(default=None, converter=_optional_float, validator=_check_score)
     epoch: int | None = attrs.field(default=None, validator=_check_epoch)
+    step: int | None = attrs.field(default=None, validator=_check_epoch)
     metrics: Mapping[str, float] = attrs.field(
         factory=lambda: MappingProxyType({}), converter=read_only_floats, hash=False
     )
@@ -115,7 +118,12 @@ class BestState:
 
 
 def save_if_best(
-    state: BestState, score: Any, *, epoch: int | None = None, metrics: Mapping[str, Any] | None = None
+    state: BestState,
+    score: Any,
+    *,
+    epoch: int | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    step: int | None = None,
 ) -> tuple[BestState, bool]:
     """Advance best-score tracking by one validation result.
 
@@ -127,6 +135,7 @@ def save_if_best(
     :param score: The validation score: a float, int, 0-d tensor or numpy scalar.
     :param epoch: The epoch the score belongs to, recorded on improvement.
     :param metrics: The epoch's validation metrics, recorded on improvement under ``best/val/*`` keys.
+    :param step: The optimizer steps taken when the score was measured, recorded on improvement.
     :returns: The next record, and whether the score improved.
     :raises BookkeepingError: When the score is not a real number.
 
@@ -149,7 +158,7 @@ def save_if_best(
         if not improved:
             return state, False
     recorded = {best_metric_key(str(name)): val for name, val in (metrics or {}).items()}
-    return attrs.evolve(state, score=value, epoch=epoch, metrics=recorded), True
+    return attrs.evolve(state, score=value, epoch=epoch, step=step, metrics=recorded), True
 
 
 def retune_min_delta(state: BestState, min_delta: float) -> tuple[BestState, bool]:

@@ -80,10 +80,11 @@ def _header(payload: dict[str, Any], item: str) -> dict[str, str]:
     last = "loop" in payload
     header = {"format": "pt", "trainkit_version": version, "checkpoint": "last" if last else "best"}
     header["item"] = item if last else "model"
-    if payload.get("epoch") is not None:  # a best checkpoint's epoch is the best one's; it records no step
+    if payload.get("epoch") is not None:  # a best checkpoint's epoch and step are the best one's
         header["epoch"] = str(payload["epoch"])
-    if last:
-        header["step"] = str(payload["step"])
+    step = payload["step"] if last else (payload.get("best") or {}).get("step")
+    if step is not None:  # a best checkpoint written before trainkit recorded the best's step has none
+        header["step"] = str(step)
     header["config_sha256"] = config_sha256(payload["config"])
     return header
 
@@ -114,7 +115,7 @@ def export_weights(
     refused unless ``overwrite`` and it is an earlier export, and ``out`` is never the checkpoint, inside it, or
     named as a checkpoint (:func:`~trainkit.checkpoint.export_target.check_out`), all before the checkpoint is read.
     Each file's header (the torch file's marker) records ``format: pt``, the trainkit version, the
-    item, which checkpoint (``last``/``best``), its epoch and step (a best one records no step) and ``config_sha256``
+    item, which checkpoint (``last``/``best``), its epoch and step (a best one's are the best's) and ``config_sha256``
     (:func:`config_sha256` of the config it records); a tied weight is written once, each dropped name recorded as
     ``{dropped: kept}`` as ``safetensors.torch.save_model`` records it (``safetensors.torch.load_model`` loads it
     into a model that ties them).

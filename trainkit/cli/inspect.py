@@ -70,6 +70,28 @@ def _pinned(payload: Mapping[str, Any]) -> str | None:
     return None if refusal is None else "registered items differ between its ranks"
 
 
+def _where(payload: Mapping[str, Any], position: EpochPosition | None) -> str:
+    """Where a ``last.pt`` stands, as ``inspect`` says it: epochs done and the step at an epoch's end, or the epoch
+    it is inside, its step and its batches for a step checkpoint (a run that stopped inside an epoch, at
+    ``max_steps`` or a step validation's early stop, keeps no batch position: there is nothing left to resume).
+
+    >>> _where({"epoch": 2, "step": 60, "loop": {}}, None)
+    '2 done, step 60'
+    >>> p = EpochPosition(epoch=0, batches=37, batches_per_epoch=100, batch_size=8, dataset_length=800, world_size=1)
+    >>> _where({"epoch": 0, "step": 37, "loop": {"in_epoch": True}}, p)
+    '0, step 37 (inside the epoch: 37 of 100 batches done)'
+    >>> _where({"epoch": 1, "step": 9, "loop": {"in_epoch": True, "stop_reason": "max_steps"}}, None)
+    '1, step 9 (inside the epoch, where the run stopped: max_steps)'
+    """
+    loop = payload["loop"]
+    if position is not None:
+        return f"{position.epoch}, step {payload['step']} (inside the epoch: {position.done} done)"
+    if loop.get("in_epoch"):
+        stopped = f"where the run stopped: {loop.get('stop_reason')}"
+        return f"{payload['epoch']}, step {payload['step']} (inside the epoch, {stopped})"
+    return f"{payload['epoch']} done, step {payload['step']}"
+
+
 def _rank_items_lines(payload: Mapping[str, Any]) -> list[str]:
     """What ``inspect`` says of the registered items whose state differed between the ranks that wrote a checkpoint.
 
@@ -151,14 +173,12 @@ def describe_checkpoint(path: str | Path, *, all_tensors: bool = False) -> list[
     best = payload.get("best")
     if kind == "last.pt":
         loop = payload["loop"]
-        lines.append(
-            f"epoch:        {payload['epoch']} done, step {payload['step']}, world size {payload['world_size']}"
-        )
+        mid_epoch = payload.get("trainkit")
+        position = None if mid_epoch is None else EpochPosition.from_dict(mid_epoch["position"])
+        lines.append(f"epoch:        {_where(payload, position)}, world size {payload['world_size']}")
         validated = loop.get("last_validated", True)
         lines.append(f"loop:         stop_reason={loop.get('stop_reason')}, last epoch validated={validated}")
-        mid_epoch = payload.get("trainkit")
-        if mid_epoch is not None:
-            position = EpochPosition.from_dict(mid_epoch["position"])
+        if mid_epoch is not None and position is not None:
             samples = "samples unknown" if position.dataset_length is None else f"{position.dataset_length} samples"
             own = " (the loader's own state)" if "loader_state" in mid_epoch["ranks"][0] else ""
             lines.append(
@@ -166,17 +186,21 @@ def describe_checkpoint(path: str | Path, *, all_tensors: bool = False) -> list[
                 f"{position.batch_size}, {samples}); a resume continues from the next batch{own}"
             )
             lines += _global_order_lines(position, _pinned(payload))
+        elif loop.get("in_epoch"):
+            lines.append(f"position:     inside epoch {payload['epoch']}, where the run stopped")
         else:
             lines.append("position:     at an epoch's end")
         lines += _rank_items_lines(payload)
     else:
-        lines.append(f"best epoch:   {payload['epoch']}")
+        step = (best or {}).get("step")
+        lines.append(f"best epoch:   {payload['epoch']}" + ("" if step is None else f", step {step}"))
     if best is not None:
         metrics = ", ".join(f"{k}={format_value(v)}" for k, v in sorted((best.get("metrics") or {}).items()))
         direction = "minimize" if best.get("minimize") else "maximize"
+        at_step = "" if best.get("step") is None else f", step {best['step']}"
         lines.append(
-            f"best:         score {format_value(best.get('score'))} at epoch {best.get('epoch')} ({direction}, "
-            f"min_delta {best.get('min_delta')}){'; ' + metrics if metrics else ''}"
+            f"best:         score {format_value(best.get('score'))} at epoch {best.get('epoch')}{at_step} "
+            f"({direction}, min_delta {best.get('min_delta')}){'; ' + metrics if metrics else ''}"
         )
     patience = payload.get("patience")
     if patience is not None:

@@ -36,6 +36,7 @@ __all__ = [
     "plot_curves",
     "report",
     "format_value",
+    "never_finite",
 ]
 
 X_AXES = ("step", "epoch")
@@ -43,9 +44,13 @@ X_AXES = ("step", "epoch")
 
 _AXIS_KEYS = {"step": "trainer/step", "epoch": "trainer/epoch"}
 
+_RATES = ("perf/tokens_per_s", "perf/samples_per_s", "perf/steps_per_s")
+"""The ``throughput`` panel's candidates, finest first: one rate in three units, so only the first logged is drawn."""
+
 
 def summarize_run(out_dir: str | Path, rows: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
-    """Summarize a run folder: best epoch and metrics, stop reason, epochs run, test metrics.
+    """Summarize a run folder: best epoch, step and metrics, stop reason, epochs and steps run, test metrics, and
+    the drawn metrics that never had a finite value.
 
     :param out_dir: The run folder.
     :param rows: Its ``metrics.jsonl`` rows when already read; None reads them.
@@ -64,8 +69,11 @@ def summarize_run(out_dir: str | Path, rows: Sequence[Mapping[str, Any]] | None 
         best = ckpt.get("best") or {}
         summary.update(
             epochs_run=loop.get("epoch"),
+            steps_run=loop.get("step"),
+            stopped_inside=bool(loop.get("in_epoch")),
             stop_reason=loop.get("stop_reason") or "not finished",
             best_epoch=best.get("epoch"),
+            best_step=best.get("step"),
             best_score=best.get("score"),
             best_metrics=best.get("metrics", {}),
         )
@@ -73,7 +81,35 @@ def summarize_run(out_dir: str | Path, rows: Sequence[Mapping[str, Any]] | None 
     for row in rows:
         latest.update(row)
     summary["test_metrics"] = {k: v for k, v in latest.items() if k.startswith("test/")}
+    summary["never_finite"] = never_finite(rows)
     return summary
+
+
+def _non_finite(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[int, int]:
+    """How many of the key's numeric values are finite, and how many are not (NaN, inf: a curve leaves them out)."""
+    values = [row[key] for row in rows if _is_number(row.get(key))]
+    finite = sum(1 for value in values if math.isfinite(value))
+    return finite, len(values) - finite
+
+
+def never_finite(rows: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """The drawn metrics whose every value is NaN or infinite: their curves are empty.
+
+    Pure.
+
+    :param rows: The rows of ``metrics.jsonl``.
+    :returns: Metric name to what it held, e.g. ``{"val/loss": "inf in all 3 rows"}``.
+
+    >>> never_finite([{"val/loss": float("inf")}, {"val/loss": float("inf"), "train/loss": 1.0}])
+    {'val/loss': 'inf in all 2 rows'}
+    """
+    empty = {}
+    for key in (key for panel in curve_panels(rows).values() for key in panel["keys"]):
+        finite, other = _non_finite(rows, key)
+        if finite == 0 and other > 0:
+            kinds = sorted({str(row[key]) for row in rows if _is_number(row.get(key))})
+            empty[key] = f"{' or '.join(kinds)} in all {other} row{'s' * (other > 1)}"
+    return empty
 
 
 def _is_number(value: Any) -> bool:
@@ -81,12 +117,12 @@ def _is_number(value: Any) -> bool:
 
 
 def _series(rows: Sequence[Mapping[str, Any]], key: str, axis: str = "epoch") -> tuple[list[float], list[float]]:
-    """The key's numeric values against ``axis`` (a row without a numeric epoch counts as the next one; on the
-    step axis, a row without a numeric step is left out)."""
+    """The key's finite values against ``axis`` (a row without a numeric epoch counts as the next one; on the
+    step axis, a row without a numeric step is left out; NaN and inf are left out: :func:`draw_curves` says so)."""
     xs, ys = [], []
     for row in rows:
         value, x = row.get(key), row.get(_AXIS_KEYS[axis])
-        if _is_number(value) and not math.isnan(value) and (axis == "epoch" or _is_number(x)):
+        if _is_number(value) and math.isfinite(value) and (axis == "epoch" or _is_number(x)):
             xs.append(x if _is_number(x) else len(xs))
             ys.append(value)
     return xs, ys
@@ -96,9 +132,11 @@ def curve_panels(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
     """Decide the panels of ``curves.png``: one per metric name, its train/val curves and test point together.
 
     Pure. ``train/loss``, ``val/loss`` and ``test/loss`` share the ``loss`` panel; every ``lr/...`` key goes on
-    the ``lr`` panel; each ``perf/...`` rate (``log_throughput``) gets a panel of its own, before ``lr``; grad
-    norms are left out. A panel whose values are all positive and span more than a decade (a loss, a decaying
-    learning rate) gets a log axis.
+    the ``lr`` panel; the ``perf/...`` rates (``log_throughput``) are one measurement in three units, so one
+    ``throughput`` panel draws the finest one logged (tokens, else samples, else steps per second); the training
+    grad norms (``train/grad_norm``, ``train/grad_norm_epoch``) share a ``grad_norm`` panel, before ``lr``; the
+    per-parameter ones (``params/...``) are left out. A panel whose values are all positive and span more than a
+    decade (a loss, a decaying learning rate) gets a log axis.
 
     :param rows: The rows of ``metrics.jsonl``.
     :returns: Panel name to ``{"keys": [...], "log": bool}``, in drawing order (loss first, lr last).
@@ -107,18 +145,23 @@ def curve_panels(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
     ...                        "test/loss": 0.7, "lr/opt/0": 0.1}])
     >>> panels["loss"], panels["lr"]
     ({'keys': ['test/loss', 'train/loss', 'val/loss'], 'log': True}, {'keys': ['lr/opt/0'], 'log': False})
-    >>> list(curve_panels([{"train/loss": 1.0, "perf/samples_per_s": 900.0, "perf/steps_per_s": 14.0, "lr/o/0": 1}]))
-    ['loss', 'samples_per_s', 'steps_per_s', 'lr']
+    >>> panels = curve_panels([{"train/loss": 1.0, "perf/samples_per_s": 900.0, "perf/steps_per_s": 14.0,
+    ...                         "train/grad_norm": 0.5, "lr/o/0": 1}])
+    >>> list(panels), panels["throughput"]["keys"], panels["grad_norm"]["keys"]
+    (['loss', 'grad_norm', 'throughput', 'lr'], ['perf/samples_per_s'], ['train/grad_norm'])
     """
     keys = sorted({key for row in rows for key in row})
     groups: dict[str, list[str]] = {}
     for key in keys:
-        if key.startswith(("train/", "val/", "test/")) and "grad_norm" not in key:
+        if key.startswith("train/grad_norm"):
+            groups.setdefault("grad_norm", []).append(key)
+        elif key.startswith(("train/", "val/", "test/")) and "grad_norm" not in key:
             groups.setdefault(key.split("/", 1)[1], []).append(key)
         elif key.startswith("lr/"):
             groups.setdefault("lr", []).append(key)
-        elif key.startswith("perf/") and key.endswith("_per_s"):
-            groups[key.split("/", 1)[1]] = [key]
+    rate = next((key for key in _RATES if key in keys), None)
+    if rate is not None:
+        groups["throughput"] = [rate]
     order = sorted(groups, key=lambda name: (name != "loss", name == "lr", name))
     panels: dict[str, dict[str, Any]] = {}
     for name in order:
@@ -210,11 +253,14 @@ def choose_x_axis(rows: Sequence[Mapping[str, Any]], asked: str | None = None) -
 
 
 def _best_x(rows: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], axis: str) -> float | None:
-    """Where the best line goes: the best epoch; on the step axis, the step of that epoch's validation row (the
-    one holding the best metrics, else its last row with a ``val/`` metric)."""
+    """Where the best line goes: the best epoch; on the step axis, the best's recorded step, else (a checkpoint
+    from before it was recorded) the step of that epoch's validation row (the one holding the best metrics, else
+    its last row with a ``val/`` metric)."""
     epoch = summary.get("best_epoch")
     if epoch is None or axis == "epoch":
         return epoch
+    if summary.get("best_step") is not None:
+        return summary["best_step"]
     validated = [row for row in rows if row.get("trainer/epoch") == epoch and any(k.startswith("val/") for k in row)]
     best = summary.get("best_metrics") or {}
 
@@ -268,16 +314,25 @@ def draw_curves(
     )
     best_x = _best_x(rows, summary, axis)
     for ax, (name, panel) in zip(axes[:, 0], panels.items()):
+        empty = []
         for key in panel["keys"]:
             xs, ys = _series(rows, key, axis)
+            finite, other = _non_finite(rows, key)
+            label = key if not other else f"{key} ({other} non-finite not drawn)"
+            if not finite:
+                empty.append(key)
             if key.startswith("test/"):  # measured once, at the end, on the best weights: a point, not a curve
-                ax.plot(xs[-1:], ys[-1:], marker="*", markersize=11, linestyle="none", label=f"{key} (best weights)")
+                ax.plot(xs[-1:], ys[-1:], marker="*", markersize=11, linestyle="none", label=f"{label} (best weights)")
             else:  # a dot per point while there are few enough to tell apart
-                ax.plot(xs, ys, marker="o" if len(xs) <= 60 else None, markersize=3, label=key)
+                ax.plot(xs, ys, marker="o" if len(xs) <= 60 else None, markersize=3, label=label)
+        if empty:  # an empty panel says why rather than look like a drawing bug
+            held = summary.get("never_finite") or {}
+            text = "\n".join(f"{key}: {held.get(key, 'no finite value')}" for key in empty)
+            ax.text(0.5, 0.5, f"no finite value to draw\n{text}", transform=ax.transAxes, ha="center", va="center")
         if panel["log"]:
             ax.set_yscale("log")
         if best_x is not None:
-            label = "best epoch" if axis == "epoch" else f"best (epoch {summary['best_epoch']})"
+            label = "best epoch" if axis == "epoch" else f"best (step {best_x})"
             ax.axvline(best_x, color="tab:red", linestyle="--", linewidth=1, label=label)
         ax.set_ylabel(name)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -357,14 +412,22 @@ def report(out_dir: str, plot: bool = True, x: str | None = None) -> int:
     _check_x(x)
     rows = read_metrics(out_dir)
     summary = summarize_run(out_dir, rows)
+    inside = f" (stopped inside epoch {summary['epochs_run']})" if summary.get("stopped_inside") else ""
+    best_step = summary.get("best_step")
+    if best_step is None and summary.get("best_epoch") is not None:
+        best_step = _best_x(rows, summary, "step")  # a checkpoint from before the best's step was recorded
     print(f"run:          {out_dir}")
-    print(f"epochs run:   {summary.get('epochs_run')}")
+    print(f"epochs run:   {summary.get('epochs_run')}{inside}")
+    print(f"steps run:    {summary.get('steps_run')}")
     print(f"stop reason:  {summary.get('stop_reason')}")
-    print(f"best epoch:   {summary.get('best_epoch')}  (score {format_value(summary.get('best_score'))})")
+    at_step = "" if best_step is None else f", step {best_step}"
+    print(f"best epoch:   {summary.get('best_epoch')}{at_step}  (score {format_value(summary.get('best_score'))})")
     for key, value in sorted((summary.get("best_metrics") or {}).items()):
         print(f"  {key}: {format_value(value)}")
     for key, value in sorted(summary["test_metrics"].items()):
         print(f"{key}: {format_value(value)}")
+    for key, what in summary["never_finite"].items():
+        print(f"note: {key} has no finite value ({what}): its curve is empty")
     if plot:
         axis, note = choose_x_axis(rows, x)
         if note:

@@ -303,9 +303,14 @@ class WandbConfig(Section):
 
 @attrs.frozen(kw_only=True)
 class ProgressConfig(Section):
-    """``progress.*``: tqdm bars on rank 0."""
+    """``progress.*``: tqdm bars on rank 0.
+
+    ``plain_interval_s``: when stderr is not a terminal (a job's log file), a run with ``max_steps`` prints a plain
+    ``trainkit: step N/max_steps ...`` line at most every this many seconds (and one at the end) instead of a bar.
+    """
 
     enable: bool = True
+    plain_interval_s: float = attrs.field(default=30.0, validator=positive)
 
 
 @attrs.frozen(kw_only=True)
