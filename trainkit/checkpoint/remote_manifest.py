@@ -20,7 +20,8 @@ from typing import Any
 
 import attrs
 
-from trainkit.errors import CheckpointUnsafeError
+from trainkit.bookkeeping.lineage import Lineage, lineage_from
+from trainkit.errors import BookkeepingError, CheckpointUnsafeError
 
 __all__ = [
     "MANIFEST",
@@ -143,6 +144,15 @@ def _description(value: Any) -> dict[str, Any]:
     return {"epoch_end": bool(value.get("epoch_end", True)), "time": float(seconds), "scores": dict(scores)}
 
 
+def _lineage(value: Any) -> Lineage | None:
+    if value is None:
+        return None
+    try:
+        return lineage_from(value)
+    except BookkeepingError as exc:
+        raise CheckpointUnsafeError(f"remote manifest: lineage: {exc}") from None
+
+
 @attrs.frozen(kw_only=True)
 class Manifest:
     """A remote checkpoint's commit record.
@@ -154,6 +164,8 @@ class Manifest:
     :ivar run_id: The W&B run id it belongs to (None without one).
     :ivar version: The trainkit version that wrote it.
     :ivar description: How retention sees it: ``epoch_end``, ``time`` and ``scores`` (plain values).
+    :ivar lineage: The history of lives the checkpoint belongs to (:mod:`trainkit.bookkeeping.lineage`); None in a
+        record written before trainkit recorded it.
     """
 
     step: int = attrs.field(converter=lambda v: _count(v, "step", 1 << 62))
@@ -163,6 +175,7 @@ class Manifest:
     run_id: str | None
     version: str
     description: Mapping[str, Any] = attrs.field(factory=dict, converter=_description, hash=False)
+    lineage: Lineage | None = attrs.field(default=None, converter=lambda v: _lineage(v))
 
     def object(self, name: str) -> RemoteObject | None:
         """The object named ``name``, or None."""
@@ -179,6 +192,8 @@ def manifest_bytes(manifest: Manifest) -> bytes:
     """
     data = attrs.asdict(manifest, recurse=True)
     data["objects"] = [attrs.asdict(o) for o in manifest.objects]
+    if manifest.lineage is None:
+        del data["lineage"]  # a record without one reads as before
     return json.dumps(data, sort_keys=True, allow_nan=False).encode()
 
 
@@ -214,6 +229,7 @@ def parse_manifest(data: bytes) -> Manifest:
         run_id=_text(raw, "run_id", optional=True),
         version=_text(raw, "version"),
         description=_description(raw.get("description", {})),
+        lineage=raw.get("lineage"),
     )
 
 
