@@ -362,7 +362,10 @@ class Checkpointer:
         )
         if ckpt is None or path is None:
             raise CheckpointCorruptError(f"{folder} holds no checkpoint")
-        if int(ckpt["step"]) != manifest.step or core.lineage_from(ckpt.get("lineage", [])) != (manifest.lineage or ()):
+        claimed = manifest.lineage  # a record from before lineages says nothing to compare
+        if int(ckpt["step"]) != manifest.step or (
+            claimed is not None and core.lineage_from(ckpt.get("lineage", [])) != claimed
+        ):
             raise CheckpointCorruptError(
                 f"{path} does not match its remote commit record (step {ckpt['step']} and its lineage against step "
                 f"{manifest.step})"
