@@ -75,7 +75,7 @@ __all__ = ["Checkpointer", "Resume", "SaveRecord", "load_item", "LINEAGE_RECORD"
 
 LINEAGE_RECORD = ".trainkit-lineage.json"
 """The run folder's record of the life that started there last: its lineage and the step it started at, written as
-the run starts; ``ckpt.resume=auto`` with ``ckpt.remote`` reads it when the folder holds no checkpoint."""
+a run with ``ckpt.remote`` starts; ``ckpt.resume=auto`` reads it when the folder holds no checkpoint."""
 MAX_LINEAGE_RECORD_BYTES = 64 << 10
 """A lineage record larger than this is refused unread."""
 FETCH_TRIES = 8
@@ -398,9 +398,9 @@ class Checkpointer:
         return Anchor(lineage=lineage, step=step, checkpoint=False, what=what)
 
     def _record_lineage(self, lineage: core.Lineage, step: int) -> None:
-        """Rank 0 of a run that writes checkpoints records the life starting in ``out_dir`` (see
-        :data:`LINEAGE_RECORD`)."""
-        if self._rank != 0 or not self._ckpt.enable:
+        """Rank 0 of a run with ``ckpt.remote`` records the life starting in ``out_dir`` (see :data:`LINEAGE_RECORD`;
+        only the remote tier reads it)."""
+        if self._rank != 0 or not self._ckpt.enable or self._ckpt.remote is None:
             return
         record = {"lineage": [list(segment) for segment in lineage], "step": step}
         atomic_write_bytes(json.dumps(record).encode(), self._files.out_dir / LINEAGE_RECORD)
