@@ -19,6 +19,7 @@ ancestor (the safe side: a resume keeps its local checkpoint rather than take on
 from __future__ import annotations
 
 import re
+import reprlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -145,6 +146,10 @@ def lineage_from(value: Any) -> Lineage:
     return tuple(segments)
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxstring, _REPR.maxother = 3, 4, 4, 40, 40
+
+
 def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 120 else f"{text[:117]}..."
+    """A bounded repr: a few levels and entries (a hostile value may nest thousands deep)."""
+    return _REPR.repr(value)

@@ -524,7 +524,7 @@ trainkit saved it, and ``trainkit`` (the state of a step checkpoint written insi
 from checkpoints written before step checkpoints existed, ``guard_skips`` (the batches a rollback of the divergence
 guard leaves out) from those written before it existed, ``rank_items`` (the items whose state differed between ranks,
 None when none did) from those written before trainkit compared them, ``lineage`` (the history of lives the
-checkpoint belongs to, :mod:`trainkit.bookkeeping.lineage`) from those written before trainkit recorded it; a
+checkpoint belongs to, :func:`~trainkit.bookkeeping.in_history`) from those written before trainkit recorded it; a
 ``loop`` dict may lack ``last_validated``
 (LoopState.from_dict supplies the default)."""
 

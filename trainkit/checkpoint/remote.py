@@ -127,7 +127,7 @@ class Upload:
     :ivar folder: The remote folder's name (every rank's shards of a sharded save go into one); None: a fresh one.
     :ivar commits: Write the commit record after the upload (a sharded save's is written by rank 0 once every
         rank reported its shards uploaded, :meth:`RemoteTier.commit_reports`).
-    :ivar lineage: The checkpoint's lineage (:mod:`trainkit.bookkeeping.lineage`), recorded in its commit record;
+    :ivar lineage: The checkpoint's lineage (:func:`~trainkit.bookkeeping.in_history`), recorded in its commit record;
         retention judges only the folders in its history.
     """
 

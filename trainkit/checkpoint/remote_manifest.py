@@ -164,7 +164,7 @@ class Manifest:
     :ivar run_id: The W&B run id it belongs to (None without one).
     :ivar version: The trainkit version that wrote it.
     :ivar description: How retention sees it: ``epoch_end``, ``time`` and ``scores`` (plain values).
-    :ivar lineage: The history of lives the checkpoint belongs to (:mod:`trainkit.bookkeeping.lineage`); None in a
+    :ivar lineage: The history of lives the checkpoint belongs to (:func:`~trainkit.bookkeeping.in_history`); None in a
         record written before trainkit recorded it.
     """
 
