@@ -13,7 +13,7 @@ import pytest
 from tests.checkpoint.test_remote import committed_steps, remote_files
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import TinyTrainer, param_digest
-from trainkit import CheckpointMismatchError
+from trainkit import CheckpointMismatchError, OutDirError
 from trainkit.checkpoint import load_checkpoint
 from trainkit.checkpoint.checkpointer import LINEAGE_RECORD
 from trainkit.checkpoint.remote import open_store
@@ -173,3 +173,22 @@ def test_checkpoints_from_before_lineages_still_load_and_old_remote_ones_need_an
     trainer = run(tmp_path / "empty", 3, ckpt={"remote": url})
     assert trainer.epochs_trained == [2]
     assert load_checkpoint(tmp_path / "empty" / "last.pt")["lineage"][-1][1] == 12
+
+
+def test_a_hostile_lineage_record_takes_no_remote_checkpoint_and_a_directory_there_is_named(url, tmp_path):
+    """A record that is not a lineage (garbage, a link) is warned about and no remote checkpoint is taken (the run
+    starts fresh rather than take another history); a directory in the record's place stops the run naming it."""
+    run(tmp_path / "older", 1, ckpt={"remote": url})
+    for name, plant in (
+        ("garbage", lambda p: p.write_text('{"lineage": [["../x", 0]], "step": 0}')),
+        ("link", lambda p: p.symlink_to(tmp_path / "older" / "last.pt")),
+    ):
+        out = tmp_path / name
+        out.mkdir()
+        plant(out / LINEAGE_RECORD)
+        with pytest.warns(RuntimeWarning, match="cannot be read"):
+            trainer = run(out, 1, ckpt={"remote": url})
+        assert trainer.epochs_trained == [0]
+    (tmp_path / "dir" / LINEAGE_RECORD).mkdir(parents=True)
+    with pytest.raises(OutDirError, match=LINEAGE_RECORD):
+        TinyTrainer(make_cfg(tmp_path / "dir", epochs=1, ckpt={"remote": url, "resume": "never"}))

@@ -403,7 +403,11 @@ class Checkpointer:
         if self._rank != 0 or not self._ckpt.enable or self._ckpt.remote is None:
             return
         record = {"lineage": [list(segment) for segment in lineage], "step": step}
-        atomic_write_bytes(json.dumps(record).encode(), self._files.out_dir / LINEAGE_RECORD)
+        path = self._files.out_dir / LINEAGE_RECORD
+        try:
+            atomic_write_bytes(json.dumps(record).encode(), path)
+        except OSError as exc:  # a directory planted there, say: a clear error, nothing else changed
+            raise OutDirError(f"{path} cannot be written ({exc}); move it away") from None
 
     def rollback_resume(self, cfg: Config, first_bad_step: int) -> Resume | None:
         """The newest checkpoint written before optimizer step ``first_bad_step``, loaded (the divergence guard's
