@@ -224,15 +224,15 @@ def test_export_writes_the_whole_weights_of_a_sharded_or_file_checkpoint(tmp_pat
         code = cli_main([str(arg) for arg in args])
         return code, *capsys.readouterr()
 
-    code, printed, errors = command("export", out / "last.ckpt", tmp_path / "last.pt")
+    code, printed, errors = command("export", out / "last.ckpt", tmp_path / "last-weights.pt")
     assert code == 0 and "wrote" in printed, errors
-    weights = torch.load(tmp_path / "last.pt")
+    weights = torch.load(tmp_path / "last-weights.pt")
     assert_same_state(weights, final)
     net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
                               torch.nn.Linear(32, 1))
     net.load_state_dict(weights)
-    assert command("export", out / "best.ckpt", tmp_path / "best.pt")[0] == 0
-    assert torch.load(tmp_path / "best.pt").keys() == final.keys()
+    assert command("export", out / "best.ckpt", tmp_path / "best-weights.pt")[0] == 0
+    assert torch.load(tmp_path / "best-weights.pt").keys() == final.keys()
     for kind in ("last", "best"):
         code, printed, errors = command("inspect", out / f"{kind}.ckpt")
         assert code == 0, errors

@@ -2,7 +2,9 @@
 
 A problem the user should act on is a ``RuntimeWarning`` (``warnings.warn``, so it can be filtered or made
 an error); everything else trainkit says is one line starting ``trainkit:``, printed by :func:`say` on
-rank 0 only (the callers check the rank).
+rank 0 only (the callers check the rank). A refusal that ends the program (a config error on the command line,
+a :class:`~trainkit.errors.TrainkitError` out of :func:`trainkit.launch`) is one line, ``PROGRAM: error: ...``, and
+exit status 2, as ``argparse`` reports a bad argument (:func:`exit_refused`).
 """
 
 from __future__ import annotations
@@ -10,9 +12,13 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from typing import TextIO
+from typing import NoReturn, TextIO
 
-__all__ = ["say", "warn_user"]
+__all__ = ["say", "warn_user", "exit_refused", "REFUSED_EXIT_CODE"]
+
+REFUSED_EXIT_CODE = 2
+"""The exit status of a refusal (a bad config, a checkpoint this run cannot resume), as ``argparse`` exits on a bad
+argument: a scheduler tells it from a crash (1) and from a signal (``128 + signal number``)."""
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
@@ -41,3 +47,40 @@ def warn_user(message: str) -> None:
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, RuntimeWarning, stacklevel=level)
+
+
+def refusal_line(error: BaseException, program: str | None = None) -> str:
+    """The one line a refusal prints: ``PROGRAM: error: MESSAGE``, the program's file name as ``argparse`` gives it.
+
+    >>> refusal_line(ValueError("epochs must be >= 1,\\ngot 0"), "/home/me/train.py")
+    'train.py: error: epochs must be >= 1, got 0'
+
+    :param error: What was refused; its message, its lines joined (a message is meant to be one line already).
+    :param program: The program's path; None reads ``sys.argv[0]`` (``trainkit`` when there is none).
+    :returns: The line, without its newline.
+    """
+    if program is None:
+        program = sys.argv[0] if sys.argv else ""
+    program = os.path.basename(program)
+    message = " ".join(str(error).split("\n")).strip() or type(error).__name__
+    return f"{program or 'trainkit'}: error: {message}"
+
+
+def exit_refused(error: BaseException, *, show: bool = True) -> NoReturn:
+    """End the program on a refusal: its one line on stderr (:func:`refusal_line`), exit status 2, no traceback.
+
+    The line goes out in one ``write()``: the ranks of a ``torchrun`` job share stderr, and a line written in pieces
+    could interleave with another rank's.
+
+    :param error: What was refused (a :class:`~trainkit.errors.TrainkitError`).
+    :param show: False to exit without the line (another process of the job printed the same one).
+    :raises SystemExit: Always, with :data:`REFUSED_EXIT_CODE`, its context suppressed (no traceback is chained).
+    """
+    if show:
+        sys.stderr.flush()
+        line = (refusal_line(error) + "\n").encode(errors="replace")
+        try:
+            os.write(sys.stderr.fileno(), line)
+        except (OSError, AttributeError, ValueError):  # stderr replaced by an object without a descriptor (a test's)
+            print(line.decode().rstrip("\n"), file=sys.stderr, flush=True)
+    raise SystemExit(REFUSED_EXIT_CODE) from None

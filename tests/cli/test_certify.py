@@ -199,3 +199,53 @@ def test_the_scan_finds_what_a_trainer_holds_unregistered_and_skips_what_is_cove
         ("optimizers[0]", "optimizer"),
         ("sampler.generator", "torch.Generator"),
     ]
+
+
+def _prefix_listing(url):
+    """Every object under a remote prefix: its name, size and SHA-256, and the folders a file:// prefix holds."""
+    import hashlib
+
+    from trainkit.checkpoint.remote import open_store
+
+    fs, root = open_store(url)
+    fs.invalidate_cache()
+    listing = {}
+    for path, info in fs.find(root, withdirs=True, detail=True).items():
+        name = path[len(root.rstrip("/")) + 1 :]
+        if info["type"] == "directory":
+            listing[name] = "folder"
+        else:
+            data = fs.cat_file(path)
+            listing[name] = (info["size"], len(data), hashlib.sha256(data).hexdigest())
+    return listing
+
+
+@pytest.mark.parametrize("store", ["file", "s3"])
+def test_certify_touches_nothing_under_the_configs_remote_prefix(tmp_path, request, store):
+    """A config whose ckpt.remote holds a real, longer run of the same trainer: certify neither uploads there nor
+    resumes from it (each of its runs starts at step 0 and PASSes), the prefix is byte for byte as it was (every
+    object's size and digest), and the report says the remote tier was not certified."""
+    import secrets
+
+    from tests.helpers.certify_trainers import CleanTrainer
+    from tests.helpers.configs import make_cfg
+
+    if store == "s3":
+        request.getfixturevalue("s3_endpoint")
+        url = f"s3://trainkit-{secrets.token_hex(4)}/runs/real"
+    else:
+        url = f"file://{tmp_path}/remote/runs/real"
+    real = CleanTrainer(make_cfg(tmp_path / "real", epochs=2, ckpt={"remote": url, "every_n_steps": 4}))
+    try:
+        real.train()
+    finally:
+        real.close()
+    before = _prefix_listing(url)
+    assert any(name.endswith("commit.json") for name in before), before  # the real run committed checkpoints
+    words = ["epochs=1", "val.minimize=true", f"ckpt.remote={url}"]  # the real run's config, on certify's budget
+    report = certify(f"{HELPERS}:CleanTrainer", words, term_at=[3], kill_at=[7], work_dir=tmp_path / "work")
+    assert report.passed, report.lines()
+    assert report.total_steps == 12 and report.resumes == ((3, 3), (7, 6)), report.lines()
+    assert _prefix_listing(url) == before
+    assert any("ckpt.remote" in note and "not certified" in note for note in report.notes), report.notes
+    assert url not in "\n".join(report.lines())  # a URL may name more than a prefix: it is not repeated

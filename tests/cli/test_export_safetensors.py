@@ -316,7 +316,7 @@ def test_bad_options_are_refused_naming_the_option_the_rule_and_the_value(file_r
     code, _, errors = export(capsys, last, one_file, "--format", "safetensors", "--max-shard-size", "1KB")
     assert code == 2 and "when OUT" in errors and "is one file, got 1000; name a folder" in errors
     code, _, errors = export(capsys, last, tmp_path / "o.pt", "--max-shard-size", "1KB")
-    assert code == 2 and "go with --format safetensors" in errors
+    assert code == 2 and "--max-shard-size goes with --format safetensors" in errors
     assert list(tmp_path.iterdir()) == []
 
 

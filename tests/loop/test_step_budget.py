@@ -11,7 +11,7 @@ import torch
 
 import trainkit
 from tests.helpers.configs import make_cfg
-from tests.helpers.trainers import StepValTrainer, TinyTrainer, param_digest
+from tests.helpers.trainers import StepTrainer, StepValTrainer, TinyTrainer, optimizer_digest, param_digest
 from trainkit import UsageError
 
 STEPS_PER_EPOCH = 6
@@ -188,3 +188,103 @@ def test_two_gloo_ranks_validate_and_stop_at_the_same_step_boundary(tmp_path):
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert reports[0] == reports[1]
     assert [v[1] for v in reports[0]["validations"]] == [2, 4, 6, 8] and reports[0]["step"] == 8
+
+
+def step_run(out, **overrides):
+    """A StepTrainer run (gradient accumulation over 2 batches, dropout, per-sample noise, a RunningMean loss; 8
+    batches so 4 optimizer steps per epoch) measured in steps; returns the trainer and torch's RNG state after it."""
+    trainer, _ = run(StepTrainer, out, **{"epochs": None, **overrides})
+    return trainer, torch.get_rng_state()
+
+
+def cut_epoch_rows(out, cut_step, cut_epoch):
+    """metrics.jsonl less what the shorter run logged at the cut and the cut epoch's epoch-end aggregates (those
+    are the shorter run's own: its epoch-end code ran at the cut, see docs/trainer.rst)."""
+    kept = []
+    for row in rows(out):
+        row = {key: value for key, value in row.items() if key != "time"}
+        if row["trainer/step"] == cut_step:
+            continue
+        if row["trainer/epoch"] == cut_epoch and "train/loss" in row:
+            row = {key: value for key, value in row.items() if key not in ("train/loss", "train/grad_norm_epoch")}
+        kept.append(row)
+    return kept
+
+
+def assert_one_longer_run(whole, whole_rng, resumed, resumed_rng, out_whole, out_cut, cut_step, cut_epoch):
+    assert param_digest(resumed.model) == param_digest(whole.model)
+    assert optimizer_digest(resumed.optimizer) == optimizer_digest(whole.optimizer)
+    assert torch.equal(resumed_rng, whole_rng)  # dropout drew the same numbers in the same order
+    assert (resumed.step, resumed.epoch) == (whole.step, whole.epoch)
+    assert cut_epoch_rows(out_cut, cut_step, cut_epoch) == cut_epoch_rows(out_whole, cut_step, cut_epoch)
+
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+@pytest.mark.parametrize("loader", ["distributed sampler", "stateful"])
+def test_raising_max_steps_without_step_checkpoints_continues_from_the_next_batch(tmp_path, loader, fmt):
+    """No ckpt.every_n_steps: a run cut by max_steps=7 (3 steps into epoch 1, after 6 of its 8 batches) and resumed
+    with max_steps=11 continues from the next batch: the weights, optimizer state, RNG, step validations (every 3
+    steps: 9, not 7 + 3) and rows of one 11-step run. A plain DataLoader with a DistributedSampler (trainkit skips
+    into it) and torchdata's StatefulDataLoader (it carries its own position), in both checkpoint formats."""
+    if loader == "stateful":
+        pytest.importorskip("torchdata.stateful_dataloader")
+    common = {"val": {"every_n_steps": 3}, "log_every_n_steps": 2, "ckpt": {"format": fmt},
+              "loader": "stateful" if loader == "stateful" else "dataloader",
+              "distributed_sampler": True}
+    whole, whole_rng = step_run(tmp_path / "whole", max_steps=11, **common)
+    step_run(tmp_path / "cut", max_steps=7, **common)
+    resumed, resumed_rng = step_run(tmp_path / "cut", max_steps=11, **common)
+    assert_one_longer_run(whole, whole_rng, resumed, resumed_rng, tmp_path / "whole", tmp_path / "cut", 7, 1)
+    val_steps = [row["trainer/step"] for row in rows(tmp_path / "cut") if "val/loss" in row]
+    assert val_steps == [3, 4, 6, 7, 8, 9, 11]  # 7: the shorter run's final validation; then 8 (epoch end), 9, 11
+
+
+def test_a_run_cut_at_an_epochs_end_and_extended_counts_that_epoch_once(tmp_path):
+    """max_steps=8 ends exactly at epoch 1's last batch: no position is recorded, and max_steps=11 starts epoch 2
+    (epoch 1 is neither trained again nor counted twice), as one 11-step run."""
+    common = {"val": {"every_n_steps": 3}}
+    whole, whole_rng = step_run(tmp_path / "whole", max_steps=11, **common)
+    step_run(tmp_path / "cut", max_steps=8, **common)
+    loop = last_ckpt(tmp_path / "cut")["loop"]
+    assert (loop["epoch"], loop["in_epoch"], last_ckpt(tmp_path / "cut")["trainkit"]) == (2, False, None)
+    resumed, resumed_rng = step_run(tmp_path / "cut", max_steps=11, **common)
+    assert_one_longer_run(whole, whole_rng, resumed, resumed_rng, tmp_path / "whole", tmp_path / "cut", 8, None)
+    assert [row["trainer/epoch"] for row in rows(tmp_path / "cut")] == [
+        row["trainer/epoch"] for row in rows(tmp_path / "whole")
+    ]
+    assert last_ckpt(tmp_path / "cut")["loop"]["epoch"] == 2  # epochs completed: 0, 1; epoch 2 ended inside
+
+
+def test_epochs_changed_with_max_steps_on_a_run_cut_inside_an_epoch(tmp_path):
+    """A run of epochs=3, max_steps=6 cut inside epoch 1: resumed with epochs=2 and max_steps=20 it finishes
+    epoch 1 from the next batch (the epochs end it) as one run of epochs=2 does; resumed with epochs=1 it is past
+    that budget and trains nothing."""
+    whole, whole_rng = step_run(tmp_path / "whole", epochs=2, max_steps=20)
+    step_run(tmp_path / "cut", epochs=3, max_steps=6)
+    resumed, resumed_rng = step_run(tmp_path / "cut", epochs=2, max_steps=20)
+    assert_one_longer_run(whole, whole_rng, resumed, resumed_rng, tmp_path / "whole", tmp_path / "cut", 6, 1)
+    assert last_ckpt(tmp_path / "cut")["loop"]["stop_reason"] == "max_epochs"
+    step_run(tmp_path / "lowered", epochs=3, max_steps=6)
+    lowered, _ = step_run(tmp_path / "lowered", epochs=1, max_steps=20)
+    assert lowered.step == 6
+
+
+def test_raising_max_steps_on_a_cut_loop_that_recorded_no_position_is_refused(tmp_path):
+    """A list of batches cannot be skipped into: a run it cut inside an epoch cannot continue that epoch from the
+    next batch, so raising max_steps is refused (naming why) instead of training the epoch's first batches twice."""
+
+    class ListTrainer(StepValTrainer):
+        def train_epoch(self):
+            self.model.train()
+            for x, y in self.progress(list(self.loader)):
+                loss = torch.nn.functional.mse_loss(self.model(x), y)
+                self.optimizer.zero_grad()
+                loss.backward()
+                self.optimizer.step()
+
+    run(ListTrainer, tmp_path, epochs=None, max_steps=8)
+    before = (tmp_path / "last.pt").read_bytes()
+    with pytest.raises(trainkit.CheckpointMismatchError, match=r"ended inside epoch 1 at step 8 \(max_steps\) but "
+                       r"recorded no position.*max_steps=12 would train that epoch's first batches twice"):
+        run(ListTrainer, tmp_path, epochs=None, max_steps=12)
+    assert (tmp_path / "last.pt").read_bytes() == before

@@ -46,14 +46,21 @@ class StagingBuffers:
         Side effects: one copy per tensor (waits for device copies to finish before returning).
 
         :param payload: Nested dicts, lists and tuples of tensors and plain values.
-        :returns: A structure equal to ``payload`` that shares nothing with it.
+        :returns: A structure equal to ``payload`` that shares nothing with it; a container ``payload`` holds at
+            several places is copied once and held at the same places (as ``torch.save`` writes it).
         """
-        staged = self._stage(payload, ())
+        staged = self._stage(payload, (), {})
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the write thread must see finished copies
         return staged
 
-    def _stage(self, item: Any, path: tuple[Any, ...]) -> Any:
+    def _stage(self, item: Any, path: tuple[Any, ...], copies: dict[int, Any]) -> Any:
+        if isinstance(item, dict | list | tuple) and type(item) is not torch.Size:
+            # a shared container is copied once (linear, not one copy per path); the walk's states have no cycle
+            copied = copies.get(id(item))
+            if copied is None:
+                copied = copies[id(item)] = self._stage_container(item, path, copies)
+            return copied
         if isinstance(item, torch.Tensor):
             buffer = self._buffers.get(path)
             if buffer is None or buffer.shape != item.shape or buffer.dtype != item.dtype:
@@ -63,8 +70,11 @@ class StagingBuffers:
             if type(item) is torch.nn.Parameter:  # saved as a Parameter by a synchronous save: keep the type
                 return torch.nn.Parameter(buffer, requires_grad=item.requires_grad)
             return buffer
+        return copy.deepcopy(item)
+
+    def _stage_container(self, item: Any, path: tuple[Any, ...], copies: dict[int, Any]) -> Any:
         if isinstance(item, dict):
-            staged = {key: self._stage(value, (*path, key)) for key, value in item.items()}
+            staged = {key: self._stage(value, (*path, key), copies) for key, value in item.items()}
             if isinstance(item, OrderedDict):  # a module's state_dict: keep its type and version metadata
                 staged = OrderedDict(staged)
                 if hasattr(item, "_metadata"):
@@ -72,12 +82,8 @@ class StagingBuffers:
             elif isinstance(item, Counter):
                 staged = Counter(staged)
             return staged
-        if type(item) is torch.Size:  # a tuple of ints, immutable: the tuple branch would make it a plain tuple
-            return item
-        if isinstance(item, list | tuple):
-            staged = [self._stage(value, (*path, index)) for index, value in enumerate(item)]
-            return staged if isinstance(item, list) else tuple(staged)
-        return copy.deepcopy(item)
+        staged = [self._stage(value, (*path, index), copies) for index, value in enumerate(item)]
+        return staged if isinstance(item, list) else tuple(staged)
 
 
 def write_in_order(

@@ -41,14 +41,17 @@ from trainkit.checkpoint.kept import (
     run_folder_of,
 )
 from trainkit.checkpoint.payload import (
+    MAX_ITEM_DEPTH,
+    finished_run,
     is_running_mean,
     item_states_for_rank,
     last_payload,
     mid_epoch_state,
     rank_items_state,
+    world_change_refusal,
 )
 from trainkit.checkpoint.pt_files import RunFiles
-from trainkit.checkpoint.remote import Anchor, RemoteTier, Upload, published_files
+from trainkit.checkpoint.remote import Anchor, RemoteTier, Upload, published_files, remove_transfer_leftovers
 from trainkit.checkpoint.remote_manifest import folder_name
 from trainkit.checkpoint.storage import BestWeights, FileStorage, SaveRequest, ShardedStorage, Storage
 from trainkit.config import CkptConfig, Config, changed_on_resume, render_value, strip_secrets
@@ -68,6 +71,7 @@ from trainkit.messages import say, warn_user
 from trainkit.run.folder import same_directory
 from trainkit.run.journal import JsonlSink
 from trainkit.state.digest import state_digest
+from trainkit.state.graph import check_state_graph
 from trainkit.state.modules import load_module_state, restore_training_modes, training_modes
 from trainkit.state.rng import capture_rng, reshard_seed, restore_rng, seed_everything
 
@@ -97,6 +101,35 @@ def load_item(obj: Any, state: Any) -> None:
         load_module_state(obj, state)
     else:
         obj.load_state_dict(state)
+
+
+def _checked_item_states(registry: core.CkptRegistry) -> tuple[dict[str, Any], CheckpointUnsafeError | None]:
+    """Every registered item's state but the modules' and optimizers' (torch's own), each checked by
+    :func:`~trainkit.state.graph.check_state_graph` (no cycle, a depth a resume reads back, bounded size), with the
+    first refusal (None when all pass).
+
+    Checked on every rank before anything of the save is gathered or written; the later walks over the states
+    (digest, copy, size, the loadable check) then meet no cycle, and visit each shared part once.
+    """
+    states: dict[str, Any] = {}
+    for name, obj in registry.items.items():
+        if isinstance(obj, (nn.Module, torch.optim.Optimizer)):
+            continue
+        state = obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
+        try:
+            check_state_graph(name, state, owner=f"checkpoint item {name!r}", max_depth=MAX_ITEM_DEPTH)
+        except CheckpointUnsafeError as exc:
+            return states, exc
+        states[name] = state
+    return states, None
+
+
+def _raise_refused(refusals: list[CheckpointUnsafeError | None]) -> None:
+    """Raise on every rank when a rank's item states were refused: that rank's refusal, said as its."""
+    for rank, refused in enumerate(refusals):
+        if refused is not None:
+            message = f"rank {rank}: {refused}" if len(refusals) > 1 else str(refused)
+            raise CheckpointUnsafeError(message, refused.type_name, refused.location)
 
 
 @attrs.frozen(kw_only=True)
@@ -233,6 +266,8 @@ class Checkpointer:
         error: BaseException | None = None
         try:
             self._files.claim()
+            if self._files.writes:  # rank 0 holds the folder now, and no rank staged anything yet
+                remove_transfer_leftovers(self._files.out_dir)
             if self._remote is not None:
                 self._remote.acquire()
         except OutDirError as exc:
@@ -280,17 +315,9 @@ class Checkpointer:
         if starting:
             self._record_lineage(lineage, int(ckpt["step"]))
         self._resumed = path
-        val = cfg.val
-        records = core.reconcile(
-            core.LoopState.from_dict(ckpt["loop"]),
-            core.BestState.from_dict(ckpt["best"]) if ckpt.get("best") is not None else None,
-            core.PatienceState.from_dict(ckpt["patience"]) if ckpt.get("patience") is not None else None,
-            epochs=cfg.epochs,
-            max_steps=cfg.max_steps,
-            val_patience=val.patience,
-            start_patience=val.start_patience,
-            min_delta=val.min_delta,
-        )
+        records = self._reconcile(ckpt, cfg)
+        if records.more and finished_run(ckpt):  # the readers let a finished run's file through: it continues here
+            self._refuse_world_change(ckpt, path)
         if records.notes:
             warn_user(f"resuming {path}: " + "; ".join(records.notes))
         if not quiet:
@@ -371,7 +398,24 @@ class Checkpointer:
                 f"{manifest.step})"
             )
         self._check_config(ckpt, path, cfg)
+        if finished_run(ckpt) and self._reconcile(ckpt, cfg).more:  # as load() refuses it, before the publish
+            self._refuse_world_change(ckpt, path)
         return ckpt, path
+
+    @staticmethod
+    def _reconcile(ckpt: Mapping[str, Any], cfg: Config) -> core.Resumed:
+        """A checkpoint's records reconciled with the config (:func:`~trainkit.bookkeeping.reconcile`)."""
+        val = cfg.val
+        return core.reconcile(
+            core.LoopState.from_dict(ckpt["loop"]),
+            core.BestState.from_dict(ckpt["best"]) if ckpt.get("best") is not None else None,
+            core.PatienceState.from_dict(ckpt["patience"]) if ckpt.get("patience") is not None else None,
+            epochs=cfg.epochs,
+            max_steps=cfg.max_steps,
+            val_patience=val.patience,
+            start_patience=val.start_patience,
+            min_delta=val.min_delta,
+        )
 
     def _anchor(self, local: Mapping[str, Any] | None) -> Anchor | None:
         """What a remote checkpoint must descend from: the local checkpoint, else the run folder's lineage record
@@ -408,6 +452,16 @@ class Checkpointer:
             atomic_write_bytes(json.dumps(record).encode(), path)
         except OSError as exc:  # a directory planted there, say: a clear error, nothing else changed
             raise OutDirError(f"{path} cannot be written ({exc}); move it away") from None
+
+    def _refuse_world_change(self, ckpt: dict[str, Any], path: Path) -> None:
+        """Refuse to continue, on this number of processes, a finished run that cannot resume here (the readers
+        refuse an unfinished one as they read it)."""
+        refusal = world_change_refusal(ckpt, self._world_size)
+        if refusal is not None:
+            raise CheckpointMismatchError(
+                f"{path} was written by a run with world_size={ckpt['world_size']}, this run has "
+                f"world_size={self._world_size} and continues it: {refusal} (or start fresh with ckpt.resume=never)"
+            )
 
     def rollback_resume(self, cfg: Config, first_bad_step: int) -> Resume | None:
         """The newest checkpoint written before optimizer step ``first_bad_step``, loaded (the divergence guard's
@@ -663,11 +717,16 @@ class Checkpointer:
         changed, self._best_changed = self._best_changed, False
         if not self._ckpt.enable:
             return None
+        states, refused = _checked_item_states(registry)
+        if refused is not None and self._world_size == 1:
+            raise refused
         self._remote_saves += 1
         uploaded = self._remote.report() if self._remote is not None and self._remote_token is not None else None
-        shares = self._item_shares(registry)
+        shares = self._item_shares(states) if refused is None else None
         state = {"rng": capture_rng(), "position": record.rank_position, "remote": uploaded, "items": shares}
+        state["refused"] = refused
         gathered = dist_utils.all_gather_objects(state)  # also carries each rank's sharded upload, for the commit
+        _raise_refused([rank_state["refused"] for rank_state in gathered])
         self._remote_reports([rank_state["remote"] for rank_state in gathered])
         self._set_damaged_aside()  # every rank is here, past any read of it
         rng = [state["rng"] for state in gathered]
@@ -694,7 +753,7 @@ class Checkpointer:
         )
         return self._storage.save(request)
 
-    def _item_shares(self, registry: core.CkptRegistry) -> dict[str, dict[str, Any]] | None:
+    def _item_shares(self, states: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
         """This rank's digest of every registered item's state but the modules and optimizers (replicated by DDP,
         sharded by FSDP: never hashed), and the state of each running mean among them; None on one process.
 
@@ -702,10 +761,7 @@ class Checkpointer:
         if self._world_size == 1:
             return None
         digests, means = {}, {}
-        for name, obj in registry.items.items():
-            if isinstance(obj, (nn.Module, torch.optim.Optimizer)):
-                continue
-            state = obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
+        for name, state in states.items():
             digests[name] = state_digest(state)
             if is_running_mean(state):
                 means[name] = state
@@ -758,6 +814,7 @@ class Checkpointer:
                 run_id=record.run_id,
                 description=description,
                 policy=self._kept.policy(minimize),
+                minimize=minimize,
                 folder=shared,
                 commits=shared is None,
                 lineage=self._lineage,
@@ -838,9 +895,17 @@ class Checkpointer:
         self._storage.wait_local()
 
     def abandon(self) -> None:
-        """Let a background save end without raising or publishing a sharded one (this run is failing)."""
+        """Let a background save end without raising or publishing a sharded one (this run is failing), then give
+        this rank's upload of the checkpoint it published last up to ``ckpt.remote_wait_s``, as at a normal end (it
+        needs no other rank; a sharded one is committed only with every rank's report, so it stays uncommitted).
+        Never raises: the run's own failure is what propagates."""
         self._readers["file"].abandon()
         self._readers["sharded"].abandon()
+        if self._remote is not None:
+            try:
+                self._remote.finish()
+            except Exception as exc:  # noqa: BLE001 - never in the way of the failure that ends the run
+                warn_user(f"ckpt.remote={self._remote.url}: could not wait for the last upload ({exc})")
 
     def finish(self) -> None:
         """At the end of a run: publish a background save (every rank) and free what saves kept between them."""

@@ -20,7 +20,7 @@ import attrs
 
 from trainkit.bookkeeping import BestState
 from trainkit.checkpoint import dcp as sharded
-from trainkit.checkpoint.payload import validate_best, validate_last, world_change_refusal
+from trainkit.checkpoint.payload import finished_run, validate_best, validate_last, world_change_refusal
 from trainkit.errors import CheckpointCorruptError, CheckpointMismatchError
 from trainkit.messages import warn_user
 
@@ -89,7 +89,7 @@ class ShardedFiles:
             if ckpt is not None:
                 if problems and self.rank == 0:
                     warn_user(f"{problems[-1]}; resuming from the previous checkpoint {candidate} instead")
-                refusal = world_change_refusal(ckpt, self.world_size)
+                refusal = None if finished_run(ckpt) else world_change_refusal(ckpt, self.world_size)
                 if refusal is not None:
                     raise CheckpointMismatchError(
                         f"{candidate} was written by {ckpt['world_size']} processes and this run has "

@@ -42,6 +42,7 @@ __all__ = [
     "best_payload",
     "mid_epoch_state",
     "world_change_refusal",
+    "finished_run",
     "is_running_mean",
     "rank_items_state",
     "item_states_for_rank",
@@ -636,6 +637,22 @@ def mid_epoch_state(position: EpochPosition, ranks: list[dict[str, Any]]) -> dic
     :returns: ``{"position": ..., "ranks": [...]}``.
     """
     return {"position": position.to_dict(), "ranks": ranks}
+
+
+def finished_run(ckpt: dict[str, Any]) -> bool:
+    """Whether a checkpoint (validated) is a finished run's: its loop records why it stopped.
+
+    A reader does not refuse such a checkpoint for another world size (:func:`world_change_refusal`): rerun as it
+    was, the run only says it has finished and returns its results, on any number of processes; the checkpointer
+    refuses it once the config is known to continue it (a raised ``epochs`` or ``max_steps``).
+
+    >>> finished_run({"loop": {"epoch": 3, "stop_reason": "max_epochs"}}), finished_run({"loop": {"epoch": 1}})
+    (True, False)
+
+    :param ckpt: The checkpoint's engine entries.
+    :returns: Whether its run had finished.
+    """
+    return ckpt["loop"].get("stop_reason") is not None
 
 
 def world_change_refusal(ckpt: dict[str, Any], world_size: int) -> str | None:

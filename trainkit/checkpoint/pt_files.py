@@ -20,7 +20,13 @@ import attrs
 from trainkit import checkpoint as ckpt_io
 from trainkit.bookkeeping import BestState
 from trainkit.checkpoint.async_save import AsyncCheckpointWriter, StagingBuffers, SyncCheckpointWriter
-from trainkit.checkpoint.payload import SCHEMA_VERSION, validate_best, validate_last, world_change_refusal
+from trainkit.checkpoint.payload import (
+    SCHEMA_VERSION,
+    finished_run,
+    validate_best,
+    validate_last,
+    world_change_refusal,
+)
 from trainkit.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, OutDirError
 from trainkit.files.bounded_read import UnreadableFile, open_regular
 from trainkit.messages import warn_user
@@ -275,7 +281,7 @@ def _check_compatible(ckpt: Mapping[str, Any], path: Path, world_size: int) -> N
             f"{path} has checkpoint schema version {version}, newer than this trainkit's "
             f"{SCHEMA_VERSION}; upgrade trainkit to resume it"
         )
-    refusal = world_change_refusal(dict(ckpt), world_size)
+    refusal = None if finished_run(dict(ckpt)) else world_change_refusal(dict(ckpt), world_size)
     if refusal is not None:
         raise CheckpointMismatchError(
             f"{path} was written by a run with world_size={ckpt.get('world_size')}, this run has "

@@ -15,13 +15,15 @@ The protocol (see ``docs/remote.rst``):
 - **Retention.** After each commit, the committed folders are described as the local kept checkpoints are and
   :func:`~trainkit.bookkeeping.retain` decides which stay (never the newest).
 - **Lease.** One run writes under a prefix: :data:`~trainkit.checkpoint.remote_manifest.LEASE` is created with a
-  conditional create (S3 ``If-None-Match: *``, fsspec ``mode="create"``) and renewed by the uploader every third
-  of ``ckpt.remote_lease_s``; a lease not renewed for that long may be taken over.
+  conditional create and renewed by the uploader every third of ``ckpt.remote_lease_s``; a lease not renewed for
+  that long may be taken over. A takeover or renewal replaces the lease only if it is still the object read
+  (S3 ``If-Match`` on its ETag; a file system: rename aside, check, hard-link a new one; memory: a lock).
 - **Sharded.** Every rank uploads its own files of a sharded save into one folder (named alike on every rank);
   rank 0 writes the commit record once every rank reported its upload done (:meth:`RemoteTier.report`, gathered
   by the next save's collective or at the run's end; :meth:`RemoteTier.commit_reports`).
 - **Faults.** A failed upload is retried with backoff a few times, warned about once, and superseded by the next
-  checkpoint; nothing here raises into the loop after the start.
+  checkpoint; a failed deletion of retention is warned about once and tried again after the next commit (the
+  commit stands); nothing here raises into the loop after the start.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import threading
 import time
 import zlib
@@ -65,10 +68,19 @@ from trainkit.files.durable import fsync_directory
 from trainkit.files.weights_only_load import load_checkpoint
 from trainkit.messages import say, warn_user
 
-__all__ = ["RemoteTier", "Upload", "Anchor", "Fetched", "open_store", "STAGING_DIR", "FETCH_PREFIX"]
+__all__ = [
+    "RemoteTier",
+    "Upload",
+    "Anchor",
+    "Fetched",
+    "open_store",
+    "remove_transfer_leftovers",
+    "STAGING_DIR",
+    "FETCH_PREFIX",
+]
 
 STAGING_DIR = ".remote-staging"
-"""The folder under ``out_dir`` where handed-over files wait (hard links) for their upload."""
+"""The folder under ``out_dir`` where handed-over files wait (hard links) for their upload, in a folder per rank."""
 FETCH_PREFIX = ".remote-fetch-"
 """The prefix of the folder under ``out_dir`` where a remote checkpoint is downloaded and verified."""
 CHUNK = 8 << 20
@@ -83,6 +95,29 @@ ATTEMPTS = 4
 """Tries per upload before it is given up (the next checkpoint supersedes it)."""
 BACKOFF_S = 0.5
 """The first retry's delay; each next one doubles it."""
+
+
+def remove_transfer_leftovers(out_dir: Path) -> list[Path]:
+    """Remove what killed runs left in ``out_dir``: staged files (``.remote-staging/``, hard links of dead
+    checkpoints) and downloads (``.remote-fetch-*``). Links are removed, never followed.
+
+    Call it only while holding ``out_dir``'s lock, before any rank stages (rank 0, when the run claims the folder):
+    a live run's files are never touched.
+
+    :param out_dir: The run folder.
+    :returns: What was removed.
+    """
+    removed = []
+    for path in [out_dir / STAGING_DIR, *out_dir.glob(f"{FETCH_PREFIX}*")]:
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    return removed
 
 
 def open_store(url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
@@ -124,6 +159,8 @@ class Upload:
     :ivar run_id: The W&B run id.
     :ivar description: The checkpoint as retention sees it.
     :ivar policy: The retention policy (``ckpt.keep``) the remote folders are kept by.
+    :ivar minimize: The run's ``val.minimize``: recorded in the commit record, for ``retain URL``'s ``best`` rules
+        (None: not known).
     :ivar folder: The remote folder's name (every rank's shards of a sharded save go into one); None: a fresh one.
     :ivar commits: Write the commit record after the upload (a sharded save's is written by rank 0 once every
         rank reported its shards uploaded, :meth:`RemoteTier.commit_reports`).
@@ -138,6 +175,7 @@ class Upload:
     run_id: str | None
     description: core.Checkpoint
     policy: Any
+    minimize: bool | None = None
     folder: str | None = None
     commits: bool = True
     lineage: core.Lineage | None = None
@@ -229,6 +267,7 @@ class RemoteTier:
         """The URL as shown in messages (credentials masked)."""
         self._fs, self._root = fs, root
         self._out_dir = out_dir
+        self._staging = out_dir / STAGING_DIR / f"rank-{rank}"  # each rank's own: out_dir is shared when sharded
         self._lease_s, self._wait_s = lease_s, wait_s
         self._holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self._cond = threading.Condition()
@@ -236,6 +275,7 @@ class RemoteTier:
         self._busy = False
         self._stopping = False
         self._warned = False
+        self._retention_warned = False
         self._committed_step: int | None = None
         self._newest_step: int | None = None  # the newest step an upload started for
         self._lost_step: int | None = None  # the newest step given up on
@@ -285,47 +325,145 @@ class RemoteTier:
         except FileNotFoundError:
             return None
 
+    def _store(self) -> str:
+        """Which lease mechanism the store has: ``"s3"`` (conditional puts), ``"local"`` (a file system: renames and
+        hard links), ``"memory"`` (one process: a lock) or ``"other"`` (no conditional write known)."""
+        from fsspec.implementations.local import LocalFileSystem
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        protocols = self._fs.protocol if isinstance(self._fs.protocol, tuple | list) else (self._fs.protocol,)
+        if "s3" in protocols:
+            return "s3"
+        if isinstance(self._fs, LocalFileSystem):
+            return "local"
+        return "memory" if isinstance(self._fs, MemoryFileSystem) else "other"
+
+    def _new_lease(self) -> bytes:
+        return lease_bytes(Lease(holder=self._holder, expires=time.time() + self._lease_s))
+
     def _create_lease(self) -> bool:
-        data = lease_bytes(Lease(holder=self._holder, expires=time.time() + self._lease_s))
+        """Create the lease if there is none, in one step of the store (see :meth:`_store`): True when created."""
+        path, data, store = self._path(LEASE), self._new_lease(), self._store()
+        if store == "local":
+            created = _link_new(path, data)
+        elif store == "memory":
+            with _MEMORY_LEASES:
+                created = not self._fs.exists(path)
+                if created:
+                    self._fs.pipe_file(path, data)
+        else:
+            try:
+                self._fs.pipe_file(path, data, mode="create")
+                created = True
+            except FileExistsError:
+                created = False
+            except (TypeError, NotImplementedError):  # no conditional create: check, write, read back (a race remains)
+                if self._read_lease() is not None:
+                    return False
+                self._fs.pipe_file(path, data)
+                held = self._read_lease()
+                created = held is not None and held.holder == self._holder
+        if created:
+            self._renewed = time.monotonic()
+        return created
+
+    def _lease_version(self) -> tuple[Lease | None, Any]:
+        """The lease now and a token of the very object read (S3: its ETag; a file system: its inode), taken before
+        the read: the token is never newer than the lease, so a write conditional on it fails on any change."""
+        path = self._path(LEASE)
+        self._fs.invalidate_cache(path)
         try:
-            self._fs.pipe_file(self._path(LEASE), data, mode="create")
-        except FileExistsError:
-            return False
-        except (TypeError, NotImplementedError):  # no conditional create: check, write, read back (a race remains)
-            if self._read_lease() is not None:
+            info = self._fs.info(path)
+        except FileNotFoundError:
+            return None, None
+        return self._read_lease(), info.get("ETag") if "ETag" in info else info.get("ino")
+
+    def _replace_lease(self, seen: Lease, version: Any) -> bool:
+        """Write this run's lease over the one read (``seen``, of ``version``) only if it is still that object: a
+        takeover of an expired lease, or a renewal of this run's own. True when written.
+
+        S3: a put with ``If-Match`` on the ETag. A file system: the old lease renamed aside (of two runs, one
+        renames it), checked to be the one read (else put back), then this run's created (:func:`_link_new`).
+        memory://: check and write under one process lock. Other stores: a check right before the write only.
+        """
+        path, store = self._path(LEASE), self._store()
+        if store == "s3":
+            if not isinstance(version, str):  # no ETag to condition on: never an unconditional overwrite
                 return False
-            self._fs.pipe_file(self._path(LEASE), data)
-            held = self._read_lease()
-            return held is not None and held.holder == self._holder
+            try:
+                self._fs.pipe_file(path, self._new_lease(), IfMatch=version)
+            except FileNotFoundError:  # deleted meanwhile: the caller creates one, or is refused
+                return False
+            except OSError as exc:
+                if _precondition_failed(exc):
+                    return False
+                raise
+        elif store == "local":
+            return _remove_if_read(path, seen, version) and self._create_lease()
+        elif store == "memory":
+            with _MEMORY_LEASES:
+                if self._read_lease() != seen:
+                    return False
+                self._fs.pipe_file(path, self._new_lease())
+        else:
+            if self._read_lease() != seen:  # no conditional write: the window is this check to the write
+                return False
+            self._fs.pipe_file(path, self._new_lease())
         self._renewed = time.monotonic()
         return True
 
-    def acquire(self, *, uploads: bool = True) -> None:
-        """Take the prefix for this run (an expired lease is taken over), delete uncommitted leftovers, and start
-        the uploader (unless ``uploads`` is False: ``retain`` holds the lease only to delete).
+    def _release(self) -> None:
+        """Delete this run's lease, conditionally on it being the object read (as :meth:`_replace_lease`): a
+        successor's lease, taken over meanwhile, is never deleted."""
+        held, version = self._lease_version()
+        if held is None or held.holder != self._holder:
+            return
+        path, store = self._path(LEASE), self._store()
+        if store == "s3" and isinstance(version, str):  # s3fs's rm_file takes no condition: the client's call does
+            bucket, key, _ = self._fs.split_path(path)
+            self._fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=version)
+            self._fs.invalidate_cache(path)
+        elif store == "local":
+            _remove_if_read(path, held, version)
+        elif store == "memory":
+            with _MEMORY_LEASES:
+                if self._read_lease() == held:
+                    self._fs.rm_file(path)
+        else:
+            self._fs.rm_file(path)
 
-        :raises OutDirError: When another run holds it, naming the prefix, the holder and when it expires.
+    def acquire(self, *, uploads: bool = True) -> None:
+        """Take the prefix for this run (an expired lease is taken over, conditionally on the very object read),
+        delete uncommitted leftovers and start the uploader (unless ``uploads`` is False: ``retain`` holds the lease
+        only to delete, and deletes the leftovers itself).
+
+        :raises OutDirError: When another run holds it (or took the expired lease first), naming the prefix, the
+            holder and when it expires.
         """
         if self._rank != 0:  # rank 0 holds the prefix for the run
             self._start(uploads)
             return
         self._fs.makedirs(self._root, exist_ok=True)
-        for _ in range(2):
+        for _ in range(3):
             if self._create_lease():
                 break
-            held = self._read_lease()
+            held, version = self._lease_version()
             if held is not None and not held.expired(time.time()):
                 until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(held.expires))
                 raise OutDirError(
                     f"ckpt.remote={self.url} is held by another run ({held.holder}) until {until} unless it renews "
                     "its lease; one run writes under a prefix: wait for it to end, or use another prefix"
                 )
-            with contextlib.suppress(FileNotFoundError):
-                self._fs.rm_file(self._path(LEASE))  # expired: its run is gone
+            if held is not None and self._replace_lease(held, version):  # expired: its run is gone
+                break
         else:
             raise OutDirError(f"ckpt.remote={self.url}: another run took the expired lease first; try again")
         self._held = True
-        self._remove_uncommitted()
+        if uploads:  # ``retain`` deletes them among the rest, and says what it could not
+            try:
+                self._remove_uncommitted()
+            except OutDirError as exc:  # the next commit's retention deletes them
+                self._warn_retention(str(exc))
         self._start(uploads)
 
     def _start(self, uploads: bool) -> None:
@@ -340,15 +478,17 @@ class RemoteTier:
             self._warn(f"the lease could not be renewed ({type(exc).__name__}: {exc})")
 
     def _renew(self) -> None:
-        held = self._read_lease()
-        if held is not None and held.holder != self._holder:
+        held, version = self._lease_version()
+        renewed = (
+            self._create_lease()  # gone (deleted by hand): this run's again, unless another took the prefix
+            if held is None
+            else held.holder == self._holder and self._replace_lease(held, version)
+        )
+        if not renewed:
             self._held = False  # this run stalled past its lease and another took the prefix: it writes no more
             self._evicted = True
-            raise OutDirError(f"the lease was taken over by {held.holder}; this run uploads nothing more")
-        self._fs.pipe_file(
-            self._path(LEASE), lease_bytes(Lease(holder=self._holder, expires=time.time() + self._lease_s))
-        )
-        self._renewed = time.monotonic()
+            holder = held.holder if held is not None else "another run"
+            raise OutDirError(f"the lease was taken over by {holder}; this run uploads nothing more")
 
     # ------------------------------------------------------------------ hand-over and upload
 
@@ -360,7 +500,7 @@ class RemoteTier:
             folder; only the first ``size`` bytes go (None: the whole file). A missing file is left out.
         :param make_upload: Builds the upload from ``staged=`` (the folder) and ``files=`` (``(name, size)`` pairs).
         """
-        staged = self._out_dir / STAGING_DIR / secrets.token_hex(8)
+        staged = self._staging / secrets.token_hex(8)
         listed = []
         try:
             for path, name, size in files:
@@ -448,19 +588,13 @@ class RemoteTier:
                     self._cond.notify_all()
 
     def _upload_with_retries(self, job: Upload) -> None:
+        uploaded = None
         try:
             for attempt in range(ATTEMPTS):
                 try:
                     started = time.perf_counter()
-                    own, objects = self._upload(job)
-                    if not job.commits:  # rank 0 commits once every rank reported its shards up
-                        with self._cond:
-                            self._uploaded = (own, objects)
-                        return
-                    self.last_upload_s = time.perf_counter() - started
-                    self._committed_step = job.step
-                    self._retain(job, own)
-                    return
+                    uploaded = self._upload(job)
+                    break
                 except Exception as exc:  # noqa: BLE001 - retried, then warned
                     self._warn(f"uploading step {job.step} failed ({type(exc).__name__}: {exc}); retrying")
                     with self._cond:  # the backoff ends early for a newer checkpoint or the run's end
@@ -468,18 +602,27 @@ class RemoteTier:
                             lambda: self._queued is not None or self._stopping, timeout=BACKOFF_S * 2**attempt
                         ):
                             break
-            self._lost_step = job.step
         finally:
             shutil.rmtree(job.staged, ignore_errors=True)
+        if uploaded is None:
+            self._lost_step = job.step
+        elif not job.commits:  # rank 0 commits once every rank reported its shards up
+            with self._cond:
+                self._uploaded = uploaded
+        else:  # committed: whatever retention does now, this upload is done
+            self.last_upload_s = time.perf_counter() - started
+            self._committed_step = job.step
+            self._retain(job, uploaded[0])
 
     def _commit_sharded(self, commit: _Commit) -> None:
         try:
             self._write_manifest(commit.upload, commit.folder, commit.objects)
-            self._committed_step = commit.upload.step
-            self._retain(commit.upload, commit.folder)
         except Exception as exc:  # noqa: BLE001 - the next save's commit supersedes it
             self._warn(f"committing step {commit.upload.step} failed ({type(exc).__name__}: {exc})")
             self._lost_step = commit.upload.step
+            return
+        self._committed_step = commit.upload.step
+        self._retain(commit.upload, commit.folder)
 
     def _upload(self, job: Upload) -> tuple[str, tuple[RemoteObject, ...]]:
         """Upload a staged checkpoint into its folder, its commit record last (unless a sharded rank's share).
@@ -524,10 +667,16 @@ class RemoteTier:
                 "epoch_end": described.epoch_end,
                 "time": described.time,
                 "scores": {metric: value for metric, value in described.scores.items() if math.isfinite(value)},
+                "minimize": job.minimize,
             },
             lineage=job.lineage,
         )
         self._fs.pipe_file(self._path(own, MANIFEST), manifest_bytes(manifest))  # the commit: written last
+
+    def _warn_retention(self, text: str) -> None:
+        if not self._retention_warned:  # once per run: the next commit's retention tries again
+            self._retention_warned = True
+            warn_user(f"{text}; the checkpoints are committed, and retention tries again after the next commit")
 
     def _warn(self, text: str) -> None:
         if not self._warned:  # once per run: a store that is down would otherwise warn at every checkpoint
@@ -641,20 +790,44 @@ class RemoteTier:
         return {by_step[step]: why for step, why in reasons.items() if why}, doomed
 
     def delete(self, names: list[str]) -> None:
-        """Delete remote folders (under the lease: only the holder deletes).
+        """Delete remote folders (under the lease: only the holder deletes); one that cannot be deleted does not stop
+        the others.
 
         :param names: Folder names under the prefix.
+        :raises OutDirError: When some could not be deleted (after every other one was): one line naming the first
+            folder and its cause, and listing the folders left.
         """
+        failed: list[tuple[str, Exception]] = []
         for name in names:
             self._manifests.pop(name, None)
-            with contextlib.suppress(FileNotFoundError):  # the commit record first: no reader takes a folder half gone
-                self._fs.rm_file(self._path(name, MANIFEST))
-            with contextlib.suppress(FileNotFoundError):  # gone already: the goal
-                self._fs.rm(self._path(name), recursive=True)
+            try:
+                with contextlib.suppress(FileNotFoundError):  # the commit record first: no reader takes half a folder
+                    self._fs.rm_file(self._path(name, MANIFEST))
+                with contextlib.suppress(FileNotFoundError):  # gone already: the goal
+                    self._fs.rm(self._path(name), recursive=True)
+            except Exception as exc:  # noqa: BLE001 - any store error: the other folders are still deleted
+                failed.append((name, exc))
+        if failed:
+            name, exc = failed[0]
+            cause = redact_text(f"{type(exc).__name__}: {exc}".strip().splitlines()[0])
+            left = ", ".join(n for n, _ in failed)
+            raise OutDirError(
+                f"ckpt.remote={self.url}: could not delete {name} ({cause}); {len(names) - len(failed)} of "
+                f"{len(names)} folders deleted, left: {left}"
+            )
 
     def _retain(self, job: Upload, own: str) -> None:
-        history = (job.lineage, job.step) if job.lineage else None
-        self.delete(self.plan(job.policy, newest=job.step, prefer=own, history=history)[1])
+        """Apply the run's retention after a commit; a failure is warned about once and retried after the next."""
+        try:
+            history = (job.lineage, job.step) if job.lineage else None
+            self.delete(self.plan(job.policy, newest=job.step, prefer=own, history=history)[1])
+        except Exception as exc:  # noqa: BLE001 - the commit stands: retention is not the upload
+            text = (
+                str(exc)
+                if isinstance(exc, OutDirError)
+                else f"ckpt.remote={self.url}: retention failed ({type(exc).__name__}: {exc})"
+            )
+            self._warn_retention(text)
 
     # ------------------------------------------------------------------ resuming
 
@@ -840,10 +1013,75 @@ class RemoteTier:
         if self._held:
             self._held = False
             with contextlib.suppress(Exception):  # best effort: an unreleased lease expires on its own
-                held = self._read_lease()
-                if held is not None and held.holder == self._holder:
-                    self._fs.rm_file(self._path(LEASE))
-        shutil.rmtree(self._out_dir / STAGING_DIR, ignore_errors=True)
+                self._release()
+        shutil.rmtree(self._staging, ignore_errors=True)  # this rank's only: another rank may still upload
+        with contextlib.suppress(OSError):
+            (self._out_dir / STAGING_DIR).rmdir()  # the last rank out removes the folder
+
+
+_MEMORY_LEASES = threading.Lock()
+"""memory:// lives in one process: this lock makes a lease's check and write on it one step."""
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """Whether a store's error says that a conditional write's condition did not hold (S3: 412, or 409 for a
+    conditional write that raced another)."""
+    response = getattr(exc.__cause__, "response", None)
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    return code in {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
+
+
+def _link_new(path: str, data: bytes) -> bool:
+    """Create the file ``path`` holding ``data`` unless one exists, in one step: the bytes go into a private temp
+    file, then a hard link gives them the name (a link never replaces a file, and no reader sees a torn lease).
+
+    :returns: Whether it was created.
+    """
+    temp = f"{path}.{secrets.token_hex(8)}.new"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        try:
+            os.link(temp, path)
+        except FileExistsError:
+            return False
+        except OSError:  # a file system without hard links: an exclusive create (a reader may see it half written)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+        return True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+
+
+def _remove_if_read(path: str, seen: Lease, inode: Any) -> bool:
+    """Remove the lease file ``path`` if it is still the one read (``seen``, of inode ``inode``), in one step of the
+    file system: it is renamed aside (of two runs taking one lease over, one renames it), then checked; one that
+    changed meanwhile (renewed, or another run's) is put back.
+
+    :returns: Whether it was removed (the caller may then create its own, exclusively).
+    """
+    aside = f"{path}.{secrets.token_hex(8)}.old"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False
+    info = os.lstat(aside)
+    if not stat.S_ISREG(info.st_mode):  # no lease a run wrote (unreadable, so expired): left aside, never followed
+        return True
+    fd = os.open(aside, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as handle:
+        moved = parse_lease(handle.read(MAX_MANIFEST_BYTES))
+    if info.st_ino != inode or moved != seen:
+        with contextlib.suppress(FileExistsError):  # back where it was, unless a new one is there already
+            os.link(aside, path)
+    os.unlink(aside)
+    return info.st_ino == inode and moved == seen
 
 
 _SHARD = re.compile(r"__(\d+)_\d+\.distcp")

@@ -141,7 +141,11 @@ def _description(value: Any) -> dict[str, Any]:
     seconds = value.get("time", 0.0)
     if not isinstance(seconds, int | float) or isinstance(seconds, bool) or not math.isfinite(seconds):
         raise CheckpointUnsafeError(f"remote manifest: description.time must be a number, got {seconds!r:.80}")
-    return {"epoch_end": bool(value.get("epoch_end", True)), "time": float(seconds), "scores": dict(scores)}
+    minimize = value.get("minimize")  # absent in records written before it was recorded: not known
+    if minimize is not None and not isinstance(minimize, bool):
+        raise CheckpointUnsafeError(f"remote manifest: description.minimize must be a bool, got {minimize!r:.80}")
+    described = {"epoch_end": bool(value.get("epoch_end", True)), "time": float(seconds), "scores": dict(scores)}
+    return described if minimize is None else {**described, "minimize": minimize}
 
 
 def _lineage(value: Any) -> Lineage | None:
@@ -163,7 +167,8 @@ class Manifest:
     :ivar objects: Every object of the folder but the manifest.
     :ivar run_id: The W&B run id it belongs to (None without one).
     :ivar version: The trainkit version that wrote it.
-    :ivar description: How retention sees it: ``epoch_end``, ``time`` and ``scores`` (plain values).
+    :ivar description: How retention sees it: ``epoch_end``, ``time`` and ``scores`` (plain values), and the run's
+        ``val.minimize`` as ``minimize`` (absent in records written before it was recorded, or when not known).
     :ivar lineage: The history of lives the checkpoint belongs to (:func:`~trainkit.bookkeeping.in_history`); None in a
         record written before trainkit recorded it.
     """

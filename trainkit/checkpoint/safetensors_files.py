@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shutil
-import stat
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from decimal import Decimal, InvalidOperation
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from trainkit import checkpoint as ckpt_io
+from trainkit.checkpoint.export_target import check_out
 from trainkit.errors import CheckpointError, ConfigError
 from trainkit.state.modules import canonical_name
 
@@ -53,7 +53,6 @@ INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 5_000_000_000
 """The hub's default shard size, 5GB (``huggingface_hub``'s ``MAX_SHARD_SIZE``)."""
 
-_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _UNITS = {
     "": 1,
     "B": 1,
@@ -209,54 +208,6 @@ def unique_storages(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torc
     return kept, aliases
 
 
-def _export_file(name: str) -> bool:
-    return name in (SINGLE_FILE, INDEX_FILE) or _SHARD_NAME.fullmatch(name) is not None
-
-
-def check_out(out: str | os.PathLike[str], *, overwrite: bool) -> None:
-    """Refuse an ``out`` that an export must not write: what is there is never lost unless ``overwrite`` says so.
-
-    Side effects: none; reads ``out``'s ``lstat`` and, for a folder, its entries. ``out`` ending in
-    ``.safetensors`` is a file: it must not exist, or (with ``overwrite``) be a file or a link, which is replaced (a
-    link itself, never what it points to). Any other ``out`` is a folder: it must not exist, or be an empty folder,
-    or (with ``overwrite``) be a folder holding an export's files and nothing else.
-
-    :param out: The file or folder to write.
-    :param overwrite: Whether an existing export there may be replaced.
-    :raises FileExistsError: When ``out`` is there and may not be replaced, saying what to do.
-    """
-    path = Path(out)
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return
-    is_folder = stat.S_ISDIR(info.st_mode)
-    if path.name.endswith(".safetensors"):
-        if is_folder:
-            raise FileExistsError(
-                f"{path} is a folder; name a .safetensors file to write, or a folder without .safetensors"
-            )
-        if not overwrite:
-            raise FileExistsError(f"{path} exists; pass --overwrite (overwrite=True) to replace it")
-        return
-    if not is_folder:
-        raise FileExistsError(
-            f"{path} exists and is not a folder; name a folder to write the hub's layout into, or a path ending in "
-            ".safetensors to write one file"
-        )
-    with os.scandir(path) as listing:
-        entries = list(listing)
-    foreign = [
-        entry.name for entry in entries if not (_export_file(entry.name) and entry.is_file(follow_symlinks=False))
-    ]
-    if entries and (not overwrite or foreign):
-        raise FileExistsError(
-            f"{path} exists and is not an empty folder; --overwrite (overwrite=True) replaces only a folder that "
-            f"holds an export's files alone ({SINGLE_FILE}, model-NNNNN-of-NNNNN.safetensors, {INDEX_FILE})"
-            + (f", and it holds {', '.join(sorted(foreign)[:5])}" if foreign else "")
-        )
-
-
 def require_safetensors() -> Any:
     """Import ``safetensors.torch.save``, or say in one line how to install it.
 
@@ -293,11 +244,13 @@ def write_safetensors(
     :param metadata: The header's text metadata (``"format": "pt"`` for the hub, among the rest).
     :param max_shard_size: The largest shard's tensor bytes; for a ``.safetensors`` file, a limit the tensors must
         fit in.
-    :param overwrite: Replace what an earlier export wrote at ``out`` (:func:`check_out`).
+    :param overwrite: Replace what an earlier export wrote at ``out``
+        (:func:`~trainkit.checkpoint.export_target.check_out`).
     :returns: The files written.
     :raises ImportError: When safetensors is not installed, saying how to get it.
     :raises ConfigError: When a single file would exceed ``max_shard_size``.
-    :raises FileExistsError: When ``out`` may not be written (:func:`check_out`).
+    :raises FileExistsError: When ``out`` may not be written
+        (:func:`~trainkit.checkpoint.export_target.check_out`).
     """
     save = require_safetensors()
     target = Path(out)

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from trainkit.config import Config, redact_argv
 from trainkit.errors import ConfigError
+from trainkit.messages import exit_refused
 
 __all__ = [
     "load_yaml",
@@ -68,8 +69,7 @@ def config_from_argv(
         try:
             return config_from_argv(config_class, sys.argv[1:], defaults)
         except ConfigError as exc:
-            print(f"{Path(sys.argv[0]).name or 'trainkit'}: error: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+            exit_refused(exc)
     data: dict[str, Any] = {}
     _merge(data, defaults or {})
     overrides = []

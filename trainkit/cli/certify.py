@@ -12,11 +12,17 @@ likely cause from :data:`CAUSES`, with its fix.
 
 Every attempt is a real process (``torch.multiprocessing.start_processes`` from a fork server that imported torch
 once), one per rank with ``world_size`` > 1 (a gloo group); the interruption is a global optimizer step post-hook in
-that process (:mod:`trainkit.cli.certify_child`): the user's code is run as it is. Resuming on another number of
-processes (elastic resume) does not exist yet, so certify does not try it.
+that process (:mod:`trainkit.cli.certify_child`): the user's code is run as it is. Every attempt of a run has the
+same ``world_size``: a resume on another number of processes (elastic resume) matches a straight run to rounding
+(another reduction order), not bit for bit, so certify does not check it.
+
+The runs touch none of the user's stores: ``out_dir`` is each run's own folder in the work folder, ``ckpt.resume``
+is ``auto`` (a checkpoint the config names is never read), W&B is ``disabled``, and ``ckpt.remote`` (with its
+``remote_options``) is turned off, so the remote tier is not certified (the report says so when it is set). A
+config subclass's own keys are passed on as they are.
 
 Side effects: runs the trainer in subprocesses, writes the work folder (kept for inspection, never the config's
-``out_dir``), and the ``--json`` report.
+``out_dir`` nor its remote prefix), and the ``--json`` report.
 """
 
 from __future__ import annotations
@@ -285,7 +291,8 @@ class CertifyReport:
     :ivar rows_compared: The ``metrics.jsonl`` rows compared.
     :ivar divergence: The first difference, or None.
     :ivar causes: Its likely causes (empty on PASS).
-    :ivar notes: What the attempts found that a PASS did not need (an unregistered object that did not matter).
+    :ivar notes: What the attempts found that a PASS did not need (an unregistered object that did not matter), and
+        what certify left out (the remote tier).
     :ivar seconds: The wall-clock time certify took.
     :ivar timeout_s: Its bound.
     """
@@ -380,7 +387,34 @@ _RUN_WORDS = (
     "wandb.mode=disabled",
     "progress.enable=false",
 )
-"""What certify sets in every run: a step checkpoint at every step boundary, all of them kept, no W&B, no bars."""
+"""What certify sets in every run: a step checkpoint at every step boundary, all of them kept, resumed from the run's
+own folder only (never a checkpoint ``ckpt.resume`` names), no W&B (nothing online, nothing in a W&B folder of the
+user's), no bars. Each run's ``out_dir`` is its own folder in the work folder (:meth:`_Runs.attempt`)."""
+
+_REMOTE_NOTE = (
+    "ckpt.remote is set, but certify runs without a remote tier: the remote tier was not certified, and nothing under "
+    "that prefix was read or written"
+)
+"""The note a report carries when the config names a remote prefix (the URL is not repeated: it may name more than
+a prefix)."""
+
+
+def _without_user_stores(cfg: Any) -> tuple[Any, tuple[str, ...]]:
+    """The config with every engine key that points at a store of the user's outside certify's work folder turned
+    off, and the notes that say so.
+
+    ``out_dir`` (set per run), ``ckpt.resume`` and ``wandb.mode`` are already certify's (:data:`_RUN_WORDS`); here
+    ``ckpt.remote`` goes, with its ``remote_options``: the user's prefix holds the user's real run, which an upload
+    would mix certify's checkpoints into and a ``resume=auto`` would fetch from (a private prefix would cost a
+    lease wait after each SIGKILL and certify the engine's upload, not the trainer's resume).
+
+    :param cfg: The config certify built from the user's words and its own.
+    :returns: The config for the runs, and the report's notes.
+    """
+    if cfg.ckpt.remote is None:
+        return cfg, ()
+    ckpt = attrs.evolve(cfg.ckpt, remote=None, remote_options={})
+    return attrs.evolve(cfg, ckpt=ckpt), (_REMOTE_NOTE,)
 
 
 def _work_folder(work_dir: str | Path | None, user_out_dir: str) -> Path:
@@ -611,7 +645,8 @@ def certify(
     """Check that a trainer resumed at step boundaries ends bit for bit where it ends run straight through.
 
     Side effects: runs the trainer in subprocesses in a work folder (a new temporary one, or ``work_dir``), keeps
-    it, and writes ``json_path``. The config's ``out_dir`` is never written: each run has its own.
+    it, and writes ``json_path``. None of the config's stores is touched: each run has its own ``out_dir``, resumes
+    from its own folder only, has W&B disabled and no remote tier (``ckpt.remote`` is turned off).
 
     :param target: The trainer class, ``MODULE:Class`` (importable: the module's folder on ``sys.path`` or
         ``PYTHONPATH``).
@@ -651,7 +686,7 @@ def certify(
         # a config with no budget of its own (a script sets it in code): certify's default; other errors raise again
         user_cfg = config_from_argv(config, list(words), defaults={"max_steps": DEFAULT_MAX_STEPS})
     budget = given or _budget_words(user_cfg, None, None)
-    cfg = config_from_argv(config, [*words, *budget, *_RUN_WORDS])
+    cfg, notes = _without_user_stores(config_from_argv(config, [*words, *budget, *_RUN_WORDS]))
     folder = _work_folder(work_dir, user_cfg.out_dir)
     base = {
         "target": target,
@@ -672,7 +707,8 @@ def certify(
         plan = plan_interruptions(total, kill_at=kill_at, term_at=term_at, seed=seed)
         resumes = _run_to_the_end(runs, interrupted, "interrupted", plan)
         divergence, compared, rows = compare_runs(straight, interrupted)
-        causes, notes = _diagnose(runs, folder, divergence, resumes)
+        causes, found = _diagnose(runs, folder, divergence, resumes)
+    notes += found
     kept = len(_kept(straight))
     if kept < total:
         notes += (
@@ -783,8 +819,9 @@ def add_certify_parser(commands: Any) -> None:
         help="check that a trainer's resume is exact: run it straight and interrupted (SIGTERM, SIGKILL), compare",
         description="Run MODULE:Trainer on a small budget in certify's own temporary folders, straight through and "
         "interrupted at step boundaries, and compare the two runs bit for bit. Exit status 0: PASS; 1: the runs "
-        "diverge; 2: bad input, a failed run or --timeout-s. Resuming on another number of processes (elastic) "
-        "does not exist yet and is not checked.",
+        "diverge; 2: bad input, a failed run or --timeout-s. None of the config's stores is touched: out_dir, "
+        "ckpt.resume, W&B and ckpt.remote are replaced by certify's own (no remote tier: it is not certified). "
+        "Every attempt runs on --world-size processes: a resume on another number (elastic) is not checked.",
     )
     parser.add_argument("trainer", help="the trainer class, MODULE:Class (its folder on PYTHONPATH)")
     # everything after the trainer, options among the config words included: certify_main sorts them out

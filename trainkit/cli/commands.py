@@ -119,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
         "--max-shard-size", metavar="SIZE", help="safetensors folder: the largest shard, e.g. 500MB, 5GB (default 5GB)"
     )
     export_parser.add_argument(
-        "--overwrite", action="store_true", help="safetensors: replace an earlier export at OUT (nothing else)"
+        "--overwrite", action="store_true", help="replace an earlier export at OUT (nothing else: never a checkpoint)"
     )
     retain_parser = commands.add_parser("retain", help="apply retention rules to a run folder's kept checkpoints")
     retain_parser.add_argument("out_dir", help="the run's out_dir or ckpt.remote URL (not while a run uses it)")

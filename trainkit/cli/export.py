@@ -71,7 +71,8 @@ def _read(source: Path, item: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _header(payload: dict[str, Any], item: str) -> dict[str, str]:
-    """The safetensors header's metadata: what the weights are, and of which run (text only, as the format wants)."""
+    """An export's header (the safetensors metadata, the torch file's marker): what the weights are, and of which
+    run (text only, as safetensors wants)."""
     try:
         version = dist_metadata.version("trainkit")
     except dist_metadata.PackageNotFoundError:  # run from a source tree that was never installed
@@ -104,17 +105,21 @@ def export_weights(
     ``torch.compile``, none) wrote the checkpoint: DDP's ``module.`` and compile's ``_orig_mod.`` are dropped
     (:func:`~trainkit.checkpoint.safetensors_files.export_names`).
 
-    ``format="torch"`` writes ``{name: tensor}`` with :func:`~trainkit.checkpoint.atomic_save` to the file ``out``
-    (replaced if there): ``model.load_state_dict(torch.load(out))`` takes it. ``format="safetensors"`` writes
+    ``format="torch"`` writes ``{name: tensor}`` (an ``OrderedDict`` marked as an export:
+    :func:`~trainkit.checkpoint.export_target.mark_export`) with :func:`~trainkit.checkpoint.atomic_save` to the file
+    ``out`` (a temp file in its folder, fsynced, renamed into place):
+    ``model.load_state_dict(torch.load(out, weights_only=True))`` takes it. ``format="safetensors"`` writes
     ``out`` ending in ``.safetensors`` as one file, and any other ``out`` as a folder the Hugging Face hub reads
-    (:func:`~trainkit.checkpoint.safetensors_files.write_safetensors`); an existing ``out`` is refused unless
-    ``overwrite`` and it is an earlier export. Each file's header records ``format: pt``, the trainkit version, the
+    (:func:`~trainkit.checkpoint.safetensors_files.write_safetensors`). In both formats an existing ``out`` is
+    refused unless ``overwrite`` and it is an earlier export, and ``out`` is never the checkpoint, inside it, or
+    named as a checkpoint (:func:`~trainkit.checkpoint.export_target.check_out`), all before the checkpoint is read.
+    Each file's header (the torch file's marker) records ``format: pt``, the trainkit version, the
     item, which checkpoint (``last``/``best``), its epoch and step (a best one records no step) and ``config_sha256``
     (:func:`config_sha256` of the config it records); a tied weight is written once, each dropped name recorded as
     ``{dropped: kept}`` as ``safetensors.torch.save_model`` records it (``safetensors.torch.load_model`` loads it
     into a model that ties them).
 
-    Side effects: reads the checkpoint, writes ``out``.
+    Side effects: reads the checkpoint (and, to replace it, an earlier export at ``out``), writes ``out``.
 
     :param checkpoint: The checkpoint directory or file.
     :param out: The file to write, or (safetensors) the folder.
@@ -122,10 +127,11 @@ def export_weights(
     :param format: ``"torch"`` or ``"safetensors"``.
     :param max_shard_size: safetensors only: the largest shard's bytes (``parse_size`` in
         :mod:`~trainkit.checkpoint.safetensors_files` reads ``"5GB"``).
-    :param overwrite: safetensors only: replace an earlier export at ``out``.
+    :param overwrite: Replace an earlier export at ``out`` (nothing else).
     :returns: Lines describing what was written.
     :raises CheckpointError: When the checkpoint is damaged, is not a trainkit checkpoint, or has no such item.
-    :raises ConfigError: When ``format`` is unknown, or an option does not go with it.
+    :raises ConfigError: When ``format`` is unknown, an option does not go with it, or ``out`` is the checkpoint,
+        inside it, or named as a checkpoint.
     :raises ImportError: When safetensors is wanted and not installed, saying how to get it.
     :raises FileExistsError: When ``out`` exists and may not be replaced.
     """
@@ -133,27 +139,27 @@ def export_weights(
 
     from trainkit import checkpoint as ckpt_io
     from trainkit.checkpoint import safetensors_files as st
+    from trainkit.checkpoint.export_target import check_out, mark_export, same_file_still
     from trainkit.errors import ConfigError
 
     if format not in FORMATS:
         raise ConfigError("--format", f"must be one of {', '.join(FORMATS)}", format)
-    if format == "torch" and (max_shard_size is not None or overwrite):
+    if format == "torch" and max_shard_size is not None:
         raise ConfigError(
-            "--max-shard-size and --overwrite",
-            "go with --format safetensors",
-            show_value=False,
-            hint="--format torch writes one file, replacing what is there",
-        )
-    if format == "safetensors":  # refused before the read, which can take minutes
+            "--max-shard-size", "goes with --format safetensors", show_value=False,
+            hint="--format torch writes one file",
+        )  # fmt: skip
+    if format == "safetensors":
         st.require_safetensors()
-        st.check_out(out, overwrite=overwrite)
     source = Path(checkpoint)
+    checked = check_out(out, overwrite=overwrite, format=format, source=source)  # before the read: it can take minutes
     weights, payload = _read(source, item)
     names = st.export_names(weights)
     weights = {names[name]: value for name, value in weights.items()}
     tensors = {name: value for name, value in weights.items() if isinstance(value, torch.Tensor)}
     if format == "torch":
-        ckpt_io.atomic_save(weights, out)
+        same_file_still(out, checked)
+        ckpt_io.atomic_save(mark_export(weights, _header(payload, item)), out)
         written, aliases = [Path(out)], {}
     else:
         tensors, aliases = st.unique_storages(tensors)

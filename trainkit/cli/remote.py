@@ -90,16 +90,25 @@ def retain_remote(url: str, keep: str, *, dry_run: bool) -> list[str]:
     :param keep: The rules, as ``ckpt.keep`` spells them.
     :param dry_run: Only say what would be deleted.
     :returns: The lines to print.
-    :raises ConfigError: On bad rules (naming ``--keep``).
-    :raises OutDirError: When a live run holds the prefix.
+    :raises ConfigError: On bad rules (naming ``--keep``), or a ``best`` rule without a direction when the commit
+        records do not say the run's.
+    :raises OutDirError: When a live run holds the prefix, or a folder could not be deleted (after every other one
+        was; naming it, its cause and the folders left).
     """
     from trainkit.cli.retain import _policy
 
     # the tier's scratch folder (its staging, removed at close) is a folder of its own, never the system's temp
     with tempfile.TemporaryDirectory(prefix="trainkit-retain-") as scratch:
         tier = _tier(url, Path(scratch))
-        # a best rule without a direction: the manifests' scores are losses
-        policy = _policy(keep, True, where="--keep")
+        # a best rule without a direction ranks by the direction the run recorded in its commit records
+        recorded = {manifest.description.get("minimize") for _, manifest in tier.committed()}
+        minimize = recorded.pop() if len(recorded) == 1 else True if not recorded else None  # none: nothing ranked
+        unknown = (
+            "the prefix's commit records disagree on val.minimize"
+            if len(recorded) > 1 and None not in recorded
+            else "the prefix's commit records do not record val.minimize (written by an older trainkit)"
+        )
+        policy = _policy(keep, minimize, where="--keep", unknown=unknown)
         leftovers = tier.uncommitted()  # taking the lease deletes them
         if not dry_run:
             tier.acquire(uploads=False)

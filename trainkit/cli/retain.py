@@ -54,8 +54,15 @@ def _size(path: Path) -> str:
         return "?"
 
 
-def _policy(keep: tuple[str, ...] | str, minimize: bool | None, *, where: str) -> core.KeepAny:
-    """The rules as a policy; a ``best`` rule without a direction needs the run's (recorded in the index)."""
+def _policy(
+    keep: tuple[str, ...] | str,
+    minimize: bool | None,
+    *,
+    where: str,
+    unknown: str = "the run folder does not record val.minimize",
+) -> core.KeepAny:
+    """The rules as a policy; a ``best`` rule without a direction needs the run's (recorded in the index; ``unknown``
+    says why it is not known)."""
     try:
         lower, higher = core.parse_keep(keep, minimize=True), core.parse_keep(keep, minimize=False)
     except BookkeepingError as exc:
@@ -70,7 +77,7 @@ def _policy(keep: tuple[str, ...] | str, minimize: bool | None, *, where: str) -
     if lower != higher and minimize is None:
         raise ConfigError(
             where,
-            "has a best rule without a direction, and the run folder does not record val.minimize",
+            f"has a best rule without a direction, and {unknown}",
             keep,
             hint="write best:N:score:min or best:N:score:max",
         )

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import datetime
+import hashlib
 import json
 import multiprocessing
 import multiprocessing.forkserver
@@ -22,13 +24,15 @@ import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from multiprocessing import reduction
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+import torch.distributed
 import torch.multiprocessing as mp
 
 from trainkit.config import Config
 from trainkit.distributed.collectives import broadcast_object, free_port
-from trainkit.errors import TrainingInterrupted
+from trainkit.errors import TrainingInterrupted, TrainkitError
+from trainkit.messages import exit_refused, refusal_line
 
 __all__ = ["launch", "spawn", "fork_server"]
 
@@ -99,16 +103,19 @@ def launch(trainer_class: type, cfg: Config | Mapping[str, Any]) -> Any:
     """Run this process's rank of a job started by ``torchrun`` (or as a plain single process).
 
     Reads ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (and ``MASTER_ADDR``/``MASTER_PORT``) from the
-    environment torchrun sets; without them it runs a single process. An exception on this rank
-    propagates (torchrun then stops the other ranks and exits non-zero). A run stopped by a signal
-    (:class:`~trainkit.TrainingInterrupted`) exits the process with ``128 + signal number`` after
-    saving, e.g. 143 for SIGTERM and 130 for Ctrl-C. Under torchrun that is each worker's status: torchrun's
-    own is 1 when its agent was signalled (docs: "Stopping on a signal", for what a requeue script checks).
+    environment torchrun sets; without them it runs a single process. A refusal (any
+    :class:`~trainkit.TrainkitError`: a bad config, a checkpoint this run cannot resume, an ``out_dir`` in use)
+    ends the process with one line on stderr, ``PROGRAM: error: ...``, and exit status 2, as a config error on the
+    command line does (:func:`trainkit.messages.exit_refused`); when every rank of a torchrun job refuses alike, the
+    line is printed once. Any other exception on this rank propagates with its traceback (a bug; torchrun then stops
+    the other ranks and exits non-zero). A run stopped by a signal (:class:`~trainkit.TrainingInterrupted`) exits the
+    process with ``128 + signal number`` after saving, e.g. 143 for SIGTERM and 130 for Ctrl-C. Under torchrun those
+    are each worker's status: torchrun's own is 1 (docs: "Stopping on a signal", for what a requeue script checks).
 
     :param trainer_class: A :class:`~trainkit.BaseTrainer` subclass.
     :param cfg: Its config, or a mapping validated into one.
     :returns: Rank 0's ``train()`` result, on every rank.
-    :raises SystemExit: With ``128 + signal number`` when a signal stopped training.
+    :raises SystemExit: With ``128 + signal number`` when a signal stopped training, with 2 on a refusal.
     """
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -116,6 +123,42 @@ def launch(trainer_class: type, cfg: Config | Mapping[str, Any]) -> Any:
         return _run(trainer_class, cfg, rank, world_size)
     except TrainingInterrupted as exc:
         raise SystemExit(exc.exit_code) from exc
+    except TrainkitError as exc:
+        _refuse(exc, world_size)
+
+
+_REFUSAL_STORE_TIMEOUT_S = 2.0
+"""How long a torchrun worker waits for its agent's store to say whether another rank printed its refusal."""
+
+
+def _refuse(error: TrainkitError, world_size: int) -> NoReturn:
+    """End this rank on a refusal: its one line, unless another rank of the job printed the same one.
+
+    No torchrun error file is written: torchrun's failure report would then repeat the line for every rank, with a
+    line of its own about the file, under its traceback; without one it names the ranks' exit status 2.
+    """
+    line = refusal_line(error)
+    exit_refused(error, show=world_size <= 1 or _first_to_say(line))
+
+
+def _first_to_say(line: str) -> bool:
+    """Whether this rank is the first of its job to refuse with ``line``: the ranks count it in the job's store
+    (torchrun's agent serves one at ``MASTER_ADDR:MASTER_PORT``), so a refusal every rank meets is printed once.
+
+    Bounded by :data:`_REFUSAL_STORE_TIMEOUT_S`; without a store to ask (the rank that hosted it is gone, a plain
+    process), every rank prints its own.
+    """
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if not host or not port.isdigit():
+        return True
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"trainkit/refused/{attempt}/{hashlib.sha256(line.encode()).hexdigest()}"
+    try:
+        timeout = datetime.timedelta(seconds=_REFUSAL_STORE_TIMEOUT_S)
+        store = torch.distributed.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        return store.add(key, 1) == 1
+    except Exception:  # noqa: BLE001 - any failure to ask only means printing the line, which is always safe
+        return True
 
 
 _PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "trainkit.trainer"]

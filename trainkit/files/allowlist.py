@@ -126,10 +126,9 @@ def check_loadable(payload: Mapping[str, Any]) -> None:
                     for attr, value in obj.__dict__.items():
                         push((value, (crumb, _ATTR, attr)))
             elif kind is list or kind is tuple:
-                if kind is list:
-                    if id(obj) in seen:
-                        continue
-                    seen.add(id(obj))
+                if id(obj) in seen:  # shared tuples too: nested in pairs they make exponentially many paths
+                    continue
+                seen.add(id(obj))
                 for index, value in enumerate(obj):
                     if type(value) not in leaves and not (type(value) is int and -limit < value < limit):
                         push((value, (crumb, _ITEM, index)))

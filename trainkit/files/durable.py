@@ -366,6 +366,7 @@ def payload_nbytes(payload: Any) -> int:
     :returns: The total tensor bytes (pickled plain values are small next to them and not counted).
     """
     seen: set[int] = set()
+    walked: set[int] = set()  # containers: a shared one is counted once, a cycle ends
     total = 0
     stack = [payload]
     while stack:
@@ -375,10 +376,11 @@ def payload_nbytes(payload: Any) -> int:
             if storage.data_ptr() not in seen or storage.nbytes() == 0:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list | tuple):
-            stack.extend(item)
+        elif isinstance(item, dict | list | tuple):
+            if id(item) in walked:
+                continue
+            walked.add(id(item))
+            stack.extend(item.values() if isinstance(item, dict) else item)
     return total
 
 

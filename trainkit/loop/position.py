@@ -26,7 +26,13 @@ from trainkit import bookkeeping as core
 from trainkit.distributed import collectives as dist_utils
 from trainkit.errors import BookkeepingError, CheckpointMismatchError, UsageError
 from trainkit.loop.batches import RankPosition, TrackedBatches, WatchedBatches, epoch_tagged, unskippable_reason
-from trainkit.loop.stateful import StatefulBatches, carries_own_position, loader_facts, loader_order
+from trainkit.loop.stateful import (
+    StatefulBatches,
+    carries_own_position,
+    check_rollback_loader,
+    loader_facts,
+    loader_order,
+)
 from trainkit.messages import warn_user
 from trainkit.state.rng import capture_rng, loader_generators
 
@@ -125,7 +131,8 @@ class EpochTracker:
         self._watching = self._stepping or max_steps is not None or val_every_n_steps or log_every_n_steps
         self._ckpt_due = self._val_due = self._log_due = math.inf
         self._due_at = math.inf  # the first step from which anything above is due (this epoch's tracked loop)
-        self._resumable = False  # whether this epoch's loop can be resumed from a step checkpoint
+        self._resumable = False  # whether this epoch's loop writes step checkpoints (it can resume, and they are on)
+        self._can_resume = False  # whether this epoch's loop can be resumed from a recorded position at all
         self.validated_at: int | None = None
         """The step of the last validation run at a step boundary (None: none yet)."""
         self.ended_inside = False
@@ -217,11 +224,21 @@ class EpochTracker:
             (an epoch-end checkpoint, a finished run's, or a run that ends before that epoch: warned). On another
             world size every rank's share is the same: saved rank 0's logs and the pooled grad-norm mean.
         :raises CheckpointMismatchError: When written by another number of processes and it cannot be dealt over
-            this one (:func:`~trainkit.bookkeeping.world_change_refusal`), or its grad-norm means cannot be pooled.
+            this one (:func:`~trainkit.bookkeeping.world_change_refusal`), or its grad-norm means cannot be pooled;
+            when the run ended inside an epoch (``max_steps``, a step validation's early stop) without recording its
+            position there, and this run would continue that epoch (its first batches would be trained twice).
         """
         for epoch, batch in ckpt.get("guard_skips") or []:
             self.leave_out(epoch, (batch,))
         mid_epoch, rng = ckpt.get("trainkit"), ckpt.get("rng")
+        if mid_epoch is None and loop.in_epoch and not loop.finished:
+            # a run that ended inside an epoch without recording where: the epoch would start again at batch 0
+            raise CheckpointMismatchError(
+                f"{resume_path} ended inside epoch {loop.epoch} at step {loop.step} ({ckpt['loop'].get('stop_reason')})"
+                f" but recorded no position to continue that epoch from (its loop was not one trainkit can skip into, "
+                f"or an older trainkit wrote it), so {budget} would train that epoch's first batches twice; keep the "
+                "budget it ended at, resume from an epoch-boundary checkpoint, or start fresh (ckpt.resume=never)"
+            )
         if mid_epoch is None or rng is None:
             return None
         position = core.EpochPosition.from_dict(mid_epoch["position"])
@@ -284,6 +301,8 @@ class EpochTracker:
         :param at_boundary: Called at each step boundary; True ends the loop there.
         :returns: The tracked batches, or None when this loop is not counted (warned once when it should be).
         :raises CheckpointMismatchError: When a resumed epoch's loader cannot be skipped into, or differs.
+        :raises ConfigError: Under ``guard.nonfinite=rollback`` (``count_always``), when the loop is one a rollback
+            could not leave batches out of (:func:`~trainkit.loop.stateful.check_rollback_loader`).
         """
         pending, epoch = self._pending, self.epoch
         drop = self._left_out.get(epoch, _NOTHING)
@@ -295,6 +314,8 @@ class EpochTracker:
                 "no step checkpoint, step validation or step budget acts while this one runs"
             )
             return None
+        if self._count_always:  # guard.nonfinite=rollback: refused here, before the first step, not at a rollback
+            check_rollback_loader(loader)
         stateful = carries_own_position(loader)
         if stateful or (pending is not None and pending[1].loader_state is not None):
             self._check_stateful(loader, pending, drop)
@@ -343,12 +364,18 @@ class EpochTracker:
             drop=drop,
             on_drop=self.on_drop,
         )
-        return self._counted(batches, self._stepping)
+        return self._counted(batches, True)
 
-    def _counted(self, batches: Any, resumable: bool) -> Any:
-        """Make ``batches`` this epoch's counted loop; the step boundaries' dues start from the step it starts at."""
-        self._tracked, self._resumable = True, resumable
-        self._voting = resumable and dist_utils.is_distributed()
+    def _counted(self, batches: Any, can_resume: bool) -> Any:
+        """Make ``batches`` this epoch's counted loop; the step boundaries' dues start from the step it starts at.
+
+        ``can_resume``: its position can be recorded and resumed (a loop trainkit skips into, or one that carries its
+        own position); step checkpoints are written only where ``ckpt.every_n_steps`` is set too, but the run's final
+        checkpoint records the position of a loop that ends inside the epoch either way (:meth:`end_inside`).
+        """
+        self._tracked, self._can_resume = True, can_resume
+        self._resumable = self._stepping and can_resume
+        self._voting = self._resumable and dist_utils.is_distributed()
         step = self.step
         self._val_due, self._log_due = _next_due(step, self._val_every), _next_due(step, self._log_every)
         self.saved(step)
@@ -357,7 +384,7 @@ class EpochTracker:
 
     def _lazy_loader(self, reason: str) -> None:
         """The tracked loader makes its iterator lazily: counted still, but no step checkpoint can resume it."""
-        self._resumable = self._voting = False
+        self._resumable = self._voting = self._can_resume = False
         if self._stepping:
             self._warn_untracked(reason)
 
@@ -498,7 +525,8 @@ class EpochTracker:
         except TypeError:  # an iterable without a length
             complete = False
         self.ended_inside = not complete
-        self._end_batches = batches if self._resumable and not complete else None
+        # recorded with or without ckpt.every_n_steps: raising max_steps continues from the next batch
+        self._end_batches = batches if self._can_resume and not complete else None
 
     @contextlib.contextmanager
     def validating(self, inside: bool = True) -> Iterator[None]:

@@ -21,11 +21,13 @@ from typing import Any
 from torch.utils.data import DistributedSampler
 
 from trainkit import bookkeeping as core
-from trainkit.errors import CheckpointMismatchError, UsageError
-from trainkit.loop.batches import TrackedBatches
+from trainkit.checkpoint.payload import MAX_ITEM_DEPTH
+from trainkit.errors import CheckpointMismatchError, ConfigError, UsageError
+from trainkit.loop.batches import TrackedBatches, unskippable_reason
+from trainkit.state.graph import check_state_graph
 from trainkit.state.rng import loader_generators, restore_rng
 
-__all__ = ["carries_own_position", "loader_facts", "loader_order", "StatefulBatches"]
+__all__ = ["carries_own_position", "check_rollback_loader", "loader_facts", "loader_order", "StatefulBatches"]
 
 
 def carries_own_position(loader: Any) -> bool:
@@ -45,6 +47,43 @@ def carries_own_position(loader: Any) -> bool:
     :returns: Whether both methods are there.
     """
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def check_rollback_loader(loader: Any) -> None:
+    """Refuse, before the first step, a training loop that ``guard.nonfinite="rollback"`` could not leave a bad
+    step's batches out of: a rollback skips them at the index level, which only a ``DataLoader`` over a map-style
+    dataset with a length allows. A loader that carries its own position (torchdata's ``StatefulDataLoader``) only
+    knows how to go on from its state, and a stream has no index to skip; without this check the run would train
+    until its first non-finite step, roll back, and only then stop.
+
+    >>> check_rollback_loader([[1.0]])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    trainkit.errors.ConfigError: guard.nonfinite=rollback cannot leave batches out of ... a list, not a DataLoader: ...
+
+    :param loader: What ``self.progress()`` was given inside ``train_epoch()``.
+    :raises ConfigError: Naming ``guard.nonfinite``, the loader, the rule and what to do instead.
+    """
+    if carries_own_position(loader):
+        what = (
+            f"a {type(loader).__name__}, which carries its own position (state_dict() and load_state_dict()) and "
+            "can only go on from it"
+        )
+    else:
+        reason = unskippable_reason(loader)
+        if reason is None:
+            return
+        what = reason
+    raise ConfigError(
+        "guard.nonfinite",
+        "needs a loop it can leave batches out of",
+        "rollback",
+        message=(
+            f"guard.nonfinite=rollback cannot leave batches out of train_epoch()'s loop over {what}: a rollback "
+            "skips a bad step's batches at the index level, which needs a torch DataLoader over a map-style dataset "
+            "with a length; iterate one through self.progress(), or set guard.nonfinite=skip (or raise)"
+        ),
+    )
 
 
 def _length(value: Any) -> int | None:
@@ -135,6 +174,8 @@ class StatefulBatches(TrackedBatches):
 
         :returns: The two entries.
         :raises UsageError: When ``state_dict()`` returns something else than a dict with str keys.
+        :raises CheckpointUnsafeError: When it holds a cycle, nests too deep or holds too many containers
+            (:func:`~trainkit.state.graph.check_state_graph`).
         """
         state = self.loader.state_dict()
         if not isinstance(state, dict) or not all(isinstance(key, str) for key in state):
@@ -142,6 +183,12 @@ class StatefulBatches(TrackedBatches):
                 f"{type(self.loader).__name__}.state_dict() must return a dict with str keys to be saved in a step "
                 f"checkpoint, got {type(state).__name__} {reprlib.repr(state)}"
             )
+        check_state_graph(
+            "loader_state",
+            state,
+            owner=f"the state_dict() of the {type(self.loader).__name__}",
+            max_depth=MAX_ITEM_DEPTH,
+        )
         generators = [generator.get_state() for generator in loader_generators(self.loader)]
         return {"loader_state": copy.deepcopy(state), "generators_at_save": generators}
 

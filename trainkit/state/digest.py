@@ -37,28 +37,53 @@ def state_digest(state: Any) -> str:
     True
     """
     digest = hashlib.blake2b(digest_size=16)
-    _feed(digest, state)
+    _feed(digest, state, {})
     return digest.hexdigest()
 
 
-def _feed(digest: Any, value: Any) -> None:
+def _feed(digest: Any, value: Any, walked: dict[int, bytes]) -> None:
+    """Feed ``value``: a leaf as itself, a container as the digest of its contents, computed once per container (a
+    shared one costs its first walk only: linear in distinct containers; equal states digest alike however they
+    share their parts)."""
+    if isinstance(value, Mapping | list | tuple | set | frozenset):
+        key = id(value)
+        inner = walked.get(key)
+        if inner is None:
+            walked[key] = b"cycle"  # while its contents are fed: a container inside itself (refused before a save)
+            inner = walked[key] = _container_digest(value, walked)
+        digest.update(b"C" + inner)
+    else:
+        _feed_leaf(digest, value)
+
+
+def _container_digest(value: Any, walked: dict[int, bytes]) -> bytes:
+    digest = hashlib.blake2b(digest_size=16)
+    if isinstance(value, Mapping):
+        digest.update(f"D{len(value)}".encode())
+        for key in sorted(value, key=repr):  # the order of insertion is no part of a state
+            _feed(digest, key, walked)
+            _feed(digest, value[key], walked)
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"L{len(value)}".encode())
+        for item in value:
+            _feed(digest, item, walked)
+    else:  # a set: pickled, it follows the process's own string hashing, so its members' digests are sorted
+        digest.update(f"S{len(value)}".encode())
+        members = []
+        for item in value:
+            member = hashlib.blake2b(digest_size=16)
+            _feed(member, item, walked)
+            members.append(member.digest())
+        for item in sorted(members):
+            digest.update(item)
+    return digest.digest()
+
+
+def _feed_leaf(digest: Any, value: Any) -> None:
     if isinstance(value, torch.Tensor):
         data = value.detach().cpu().contiguous().reshape(-1)
         digest.update(f"T{value.dtype}{tuple(value.shape)}".encode())
         digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-    elif isinstance(value, Mapping):
-        digest.update(f"D{len(value)}".encode())
-        for key in sorted(value, key=repr):  # the order of insertion is no part of a state
-            _feed(digest, key)
-            _feed(digest, value[key])
-    elif isinstance(value, (list, tuple)):
-        digest.update(f"L{len(value)}".encode())
-        for item in value:
-            _feed(digest, item)
-    elif isinstance(value, (set, frozenset)):  # pickled, a set follows the process's own string hashing
-        digest.update(f"S{len(value)}".encode())
-        for item in sorted(state_digest(item) for item in value):
-            digest.update(item.encode())
     else:
         try:
             data = pickle.dumps(value, protocol=4)
