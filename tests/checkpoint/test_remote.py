@@ -106,12 +106,16 @@ def plant(url: str, folder: str, files: dict[str, bytes], manifest: dict | None)
         fs.pipe_file(f"{root}/{folder}/{MANIFEST}", json.dumps(manifest).encode())
 
 
-def manifest_of(step: int, objects: dict[str, bytes], **lie) -> dict:
+def manifest_of(step: int, objects: dict[str, bytes], lineage=None, **lie) -> dict:
+    """A commit record of ``objects``; with ``lineage``, one of that history committed now (the newest)."""
     import zlib
 
     listed = [{"name": n, "size": len(d), "crc32": zlib.crc32(d)} for n, d in objects.items()]
     listed = [{**item, **lie} for item in listed]
-    return {"step": step, "epoch": 9, "kind": "last", "objects": listed, "run_id": None, "version": "0"}
+    manifest = {"step": step, "epoch": 9, "kind": "last", "objects": listed, "run_id": None, "version": "0"}
+    if lineage is not None:
+        manifest.update(lineage=lineage, description={"time": time.time()})
+    return manifest
 
 
 class RunsCode:
@@ -129,14 +133,15 @@ def test_planted_remote_objects_are_refused_and_the_resume_falls_back(remote_url
     monkeypatch.chdir(tmp_path)
     run(tmp_path / "first", 1, remote=remote_url)
     honest = (tmp_path / "first" / "last.pt").read_bytes()
+    line = load_checkpoint(tmp_path / "first" / "last.pt")["lineage"]  # the planted ones claim its history
     evil = pickle.dumps({"x": RunsCode()})
     plant(remote_url, "step-100-0000000a", {"last.pt": honest}, None)
-    plant(remote_url, "step-101-0000000b", {"last.pt": honest}, manifest_of(101, {"last.pt": honest}, size=7))
-    plant(remote_url, "step-102-0000000c", {"last.pt": honest}, manifest_of(102, {"last.pt": honest}, crc32=1))
-    plant(remote_url, "step-103-0000000d", {"last.pt": evil}, manifest_of(103, {"last.pt": evil}))
-    plant(remote_url, "step-104-0000000e", {"last.pt": honest}, manifest_of(104, {"../escaped.pt": honest}))
+    plant(remote_url, "step-101-0000000b", {"last.pt": honest}, manifest_of(101, {"last.pt": honest}, line, size=7))
+    plant(remote_url, "step-102-0000000c", {"last.pt": honest}, manifest_of(102, {"last.pt": honest}, line, crc32=1))
+    plant(remote_url, "step-103-0000000d", {"last.pt": evil}, manifest_of(103, {"last.pt": evil}, line))
+    plant(remote_url, "step-104-0000000e", {"last.pt": honest}, manifest_of(104, {"../escaped.pt": honest}, line))
     lock = {"last.pt": honest, ".trainkit.lock": b"planted"}  # a name out_dir holds, not a checkpoint's
-    plant(remote_url, "step-105-0000000f", lock, manifest_of(105, lock))
+    plant(remote_url, "step-105-0000000f", lock, manifest_of(105, lock, line))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, trainer = run(tmp_path / "empty", 2, remote=remote_url)

@@ -160,18 +160,18 @@ STUCK = "step-1-00000001"
 
 
 def test_a_retention_that_cannot_delete_one_folder_neither_uploads_again_nor_stops_deleting(tmp_path):
-    """One old folder cannot be deleted: every checkpoint is committed once (no upload is repeated), the failure
-    is warned about once, and every other folder retention drops is still deleted."""
-    url = memory_store("nodelete", **_undeletable(STUCK))
-    plant_committed(url, STUCK, 1)
+    """One old folder of the run cannot be deleted: every checkpoint is committed once (no upload is repeated), the
+    failure is warned about once, and every other folder retention drops is still deleted. (Retention judges only
+    the run's own history, so the stuck folder is the run's own step 6, not a planted one.)"""
+    url = memory_store("nodelete", **_undeletable("step-6-"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        run(tmp_path / "run", 3, url=url, ckpt={"resume": "never"})  # the planted folder is no checkpoint to resume
+        run(tmp_path / "run", 3, url=url)
     said = [str(w.message) for w in caught if "ckpt.remote" in str(w.message)]
-    assert sorted(committed(url)) == [1, 18]  # 6 and 12 deleted after the next commits
+    assert sorted(committed(url)) == [6, 18]  # 12 deleted after the next commit
     fs, root = open_store(url)
     assert len([name for name in fs.ls(root, detail=False) if "/step-" in name]) == 2  # no second upload anywhere
-    assert len(said) == 1 and STUCK in said[0] and "access denied" in said[0], said
+    assert len(said) == 1 and "step-6-" in said[0] and "access denied" in said[0], said
     assert "retrying" not in said[0]
 
 

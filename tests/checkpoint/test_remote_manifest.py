@@ -90,3 +90,22 @@ def test_a_lease_reads_back_and_expires_after_its_time(holder, expires):
     lease = parse_lease(lease_bytes(Lease(holder=holder, expires=expires)))
     assert lease == Lease(holder=holder, expires=expires)
     assert not lease.expired(expires) and lease.expired(expires + 1)
+
+
+def test_a_lineage_reads_back_and_a_record_without_one_still_parses():
+    """The lineage of a commit record round-trips; one written before lineages (no key) reads as None; a hostile one
+    (not hex, decreasing steps, nested deep) is refused as unsafe, naming the field."""
+    base = {"step": 12, "epoch": 2, "kind": "last", "objects": [{"name": "last.pt", "size": 1, "crc32": 0}]}
+    old = parse_manifest(json.dumps({**base, "run_id": None, "version": "0"}).encode())
+    assert old.lineage is None and "lineage" not in json.loads(manifest_bytes(old))
+    lineage = (("0a1b2c3d", 0), ("ffffffff", 6))
+    again = parse_manifest(
+        manifest_bytes(Manifest(**{**base, "objects": old.objects}, run_id=None, version="0", lineage=lineage))
+    )
+    assert again.lineage == lineage
+    deep: list = []
+    for _ in range(500):
+        deep = [deep]
+    for bad in ([["../x", 0]], [["0a1b2c3d", 6], ["ffffffff", 0]], "0a1b2c3d", deep):
+        with pytest.raises(CheckpointUnsafeError, match="remote manifest: lineage: a lineage must be"):
+            parse_manifest(json.dumps({**base, "run_id": None, "version": "0", "lineage": bad}).encode())

@@ -17,6 +17,14 @@ from trainkit.bookkeeping.guard import (
     step_rollbacks,
     unblamable_steps,
 )
+from trainkit.bookkeeping.lineage import (
+    MAX_SEGMENTS,
+    Lineage,
+    branch_lineage,
+    fresh_lineage,
+    in_history,
+    lineage_from,
+)
 from trainkit.bookkeeping.patience import PatienceState, retune_patience, step_patience
 from trainkit.bookkeeping.position import EpochPosition, next_step_checkpoint, position_mismatch, step_checkpoint_due
 from trainkit.bookkeeping.registry import (
@@ -77,6 +85,12 @@ __all__ = [
     "save_if_best",
     "best_metric_key",
     "retune_min_delta",
+    "MAX_SEGMENTS",
+    "Lineage",
+    "fresh_lineage",
+    "branch_lineage",
+    "in_history",
+    "lineage_from",
     "PatienceState",
     "step_patience",
     "retune_patience",

@@ -20,6 +20,7 @@ RESERVED_NAMES = frozenset(
     {
         "trainkit",
         "guard_skips",
+        "lineage",
         "schema_version",
         "epoch",
         "step",

@@ -15,6 +15,7 @@ converts by being named in ``ckpt.resume``.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import secrets
@@ -50,19 +51,22 @@ from trainkit.checkpoint.payload import (
     world_change_refusal,
 )
 from trainkit.checkpoint.pt_files import RunFiles
-from trainkit.checkpoint.remote import RemoteTier, Upload, published_files, remove_transfer_leftovers
+from trainkit.checkpoint.remote import Anchor, RemoteTier, Upload, published_files, remove_transfer_leftovers
 from trainkit.checkpoint.remote_manifest import folder_name
 from trainkit.checkpoint.storage import BestWeights, FileStorage, SaveRequest, ShardedStorage, Storage
 from trainkit.config import CkptConfig, Config, changed_on_resume, render_value, strip_secrets
 from trainkit.distributed import collectives as dist_utils
 from trainkit.distributed import fsdp as sharding
 from trainkit.errors import (
+    BookkeepingError,
     CheckpointCorruptError,
     CheckpointMismatchError,
     CheckpointUnsafeError,
     OutDirError,
     UsageError,
 )
+from trainkit.files.bounded_read import load_json, read_regular
+from trainkit.files.durable import atomic_write_bytes
 from trainkit.messages import say, warn_user
 from trainkit.run.folder import same_directory
 from trainkit.run.journal import JsonlSink
@@ -71,7 +75,15 @@ from trainkit.state.graph import check_state_graph
 from trainkit.state.modules import load_module_state, restore_training_modes, training_modes
 from trainkit.state.rng import capture_rng, reshard_seed, restore_rng, seed_everything
 
-__all__ = ["Checkpointer", "Resume", "SaveRecord", "load_item"]
+__all__ = ["Checkpointer", "Resume", "SaveRecord", "load_item", "LINEAGE_RECORD"]
+
+LINEAGE_RECORD = ".trainkit-lineage.json"
+"""The run folder's record of the life that started there last: its lineage and the step it started at, written as
+a run with ``ckpt.remote`` starts; ``ckpt.resume=auto`` reads it when the folder holds no checkpoint."""
+MAX_LINEAGE_RECORD_BYTES = 64 << 10
+"""A lineage record larger than this is refused unread."""
+FETCH_TRIES = 8
+"""The most remote checkpoints one resume downloads and refuses before it gives up on the remote."""
 
 
 def load_item(obj: Any, state: Any) -> None:
@@ -128,12 +140,14 @@ class Resume:
     :ivar path: Where it was read.
     :ivar records: Its records with the current config applied (:func:`~trainkit.bookkeeping.reconcile`).
     :ivar results: A finished run's final results that this run returns without training (None if it trains).
+    :ivar lineage: The lineage of the life that resumes it (a new segment after the checkpoint's own).
     """
 
     ckpt: dict[str, Any]
     path: Path
     records: core.Resumed
     results: dict[str, float] | None
+    lineage: core.Lineage = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -227,6 +241,7 @@ class Checkpointer:
         self._remote = remote
         self._remote_token: str | None = None  # sharded with ckpt.remote: names the run's remote folders
         self._remote_saves = 0
+        self._lineage: core.Lineage = ()  # this life's: a fresh start's, or the resumed checkpoint's plus a segment
 
     @property
     def config(self) -> dict[str, Any]:
@@ -279,27 +294,28 @@ class Checkpointer:
         :raises CheckpointError: When it cannot be resumed (see ``RunFiles`` and ``ShardedFiles``).
         """
         self._refuse_other_format()
+        starting = path is None  # not a rollback's candidate
         resume = self._ckpt.resume if path is None else str(path)
         named = resume not in ("auto", "never")
         in_shards = Path(resume).is_dir() if named else self._ckpt.format == "sharded"
         ckpt, path = self._readers["sharded" if in_shards else "file"].load_resume(resume)
-        if resume == "auto" and self._ckpt.remote is not None and self._fetched(ckpt):
-            ckpt, path = self._storage.load_resume(resume)  # what the remote had, now in out_dir
+        fetched = None
+        if resume == "auto" and self._ckpt.remote is not None:
+            fetched = self._fetched(ckpt, cfg)  # checked in its download folder, published only then
+            if fetched is not None:
+                ckpt, path = fetched
         if ckpt is None or path is None:
+            if starting:
+                self._lineage = core.fresh_lineage(secrets.token_hex(8))
+                self._record_lineage(self._lineage, 0)
             return None
-        self._check_config(ckpt, path, cfg)
+        if fetched is None:  # a fetched one was checked before it was published
+            self._check_config(ckpt, path, cfg)
+        lineage = core.branch_lineage(core.lineage_from(ckpt.get("lineage", [])), secrets.token_hex(8), ckpt["step"])
+        if starting:
+            self._record_lineage(lineage, int(ckpt["step"]))
         self._resumed = path
-        val = cfg.val
-        records = core.reconcile(
-            core.LoopState.from_dict(ckpt["loop"]),
-            core.BestState.from_dict(ckpt["best"]) if ckpt.get("best") is not None else None,
-            core.PatienceState.from_dict(ckpt["patience"]) if ckpt.get("patience") is not None else None,
-            epochs=cfg.epochs,
-            max_steps=cfg.max_steps,
-            val_patience=val.patience,
-            start_patience=val.start_patience,
-            min_delta=val.min_delta,
-        )
+        records = self._reconcile(ckpt, cfg)
         if records.more and finished_run(ckpt):  # the readers let a finished run's file through: it continues here
             self._refuse_world_change(ckpt, path)
         if records.notes:
@@ -311,7 +327,131 @@ class Checkpointer:
                 # ckpt.resume names a kept checkpoint of this folder: rerunning the command must find it again
                 self._kept.resumed_from = kept_step(path.name)
         results = None if records.more else ckpt.get("results")  # a finished run that continues has none yet
-        return Resume(ckpt=ckpt, path=path, records=records, results=dict(results) if results is not None else None)
+        return Resume(
+            ckpt=ckpt,
+            path=path,
+            records=records,
+            results=dict(results) if results is not None else None,
+            lineage=lineage,
+        )
+
+    def _fetched(self, local: Mapping[str, Any] | None, cfg: Config) -> tuple[dict[str, Any], Path] | None:
+        """A remote checkpoint in the local one's history (:meth:`RemoteTier.candidates`), loaded and checked on
+        every rank from its download folder as a named checkpoint is (schema, world size, config), then published
+        into ``out_dir`` by rank 0: a refused one leaves ``out_dir`` as it was. A damaged one is warned about and
+        the next one tried; any other refusal (a changed ``val.minimize``, another world size) raises.
+
+        :returns: The payload and its published path, or None when the remote has nothing to take.
+        """
+        anchor = self._anchor(local) if self._rank == 0 else None
+        for _ in range(FETCH_TRIES):
+            fetched = self._remote.fetch(anchor) if self._rank == 0 and self._remote is not None else None
+            shown = dist_utils.broadcast_object(None if fetched is None else (str(fetched.folder), fetched.manifest))
+            if shown is None:
+                return None
+            folder, manifest = Path(shown[0]), shown[1]
+            refused_elsewhere = CheckpointMismatchError(f"another rank refused the remote checkpoint in {folder}")
+            loaded, damaged, error = None, None, None
+            try:
+                loaded = self._load_fetched(folder, manifest, cfg)
+            except (CheckpointCorruptError, CheckpointUnsafeError) as exc:
+                damaged = str(exc)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
+                error = exc
+            try:
+                dist_utils.raise_if_any_rank_failed(
+                    error,
+                    lambda: refused_elsewhere,  # noqa: B023 - called at once, in this iteration
+                    world_size=self._world_size,
+                )
+            except BaseException:
+                if fetched is not None:
+                    RemoteTier.discard(fetched)
+                raise
+            problems = [problem for problem in dist_utils.all_gather_objects(damaged) if problem is not None]
+            if problems or loaded is None:
+                if fetched is not None and self._remote is not None:
+                    self._remote.refuse(fetched, problems[0] if problems else "it could not be read")
+                continue
+            if fetched is not None and self._remote is not None:
+                self._remote.publish(fetched)
+            dist_utils.broadcast_object(None)  # rank 0 published before any rank reads out_dir
+            ckpt, read = loaded
+            return ckpt, self._files.out_dir / read.name
+        return None
+
+    def _load_fetched(self, folder: Path, manifest: Any, cfg: Config) -> tuple[dict[str, Any], Path]:
+        """Load and check a downloaded remote checkpoint where it lies, as a named one (no fallback): its format,
+        the schema, this run's world size, the config, and that its lineage is its commit record's."""
+        in_shards = (folder / sharded.LAST_DIR).is_dir()
+        ckpt, path = self._readers["sharded" if in_shards else "file"].load_resume(
+            str(folder / (sharded.LAST_DIR if in_shards else self._files.last_path.name))
+        )
+        if ckpt is None or path is None:
+            raise CheckpointCorruptError(f"{folder} holds no checkpoint")
+        claimed = manifest.lineage  # a record from before lineages says nothing to compare
+        if int(ckpt["step"]) != manifest.step or (
+            claimed is not None and core.lineage_from(ckpt.get("lineage", [])) != claimed
+        ):
+            raise CheckpointCorruptError(
+                f"{path} does not match its remote commit record (step {ckpt['step']} and its lineage against step "
+                f"{manifest.step})"
+            )
+        self._check_config(ckpt, path, cfg)
+        if finished_run(ckpt) and self._reconcile(ckpt, cfg).more:  # as load() refuses it, before the publish
+            self._refuse_world_change(ckpt, path)
+        return ckpt, path
+
+    @staticmethod
+    def _reconcile(ckpt: Mapping[str, Any], cfg: Config) -> core.Resumed:
+        """A checkpoint's records reconciled with the config (:func:`~trainkit.bookkeeping.reconcile`)."""
+        val = cfg.val
+        return core.reconcile(
+            core.LoopState.from_dict(ckpt["loop"]),
+            core.BestState.from_dict(ckpt["best"]) if ckpt.get("best") is not None else None,
+            core.PatienceState.from_dict(ckpt["patience"]) if ckpt.get("patience") is not None else None,
+            epochs=cfg.epochs,
+            max_steps=cfg.max_steps,
+            val_patience=val.patience,
+            start_patience=val.start_patience,
+            min_delta=val.min_delta,
+        )
+
+    def _anchor(self, local: Mapping[str, Any] | None) -> Anchor | None:
+        """What a remote checkpoint must descend from: the local checkpoint, else the run folder's lineage record
+        (a life that started here and was killed before its first save), else nothing (an empty folder)."""
+        if local is not None:
+            return Anchor(
+                lineage=core.lineage_from(local.get("lineage", [])),
+                step=int(local["step"]),
+                checkpoint=True,
+                what=f"the local checkpoint (step {local['step']})",
+            )
+        record = self._files.out_dir / LINEAGE_RECORD
+        if not os.path.lexists(record):
+            return None
+        what = f"the run that started in {self._files.out_dir} ({record.name})"
+        try:
+            raw = load_json(read_regular(record, MAX_LINEAGE_RECORD_BYTES))
+            lineage, step = core.lineage_from(raw["lineage"]), raw["step"]
+            if type(step) is not int or not 0 <= step < 2**63:
+                raise TypeError(f"step must be an int in [0, 2**63), got {step!r:.40}")
+        except (OSError, ValueError, TypeError, KeyError, BookkeepingError) as exc:
+            warn_user(f"{record} cannot be read ({exc}); no remote checkpoint is taken: delete it to take the newest")
+            return Anchor(lineage=(), step=0, checkpoint=False, what=what)
+        return Anchor(lineage=lineage, step=step, checkpoint=False, what=what)
+
+    def _record_lineage(self, lineage: core.Lineage, step: int) -> None:
+        """Rank 0 of a run with ``ckpt.remote`` records the life starting in ``out_dir`` (see :data:`LINEAGE_RECORD`;
+        only the remote tier reads it)."""
+        if self._rank != 0 or not self._ckpt.enable or self._ckpt.remote is None:
+            return
+        record = {"lineage": [list(segment) for segment in lineage], "step": step}
+        path = self._files.out_dir / LINEAGE_RECORD
+        try:
+            atomic_write_bytes(json.dumps(record).encode(), path)
+        except OSError as exc:  # a directory planted there, say: a clear error, nothing else changed
+            raise OutDirError(f"{path} cannot be written ({exc}); move it away") from None
 
     def _refuse_world_change(self, ckpt: dict[str, Any], path: Path) -> None:
         """Refuse to continue, on this number of processes, a finished run that cannot resume here (the readers
@@ -322,13 +462,6 @@ class Checkpointer:
                 f"{path} was written by a run with world_size={ckpt['world_size']}, this run has "
                 f"world_size={self._world_size} and continues it: {refusal} (or start fresh with ckpt.resume=never)"
             )
-
-    def _fetched(self, local: Mapping[str, Any] | None) -> bool:
-        """Rank 0 publishes into ``out_dir`` a remote checkpoint newer than the local one, if any; every rank learns
-        whether it did (rank 0 writes before the others read)."""
-        local_step = None if local is None else int(local["step"])
-        fetched = self._rank == 0 and self._remote is not None and self._remote.fetch_newer(local_step)
-        return bool(dist_utils.broadcast_object(fetched))
 
     def rollback_resume(self, cfg: Config, first_bad_step: int) -> Resume | None:
         """The newest checkpoint written before optimizer step ``first_bad_step``, loaded (the divergence guard's
@@ -478,6 +611,7 @@ class Checkpointer:
         :returns: The registry with plain values restored.
         """
         ckpt, items = resume.ckpt, registry.items
+        self._lineage = resume.lineage  # the saves from here on belong to the resuming life
         if resume.path.is_dir():
             in_dcp = [name for name in items if isinstance(ckpt.get(name), str) and ckpt[name] == sharded.SHARDED]
             sharded.apply_items(items, sharded.load_items(items, resume.path, in_dcp))
@@ -683,6 +817,7 @@ class Checkpointer:
                 minimize=minimize,
                 folder=shared,
                 commits=shared is None,
+                lineage=self._lineage,
             ),
         )
 
@@ -727,6 +862,7 @@ class Checkpointer:
             mid_epoch=mid_epoch,
             guard_skips=[[epoch, batch] for epoch, batch in record.left_out],
             rank_items=rank_items,
+            lineage=self._lineage,
         )
 
     def keep_best_on_disk(self, tracked: bool, epoch: int | None) -> None:

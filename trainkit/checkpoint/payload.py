@@ -399,6 +399,18 @@ def _check_rank_items(value: Any, where: str) -> None:
         raise _Bad(f"{where}['differ']", "a list of item names", differ)
 
 
+_LINEAGE_RULE = (
+    f"a list of at most {core.MAX_SEGMENTS} [token, first_step] pairs (tokens lowercase hex, steps never decreasing)"
+)
+
+
+def _check_lineage(value: Any, where: str) -> None:
+    try:
+        core.lineage_from(value)
+    except BookkeepingError:
+        raise _Bad(where, _LINEAGE_RULE, value) from None
+
+
 def _check_model(value: Any, where: str) -> None:
     if not isinstance(value, dict) or not all(type(key) is str for key in value):
         raise _Bad(where, "a state dict: str keys to tensors and plain values", value)
@@ -505,13 +517,16 @@ LAST_PT: tuple[Key, ...] = (
     Key("trainkit", f"None or {_MID_EPOCH_RULE}", _check_mid_epoch, nullable=True, required=False),
     Key("guard_skips", _SKIPS_RULE, _check_skips, required=False),
     Key("rank_items", f"None or {_RANK_ITEMS_RULE}", _check_rank_items, nullable=True, required=False),
+    Key("lineage", _LINEAGE_RULE, _check_lineage, required=False),
 )
 """The engine's keys of a ``last.pt``, in the order the trainer writes them; each registered item's state sits
 beside them under its own name (listed in ``items``). ``training_modes`` is absent from checkpoints written before
 trainkit saved it, and ``trainkit`` (the state of a step checkpoint written inside an epoch, None at an epoch's end)
 from checkpoints written before step checkpoints existed, ``guard_skips`` (the batches a rollback of the divergence
 guard leaves out) from those written before it existed, ``rank_items`` (the items whose state differed between ranks,
-None when none did) from those written before trainkit compared them; a ``loop`` dict may lack ``last_validated``
+None when none did) from those written before trainkit compared them, ``lineage`` (the history of lives the
+checkpoint belongs to, :func:`~trainkit.bookkeeping.in_history`) from those written before trainkit recorded it; a
+``loop`` dict may lack ``last_validated``
 (LoopState.from_dict supplies the default)."""
 
 BEST_PT: tuple[Key, ...] = (
@@ -546,6 +561,7 @@ def last_payload(
     mid_epoch: dict[str, Any] | None = None,
     guard_skips: list[list[int]] | None = None,
     rank_items: dict[str, Any] | None = None,
+    lineage: core.Lineage = (),
 ) -> dict[str, Any]:
     """Build a ``last.pt`` payload: every registered item's state under its name, then the engine's keys.
 
@@ -575,6 +591,7 @@ def last_payload(
     :param mid_epoch: For a step checkpoint inside an epoch, :func:`mid_epoch_state`'s dict; None at an epoch's end.
     :param guard_skips: ``[epoch, batch]`` positions the divergence guard's rollback leaves out (None: none).
     :param rank_items: :func:`rank_items_state`'s dict, or None when every item's state was the same on every rank.
+    :param lineage: The history of lives the checkpoint belongs to (:func:`~trainkit.bookkeeping.branch_lineage`).
     :returns: The payload, ready for :func:`~trainkit.checkpoint.atomic_save`.
     """
     return {
@@ -597,6 +614,7 @@ def last_payload(
         "trainkit": mid_epoch,
         "guard_skips": list(guard_skips or []),
         "rank_items": rank_items,
+        "lineage": [list(segment) for segment in lineage],
     }
 
 
@@ -874,6 +892,9 @@ def _check_last_consistency(payload: dict[str, Any], world_size: int | None) -> 
             raise _Bad(f"training_modes[{_short(name)}]", "the mode of an item listed in items", name)
     for name in items:
         _check_nesting(payload[name], name, MAX_ITEM_DEPTH)
+    lineage = payload.get("lineage")
+    if lineage and lineage[-1][1] > payload["step"]:
+        raise _Bad("lineage", f"segments that start at most at the checkpoint's step, {payload['step']}", lineage)
     rank_items = payload.get("rank_items")
     if rank_items is not None:
         for name in [*rank_items["means"], *rank_items["differ"]]:

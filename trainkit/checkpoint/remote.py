@@ -81,6 +81,8 @@ from trainkit.messages import printable, say, warn_user
 __all__ = [
     "RemoteTier",
     "Upload",
+    "Anchor",
+    "Fetched",
     "open_store",
     "remove_transfer_leftovers",
     "store_errors",
@@ -290,6 +292,8 @@ class Upload:
     :ivar folder: The remote folder's name (every rank's shards of a sharded save go into one); None: a fresh one.
     :ivar commits: Write the commit record after the upload (a sharded save's is written by rank 0 once every
         rank reported its shards uploaded, :meth:`RemoteTier.commit_reports`).
+    :ivar lineage: The checkpoint's lineage (:func:`~trainkit.bookkeeping.in_history`), recorded in its commit record;
+        retention judges only the folders in its history.
     """
 
     staged: Path
@@ -302,6 +306,38 @@ class Upload:
     minimize: bool | None = None
     folder: str | None = None
     commits: bool = True
+    lineage: core.Lineage | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Anchor:
+    """What a resume has locally, that a remote checkpoint must descend from to be taken.
+
+    :ivar lineage: Its lineage; ``()`` for a checkpoint written before lineages existed (no remote one is taken).
+    :ivar step: Its step.
+    :ivar checkpoint: A local checkpoint (only a strictly newer remote one counts), or the run folder's record of
+        the life that started there and saved nothing yet (any descendant counts).
+    :ivar what: How messages name it.
+    """
+
+    lineage: core.Lineage
+    step: int
+    checkpoint: bool
+    what: str
+
+
+@attrs.frozen(kw_only=True)
+class Fetched:
+    """A remote checkpoint downloaded and verified into a folder of its own under ``out_dir``, not published yet.
+
+    :ivar folder: The download folder (``out_dir/.remote-fetch-<token>/``).
+    :ivar name: The remote folder's name.
+    :ivar manifest: Its commit record.
+    """
+
+    folder: Path
+    name: str
+    manifest: Manifest
 
 
 @attrs.frozen(kw_only=True)
@@ -785,6 +821,7 @@ class RemoteTier:
                 "scores": {metric: value for metric, value in described.scores.items() if math.isfinite(value)},
                 "minimize": job.minimize,
             },
+            lineage=job.lineage,
         )
         self._fs.pipe_file(self._path(own, MANIFEST), manifest_bytes(manifest))  # the commit: written last
 
@@ -854,7 +891,12 @@ class RemoteTier:
         self.delete(self.uncommitted())
 
     def plan(
-        self, policy: Any, *, newest: int | None = None, prefer: str | None = None
+        self,
+        policy: Any,
+        *,
+        newest: int | None = None,
+        prefer: str | None = None,
+        history: tuple[core.Lineage, int] | None = None,
     ) -> tuple[dict[str, tuple[str, ...]], list[str]]:
         """Which committed folders a retention policy keeps, and why; and every folder to delete: those it does not
         keep, second copies of a step (``prefer`` is the copy kept), uncommitted ones.
@@ -862,12 +904,21 @@ class RemoteTier:
         :param policy: The retention policy (as ``ckpt.keep`` gives it).
         :param newest: The step of the newest checkpoint the run wrote (None: the largest step).
         :param prefer: The folder kept of two with the same step.
+        :param history: The lineage and step of the checkpoint the run just committed: only the folders in its
+            history are judged; another history's (an older run's, a branch a rewind abandoned) and those without
+            a lineage are neither counted nor deleted. None: every committed folder is judged.
         :returns: ``(reasons by kept folder, folders to delete)``.
         """
         by_step: dict[int, str] = {}
         doomed: list[str] = []
         described = []
         committed, uncommitted = self._scan()
+        if history is not None:
+            committed = [
+                (name, manifest)
+                for name, manifest in committed
+                if manifest.lineage is not None and core.in_history(manifest.lineage, manifest.step, *history)
+            ]
         for name, manifest in sorted(committed, key=lambda item: item[0] != prefer):
             if manifest.step in by_step:  # the same step uploaded twice (a resumed run): one copy is enough
                 doomed.append(name)
@@ -919,7 +970,8 @@ class RemoteTier:
     def _retain(self, job: Upload, own: str) -> None:
         """Apply the run's retention after a commit; a failure is warned about once and retried after the next."""
         try:
-            self.delete(self.plan(job.policy, newest=job.step, prefer=own)[1])
+            history = (job.lineage, job.step) if job.lineage else None
+            self.delete(self.plan(job.policy, newest=job.step, prefer=own, history=history)[1])
         except Exception as exc:  # noqa: BLE001 - the commit stands: retention is not the upload
             text = (
                 str(exc)
@@ -981,21 +1033,61 @@ class RemoteTier:
         if total != item.size or crc != item.crc32:
             raise CheckpointCorruptError(f"{where} does not match its manifest (size {total}, CRC-32 {crc:#010x})")
 
-    @_guarded("looking for a newer checkpoint")
-    def fetch_newer(self, local_step: int | None) -> bool:
-        """Publish into ``out_dir`` the newest committed remote checkpoint newer than ``local_step`` that verifies:
-        downloaded and checked against its manifest, each ``.pt`` file loaded by the safe reader, then moved in
-        (``last.pt`` last). A damaged one is warned about and the next older one tried.
+    @_guarded("listing the committed checkpoints")
+    def candidates(self, anchor: Anchor | None) -> list[tuple[str, Manifest]]:
+        """The committed remote checkpoints a resume may take, newest (largest step) first.
 
-        :param local_step: The step of the local checkpoint ``resume=auto`` found (None: none).
-        :returns: Whether one was published.
-        :raises OutDirError: When the store fails to list the prefix (one line, :func:`store_errors`).
+        With a local ``anchor``, those whose lineage descends from it (:func:`~trainkit.bookkeeping.in_history`):
+        never one of another history (an older run's on the prefix, a branch a rewind abandoned), however large its
+        step; none when the anchor has no lineage (written before lineages existed). With nothing local (an empty
+        ``out_dir``), the history of the most recently committed checkpoint (by its recorded time, then step): it
+        and its ancestors; when that one has no lineage, the committed folders without one (as before lineages).
+
+        :param anchor: What the resume has locally, or None.
+        :returns: ``(folder name, manifest)`` pairs.
+        """
+        committed = [(name, m) for name, m in self.committed() if name not in self._refused]
+        if anchor is not None:
+            taken = [
+                (name, m)
+                for name, m in committed
+                if m.lineage is not None
+                and (m.step > anchor.step or (not anchor.checkpoint and m.step == anchor.step))
+                and core.in_history(anchor.lineage, anchor.step, m.lineage, m.step)
+            ]
+            passed = [(name, m) for name, m in committed if m.step > anchor.step and (name, m) not in taken]
+            if passed and (not taken or passed[0][1].step > taken[0][1].step):
+                name, manifest = passed[0]
+                say(
+                    f"ckpt.remote={self.url}: {name} (step {manifest.step}) is not taken: it is not in the history of "
+                    f"{anchor.what} (another run's, a branch a rewind or a fresh start left, or written before "
+                    "trainkit recorded lineages)"
+                )
+            return taken
+        if not committed:
+            return []
+        _, tip = max(committed, key=lambda item: (item[1].description["time"], item[1].step, item[0]))
+        if tip.lineage is None:
+            return [(name, m) for name, m in committed if m.lineage is None]
+        return [
+            (name, m)
+            for name, m in committed
+            if m.lineage is not None and core.in_history(m.lineage, m.step, tip.lineage, tip.step)
+        ]
+
+    @_guarded("looking for a newer checkpoint")
+    def fetch(self, anchor: Anchor | None) -> Fetched | None:
+        """Download the newest of :meth:`candidates` that verifies into a folder of its own under ``out_dir``:
+        checked against its manifest, each ``.pt`` file loaded by the safe reader. A damaged one is warned about
+        and the next older one tried. Nothing in ``out_dir`` itself changes: the caller checks the checkpoint
+        further and then publishes it (:meth:`publish`) or lets it go (:meth:`discard`).
+
+        :param anchor: What the resume has locally, or None (see :meth:`candidates`).
+        :returns: The verified download, or None.
         """
         for stale in self._out_dir.glob(f"{FETCH_PREFIX}*"):  # a download a kill interrupted
             shutil.rmtree(stale, ignore_errors=True)
-        for name, manifest in self.committed():
-            if local_step is not None and manifest.step <= local_step:
-                return False
+        for name, manifest in self.candidates(anchor):
             tops = {item.name.split("/")[0] for item in manifest.objects}
             if not tops & {LAST, LAST_DIR}:
                 self._refuse(name, f"its manifest lists neither {LAST} nor {LAST_DIR}/")
@@ -1014,12 +1106,37 @@ class RemoteTier:
                         load_checkpoint(folder / item.name)  # refused here, before anything is published
             except (CheckpointCorruptError, CheckpointUnsafeError) as exc:
                 shutil.rmtree(folder, ignore_errors=True)
-                warn_user(f"ckpt.remote={self.url}: {name} is refused ({exc}); trying the previous committed one")
+                warn_user(f"ckpt.remote={self.url}: {name} is refused ({shown(exc)}); trying the previous committed one")
                 continue
-            publish_fetched(folder, self._out_dir, sorted(tops, key=lambda top: top in (LAST, LAST_DIR)))
-            say(f"took step {manifest.step} from ckpt.remote={self.url} ({name})")
-            return True
-        return False
+            return Fetched(folder=folder, name=name, manifest=manifest)
+        return None
+
+    def refuse(self, fetched: Fetched, why: str) -> None:
+        """Let a fetched checkpoint that a later check refused go: warned, its download deleted, and never offered
+        again by :meth:`candidates` in this run.
+
+        :param fetched: What :meth:`fetch` returned.
+        :param why: The refusal, for the warning.
+        """
+        self.discard(fetched)
+        self._refuse(fetched.name, why)
+
+    @staticmethod
+    def discard(fetched: Fetched) -> None:
+        """Delete a fetched checkpoint's download folder; ``out_dir`` itself is left as it was.
+
+        :param fetched: What :meth:`fetch` returned.
+        """
+        shutil.rmtree(fetched.folder, ignore_errors=True)
+
+    def publish(self, fetched: Fetched) -> None:
+        """Move a fetched checkpoint that passed every check into ``out_dir`` (``last`` last) and say so.
+
+        :param fetched: What :meth:`fetch` returned.
+        """
+        tops = {item.name.split("/")[0] for item in fetched.manifest.objects}
+        publish_fetched(fetched.folder, self._out_dir, sorted(tops, key=lambda top: top in (LAST, LAST_DIR)))
+        say(f"took step {fetched.manifest.step} from ckpt.remote={self.url} ({fetched.name})")
 
     # ------------------------------------------------------------------ the end
 

@@ -21,7 +21,8 @@ from typing import Any
 import attrs
 
 from trainkit.bookkeeping import is_finite_real
-from trainkit.errors import CheckpointUnsafeError
+from trainkit.bookkeeping.lineage import Lineage, lineage_from
+from trainkit.errors import BookkeepingError, CheckpointUnsafeError
 from trainkit.files.bounded_read import load_json
 
 __all__ = [
@@ -174,6 +175,15 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
+def _lineage(value: Any) -> Lineage | None:
+    if value is None:
+        return None
+    try:
+        return lineage_from(value)
+    except BookkeepingError as exc:
+        raise CheckpointUnsafeError(f"remote manifest: lineage: {exc}") from None
+
+
 @attrs.frozen(kw_only=True)
 class Manifest:
     """A remote checkpoint's commit record.
@@ -186,6 +196,8 @@ class Manifest:
     :ivar version: The trainkit version that wrote it.
     :ivar description: How retention sees it: ``epoch_end``, ``time`` and ``scores`` (plain values), and the run's
         ``val.minimize`` as ``minimize`` (absent in records written before it was recorded, or when not known).
+    :ivar lineage: The history of lives the checkpoint belongs to (:func:`~trainkit.bookkeeping.in_history`); None in a
+        record written before trainkit recorded it.
     """
 
     step: int = attrs.field(converter=lambda v: _count(v, "step", 1 << 62))
@@ -195,6 +207,7 @@ class Manifest:
     run_id: str | None
     version: str
     description: Mapping[str, Any] = attrs.field(factory=dict, converter=_description, hash=False)
+    lineage: Lineage | None = attrs.field(default=None, converter=lambda v: _lineage(v))
 
     def object(self, name: str) -> RemoteObject | None:
         """The object named ``name``, or None."""
@@ -211,6 +224,8 @@ def manifest_bytes(manifest: Manifest) -> bytes:
     """
     data = attrs.asdict(manifest, recurse=True)
     data["objects"] = [attrs.asdict(o) for o in manifest.objects]
+    if manifest.lineage is None:
+        del data["lineage"]  # a record without one reads as before
     return json.dumps(data, sort_keys=True, allow_nan=False).encode()
 
 
@@ -246,6 +261,7 @@ def parse_manifest(data: bytes) -> Manifest:
         run_id=_text(raw, "run_id", optional=True),
         version=_text(raw, "version"),
         description=_description(raw.get("description", {})),
+        lineage=raw.get("lineage"),
     )
 
 
