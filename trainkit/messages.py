@@ -14,7 +14,7 @@ import sys
 import warnings
 from typing import NoReturn, TextIO
 
-__all__ = ["say", "warn_user", "exit_refused", "REFUSED_EXIT_CODE", "printable"]
+__all__ = ["say", "warn_user", "refusal_line", "exit_refused", "REFUSED_EXIT_CODE", "printable"]
 
 REFUSED_EXIT_CODE = 2
 """The exit status of a refusal (a bad config, a checkpoint this run cannot resume), as ``argparse`` exits on a bad

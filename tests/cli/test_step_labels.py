@@ -43,11 +43,12 @@ def labels(rows, summary, axis="step") -> list[list[str]]:
 
 
 def test_inspect_says_where_a_step_checkpoint_stands_inside_its_epoch(steps_run):
-    """The last.pt of the run stopped at step 11 is inside epoch 1, not 'epoch 1 done' at an epoch's end; best.pt
-    says the best's step beside its epoch (a step checkpoint's batches: _where's doctest)."""
+    """The last.pt of the run stopped at step 11 is inside epoch 1 (5 of its 6 batches done, where a raised
+    max_steps continues), not 'epoch 1 done' at an epoch's end; best.pt says the best's step beside its epoch."""
     lines = describe_checkpoint(steps_run / "last.pt")
-    assert "epoch:        1, step 11 (inside the epoch, where the run stopped: max_steps), world size 1" in lines
-    assert "position:     inside epoch 1, where the run stopped" in lines
+    stopped = "epoch:        1, step 11 (inside the epoch: 5 of 6 batches done; the run stopped here: max_steps)"
+    assert f"{stopped}, world size 1" in lines
+    assert any(line.startswith("position:     inside epoch 1: 5 of 6 batches done") for line in lines), lines
     best = summarize_run(steps_run)
     assert best["best_step"] in (4, 8) and best["best_epoch"] == (best["best_step"] - 1) // 6
     assert f"best epoch:   {best['best_epoch']}, step {best['best_step']}" in describe_checkpoint(steps_run / "best.pt")

@@ -24,8 +24,8 @@ The protocol (see ``docs/remote.rst``):
 - **Faults.** A failed upload is retried with backoff a few times, warned about once, and superseded by the next
   checkpoint; a failed deletion of retention is warned about once and tried again after the next commit (the
   commit stands); nothing here raises into the loop after the start.
-- **Hostile objects.** Every object is read as hostile input (:meth:`RemoteTier._read_object`,
-  :func:`_open_regular`): only a regular object is opened (on a local or mounted file system with ``O_NONBLOCK``
+- **Hostile objects.** Every object is read as hostile input (``RemoteTier._read_object``,
+  ``_open_regular``): only a regular object is opened (on a local or mounted file system with ``O_NONBLOCK``
   and ``O_NOFOLLOW`` and checked with ``fstat``, so a FIFO or device never blocks), no more bytes are read than
   it may hold, and no open or read waits longer than :data:`READ_DEADLINE_S`. What a store's client raises
   reaches the user as one line, credentials masked and control characters escaped (:func:`store_errors`).

@@ -72,20 +72,24 @@ def _pinned(payload: Mapping[str, Any]) -> str | None:
 
 def _where(payload: Mapping[str, Any], position: EpochPosition | None) -> str:
     """Where a ``last.pt`` stands, as ``inspect`` says it: epochs done and the step at an epoch's end, or the epoch
-    it is inside, its step and its batches for a step checkpoint (a run that stopped inside an epoch, at
-    ``max_steps`` or a step validation's early stop, keeps no batch position: there is nothing left to resume).
+    it is inside, its step and its batches for a step checkpoint and for a run that stopped inside an epoch (at
+    ``max_steps`` or a step validation's early stop: a raised budget continues from the next batch); a checkpoint
+    of such a stop that recorded no batch position (an earlier trainkit's) says only where the run stopped.
 
     >>> _where({"epoch": 2, "step": 60, "loop": {}}, None)
     '2 done, step 60'
     >>> p = EpochPosition(epoch=0, batches=37, batches_per_epoch=100, batch_size=8, dataset_length=800, world_size=1)
     >>> _where({"epoch": 0, "step": 37, "loop": {"in_epoch": True}}, p)
     '0, step 37 (inside the epoch: 37 of 100 batches done)'
+    >>> _where({"epoch": 0, "step": 37, "loop": {"in_epoch": True, "stop_reason": "max_steps"}}, p)
+    '0, step 37 (inside the epoch: 37 of 100 batches done; the run stopped here: max_steps)'
     >>> _where({"epoch": 1, "step": 9, "loop": {"in_epoch": True, "stop_reason": "max_steps"}}, None)
     '1, step 9 (inside the epoch, where the run stopped: max_steps)'
     """
     loop = payload["loop"]
     if position is not None:
-        return f"{position.epoch}, step {payload['step']} (inside the epoch: {position.done} done)"
+        stopped = f"; the run stopped here: {loop['stop_reason']}" if loop.get("stop_reason") else ""
+        return f"{position.epoch}, step {payload['step']} (inside the epoch: {position.done} done{stopped})"
     if loop.get("in_epoch"):
         stopped = f"where the run stopped: {loop.get('stop_reason')}"
         return f"{payload['epoch']}, step {payload['step']} (inside the epoch, {stopped})"
