@@ -203,11 +203,6 @@ def test_kills_at_random_store_calls_end_like_the_uninterrupted_run(fmt, store, 
         check_run(run, reference, tmp_path / f"scratch{number}", f"seed {seed}, run {number}, kills {run['kills']}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #15: a SIGKILLed run's staged hard links in out_dir/.remote-staging are cleared by no later run "
-    "until one ends normally; remove this mark once that fix is merged",
-)
 def test_a_killed_runs_staged_files_are_gone_once_the_next_run_is_under_way(tmp_path):
     """Two SIGKILLs in a row during uploads (before an object's put): what the first attempt left staged is gone
     when the second is killed (a run clears the staging folder when it starts), and the third ends cleanly."""
@@ -221,12 +216,6 @@ def test_a_killed_runs_staged_files_are_gone_once_the_next_run_is_under_way(tmp_
     check_run(run, report[0], tmp_path / "scratch", "after two kills")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a rerun does not upload the checkpoint it resumes from when the remote lacks it (a finished run's rerun "
-    "returns at once from BaseTrainer.train; a mid-run resume hands over only its later saves): the remote keeps "
-    "the final step's copy lost to the kill out for ever",
-)
 def test_the_remote_ends_with_the_uninterrupted_runs_committed_set(tmp_path):
     """SIGKILL just before the last commit record (the finished run's final checkpoint; step 24 was committed once
     already, as saved inside the epoch): the rerun of the command must leave the remote with the uninterrupted
