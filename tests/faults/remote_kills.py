@@ -4,9 +4,9 @@ Usage: ``python -m tests.faults.remote_kills SCENARIO.json REPORT.json``. The sc
 ``{"config": {...}, "trainer": "TinyTrainer" | "ShardTrainer", "world_size": 1 or 2, "lease_s": float,
 "runs": [[kill, ...], ...]}``; run 0 must be ``[]``: the uninterrupted reference, which also counts the store calls.
 A kill is ``[verb, fraction, "before" | "after"]``: rank 0 SIGKILLs itself just before or just after its n-th call
-of that verb on the store, n = ``max(1, round(fraction * the reference run's count))`` (or ``"#<n>"``: n itself; counted from 1 in every
-attempt: an attempt that makes fewer calls is not killed, and the run's later kills are skipped). The verbs are the
-store calls of :mod:`trainkit.checkpoint.remote`:
+of that verb on the store, n = ``max(1, round(fraction * the reference run's count))``, or n itself for a fraction
+``"#<n>"`` (counted from 1 in every attempt: an attempt that makes fewer calls is not killed, and the run's later
+kills are skipped). The verbs are the store calls of :mod:`trainkit.checkpoint.remote`:
 
 - ``put``: one object of an upload (``put``'s files, one ``put_file`` each: a kill between two is mid-upload);
 - ``commit``: writing a folder's ``commit.json`` (a sharded save's too);

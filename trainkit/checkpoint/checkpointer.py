@@ -56,7 +56,6 @@ from trainkit.checkpoint.storage import BestWeights, FileStorage, SaveRequest, S
 from trainkit.config import CkptConfig, Config, changed_on_resume, render_value, strip_secrets
 from trainkit.distributed import collectives as dist_utils
 from trainkit.distributed import fsdp as sharding
-from trainkit.files.weights_only_load import load_checkpoint
 from trainkit.errors import (
     CheckpointCorruptError,
     CheckpointMismatchError,
@@ -64,6 +63,7 @@ from trainkit.errors import (
     OutDirError,
     UsageError,
 )
+from trainkit.files.weights_only_load import load_checkpoint
 from trainkit.messages import say, warn_user
 from trainkit.run.folder import same_directory
 from trainkit.run.journal import JsonlSink

@@ -508,9 +508,7 @@ class RemoteTier:
                 self._catching_up.append(_Retention(policy=policy, newest=newest, prefer=tuple(prefer)))
             self._cond.notify_all()
 
-    def _stage(
-        self, files: list[tuple[Path, str, int | None]], make_upload: Callable[..., Upload]
-    ) -> Upload | None:
+    def _stage(self, files: list[tuple[Path, str, int | None]], make_upload: Callable[..., Upload]) -> Upload | None:
         """Stage files for an upload (see :meth:`hand_over`): the upload, or None (warned) when they could not be."""
         staged = self._staging / secrets.token_hex(8)
         listed = []
@@ -563,10 +561,12 @@ class RemoteTier:
         while True:
             with self._cond:
                 self._cond.wait_for(
-                    lambda: self._queued is not None
-                    or self._commit is not None
-                    or bool(self._catching_up)
-                    or self._stopping,
+                    lambda: (
+                        self._queued is not None
+                        or self._commit is not None
+                        or bool(self._catching_up)
+                        or self._stopping
+                    ),
                     timeout=self._lease_s / 3,
                 )
                 if self._stopping:
@@ -633,7 +633,8 @@ class RemoteTier:
         else:  # committed: whatever retention does now, this upload is done
             self.last_upload_s = time.perf_counter() - started
             self._committed_step = max(job.step, self._committed_step or job.step)
-            self._retain(job.policy, newest=job.step if job.newest is None else job.newest, prefer=(uploaded[0], *job.prefer))
+            newest = job.step if job.newest is None else job.newest  # a catch-up's: the run's newest
+            self._retain(job.policy, newest=newest, prefer=(uploaded[0], *job.prefer))
 
     def _commit_sharded(self, commit: _Commit) -> None:
         try:
@@ -644,7 +645,8 @@ class RemoteTier:
             return
         self._committed_step = max(commit.upload.step, self._committed_step or commit.upload.step)
         upload = commit.upload
-        self._retain(upload.policy, newest=upload.step if upload.newest is None else upload.newest, prefer=(commit.folder, *upload.prefer))
+        newest = upload.step if upload.newest is None else upload.newest
+        self._retain(upload.policy, newest=newest, prefer=(commit.folder, *upload.prefer))
 
     def _upload(self, job: Upload) -> tuple[str, tuple[RemoteObject, ...]]:
         """Upload a staged checkpoint into its folder, its commit record last (unless a sharded rank's share).
