@@ -389,6 +389,7 @@ class BaseTrainer(abc.ABC):
         self._checkpointer.check_format(self._registry)
         if resume is not None:
             self._restore(resume)
+        self._checkpointer.catch_up_remote(resume)  # what a kill kept from the remote goes up in the background
 
     def __getattr__(self, name: str) -> Any:
         # only when normal lookup fails: a subclass's attribute of these names wins; no best tracked, no attribute
@@ -492,7 +493,10 @@ class BaseTrainer(abc.ABC):
         :raises DistributedError: When the ranks disagree on stopping.
         """
         if self._results is not None:
-            self._checkpointer.release_folder()
+            try:  # the catch-up of a run killed during its final upload or retention lands first
+                self._checkpointer.wait_remote()
+            finally:
+                self._checkpointer.release_folder()
             if self.cfg.test.enable:  # as the run that finished left it: the tested (best) weights loaded
                 self._best.load_into(dist_utils.unwrap(self.model))
             return dict(self._results) or None

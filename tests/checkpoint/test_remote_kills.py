@@ -203,11 +203,6 @@ def test_kills_at_random_store_calls_end_like_the_uninterrupted_run(fmt, store, 
         check_run(run, reference, tmp_path / f"scratch{number}", f"seed {seed}, run {number}, kills {run['kills']}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #15: a SIGKILLed run's staged hard links in out_dir/.remote-staging are cleared by no later run "
-    "until one ends normally; remove this mark once that fix is merged",
-)
 def test_a_killed_runs_staged_files_are_gone_once_the_next_run_is_under_way(tmp_path):
     """Two SIGKILLs in a row during uploads (before an object's put): what the first attempt left staged is gone
     when the second is killed (a run clears the staging folder when it starts), and the third ends cleanly."""
@@ -221,12 +216,6 @@ def test_a_killed_runs_staged_files_are_gone_once_the_next_run_is_under_way(tmp_
     check_run(run, report[0], tmp_path / "scratch", "after two kills")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a rerun does not upload the checkpoint it resumes from when the remote lacks it (a finished run's rerun "
-    "returns at once from BaseTrainer.train; a mid-run resume hands over only its later saves): the remote keeps "
-    "the final step's copy lost to the kill out for ever",
-)
 def test_the_remote_ends_with_the_uninterrupted_runs_committed_set(tmp_path):
     """SIGKILL just before the last commit record (the finished run's final checkpoint; step 24 was committed once
     already, as saved inside the epoch): the rerun of the command must leave the remote with the uninterrupted
@@ -236,3 +225,30 @@ def test_the_remote_ends_with_the_uninterrupted_runs_committed_set(tmp_path):
     assert [codes[0] for codes in run["exit_codes"]] == [-9, 0], run["exit_codes"]
     expected = check_run(reference, reference, tmp_path / "scratch0", "reference")
     assert check_run(run, reference, tmp_path / "scratch1", "killed at the last commit") == expected
+
+
+# The reference run of FORMATS["file"] commits 16 times: the 8th is step 12 at the end of epoch 1 (the best score,
+# which best:1 keeps to the end), the 16th the final checkpoint (step 24 at the end of the last epoch).
+BEST_COMMIT, FINAL_COMMIT = "#8", "#16"
+
+
+def test_a_best_checkpoint_whose_commit_a_kill_cut_is_uploaded_by_the_next_run(tmp_path):
+    """SIGKILL just before the commit record of the best checkpoint (mid-run; the run had gone on meanwhile): the
+    rerun resumes from a later local checkpoint, and still the remote ends with the uninterrupted run's set, the best
+    among it (the rerun uploads its kept copy)."""
+    report = fuzz_plan(tmp_path, f"file://{tmp_path}/remote", "file", [[], [["commit", BEST_COMMIT, "before"]]])
+    reference, run = report
+    assert [codes[0] for codes in run["exit_codes"]] == [-9, 0], run["exit_codes"]
+    expected = check_run(reference, reference, tmp_path / "scratch0", "reference")
+    assert (12, True) in expected, f"the policy no longer keeps the best step 12: {sorted(expected)}"
+    assert check_run(run, reference, tmp_path / "scratch1", "killed at the best's commit") == expected
+
+
+def test_a_finished_runs_rerun_after_a_kill_before_its_retention_leaves_one_copy_per_step(tmp_path):
+    """SIGKILL right after the final commit record, before its retention (the step saved inside the last epoch and
+    again at its end, both committed): the finished run's rerun runs retention, which keeps the final copy."""
+    report = fuzz_plan(tmp_path, f"file://{tmp_path}/remote", "file", [[], [["commit", FINAL_COMMIT, "after"]]])
+    reference, run = report
+    assert [codes[0] for codes in run["exit_codes"]] == [-9, 0], run["exit_codes"]
+    expected = check_run(reference, reference, tmp_path / "scratch0", "reference")
+    assert check_run(run, reference, tmp_path / "scratch1", "killed after the final commit") == expected

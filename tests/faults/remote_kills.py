@@ -4,9 +4,9 @@ Usage: ``python -m tests.faults.remote_kills SCENARIO.json REPORT.json``. The sc
 ``{"config": {...}, "trainer": "TinyTrainer" | "ShardTrainer", "world_size": 1 or 2, "lease_s": float,
 "runs": [[kill, ...], ...]}``; run 0 must be ``[]``: the uninterrupted reference, which also counts the store calls.
 A kill is ``[verb, fraction, "before" | "after"]``: rank 0 SIGKILLs itself just before or just after its n-th call
-of that verb on the store, n = ``max(1, round(fraction * the reference run's count))`` (counted from 1 in every
-attempt: an attempt that makes fewer calls is not killed, and the run's later kills are skipped). The verbs are the
-store calls of :mod:`trainkit.checkpoint.remote`:
+of that verb on the store, n = ``max(1, round(fraction * the reference run's count))``, or n itself for a fraction
+``"#<n>"`` (counted from 1 in every attempt: an attempt that makes fewer calls is not killed, and the run's later
+kills are skipped). The verbs are the store calls of :mod:`trainkit.checkpoint.remote`:
 
 - ``put``: one object of an upload (``put``'s files, one ``put_file`` each: a kill between two is mid-upload);
 - ``commit``: writing a folder's ``commit.json`` (a sharded save's too);
@@ -253,7 +253,10 @@ def main() -> None:
         aimed = []
         for verb, fraction, where, *fresh in kills:
             assert counts is not None and verb in VERBS, (verb, counts)
-            n = 1 + round(fraction * 2) if verb == "fetch" else max(1, round(fraction * counts.get(verb, 0)))
+            if isinstance(fraction, str):  # "#<n>": the n-th call itself
+                n = int(fraction.removeprefix("#"))
+            else:
+                n = 1 + round(fraction * 2) if verb == "fetch" else max(1, round(fraction * counts.get(verb, 0)))
             aimed.append([verb, n, where, *fresh])
         codes, seconds, staged = [], [], []
         for attempt, kill in enumerate([*aimed, None]):
@@ -261,7 +264,8 @@ def main() -> None:
             codes.append(fork_attempt(config, trainer_name, world_size, kill and kill[:3], summary_path, log))
             seconds.append(round(time.monotonic() - started, 2))
             staging = Path(config["out_dir"], ".remote-staging")
-            staged.append(sorted(os.listdir(staging)) if staging.is_dir() else [])
+            # each rank's staging folder (rank-<r>/) holds one folder per staged upload
+            staged.append(sorted(str(path.relative_to(staging)) for path in staging.glob("*/*")))
             if codes[-1][0] != -signal.SIGKILL:
                 break  # not killed (the aimed call never came): the run is over
             if kill is not None and kill[3:] == ["fresh"]:

@@ -67,6 +67,7 @@ from trainkit.errors import (
 )
 from trainkit.files.bounded_read import load_json, read_regular
 from trainkit.files.durable import atomic_write_bytes
+from trainkit.files.weights_only_load import load_checkpoint
 from trainkit.messages import say, warn_user
 from trainkit.run.folder import same_directory
 from trainkit.run.journal import JsonlSink
@@ -84,6 +85,11 @@ MAX_LINEAGE_RECORD_BYTES = 64 << 10
 """A lineage record larger than this is refused unread."""
 FETCH_TRIES = 8
 """The most remote checkpoints one resume downloads and refuses before it gives up on the remote."""
+
+
+def _same_checkpoint(a: core.Checkpoint, b: core.Checkpoint) -> bool:
+    """Whether two descriptions are of one checkpoint: a step saved inside an epoch and again at its end is two."""
+    return (a.step, a.epoch, a.epoch_end) == (b.step, b.epoch, b.epoch_end)
 
 
 def load_item(obj: Any, state: Any) -> None:
@@ -463,6 +469,141 @@ class Checkpointer:
                 f"world_size={self._world_size} and continues it: {refusal} (or start fresh with ckpt.resume=never)"
             )
 
+    def catch_up_remote(self, resume: Resume | None) -> None:
+        """Queue for upload, in the background, what this run's local checkpoints hold and the remote lacks: a kill
+        may have cut the upload of the checkpoint it resumes from (a finished run's final one included) or of an
+        older one that ``ckpt.keep`` keeps; then run the remote's retention once (a step committed twice keeps the
+        copy that is the local one). Every rank calls it after :meth:`load` (a collective for sharded checkpoints
+        on several ranks); never raises (a store that fails is warned about, and training goes on).
+
+        Only this folder's own history goes up: the resumed checkpoint when it is in ``out_dir`` (``last``, its
+        previous copy, or a kept one) and the kept ``checkpoints/step-<step>`` of earlier steps; a remote copy
+        counts as the local checkpoint when step, epoch and epoch end agree. What uploads: every local checkpoint
+        that retention over the remote's committed ones and the local ones keeps (``newest`` the resumed step) and
+        the remote lacks, oldest first. Sharded checkpoints on several ranks: the resumed one only (its shards from
+        every rank, committed at the next save or at the end, :meth:`wait_remote`).
+
+        :param resume: What :meth:`load` returned (None: a fresh run, nothing to catch up).
+        """
+        if self._remote is None or resume is None or not self._ckpt.enable:
+            return
+        several = self._ckpt.format == "sharded" and self._world_size > 1
+        plan: tuple[list[tuple[core.Checkpoint, Path]], Any] | None = None
+        if self._rank == 0:
+            try:
+                plan = self._catch_up_plan(resume, last_only=several)
+            except Exception as exc:  # noqa: BLE001 - the run goes on; its next commit's retention still runs
+                warn_user(f"ckpt.remote={self._remote.url}: could not compare the remote with {resume.path} ({exc})")
+        if several:
+            wanted = dist_utils.broadcast_object([description.step for description, _ in plan[0]] if plan else [])
+            if wanted:  # every rank uploads its own shards of the resumed directory into one folder
+                self._remote_saves += 1
+                description = plan[0][0][0] if plan else None  # rank 0's goes into the commit record
+                upload = self._catch_up_upload(resume, resume.path, description, last=True, plan=plan)
+                self._remote.catch_up([upload] if upload is not None else [], None)
+            elif plan is not None:
+                self._remote.catch_up([], plan[1])
+            return
+        if plan is None:
+            return
+        candidates, retention = plan
+        uploads = []
+        for description, path in candidates:
+            upload = self._catch_up_upload(resume, path, description, last=path == resume.path, plan=plan)
+            if upload is not None:
+                uploads.append(upload)
+        self._remote.catch_up(uploads, retention)
+
+    def _catch_up_plan(
+        self, resume: Resume, *, last_only: bool
+    ) -> tuple[list[tuple[core.Checkpoint, Path]], Any] | None:
+        """Rank 0: the local checkpoints to upload (oldest first) and the retention to run after them."""
+        assert self._remote is not None
+        path, ckpt = resume.path, resume.ckpt
+        if not same_directory(run_folder_of(path), self._files.out_dir):
+            return None  # resumed from another folder: its history is that folder's
+        described = self._describe_resumed(path, ckpt, resume.records)
+        if described is None:
+            return None
+        last, minimize = described
+        resumed_step = last.step
+        local: dict[int, tuple[core.Checkpoint, Path]] = {}
+        if not last_only:
+            for description, kept in self._kept.history():  # a larger step is an abandoned history's
+                if description.step < resumed_step:
+                    local[description.step] = (description, kept)
+                elif description.step == resumed_step and _same_checkpoint(description, last):
+                    last = description  # as its save recorded it (scores included)
+        local[resumed_step] = (last, path)
+        committed = self._remote.committed()
+        present: dict[int, str] = {}  # the remote copy that is the local checkpoint, by step
+        union = {step: description for step, (description, _) in local.items()}
+        for name, manifest in committed:
+            d = manifest.description
+            remote = core.Checkpoint(
+                step=manifest.step, epoch=manifest.epoch, epoch_end=d["epoch_end"], time=d["time"], scores=d["scores"]
+            )
+            union.setdefault(manifest.step, remote)
+            if manifest.step in local and _same_checkpoint(local[manifest.step][0], remote):
+                present.setdefault(manifest.step, name)
+        policy = self._kept.policy(minimize)
+        reasons = core.keep_reasons(policy, union.values(), newest=resumed_step)
+        missing = [local[step] for step in sorted(local) if reasons.get(step) and step not in present]
+        lineage = core.lineage_from(ckpt.get("lineage", []))
+        history = (lineage, resumed_step) if lineage else None  # retention judges the resumed checkpoint's history
+        return missing, (policy, resumed_step, tuple(present.values()), history)
+
+    def _catch_up_upload(
+        self,
+        resume: Resume,
+        path: Path,
+        description: core.Checkpoint | None,
+        *,
+        last: bool,
+        plan: tuple[list[tuple[core.Checkpoint, Path]], Any] | None,
+    ) -> tuple[list[tuple[Path, str, int | None]], Callable[..., Upload]] | None:
+        """One catch-up upload: a committed folder as the save's own upload makes it (``best`` when it is the one
+        that save had, ``metrics.jsonl`` up to the size the checkpoint records, ``last`` last); None (warned) when
+        an older checkpoint's record cannot be read."""
+        assert self._remote is not None
+        record: Mapping[str, Any] = resume.ckpt
+        if not last:
+            try:  # an older kept checkpoint: its own record says its metrics' size and its best
+                record = load_checkpoint(path / sharded.ENGINE_FILE if path.is_dir() else path)
+            except (CheckpointCorruptError, CheckpointUnsafeError, OSError) as exc:
+                warn_user(f"ckpt.remote={self._remote.url}: {path} is not uploaded ({exc})")
+                return None
+        # the best file now is the one that save uploaded if the best record is the same (it has not changed since)
+        best = [self.best_path] if record.get("best") == resume.ckpt.get("best") else []
+        offset = record.get("metrics_offset")
+        metrics = offset if self._rank == 0 and type(offset) is int and offset >= 0 else None
+        files = published_files([*best, path], self._files.metrics_path, metrics, rank=self._rank)
+        name = self.last_path.name  # last.prev.pt or checkpoints/step-<n>.pt goes up as last.pt
+        files = [
+            (local, name + remote[len(path.name) :] if remote.split("/")[0] == path.name else remote, size)
+            for local, remote, size in files
+        ]
+        step = int(record["step"])
+        minimize = resume.records.best.minimize if resume.records.best is not None else self._minimize
+        several = self._ckpt.format == "sharded" and self._world_size > 1
+        folder = self._remote_folder(step) if several else None
+        retention = plan[1] if plan is not None else (None, int(resume.ckpt["step"]), (), None)
+        lineage = core.lineage_from(record.get("lineage", []))  # its commit record names the checkpoint's own history
+        return files, functools.partial(
+            Upload,
+            step=step,
+            epoch=int(record["epoch"]) if description is None else description.epoch,
+            run_id=record.get("wandb_run_id"),
+            description=description if description is not None else core.Checkpoint(step=step),
+            policy=self._kept.policy(minimize),
+            minimize=minimize,
+            folder=folder,
+            commits=folder is None,
+            newest=int(resume.ckpt["step"]),
+            prefer=tuple(retention[2]),
+            lineage=lineage or None,
+        )
+
     def rollback_resume(self, cfg: Config, first_bad_step: int) -> Resume | None:
         """The newest checkpoint written before optimizer step ``first_bad_step``, loaded (the divergence guard's
         rollback): ``last``, then its previous copy, then the kept ``checkpoints/step-<step>.pt`` files
@@ -516,6 +657,21 @@ class Checkpointer:
         in_shards = self._ckpt.format == "sharded"
         if not self._kept.active or not same_directory(path.parent, self._files.out_dir) or path.is_dir() != in_shards:
             return
+        described = self._describe_resumed(path, ckpt, records)
+        if described is None:
+            return
+        description, minimize = described
+        if self._kept.keep_resumed(path, description, minimize=minimize):
+            say(
+                f"kept {path} as {self._kept.directory.name}/step-{description.step}: the run before stopped after "
+                "publishing it and before keeping it (ckpt.keep)"
+            )
+
+    def _describe_resumed(
+        self, path: Path, ckpt: Mapping[str, Any], records: core.Resumed
+    ) -> tuple[core.Checkpoint, bool] | None:
+        """The resumed checkpoint as retention sees it (the time it was written), and the run's direction; None when
+        its file cannot be examined."""
         loop, best = core.LoopState.from_dict(ckpt["loop"]), records.best
         score = None  # the score of an epoch that did not improve is not in the checkpoint (its val/* metrics are)
         epoch_end = ckpt.get("trainkit") is None
@@ -524,7 +680,7 @@ class Checkpointer:
         try:
             saved_at = os.lstat(path).st_mtime
         except OSError:
-            return
+            return None
         description = describe_save(
             step=int(ckpt["step"]),
             epoch=loop.epoch,
@@ -534,12 +690,7 @@ class Checkpointer:
             latest_metrics=ckpt.get("latest_metrics") or {},
             saved_at=saved_at if math.isfinite(saved_at) else None,
         )
-        minimize = best.minimize if best is not None else self._minimize
-        if self._kept.keep_resumed(path, description, minimize=minimize):
-            say(
-                f"kept {path} as {self._kept.directory.name}/step-{description.step}: the run before stopped after "
-                "publishing it and before keeping it (ckpt.keep)"
-            )
+        return description, best.minimize if best is not None else self._minimize
 
     def _say_resuming(self, path: Path, records: core.Resumed, mid_epoch: Mapping[str, Any] | None) -> None:
         line = records.line
@@ -912,6 +1063,11 @@ class Checkpointer:
         self._storage.wait()
         self._storage.release()
         self._kept.join()
+        self.wait_remote()
+
+    def wait_remote(self) -> None:
+        """Wait up to ``ckpt.remote_wait_s`` for the uploads in flight and queued (every rank; a sharded upload is
+        committed once every rank's shards are up): at a run's end, and before a finished run's rerun returns."""
         if self._remote is not None:
             self._remote.finish()
         if self._remote_token is not None:  # every rank: the last sharded upload is committed once all are up

@@ -605,6 +605,16 @@ class KeptCheckpoints:
             description = recorded  # what the save announced before it wrote the checkpoint
         return self.publish(source, description, minimize=minimize)
 
+    def history(self) -> list[tuple[core.Checkpoint, Path]]:
+        """The kept checkpoints on disk now (none when this run keeps none), each with its path, in step order:
+        described as their saves recorded them in ``index.json`` (else by name and modification time).
+
+        :returns: ``(description, path)`` pairs.
+        """
+        if not self.active or not self._ready():
+            return []
+        return [(c, kept_path(self.directory, c.step)) for c in on_disk(self.directory, self._known or {})[0]]
+
     def _link(self, source: Path, target: Path) -> None:
         tmp = str(self.directory / f".{target.name}.{os.getpid()}.{next(_COUNTER)}.tmp")
         try:

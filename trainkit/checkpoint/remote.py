@@ -9,6 +9,9 @@ The protocol (see ``docs/remote.rst``):
 - **Hand-over.** Right after a local publish the published files are hard-linked into a staging folder (no copy,
   no bytes read) and handed to one uploader thread; one upload is in flight, and a newer hand-over replaces a
   queued one. The loop waits for nothing else.
+- **Catch-up.** At its start a resumed run queues what its local checkpoints hold and the remote lacks
+  (:meth:`RemoteTier.catch_up`): a list the uploader drains oldest first, before the queued hand-over, that no
+  hand-over replaces; then retention runs once (a step committed twice keeps the copy that is the local one).
 - **Commit.** An upload streams each file into a fresh folder ``step-<step>-<token>/`` (CRC-32 computed on the
   way), then writes :data:`~trainkit.checkpoint.remote_manifest.MANIFEST`, which lists every object's size and
   CRC-32: a folder without one is never read, and is deleted by the next writer.
@@ -294,6 +297,9 @@ class Upload:
         rank reported its shards uploaded, :meth:`RemoteTier.commit_reports`).
     :ivar lineage: The checkpoint's lineage (:func:`~trainkit.bookkeeping.in_history`), recorded in its commit record;
         retention judges only the folders in its history.
+    :ivar newest: The step of the newest checkpoint the run wrote, for the retention after this commit (None: this
+        upload's step; a catch-up of an older checkpoint names the run's newest).
+    :ivar prefer: Remote folders kept over another copy of their step by that retention (besides this upload's).
     """
 
     staged: Path
@@ -307,6 +313,8 @@ class Upload:
     folder: str | None = None
     commits: bool = True
     lineage: core.Lineage | None = None
+    newest: int | None = None
+    prefer: tuple[str, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -338,6 +346,16 @@ class Fetched:
     folder: Path
     name: str
     manifest: Manifest
+
+
+@attrs.frozen(kw_only=True)
+class _Retention:
+    """A retention to run once the catch-up uploads before it are done."""
+
+    policy: Any
+    newest: int
+    prefer: tuple[str, ...]
+    history: tuple[core.Lineage, int] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -400,6 +418,7 @@ class RemoteTier:
         self._holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self._cond = threading.Condition()
         self._queued: Upload | None = None
+        self._catching_up: list[Upload | _Retention] = []  # drained oldest first, before the queued hand-over
         self._busy = False
         self._stopping = False
         self._warned = False
@@ -652,6 +671,44 @@ class RemoteTier:
             folder; only the first ``size`` bytes go (None: the whole file). A missing file is left out.
         :param make_upload: Builds the upload from ``staged=`` (the folder) and ``files=`` (``(name, size)`` pairs).
         """
+        upload = self._stage(files, make_upload)
+        if upload is None:
+            return
+        with self._cond:
+            dropped, self._queued = self._queued, upload
+            if not upload.commits and self._rank == 0 and upload.folder is not None:
+                self._awaiting[upload.folder] = upload
+            self._cond.notify_all()
+        if dropped is not None:
+            shutil.rmtree(dropped.staged, ignore_errors=True)
+
+    def catch_up(
+        self, uploads: list[tuple[list[tuple[Path, str, int | None]], Callable[..., Upload]]], retention: Any
+    ) -> None:
+        """Queue uploads that no hand-over replaces (a resumed run's local checkpoints the remote lacks), in the
+        order given (oldest first), and then, unless ``retention`` is None, one retention of the prefix. Staged as
+        :meth:`hand_over` stages; never raises (a failure is warned about once).
+
+        :param uploads: ``(files, make_upload)`` of each checkpoint, as :meth:`hand_over` takes them.
+        :param retention: ``(policy, newest, prefer, history)``: the retention to run after them (``prefer``: the
+            folders kept over another copy of their step; ``history``: the lineage and step of the resumed
+            checkpoint, whose history alone is judged, see :meth:`plan`), or None.
+        """
+        staged = [upload for files, make in uploads if (upload := self._stage(files, make)) is not None]
+        with self._cond:
+            self._catching_up.extend(staged)
+            for upload in staged:
+                if not upload.commits and self._rank == 0 and upload.folder is not None:
+                    self._awaiting[upload.folder] = upload
+            if retention is not None and self._rank == 0:
+                policy, newest, prefer, history = retention
+                self._catching_up.append(
+                    _Retention(policy=policy, newest=newest, prefer=tuple(prefer), history=history)
+                )
+            self._cond.notify_all()
+
+    def _stage(self, files: list[tuple[Path, str, int | None]], make_upload: Callable[..., Upload]) -> Upload | None:
+        """Stage files for an upload (see :meth:`hand_over`): the upload, or None (warned) when they could not be."""
         staged = self._staging / secrets.token_hex(8)
         listed = []
         try:
@@ -671,15 +728,8 @@ class RemoteTier:
         except OSError as exc:
             shutil.rmtree(staged, ignore_errors=True)
             self._warn(f"could not stage checkpoint files for upload ({exc})")
-            return
-        upload = make_upload(staged=staged, files=tuple(listed))
-        with self._cond:
-            dropped, self._queued = self._queued, upload
-            if not upload.commits and self._rank == 0 and upload.folder is not None:
-                self._awaiting[upload.folder] = upload
-            self._cond.notify_all()
-        if dropped is not None:
-            shutil.rmtree(dropped.staged, ignore_errors=True)
+            return None
+        return make_upload(staged=staged, files=tuple(listed))
 
     def report(self) -> tuple[str, tuple[RemoteObject, ...]] | None:
         """The newest sharded upload of this rank that is done and not committed yet: its folder and objects."""
@@ -710,14 +760,27 @@ class RemoteTier:
         while True:
             with self._cond:
                 self._cond.wait_for(
-                    lambda: self._queued is not None or self._commit is not None or self._stopping,
+                    lambda: (
+                        self._queued is not None
+                        or self._commit is not None
+                        or bool(self._catching_up)
+                        or self._stopping
+                    ),
                     timeout=self._lease_s / 3,
                 )
                 if self._stopping:
                     return
                 commit, self._commit = self._commit, None
-                job, self._queued = (None, self._queued) if commit is not None else (self._queued, None)
-                self._busy = job is not None or commit is not None
+                retention, catching_up = None, False
+                if commit is not None:
+                    job = None
+                elif self._catching_up:  # before the queued hand-over: a newer checkpoint is uploaded after them
+                    first = self._catching_up.pop(0)
+                    job, retention = (first, None) if isinstance(first, Upload) else (None, first)
+                    catching_up = True
+                else:
+                    job, self._queued = self._queued, None
+                self._busy = job is not None or commit is not None or retention is not None
                 if job is not None:
                     self._newest_step = job.step
             try:
@@ -728,10 +791,13 @@ class RemoteTier:
                         shutil.rmtree(job.staged, ignore_errors=True)
                         self._lost_step = job.step
                     continue
+                if retention is not None:
+                    retain = {"newest": retention.newest, "prefer": retention.prefer, "history": retention.history}
+                    self._retain(retention.policy, **retain)
                 if commit is not None:
                     self._commit_sharded(commit)
                 if job is not None:
-                    self._upload_with_retries(job)
+                    self._upload_with_retries(job, superseded=not catching_up)
             except Exception as exc:  # noqa: BLE001 - the loop must not fail for its remote copy
                 self._warn(f"the uploader failed ({type(exc).__name__}: {exc})")
             finally:
@@ -739,7 +805,9 @@ class RemoteTier:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _upload_with_retries(self, job: Upload) -> None:
+    def _upload_with_retries(self, job: Upload, *, superseded: bool = True) -> None:
+        """Upload with retries; a newer hand-over ends the backoff and gives this one up (when ``superseded``: a
+        catch-up upload is not replaced by a newer checkpoint)."""
         uploaded = None
         try:
             for attempt in range(ATTEMPTS):
@@ -751,7 +819,8 @@ class RemoteTier:
                     self._warn(f"uploading step {job.step} failed ({type(exc).__name__}: {exc}); retrying")
                     with self._cond:  # the backoff ends early for a newer checkpoint or the run's end
                         if attempt == ATTEMPTS - 1 or self._cond.wait_for(
-                            lambda: self._queued is not None or self._stopping, timeout=BACKOFF_S * 2**attempt
+                            lambda: (superseded and self._queued is not None) or self._stopping,
+                            timeout=BACKOFF_S * 2**attempt,
                         ):
                             break
         finally:
@@ -763,8 +832,10 @@ class RemoteTier:
                 self._uploaded = uploaded
         else:  # committed: whatever retention does now, this upload is done
             self.last_upload_s = time.perf_counter() - started
-            self._committed_step = job.step
-            self._retain(job, uploaded[0])
+            self._committed_step = max(job.step, self._committed_step or job.step)
+            newest = job.step if job.newest is None else job.newest  # a catch-up's: the run's newest
+            history = (job.lineage, job.step) if job.lineage else None
+            self._retain(job.policy, newest=newest, prefer=(uploaded[0], *job.prefer), history=history)
 
     def _commit_sharded(self, commit: _Commit) -> None:
         try:
@@ -773,8 +844,11 @@ class RemoteTier:
             self._warn(f"committing step {commit.upload.step} failed ({type(exc).__name__}: {exc})")
             self._lost_step = commit.upload.step
             return
-        self._committed_step = commit.upload.step
-        self._retain(commit.upload, commit.folder)
+        self._committed_step = max(commit.upload.step, self._committed_step or commit.upload.step)
+        upload = commit.upload
+        newest = upload.step if upload.newest is None else upload.newest
+        history = (upload.lineage, upload.step) if upload.lineage else None
+        self._retain(upload.policy, newest=newest, prefer=(commit.folder, *upload.prefer), history=history)
 
     def _upload(self, job: Upload) -> tuple[str, tuple[RemoteObject, ...]]:
         """Upload a staged checkpoint into its folder, its commit record last (unless a sharded rank's share).
@@ -895,7 +969,7 @@ class RemoteTier:
         policy: Any,
         *,
         newest: int | None = None,
-        prefer: str | None = None,
+        prefer: str | tuple[str, ...] | None = None,
         history: tuple[core.Lineage, int] | None = None,
     ) -> tuple[dict[str, tuple[str, ...]], list[str]]:
         """Which committed folders a retention policy keeps, and why; and every folder to delete: those it does not
@@ -903,7 +977,7 @@ class RemoteTier:
 
         :param policy: The retention policy (as ``ckpt.keep`` gives it).
         :param newest: The step of the newest checkpoint the run wrote (None: the largest step).
-        :param prefer: The folder kept of two with the same step.
+        :param prefer: The folder (or folders) kept of two with the same step.
         :param history: The lineage and step of the checkpoint the run just committed: only the folders in its
             history are judged; another history's (an older run's, a branch a rewind abandoned) and those without
             a lineage are neither counted nor deleted. None: every committed folder is judged.
@@ -919,7 +993,8 @@ class RemoteTier:
                 for name, manifest in committed
                 if manifest.lineage is not None and core.in_history(manifest.lineage, manifest.step, *history)
             ]
-        for name, manifest in sorted(committed, key=lambda item: item[0] != prefer):
+        preferred = {prefer} if isinstance(prefer, str) else set(prefer or ())
+        for name, manifest in sorted(committed, key=lambda item: item[0] not in preferred):
             if manifest.step in by_step:  # the same step uploaded twice (a resumed run): one copy is enough
                 doomed.append(name)
                 continue
@@ -967,11 +1042,12 @@ class RemoteTier:
                 f"{len(names)} folders deleted, left: {left}"
             )
 
-    def _retain(self, job: Upload, own: str) -> None:
+    def _retain(
+        self, policy: Any, *, newest: int, prefer: tuple[str, ...], history: tuple[core.Lineage, int] | None = None
+    ) -> None:
         """Apply the run's retention after a commit; a failure is warned about once and retried after the next."""
         try:
-            history = (job.lineage, job.step) if job.lineage else None
-            self.delete(self.plan(job.policy, newest=job.step, prefer=own, history=history)[1])
+            self.delete(self.plan(policy, newest=newest, prefer=prefer, history=history)[1])
         except Exception as exc:  # noqa: BLE001 - the commit stands: retention is not the upload
             text = (
                 str(exc)
@@ -1106,7 +1182,9 @@ class RemoteTier:
                         load_checkpoint(folder / item.name)  # refused here, before anything is published
             except (CheckpointCorruptError, CheckpointUnsafeError) as exc:
                 shutil.rmtree(folder, ignore_errors=True)
-                warn_user(f"ckpt.remote={self.url}: {name} is refused ({shown(exc)}); trying the previous committed one")
+                warn_user(
+                    f"ckpt.remote={self.url}: {name} is refused ({shown(exc)}); trying the previous committed one"
+                )
                 continue
             return Fetched(folder=folder, name=name, manifest=manifest)
         return None
@@ -1141,7 +1219,8 @@ class RemoteTier:
     # ------------------------------------------------------------------ the end
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until the uploader has nothing queued, no commit record to write and no upload in flight.
+        """Wait until the uploader has nothing queued (catch-up uploads included), no commit record to write and no
+        upload in flight.
 
         :param timeout_s: The most seconds to wait.
         :returns: Whether it is idle (False: the time ran out first).
@@ -1150,13 +1229,14 @@ class RemoteTier:
             return self._cond.wait_for(self._idle, timeout=max(0.0, timeout_s))
 
     def _idle(self) -> bool:
-        return self._queued is None and self._commit is None and not self._busy
+        return self._queued is None and self._commit is None and not self._catching_up and not self._busy
 
     def finish(self) -> None:
         """Wait up to ``ckpt.remote_wait_s`` for the last upload; say what is not on the remote when it gives up."""
         done = self.wait_idle(self._wait_s)
         with self._cond:
-            pending = self._queued.step if self._queued is not None else self._newest_step
+            waiting = [job.step for job in self._catching_up if isinstance(job, Upload)]
+            pending = self._queued.step if self._queued is not None else waiting[-1] if waiting else self._newest_step
         newest = "none" if self._committed_step is None else f"step {self._committed_step}"
         if not done:
             warn_user(
