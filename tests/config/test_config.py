@@ -447,8 +447,14 @@ def test_remote_options_refuse_credentials_without_showing_them():
 
 @pytest.mark.parametrize(
     "url",
-    ["s3://AKIAKEY:hunter2@bucket/runs", "s3://AKIAKEY:hun/ter2@bucket/runs", "gs://hunter2@bucket/runs"],
-    ids=["key-secret", "secret-with-slash", "token"],
+    [
+        "s3://AKIAKEY:hunter2@bucket/runs",
+        "s3://AKIAKEY:hun/ter2@bucket/runs",
+        "gs://hunter2@bucket/runs",
+        "s3:///AKIAKEY:hunter2@bucket/runs",
+        "simplecache::s3://AKIAKEY:hunter2@bucket/runs",
+    ],
+    ids=["key-secret", "secret-with-slash", "token", "third-slash", "chained"],
 )
 def test_a_remote_url_with_credentials_is_refused_in_one_line_that_does_not_repeat_them(url):
     """s3fs would take ``KEY:SECRET@bucket`` for the bucket's name and print it in a traceback: a URL with userinfo

@@ -74,8 +74,8 @@ _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 _SEPARATORS = re.compile(r"[_\-\s]+")
 
 
-_URL_USERINFO = re.compile(
-    r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?:(?P<user>[^\s:/?#@]*):(?P<password>\S*)|(?P<lone>[^\s:/?#@]+))@"
+_URL_USERINFO = re.compile(  # ``:/{2,}``: ``s3:///KEY:SECRET@bucket`` is still userinfo to s3fs
+    r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*:/{2,})(?:(?P<user>[^\s:/?#@]*):(?P<password>\S*)|(?P<lone>[^\s:/?#@]+))@"
 )
 
 
@@ -265,8 +265,10 @@ def redact_text(text: str) -> str:
 def has_url_userinfo(url: str) -> bool:
     """Say whether a URL carries credentials before its host (``scheme://user:password@host``, ``scheme://token@``).
 
-    Pure. The same rule :func:`redact_text` masks by, applied to the start of the URL: whatever
-    :func:`redact_text` would mask there, this calls userinfo (a password may hold ``/``, as secret keys do).
+    Pure. The same rule :func:`redact_text` masks by, anywhere in the URL: whatever :func:`redact_text` would
+    mask, this calls userinfo (a password may hold ``/``, as secret keys do; a chained URL such as
+    ``simplecache::s3://KEY:SECRET@bucket`` or a third slash, ``s3:///KEY:SECRET@bucket``, hides nothing: fsspec
+    hands either to s3fs, which takes ``KEY:SECRET@bucket`` for the bucket and repeats it in its errors).
 
     :param url: A URL.
     :returns: Whether it has userinfo.
@@ -275,8 +277,10 @@ def has_url_userinfo(url: str) -> bool:
     (True, False)
     >>> has_url_userinfo("s3://KEY:se/cret@bucket/runs"), has_url_userinfo("file:///home/me@site/runs")
     (True, False)
+    >>> has_url_userinfo("simplecache::s3://KEY:SECRET@bucket/runs"), has_url_userinfo("s3:///KEY:SECRET@bucket")
+    (True, True)
     """
-    return _URL_USERINFO.match(url) is not None
+    return _URL_USERINFO.search(url) is not None
 
 
 def strip_secrets(data: Any, config: Any = None) -> Any:
