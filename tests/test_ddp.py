@@ -82,9 +82,21 @@ def test_disagreeing_verdicts_fail_on_every_rank_instead_of_hanging(tmp_path):
     """When ranks select on rank-local scores and disagree on stopping, every rank raises DistributedError promptly."""
     start = time.monotonic()
     scripted = cfg(tmp_path, scripted_scores=[1.0, 2.0, 3.0, 4.0], local_scores_differ=True, val={"patience": 1})
-    with pytest.raises(mp.ProcessRaisedException, match="ranks disagree on early stopping at epoch 1"):
+    with pytest.raises(trainkit.DistributedError, match="ranks disagree on early stopping at epoch 1"):
         trainkit.spawn(ReportingTrainer, scripted, 2)
     assert time.monotonic() - start < 50
+    no_children_left()
+
+
+def test_a_refusal_in_the_ranks_is_raised_by_spawn_as_its_own_class_and_line(tmp_path):
+    """A refusal the user caused (here a config the ranks validate) comes out of spawn as the same TrainkitError,
+    its one line and its fields, without the rank's internal traceback; a bug keeps ProcessRaisedException."""
+    with pytest.raises(trainkit.ConfigError) as refused:
+        trainkit.spawn(ReportingTrainer, {**cfg(tmp_path), "epochs": -3}, 2)
+    assert refused.value.key == "epochs" and refused.value.value == -3
+    assert "epochs" in str(refused.value) and "-3" in str(refused.value)
+    assert "Traceback" not in str(refused.value) and "\n" not in str(refused.value)
+    assert refused.value.__cause__ is None and refused.value.__suppress_context__
     no_children_left()
 
 

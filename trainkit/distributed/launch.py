@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 import torch.distributed
 import torch.multiprocessing as mp
 
+from trainkit import errors
 from trainkit.config import Config
 from trainkit.distributed.collectives import broadcast_object, free_port
 from trainkit.errors import TrainingInterrupted, TrainkitError
@@ -81,10 +82,34 @@ def _record_failure(folder: str | None, rank: int) -> None:
     if folder is None:
         return
     record = {"at": time.time(), "rank": rank, "pid": os.getpid(), "traceback": traceback.format_exc()}
+    error = sys.exc_info()[1]
+    if isinstance(error, TrainkitError) and not isinstance(error, TrainingInterrupted):
+        plain = str | int | float | bool | None  # anything else is shown in the message, and comes back as None
+        own = {key: value if isinstance(value, plain) else None for key, value in vars(error).items()}
+        record["refusal"] = {"class": type(error).__name__, "message": str(error), "attributes": own}
     path = Path(folder, f"rank{rank}.json")
     temporary = path.with_suffix(".tmp")
     temporary.write_text(json.dumps(record))
     os.replace(temporary, path)  # whole or absent, whatever kills this process next
+
+
+def _refusal(record: dict[str, Any]) -> TrainkitError | None:
+    """The refusal a rank recorded (:func:`_record_failure`), rebuilt as the same class of :mod:`trainkit.errors`
+    with the same message and plain attributes (a :class:`~trainkit.ConfigError`'s ``key``, ``rule``...); None when
+    the rank failed otherwise. Only trainkit's own error classes are rebuilt, and nothing is unpickled."""
+    refusal = record.get("refusal")
+    if not isinstance(refusal, dict):
+        return None
+    cls = getattr(errors, str(refusal.get("class")), None)
+    if not (isinstance(cls, type) and issubclass(cls, TrainkitError)) or issubclass(cls, TrainingInterrupted):
+        return None
+    error = cls.__new__(cls)
+    Exception.__init__(error, str(refusal.get("message", "")))
+    attributes = refusal.get("attributes")
+    for key, value in attributes.items() if isinstance(attributes, dict) else ():
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(error, key, value)
+    return error
 
 
 def _recorded_failures(folder: str) -> dict[int, dict[str, Any]]:
@@ -327,7 +352,10 @@ def spawn(trainer_class: type, cfg: Config | Mapping[str, Any], world_size: int)
     :param cfg: Its config, or a mapping validated into one.
     :param world_size: The number of processes (>= 1).
     :returns: Rank 0's ``train()`` result.
-    :raises torch.multiprocessing.ProcessRaisedException: With the failing rank's traceback.
+    :raises TrainkitError: When the first rank to fail refused to run (a bad config, a checkpoint this run cannot
+        resume, an ``out_dir`` in use): the same class of :mod:`trainkit.errors`, with its one-line message and
+        without the rank's internal traceback, as :func:`launch` prints it.
+    :raises torch.multiprocessing.ProcessRaisedException: With the failing rank's traceback, for any other error.
     :raises torch.multiprocessing.ProcessExitedException: When a rank died without an exception.
     """
     if world_size < 1:
@@ -360,6 +388,9 @@ def spawn(trainer_class: type, cfg: Config | Mapping[str, Any], world_size: int)
         if exc.error_index not in records:
             raise
         first = min(records.values(), key=lambda record: record["at"])
+        refusal = _refusal(first)
+        if refusal is not None:  # a refusal the user caused: its one line, not the rank's internal traceback
+            raise refusal from None
         if first["rank"] == exc.error_index:
             raise
         later = str(exc).strip().splitlines()
