@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.configs import make_cfg
-from tests.helpers.trainers import TinyTrainer
+from tests.helpers.trainers import TinyTrainer, param_digest
 from trainkit import ConfigError, OutDirError
 from trainkit.checkpoint.remote import FETCH_PREFIX, STAGING_DIR, RemoteTier, open_store
 from trainkit.checkpoint.remote_manifest import LEASE, MANIFEST, Lease, lease_bytes, parse_manifest
@@ -266,3 +266,153 @@ def test_a_run_clears_the_staged_and_fetched_leftovers_of_killed_runs_when_it_st
         assert (outside / "keep.pt").read_bytes() == b"not yours"
     finally:
         trainer.close()
+
+
+# ---------------------------------------------------------------------- issue 56, 4: a requeue after a kill
+
+REQUEUED_RUN = """
+import sys
+from tests.helpers.configs import make_cfg
+from tests.helpers.trainers import TinyTrainer
+trainer = TinyTrainer(make_cfg(sys.argv[1], epochs=20, ckpt={"remote": sys.argv[2], "every_n_steps": 4}))
+trainer.train()
+"""
+
+
+def kill_after_first_commit(out_dir: Path, url: str, tmp_path: Path) -> None:
+    """Run :data:`REQUEUED_RUN` (the default ``ckpt.remote_lease_s``, 60 s) in a process of its own and SIGKILL it
+    once the remote holds a committed checkpoint: it leaves its unexpired lease on the prefix."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    script = tmp_path / "requeued.py"
+    script.write_text(REQUEUED_RUN)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    child = subprocess.Popen([sys.executable, str(script), str(out_dir), url], env=env, cwd=ROOT)
+
+    def any_committed() -> bool:
+        try:
+            return bool(committed(url))
+        except FileNotFoundError:  # no bucket yet, or a folder deleted while it was listed
+            return False
+
+    try:
+        deadline = time.monotonic() + 120
+        while not any_committed() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL, "the run ended before the kill"
+    assert committed(url), "no commit on the remote before the kill"
+
+
+@pytest.mark.parametrize("remote_url", ["file", "s3"], indirect=True)
+def test_a_requeue_right_after_a_kill_takes_its_own_lease_over_and_resumes_bit_for_bit(remote_url, tmp_path, capfd):
+    """SIGKILL a run (default lease, 60 s) after its first commit: its lease is still unexpired. At once, a run in
+    another folder on the same prefix is refused naming the killed holder; the same command in the killed run's
+    folder takes the lease over (saying so), resumes, and ends bit for bit as an uninterrupted run."""
+    out = tmp_path / "run"
+    kill_after_first_commit(out, remote_url, tmp_path)
+    fs, root = open_store(remote_url)
+    fs.invalidate_cache()
+    left = json.loads(fs.cat_file(f"{root}/{LEASE}"))
+    assert left["expires"] > time.time() + 10  # the killed run's lease is far from expiry
+    with pytest.raises(OutDirError, match="is held by another run") as refused:
+        run(tmp_path / "elsewhere", 20, url=remote_url, ckpt={"every_n_steps": 4})
+    assert left["holder"] in str(refused.value)
+    capfd.readouterr()
+    requeued = run(out, 20, url=remote_url, ckpt={"every_n_steps": 4})
+    err = capfd.readouterr().err
+    assert "took over the lease that a killed run of" in err and left["holder"] in err, err
+    assert f"trainkit: resuming {out / 'last.pt'}" in err, err  # resumed, not trained again from the start
+    whole = run(tmp_path / "whole", 20, url=f"memory://trainkit-{secrets.token_hex(4)}/w", ckpt={"every_n_steps": 4})
+    assert param_digest(requeued.model) == param_digest(whole.model)
+    fs.invalidate_cache()
+    assert not fs.exists(f"{root}/{LEASE}")  # released at the requeued run's end
+
+
+FOLDER = "0123456789abcdef0123456789abcdef"
+
+
+def plant_lease(url: str, **fields) -> None:
+    """An unexpired lease (10 minutes) of a holder that no longer runs, with these extra fields."""
+    fs, root = open_store(url)
+    fs.makedirs(root, exist_ok=True)
+    data = {"holder": "node7:4242:ab", "expires": time.time() + 600, **fields}
+    fs.pipe_file(f"{root}/{LEASE}", json.dumps(data).encode())
+
+
+def test_an_unexpired_lease_is_taken_over_only_by_a_run_of_the_folder_it_names(remote_url, tmp_path):
+    """A lease naming a run folder's identity: a run in a folder of another identity, or in a new folder, is
+    refused naming the holder; a run in the folder it names takes it over at once, and its lease names it too."""
+    plant_lease(remote_url, folder=FOLDER)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / ".trainkit-folder-id").write_text("f" * 32)
+    for folder in (other, tmp_path / "new"):
+        with pytest.raises(OutDirError, match=r"held by another run \(node7:4242:ab\)"):
+            run(folder, 1, url=remote_url)
+    assert (tmp_path / "new" / ".trainkit-folder-id").read_text().strip() != FOLDER  # a fresh identity, kept
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / ".trainkit-folder-id").write_text(FOLDER + "\n")
+    trainer = TinyTrainer(make_cfg(own, epochs=1, ckpt={"remote": remote_url}))
+    try:
+        fs, root = open_store(remote_url)
+        fs.invalidate_cache()
+        lease = json.loads(fs.cat_file(f"{root}/{LEASE}"))
+        assert lease["folder"] == FOLDER and lease["holder"] != "node7:4242:ab"
+        trainer.train()
+    finally:
+        trainer.close()
+    assert sorted(committed(remote_url)) == [6]
+
+
+@pytest.mark.parametrize("remote_url", ["file", "memory"], indirect=True)
+@pytest.mark.parametrize(
+    "forged",
+    [
+        "x" * 100_000,  # huge
+        FOLDER.upper(),  # not lowercase hex
+        FOLDER + "0",  # too long
+        [FOLDER],  # not a string
+        {"folder": FOLDER},
+        12345678901234567890123456789012,
+        None,
+    ],
+    ids=["huge", "upper", "long", "list", "mapping", "int", "null"],
+)
+def test_a_lease_with_a_forged_folder_still_holds_and_is_taken_over_by_no_run_early(remote_url, tmp_path, forged):
+    """A lease whose ``folder`` is malformed (huge, not 32 lowercase hex digits, not a string) is read safely: its
+    holder and expiry hold, its folder is ignored, and even a run whose folder identity file holds the same text
+    is refused naming the holder."""
+    plant_lease(remote_url, folder=forged)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".trainkit-folder-id").write_text(forged if isinstance(forged, str) else json.dumps(forged))
+    with pytest.raises(OutDirError, match=r"held by another run \(node7:4242:ab\)") as refused:
+        run(out, 1, url=remote_url)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("remote_url", ["file"], indirect=True)
+def test_a_linked_folder_identity_is_not_followed(remote_url, tmp_path):
+    """``out_dir/.trainkit-folder-id`` as a link to a file holding the lease's folder identity: not followed (the
+    run is refused naming the holder), the link is replaced by a fresh identity, and its target is untouched."""
+    plant_lease(remote_url, folder=FOLDER)
+    target = tmp_path / "elsewhere-id"
+    target.write_text(FOLDER)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".trainkit-folder-id").symlink_to(target)
+    with pytest.raises(OutDirError, match=r"held by another run \(node7:4242:ab\)"):
+        run(out, 1, url=remote_url)
+    assert not (out / ".trainkit-folder-id").is_symlink()
+    assert (out / ".trainkit-folder-id").read_text().strip() != FOLDER
+    assert target.read_text() == FOLDER

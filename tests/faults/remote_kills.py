@@ -2,7 +2,8 @@
 
 Usage: ``python -m tests.faults.remote_kills SCENARIO.json REPORT.json``. The scenario holds
 ``{"config": {...}, "trainer": "TinyTrainer" | "ShardTrainer", "world_size": 1 or 2, "lease_s": float,
-"runs": [[kill, ...], ...]}``; run 0 must be ``[]``: the uninterrupted reference, which also counts the store calls.
+"requeue": bool (optional), "runs": [[kill, ...], ...]}``; run 0 must be ``[]``: the uninterrupted reference, which
+also counts the store calls.
 A kill is ``[verb, fraction, "before" | "after"]``: rank 0 SIGKILLs itself just before or just after its n-th call
 of that verb on the store, n = ``max(1, round(fraction * the reference run's count))``, or n itself for a fraction
 ``"#<n>"`` (counted from 1 in every attempt: an attempt that makes fewer calls is not killed, and the run's later
@@ -26,7 +27,9 @@ schedule alone (see ``tests/checkpoint/test_remote_kills.py``). Each commit is l
 exactly which steps were ever committed, even those retention deleted later.
 
 Every attempt is a process forked from this one (torch imported once; see :mod:`tests.faults.step_kills`); a
-killed attempt's lease is left to expire (``lease_s``) before the next attempt starts on the same folder and prefix.
+killed attempt's lease is left to expire (``lease_s``) before the next attempt starts on the same folder and prefix,
+unless ``requeue`` is true: then an attempt on the same folder starts at once (a scheduler's requeue), and takes the
+killed attempt's lease over; one on a fresh folder still waits.
 """
 
 from __future__ import annotations
@@ -240,6 +243,7 @@ def main() -> None:
     world_size = int(scenario.get("world_size", 1))
     trainer_name = scenario.get("trainer", "TinyTrainer")
     lease_s = float(scenario["lease_s"])
+    requeue = bool(scenario.get("requeue", False))
     if scenario["config"]["ckpt"].get("format") == "sharded":
         import torch.distributed.checkpoint  # noqa: F401 - once here, not in every forked attempt
     remote = scenario["config"]["ckpt"]["remote"]
@@ -268,9 +272,11 @@ def main() -> None:
             staged.append(sorted(str(path.relative_to(staging)) for path in staging.glob("*/*")))
             if codes[-1][0] != -signal.SIGKILL:
                 break  # not killed (the aimed call never came): the run is over
-            if kill is not None and kill[3:] == ["fresh"]:
+            fresh = kill is not None and kill[3:] == ["fresh"]
+            if fresh:
                 config = {**config, "out_dir": str(base / f"run{number}-{attempt + 1}")}
-            time.sleep(lease_s * 1.2 + 0.05)  # the killed attempt's lease expires
+            if fresh or not requeue:
+                time.sleep(lease_s * 1.2 + 0.05)  # the killed attempt's lease expires
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
         if number == 0 and summary is not None:
             counts = summary["counts"]

@@ -51,7 +51,14 @@ from trainkit.checkpoint.payload import (
     world_change_refusal,
 )
 from trainkit.checkpoint.pt_files import RunFiles
-from trainkit.checkpoint.remote import Anchor, RemoteTier, Upload, published_files, remove_transfer_leftovers
+from trainkit.checkpoint.remote import (
+    Anchor,
+    RemoteTier,
+    Upload,
+    folder_identity,
+    published_files,
+    remove_transfer_leftovers,
+)
 from trainkit.checkpoint.remote_manifest import folder_name
 from trainkit.checkpoint.storage import BestWeights, FileStorage, SaveRequest, ShardedStorage, Storage
 from trainkit.config import CkptConfig, Config, changed_on_resume, render_value, strip_secrets
@@ -274,8 +281,8 @@ class Checkpointer:
             self._files.claim()
             if self._files.writes:  # rank 0 holds the folder now, and no rank staged anything yet
                 remove_transfer_leftovers(self._files.out_dir)
-            if self._remote is not None:
-                self._remote.acquire()
+            if self._remote is not None:  # a lease a killed run of this folder left is taken over at once
+                self._remote.acquire(folder=folder_identity(self._files.out_dir) if self._files.writes else None)
         except OutDirError as exc:
             error = exc
         dist_utils.raise_if_any_rank_failed(

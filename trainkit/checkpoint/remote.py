@@ -19,8 +19,10 @@ The protocol (see ``docs/remote.rst``):
   :func:`~trainkit.bookkeeping.retain` decides which stay (never the newest).
 - **Lease.** One run writes under a prefix: :data:`~trainkit.checkpoint.remote_manifest.LEASE` is created with a
   conditional create and renewed by the uploader every third of ``ckpt.remote_lease_s``; a lease not renewed for
-  that long may be taken over. A takeover or renewal replaces the lease only if it is still the object read
-  (S3 ``If-Match`` on its ETag; a file system: rename aside, check, hard-link a new one; memory: a lock).
+  that long may be taken over, and so may, at once, a lease that names the identity of the run folder
+  (:func:`folder_identity`) of a rerun that holds that folder's lock (a requeue after a kill). A takeover or renewal
+  replaces the lease only if it is still the object read (S3 ``If-Match`` on its ETag; a file system: rename
+  aside, check, hard-link a new one; memory: a lock).
 - **Sharded.** Every rank uploads its own files of a sharded save into one folder (named alike on every rank);
   rank 0 writes the commit record once every rank reported its upload done (:meth:`RemoteTier.report`, gathered
   by the next save's collective or at the run's end; :meth:`RemoteTier.commit_reports`).
@@ -64,6 +66,7 @@ from trainkit.checkpoint.remote_manifest import (
     Lease,
     Manifest,
     RemoteObject,
+    folder_id,
     folder_name,
     folder_step,
     lease_bytes,
@@ -76,8 +79,8 @@ from trainkit.checkpoint.remote_manifest import (
 from trainkit.config import CkptConfig, redact_text
 from trainkit.config.secrets import has_url_userinfo
 from trainkit.errors import CheckpointCorruptError, CheckpointUnsafeError, OutDirError, TrainkitError, UsageError
-from trainkit.files.bounded_read import UnreadableFile, open_regular
-from trainkit.files.durable import fsync_directory
+from trainkit.files.bounded_read import UnreadableFile, open_regular, read_regular
+from trainkit.files.durable import atomic_write_bytes, fsync_directory
 from trainkit.files.weights_only_load import load_checkpoint
 from trainkit.messages import printable, say, warn_user
 
@@ -92,10 +95,14 @@ __all__ = [
     "STAGING_DIR",
     "FETCH_PREFIX",
     "READ_DEADLINE_S",
+    "FOLDER_ID_FILE",
+    "folder_identity",
 ]
 
 _T = TypeVar("_T")
 
+FOLDER_ID_FILE = ".trainkit-folder-id"
+"""The file in ``out_dir`` that holds the run folder's identity (:func:`folder_identity`), named in its leases."""
 STAGING_DIR = ".remote-staging"
 """The folder under ``out_dir`` where handed-over files wait (hard links) for their upload, in a folder per rank."""
 FETCH_PREFIX = ".remote-fetch-"
@@ -223,6 +230,34 @@ def _open_regular(fs: Any, path: str) -> tuple[BinaryIO, int | None]:
     if info.get("type") != "file" or info.get("islink"):
         raise UnreadableFile(path, f"a {info.get('type')} object, not a regular one")
     return fs.open(path, "rb"), info.get("size")
+
+
+def folder_identity(out_dir: Path) -> str | None:
+    """The run folder's identity, named in the leases its runs take: read from :data:`FOLDER_ID_FILE` (a regular
+    file of 32 lowercase hex digits; anything else is replaced), or drawn and written there first. Call it holding
+    the folder's lock (rank 0, :class:`~trainkit.run.lock.RunLock`): a lease naming it is then one that a run of
+    this folder left, and none runs here any more.
+
+    Side effects: creates or replaces ``out_dir/.trainkit-folder-id``.
+
+    :param out_dir: The run folder (it exists).
+    :returns: The identity, or None (warned) when it cannot be written: this run's lease is then never taken over
+        early.
+    """
+    path = out_dir / FOLDER_ID_FILE
+    try:
+        known = folder_id(read_regular(path, 64).decode("ascii").strip())
+    except (OSError, UnicodeDecodeError):  # missing, a link, a folder, too large: replaced (atomically, not through)
+        known = None
+    if known is not None:
+        return known
+    fresh = secrets.token_hex(16)
+    try:
+        atomic_write_bytes(fresh.encode() + b"\n", path)
+    except (OSError, TrainkitError) as exc:
+        warn_user(f"{path} cannot be written ({exc}); a rerun of this run waits for its lease to expire")
+        return None
+    return fresh
 
 
 def remove_transfer_leftovers(out_dir: Path) -> list[Path]:
@@ -433,6 +468,7 @@ class RemoteTier:
         self.last_upload_s: float | None = None
         """The seconds the last committed upload took, from its start to its commit record."""
         self._held = False
+        self._folder: str | None = None  # the run folder's identity, named in the lease (see Lease.folder)
         self._rank = rank
         self._evicted = False
         self._commit: _Commit | None = None
@@ -509,7 +545,7 @@ class RemoteTier:
         return "memory" if isinstance(self._fs, MemoryFileSystem) else "other"
 
     def _new_lease(self) -> bytes:
-        return lease_bytes(Lease(holder=self._holder, expires=time.time() + self._lease_s))
+        return lease_bytes(Lease(holder=self._holder, expires=time.time() + self._lease_s, folder=self._folder))
 
     def _create_lease(self) -> bool:
         """Create the lease if there is none, in one step of the store (see :meth:`_store`): True when created."""
@@ -603,22 +639,35 @@ class RemoteTier:
             self._fs.rm_file(path)
 
     @_guarded("taking the lease")
-    def acquire(self, *, uploads: bool = True) -> None:
-        """Take the prefix for this run (an expired lease is taken over, conditionally on the very object read),
-        delete uncommitted leftovers and start the uploader (unless ``uploads`` is False: ``retain`` holds the lease
-        only to delete, and deletes the leftovers itself).
+    def acquire(self, *, uploads: bool = True, folder: str | None = None) -> None:
+        """Take the prefix for this run, delete uncommitted leftovers and start the uploader (unless ``uploads`` is
+        False: ``retain`` holds the lease only to delete, and deletes the leftovers itself). An expired lease is
+        taken over, and so is, at once, one that names ``folder`` (left by a killed run of this run folder): each
+        conditionally on the very object read.
 
+        :param folder: The run folder's identity (:func:`folder_identity`, read holding the folder's lock), named in
+            this run's lease; None: no run folder (``retain``), and no lease is taken over before it expires.
         :raises OutDirError: When another run holds it (or took the expired lease first), naming the prefix, the
             holder and when it expires; or the store fails (one line, :func:`store_errors`).
         """
         if self._rank != 0:  # rank 0 holds the prefix for the run
             self._start(uploads)
             return
+        self._folder = folder
         self._fs.makedirs(self._root, exist_ok=True)
         for _ in range(3):
             if self._create_lease():
                 break
             held, version = self._lease_version()
+            if held is not None and not held.expired(time.time()) and held.held_for(folder):
+                if self._replace_lease(held, version):  # this folder's killed run left it: no wait
+                    until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(held.expires))
+                    say(
+                        f"ckpt.remote={self.url}: took over the lease that a killed run of {self._out_dir} left "
+                        f"({shown(held.holder)}, held until {until})"
+                    )
+                    break
+                continue  # changed since it was read: read it again
             if held is not None and not held.expired(time.time()):
                 until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(held.expires))
                 raise OutDirError(

@@ -43,6 +43,7 @@ __all__ = [
     "read_lease",
     "UNREADABLE_LEASE",
     "MAX_UNIX_TIME",
+    "folder_id",
 ]
 
 MANIFEST = "commit.json"
@@ -265,9 +266,28 @@ def parse_manifest(data: bytes) -> Manifest:
     )
 
 
+_FOLDER_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def folder_id(value: Any) -> str | None:
+    """A run folder's identity as read (32 lowercase hex digits, see :class:`Lease`), or None for anything else.
+
+    >>> folder_id("0123456789abcdef0123456789abcdef"), folder_id("../x"), folder_id(["x"] * 9)
+    ('0123456789abcdef0123456789abcdef', None, None)
+    """
+    return value if isinstance(value, str) and _FOLDER_ID.fullmatch(value) else None
+
+
 @attrs.frozen(kw_only=True)
 class Lease:
     """Who writes to a remote prefix, and until when (Unix seconds).
+
+    :ivar holder: The holding process (host, pid, a random part).
+    :ivar expires: When it runs out unless renewed.
+    :ivar folder: The identity of the holder's run folder (a random token kept in it): a rerun in that folder, once
+        it holds the folder's lock (so the holder runs there no more), may take the lease over before it expires.
+        None in a lease taken without a run folder (``retain``), written before trainkit recorded it, or whose
+        value is malformed: then it is never taken over early.
 
     >>> Lease(holder="host:12:ab", expires=100.0).expired(now=101.0)
     True
@@ -275,19 +295,34 @@ class Lease:
 
     holder: str
     expires: float
+    folder: str | None = attrs.field(default=None, converter=folder_id)
 
     def expired(self, now: float) -> bool:
         """Whether the lease ran out at ``now`` (Unix seconds)."""
         return now > self.expires
 
+    def held_for(self, folder: str | None) -> bool:
+        """Whether the lease was taken for the run folder of identity ``folder`` (never for None).
+
+        >>> lease = Lease(holder="h", expires=1.0, folder="0123456789abcdef0123456789abcdef")
+        >>> lease.held_for("0123456789abcdef0123456789abcdef"), lease.held_for("f" * 32), lease.held_for(None)
+        (True, False, False)
+        """
+        return folder is not None and self.folder == folder
+
 
 def lease_bytes(lease: Lease) -> bytes:
-    """The lease as written.
+    """The lease as written (``folder`` only when known: older readers read holder and expiry only).
 
     >>> parse_lease(lease_bytes(Lease(holder="h", expires=1.5)))
-    Lease(holder='h', expires=1.5)
+    Lease(holder='h', expires=1.5, folder=None)
+    >>> parse_lease(lease_bytes(Lease(holder="h", expires=1.5, folder="ab" * 16))).folder == "ab" * 16
+    True
     """
-    return json.dumps({"holder": lease.holder, "expires": lease.expires}).encode()
+    data: dict[str, Any] = {"holder": lease.holder, "expires": lease.expires}
+    if lease.folder is not None:
+        data["folder"] = lease.folder
+    return json.dumps(data).encode()
 
 
 UNREADABLE_LEASE = Lease(holder="(unreadable)", expires=0.0)
@@ -298,6 +333,7 @@ refusing forever would lock the prefix for good)."""
 def read_lease(data: bytes) -> Lease:
     """A lease read from a remote, checked: bounded size and nesting, a holder, and an expiry time that is a finite
     number in ``[0, MAX_UNIX_TIME]`` (``1e300`` or an int of 400 digits would overflow the clock's arithmetic).
+    A ``folder`` that is not 32 lowercase hex digits is ignored (None: the lease holds, never taken over early).
 
     >>> read_lease(b'{"holder": "h", "expires": 1e300}')  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -321,7 +357,7 @@ def read_lease(data: bytes) -> Lease:
         raise CheckpointUnsafeError(
             f"remote lease: expires must be a number of seconds in [0, {MAX_UNIX_TIME:.0f}], got {_short(expires)}"
         )
-    return Lease(holder=str(raw["holder"])[:256], expires=float(expires))
+    return Lease(holder=str(raw["holder"])[:256], expires=float(expires), folder=folder_id(raw.get("folder")))
 
 
 def parse_lease(data: bytes) -> Lease:
