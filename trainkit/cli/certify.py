@@ -1,14 +1,18 @@
 """``python -m trainkit certify MODULE:Trainer [config.yaml ...] [key=value ...]``: prove a trainer's resume exact.
 
 :func:`certify` runs the user's trainer on a small budget in certify's own temporary run folders, twice: straight
-through, and interrupted at step boundaries (``SIGTERM``, after which the engine saves at that boundary, and
-``SIGKILL`` of the process, after which the run redoes the steps since its last checkpoint), resumed each time with
-the same config until it finishes. It then compares the two runs bit for bit: every kept step checkpoint in step
-order (every registered item, the RNG states, the epoch position, the loop/best/patience records, the latest
-metrics: :mod:`trainkit.checkpoint.compare`), the final ``last`` and ``best`` checkpoints (the best weights), and
-``metrics.jsonl`` without the wall-clock keys (:func:`trainkit.run.read_metrics.is_wall_clock`). The report says
-PASS, or names the first checkpoint after which the runs diverge, the first item and tensor that differ, and the
-likely cause from :data:`CAUSES`, with its fix.
+through, and interrupted at step boundaries (``SIGTERM``, after which the engine saves at that boundary, and ``SIGKILL``
+of the process, after which the run redoes the steps since its last checkpoint), resumed each time with the same config
+until it finishes. Drawn interruptions each come after a step checkpoint, a validation and an epoch end
+(:func:`covering_steps`, from the straight run's own boundaries: a stream has no length to compute them from); certify's
+own budget grows to allow it, a given one too small is refused. It then compares the two runs bit for bit: every kept
+step checkpoint in step order (every registered item, the RNG states, the epoch position, the loop/best/patience
+records, the latest metrics: :mod:`trainkit.checkpoint.compare`), the final ``last`` and ``best`` checkpoints (the best
+weights), and ``metrics.jsonl`` without the wall-clock keys (:func:`trainkit.run.read_metrics.is_wall_clock`). The
+report says PASS, or names the first checkpoint after which the runs diverge, the first item and tensor that differ, and
+the likely cause from :data:`CAUSES`, with its fix: first a value (a counter, a generator's state) seen to differ right
+after a resume, at the same step; what a loader that carries its own position reaches is that loader's state's, not
+"unregistered".
 
 Every attempt is a real process (``torch.multiprocessing.start_processes`` from a fork server that imported torch
 once), one per rank with ``world_size`` > 1 (a gloo group); the interruption is a global optimizer step post-hook in
@@ -117,8 +121,8 @@ CAUSES: dict[str, tuple[str, str]] = {
         "or on an attribute registered with add_checkpoint_items()",
     ),
     "unregistered_value": (
-        "a value the trainer or its data keeps (a counter, a generator's state) that no checkpoint restores: right after "
-        "a resume it differs from the straight run's",
+        "a value the trainer or its data keeps (a counter, a generator's state) that no checkpoint restores: right "
+        "after a resume it differs from the straight run's",
         "keep it in a registered item (an object with state_dict()/load_state_dict() passed to "
         "add_checkpoint_items(), trainkit.RunningMean); a dataset's: save it in the dataset's state_dict() and put it "
         "back in load_state_dict() (a StatefulDataLoader saves and loads a dataset's state with its own)",
@@ -327,10 +331,10 @@ def likely_causes(
 
     Pure. A value seen to differ right after a resume comes first (``lost``: a counter or a generator's state no
     checkpoint restored, under a loader that carries its own position or not); then what the attempts found
-    (unregistered objects, generators of their own, loaders outside ``progress()``); then two straight runs that differ name a non-deterministic op; then training batches that
-    differ right after a resume name randomness from a generator trainkit does not capture (one no attribute scan
-    reaches: a module's global ``random.Random``, say); then a divergence right after a resume inside an epoch names
-    state held in a local variable; else ``unknown``.
+    (unregistered objects, generators of their own, loaders outside ``progress()``); then two straight runs that differ
+    name a non-deterministic op; then training batches that differ right after a resume name randomness from a generator
+    trainkit does not capture (one no attribute scan reaches: a module's global ``random.Random``, say); then a
+    divergence right after a resume inside an epoch names state held in a local variable; else ``unknown``.
 
     :param unregistered: ``(attribute, kind)`` pairs from :func:`trainkit.cli.certify_child.unregistered_objects`.
     :param loaders_outside: Names of loaders iterated in ``train_epoch()`` without ``progress()``.
@@ -890,7 +894,7 @@ def _total_steps(out_dir: Path) -> int:
 
 
 def _step_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows an attempt's step log holds (:class:`trainkit.cli.certify_child._StepLog`); none when absent."""
+    """The rows an attempt's step log holds (a row per step, one per validation); none when absent."""
     try:
         text = path.read_text()
     except OSError:
@@ -976,9 +980,9 @@ def _listed(what: str, steps: list[int]) -> str:
 
 
 def _lost_value(straight: Path, attempts: Sequence[Path]) -> tuple[str, str, str] | None:
-    """The first value (a counter, a generator's state) that a resumed attempt of the interrupted run held at a step
-    and the straight run did not: its cause key, what was seen and its path. Values that already differ in the first attempt,
-    before any resume, vary from run to run (a time, an id) and are left out."""
+    """The first value (a counter, a generator's state) that a resumed attempt of the interrupted run held at a step and
+    the straight run did not: its cause key, what was seen and its path. Values that already differ in the first
+    attempt, before any resume, vary from run to run (a time, an id) and are left out."""
     base = {row["step"]: row.get("values", {}) for row in _step_rows(straight) if "step" in row}
 
     def differing(step: int, values: dict[str, str]) -> list[str]:
@@ -1093,7 +1097,8 @@ def _add_options(parser: Any, default: Any = None) -> None:
     parser.add_argument("--config-class", default=given(None), help="MODULE:Class of the config (default: the "
                         "trainer's config_class)")  # fmt: skip
     parser.add_argument("--max-steps", type=int, default=given(None), help=f"budget in optimizer steps (default: "
-                        f"the config's, at most {DEFAULT_MAX_STEPS})")  # fmt: skip
+                        f"the config's, at most {DEFAULT_MAX_STEPS}, longer to cover an epoch end and a validation "
+                        f"before each interruption)")  # fmt: skip
     parser.add_argument("--epochs", type=int, default=given(None), help=f"budget in epochs (default: the config's, "
                         f"at most {DEFAULT_EPOCHS})")  # fmt: skip
     parser.add_argument("--kill-at", default=given(None), help="steps at which to SIGKILL the run, e.g. 3,7")

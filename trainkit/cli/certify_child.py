@@ -31,6 +31,7 @@ __all__ = [
     "loader_coverage",
     "rng_kind",
     "snapshot_values",
+    "stateful_loaders",
     "unregistered_objects",
     "run_rank",
 ]
@@ -225,7 +226,9 @@ def _walk(roots: Iterable[tuple[str, Any]], max_depth: int) -> Iterable[tuple[st
 
 def _public(attributes: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """The trainer's own attributes a walk starts from: not the engine's (private names, trainkit's objects)."""
-    return [(name, value) for name, value in attributes.items() if not name.startswith("_") and not _engine_owned(value)]
+    return [
+        (name, value) for name, value in attributes.items() if not name.startswith("_") and not _engine_owned(value)
+    ]
 
 
 def loader_coverage(loaders: Mapping[str, Any]) -> dict[int, str]:
@@ -514,8 +517,8 @@ def run_rank(rank: int, spec: Mapping[str, Any]) -> None:
     :param rank: This process's rank.
     :param spec: Plain values: ``target`` and ``config_class`` (``MODULE:NAME``), ``config`` (a mapping),
         ``world_size``, ``env`` (the caller's environment), ``threads``, ``log``, ``findings``, ``fired``, ``done``,
-        ``batches`` and ``steps`` (paths, with ``{rank}`` in the log's; ``steps``: :class:`_StepLog`'s rows), and ``interrupt`` (None, or
-        ``{"how": "term" | "kill", "step": int}``).
+        ``batches`` and ``steps`` (paths, with ``{rank}`` in the log's; ``steps``: a row per step and per validation), and
+        ``interrupt`` (None, or ``{"how": "term" | "kill", "step": int}``).
     :raises SystemExit: With ``128 + signal`` when the trainer stopped on a signal.
     """
     import torch
