@@ -333,7 +333,7 @@ class _StepLog:
 
     def hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         step = self.trainer.step
-        if step > self.last:
+        if self.path is not None and step > self.last:  # rank 0 only: the other ranks walk nothing
             self.last = step
             values = snapshot_values(vars(self.trainer), self.covered)
             self.write({"step": step, "epoch": self.trainer.epoch, "values": values})
