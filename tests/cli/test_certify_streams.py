@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 import trainkit
+from trainkit.cli import main
 from trainkit.cli.certify import certify, covering_steps, minimum_steps
 from trainkit.errors import ConfigError
 
@@ -77,7 +78,7 @@ def test_a_generator_a_resume_makes_afresh_is_caught_at_the_default_budget(tmp_p
     _covered(report)
 
 
-def test_a_budget_too_small_to_cover_the_boundaries_is_refused_in_one_line(tmp_path):
+def test_a_budget_too_small_to_cover_the_boundaries_is_refused_in_one_line(tmp_path, capsys):
     """A --max-steps that cannot let an epoch end and a validation come before each of two interruptions: one line
     naming --max-steps and the minimum (known before any run when under 5, else from the straight run's epochs)."""
     with pytest.raises(ConfigError) as raised:
@@ -87,6 +88,10 @@ def test_a_budget_too_small_to_cover_the_boundaries_is_refused_in_one_line(tmp_p
         certify(f"{HELPERS}:StreamTrainer", STREAM_WORDS, max_steps=20, work_dir=tmp_path / "b")
     message = str(raised.value)
     assert message.startswith("--max-steps must be at least 34 ") and "got 20" in message and "\n" not in message
+    argv = ["certify", f"{HELPERS}:StreamTrainer", *STREAM_WORDS, "--max-steps", "4", "--work-dir", str(tmp_path / "c")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --max-steps must be at least 5 ") and "\n" not in err, err
 
 
 def test_covering_steps_put_an_epoch_end_and_a_validation_before_each_interruption():
