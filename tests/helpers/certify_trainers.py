@@ -147,3 +147,102 @@ class LocalState(CleanTrainer):
             self.scheduler.step()
             self.epoch_loss.add(loss.detach())
         self.log({"train/loss": self.epoch_loss.take()})
+
+
+class NoisyStream(torch.utils.data.IterableDataset):
+    """A stream of ``length`` samples a pass, each with noise from the dataset's own ``torch.Generator`` (made once:
+    each pass draws new noise). Its ``state_dict()`` holds the generator's state and its pass's the position: a
+    ``StatefulDataLoader`` saves and loads both with its own."""
+
+    def __init__(self, length: int = 32, seed: int = 5) -> None:
+        self.x, self.y = _data(length).tensors
+        self.seed = seed
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def __iter__(self):
+        return _StreamPass(self)
+
+    def draw(self, index: int):
+        return self.x[index] + 0.1 * torch.randn(self.x.shape[1], generator=self.gen), self.y[index]
+
+    def state_dict(self):
+        return {"gen": self.gen.get_state()}
+
+    def load_state_dict(self, state):
+        self.gen.set_state(state["gen"])
+
+
+class _StreamPass:
+    """One pass over a :class:`NoisyStream`, with its position as its state."""
+
+    def __init__(self, data: NoisyStream) -> None:
+        self.data, self.position = data, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.position >= len(self.data.x):
+            raise StopIteration
+        self.position += 1
+        return self.data.draw(self.position - 1)
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+class CountingStream(NoisyStream):
+    """Planted: a counter of the samples served, kept on the dataset and left out of its ``state_dict()``, that
+    shifts each sample: a resume counts from 0 again."""
+
+    def __init__(self, length: int = 32, seed: int = 5) -> None:
+        super().__init__(length, seed)
+        self.served = 0
+
+    def draw(self, index: int):
+        self.served += 1
+        x, y = super().draw(index)
+        return x + 0.01 * self.served, y
+
+
+class ReplayedStream(NoisyStream):
+    """Planted: no state of its own, so a ``StatefulDataLoader`` resumes it by replaying the pass from a dataset the
+    resumed process made afresh: its generator starts from its seed again. Exact inside the first pass (the replay
+    draws what the first pass drew); from the second pass on, it draws the first pass's noise again."""
+
+    def __iter__(self):
+        for index in range(len(self.x)):
+            yield self.draw(index)
+
+    state_dict = None  # type: ignore[assignment]
+    load_state_dict = None  # type: ignore[assignment]
+
+
+class StreamTrainer(CleanTrainer):
+    """A stream trainer: torchdata's ``StatefulDataLoader`` over a :class:`NoisyStream` (16 steps a pass, no length),
+    everything else registered; the dataset's generator is covered by the loader's state."""
+
+    stream_class: type = NoisyStream
+
+    def setup(self, ckpt):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        super().setup(ckpt)
+        self.data = self.stream_class()
+        self.loader = StatefulDataLoader(self.data, batch_size=2)
+        del self.sampler  # no sampler: the stream's own order
+
+
+class CountingStreamTrainer(StreamTrainer):
+    """Planted: :class:`CountingStream`'s counter."""
+
+    stream_class = CountingStream
+
+
+class ReplayedStreamTrainer(StreamTrainer):
+    """Planted: :class:`ReplayedStream`, whose generator a resume makes afresh."""
+
+    stream_class = ReplayedStream

@@ -37,9 +37,9 @@ __all__ = [
     "compare_checkpoints",
 ]
 
-RUN_SPECIFIC_KEYS = frozenset({"config", "wandb_run_id", "metrics_offset", "schema_version", "items"})
-"""Checkpoint entries that differ between two runs of the same training by nature (or, ``items``, that name the
-sections compared); never compared."""
+RUN_SPECIFIC_KEYS = frozenset({"config", "wandb_run_id", "metrics_offset", "schema_version", "items", "lineage"})
+"""Checkpoint entries that differ between two runs of the same training by nature (``lineage``: each life's random
+segment id; or, ``items``, that name the sections compared); never compared."""
 
 _RECORD_KEYS = ("loop", "best", "patience", "epoch", "step", "world_size", "training_modes", "guard_skips")
 """The engine's records and counters in a ``last`` checkpoint, compared together as ``records``."""

@@ -1,14 +1,18 @@
 """``python -m trainkit certify MODULE:Trainer [config.yaml ...] [key=value ...]``: prove a trainer's resume exact.
 
 :func:`certify` runs the user's trainer on a small budget in certify's own temporary run folders, twice: straight
-through, and interrupted at step boundaries (``SIGTERM``, after which the engine saves at that boundary, and
-``SIGKILL`` of the process, after which the run redoes the steps since its last checkpoint), resumed each time with
-the same config until it finishes. It then compares the two runs bit for bit: every kept step checkpoint in step
-order (every registered item, the RNG states, the epoch position, the loop/best/patience records, the latest
-metrics: :mod:`trainkit.checkpoint.compare`), the final ``last`` and ``best`` checkpoints (the best weights), and
-``metrics.jsonl`` without the wall-clock keys (:func:`trainkit.run.read_metrics.is_wall_clock`). The report says
-PASS, or names the first checkpoint after which the runs diverge, the first item and tensor that differ, and the
-likely cause from :data:`CAUSES`, with its fix.
+through, and interrupted at step boundaries (``SIGTERM``, after which the engine saves at that boundary, and ``SIGKILL``
+of the process, after which the run redoes the steps since its last checkpoint), resumed each time with the same config
+until it finishes. Drawn interruptions each come after a step checkpoint, a validation and an epoch end
+(:func:`covering_steps`, from the straight run's own boundaries: a stream has no length to compute them from); certify's
+own budget grows to allow it, a given one too small is refused. It then compares the two runs bit for bit: every kept
+step checkpoint in step order (every registered item, the RNG states, the epoch position, the loop/best/patience
+records, the latest metrics: :mod:`trainkit.checkpoint.compare`), the final ``last`` and ``best`` checkpoints (the best
+weights), and ``metrics.jsonl`` without the wall-clock keys (:func:`trainkit.run.read_metrics.is_wall_clock`). The
+report says PASS, or names the first checkpoint after which the runs diverge, the first item and tensor that differ, and
+the likely cause from :data:`CAUSES`, with its fix: first a value (a counter, a generator's state) seen to differ right
+after a resume, at the same step; what a loader that carries its own position reaches is that loader's state's, not
+"unregistered".
 
 Every attempt is a real process (``torch.multiprocessing.start_processes`` from a fork server that imported torch
 once), one per rank with ``world_size`` > 1 (a gloo group); the interruption is a global optimizer step post-hook in
@@ -56,7 +60,9 @@ __all__ = [
     "certify",
     "certify_main",
     "compare_runs",
+    "covering_steps",
     "likely_causes",
+    "minimum_steps",
     "plan_interruptions",
 ]
 
@@ -65,6 +71,10 @@ DEFAULT_MAX_STEPS = 12
 
 DEFAULT_EPOCHS = 2
 """The budget of a run measured in epochs, unless ``--epochs`` says otherwise."""
+
+MAX_DERIVED_STEPS = 200
+"""The most optimizer steps certify gives a run on its own (no ``--max-steps``/``--epochs``) to cover an epoch end and
+a validation before each interruption: past it, it interrupts without and says so."""
 
 _ENGINE = "trainkit.pt"
 """The engine's own file inside a sharded checkpoint directory (``trainkit.checkpoint.dcp.ENGINE_FILE``)."""
@@ -110,6 +120,21 @@ CAUSES: dict[str, tuple[str, str]] = {
         "keep it in a registered item (trainkit.RunningMean, or an object with state_dict()/load_state_dict()), "
         "or on an attribute registered with add_checkpoint_items()",
     ),
+    "unregistered_value": (
+        "a value the trainer or its data keeps (a counter, a generator's state) that no checkpoint restores: right "
+        "after a resume it differs from the straight run's",
+        "keep it in a registered item (an object with state_dict()/load_state_dict() passed to "
+        "add_checkpoint_items(), trainkit.RunningMean); a dataset's: save it in the dataset's state_dict() and put it "
+        "back in load_state_dict() (a StatefulDataLoader saves and loads a dataset's state with its own)",
+    ),
+    "loader_state_incomplete": (
+        "the state of a loader that carries its own position (state_dict()/load_state_dict(), e.g. a "
+        "StatefulDataLoader) does not restore a value its dataset or sampler holds: right after a resume it differs "
+        "from the straight run's",
+        "save the value in the dataset's state_dict() and put it back in load_state_dict() (a torch.Generator: "
+        "get_state() and set_state(), not a new generator); a StatefulDataLoader saves a dataset's state only when the "
+        "dataset has both methods, and otherwise replays the epoch from the dataset as a resume made it",
+    ),
     "unknown": (
         "none of the documented causes was detected",
         "compare the two kept run folders (python -m trainkit inspect FOLDER/checkpoints/step-N.pt) at the step "
@@ -138,26 +163,38 @@ class Interruption:
 
 
 def plan_interruptions(
-    total_steps: int, *, kill_at: Sequence[int] = (), term_at: Sequence[int] = (), seed: int = 0
+    total_steps: int,
+    *,
+    kill_at: Sequence[int] = (),
+    term_at: Sequence[int] = (),
+    seed: int = 0,
+    epoch_ends: Sequence[int] | None = None,
+    validations: Sequence[int] | None = None,
 ) -> tuple[Interruption, ...]:
     """Choose the interrupted run's interruptions, in step order.
 
     Pure. With neither ``kill_at`` nor ``term_at`` it picks one ``SIGTERM`` and one ``SIGKILL`` at two distinct
-    steps drawn from ``random.Random(seed)`` in ``[1, total_steps - 1]`` (one step of each when the run has
-    only 2 steps).
+    steps drawn from ``random.Random(seed)``: given ``epoch_ends`` (and ``validations``), at steps
+    :func:`covering_steps` draws, so that the run before each signal, from its start or its last resume, crosses a
+    step checkpoint, an epoch end and a validation; else in ``[1, total_steps - 1]`` (one step of each when the run
+    has only 2 steps).
 
     :param total_steps: The optimizer steps of the straight run.
     :param kill_at: Steps at which the process is SIGKILLed.
     :param term_at: Steps at which it gets SIGTERM.
     :param seed: The seed of the random choice.
+    :param epoch_ends: The steps after which the straight run ended an epoch (before its last step).
+    :param validations: The steps after which it validated (before its last step).
     :returns: The interruptions, by step.
     :raises ConfigError: When a step is outside ``[1, total_steps - 1]``, given twice, or the run is too short to
-        be interrupted.
+        be interrupted (or, with ``epoch_ends``, to cover them).
 
     >>> plan_interruptions(12, kill_at=[7], term_at=[3])
     (Interruption(how='term', step=3), Interruption(how='kill', step=7))
     >>> [i.how for i in plan_interruptions(12, seed=1)] in (["term", "kill"], ["kill", "term"])
     True
+    >>> [i.step for i in plan_interruptions(10, epoch_ends=[4, 8], validations=[4, 8], seed=3)][1]
+    9
     """
     if total_steps < 2:
         raise ConfigError(
@@ -166,8 +203,19 @@ def plan_interruptions(
         )  # fmt: skip
     chosen = [("kill", step, "--kill-at") for step in kill_at] + [("term", step, "--term-at") for step in term_at]
     if not chosen:
-        steps = random.Random(seed).sample(range(1, total_steps), k=min(2, total_steps - 1))
-        chosen = [("term", steps[0], ""), *([("kill", steps[1], "")] if len(steps) > 1 else [])]
+        rng = random.Random(seed)
+        if epoch_ends is not None:
+            steps = covering_steps(total_steps, epoch_ends, validations or (), seed=seed)
+            if steps is None:
+                raise ConfigError(
+                    "the budget", "must let an epoch end and a validation come before each of two interruptions",
+                    total_steps, hint="raise --max-steps or --epochs",
+                )  # fmt: skip
+            hows = rng.sample(["term", "kill"], k=2)
+            chosen = [(hows[0], steps[0], ""), (hows[1], steps[1], "")]
+        else:
+            steps = rng.sample(range(1, total_steps), k=min(2, total_steps - 1))
+            chosen = [("term", steps[0], ""), *([("kill", steps[1], "")] if len(steps) > 1 else [])]
     seen: set[int] = set()
     for _, step, option in chosen:
         if not isinstance(step, int) or not 1 <= step < total_steps:
@@ -178,6 +226,71 @@ def plan_interruptions(
             raise ConfigError(option, "must name each step once", step)
         seen.add(step)
     return tuple(Interruption(how=how, step=step) for how, step, _ in sorted(chosen, key=lambda c: c[1]))
+
+
+def _crossed(boundaries: Sequence[int], start: int, stop: int) -> bool:
+    """Whether a boundary (a step after which something happened) falls in a segment that resumed from ``start`` and
+    is interrupted at ``stop``: the step ``start`` itself counts (its epoch end or validation comes after the resume),
+    ``stop`` does not (the signal comes first)."""
+    return any(start <= step < stop for step in boundaries)
+
+
+def covering_steps(
+    total_steps: int, epoch_ends: Sequence[int], validations: Sequence[int], *, seed: int = 0
+) -> tuple[int, int] | None:
+    """Draw two interruption steps ``s1 < s2 < total_steps`` such that the run from its start to ``s1``, and from
+    ``s1`` to ``s2``, each crosses an epoch end and (when ``validations`` has any) a validation; every step has a step
+    checkpoint under certify, so each crosses one when it is 2 steps or more.
+
+    A state lost at a resume often shows only once it has built up across such a boundary: a dataset whose generator
+    a resume makes afresh draws the same first epoch again, which a resume inside the first epoch cannot tell apart.
+
+    Pure.
+
+    :param total_steps: The straight run's optimizer steps.
+    :param epoch_ends: The steps after which an epoch ended.
+    :param validations: The steps after which the run validated.
+    :param seed: The seed of the draw.
+    :returns: The two steps, or None when the run is too short.
+
+    >>> first, second = covering_steps(10, [4, 8], [4, 8])
+    >>> 5 <= first <= 7 and second == 9
+    True
+    >>> covering_steps(8, [4], [4]) is None
+    True
+    """
+    kinds = [sorted(set(epoch_ends))] + ([sorted(set(validations))] if validations else [])
+
+    def ok(start: int, stop: int) -> bool:
+        return stop - start >= 2 and all(_crossed(kind, start, stop) for kind in kinds)
+
+    pairs = [(a, b) for a in range(2, total_steps) for b in range(a + 1, total_steps) if ok(0, a) and ok(a, b)]
+    if not pairs:
+        return None
+    rng = random.Random(seed)
+    first = rng.choice(sorted({a for a, _ in pairs}))
+    return first, rng.choice([b for a, b in pairs if a == first])
+
+
+def minimum_steps(epoch_ends: Sequence[int], validations: Sequence[int]) -> int | None:
+    """The fewest optimizer steps a run needs for :func:`covering_steps` to find its two steps, extrapolated from the
+    first epoch end and the first validation a run saw (epochs of that many steps, validations that often).
+
+    Pure.
+
+    :param epoch_ends: The steps after which an epoch ended (at least one, else None: the length is unknown).
+    :param validations: The steps after which the run validated (none: no validation to cover).
+    :returns: The budget in steps, or None.
+
+    >>> minimum_steps([4, 8], [4, 8]), minimum_steps([5], [2, 4]), minimum_steps([], [])
+    (10, 12, None)
+    """
+    if not epoch_ends:
+        return None
+    periods = [min(epoch_ends)] + ([min(validations)] if validations else [])
+    first = max(max(periods) + 1, 2)
+    second = max(max(-(-first // p) * p for p in periods) + 1, first + 2)
+    return second + 1
 
 
 @attrs.frozen(kw_only=True)
@@ -212,14 +325,16 @@ def likely_causes(
     straight_runs_agree: bool | None,
     resumed_mid_epoch: bool,
     batches_after_resume: str | None = None,
+    lost: tuple[str, str] | None = None,
 ) -> tuple[Cause, ...]:
     """Name the likely causes of a divergence, most certain first.
 
-    Pure. What the attempts found comes first (unregistered objects, generators of their own, loaders outside
-    ``progress()``); then two straight runs that differ name a non-deterministic op; then training batches that
-    differ right after a resume name randomness from a generator trainkit does not capture (one no attribute scan
-    reaches: a module's global ``random.Random``, say); then a divergence right after a resume inside an epoch names
-    state held in a local variable; else ``unknown``.
+    Pure. A value seen to differ right after a resume comes first (``lost``: a counter or a generator's state no
+    checkpoint restored, under a loader that carries its own position or not); then what the attempts found
+    (unregistered objects, generators of their own, loaders outside ``progress()``); then two straight runs that differ
+    name a non-deterministic op; then training batches that differ right after a resume name randomness from a generator
+    trainkit does not capture (one no attribute scan reaches: a module's global ``random.Random``, say); then a
+    divergence right after a resume inside an epoch names state held in a local variable; else ``unknown``.
 
     :param unregistered: ``(attribute, kind)`` pairs from :func:`trainkit.cli.certify_child.unregistered_objects`.
     :param loaders_outside: Names of loaders iterated in ``train_epoch()`` without ``progress()``.
@@ -227,6 +342,8 @@ def likely_causes(
     :param resumed_mid_epoch: Whether the resume before the first diverging checkpoint was inside an epoch.
     :param batches_after_resume: How the batches a resumed attempt trained on first differ from the straight
         run's (None: they do not).
+    :param lost: ``(key, what)``: the first value that differed right after a resume, its cause key
+        (``unregistered_value`` or ``loader_state_incomplete``) and what was seen; None when none did.
     :returns: The causes.
 
     >>> found = likely_causes([("sched", "LR scheduler")], [], straight_runs_agree=None, resumed_mid_epoch=True)
@@ -234,8 +351,12 @@ def likely_causes(
     [('unregistered', ('sched (LR scheduler)',))]
     >>> likely_causes([], [], straight_runs_agree=True, resumed_mid_epoch=True)[0].key
     'local_state'
+    >>> seen = "data.seen: 8 in the straight run, 2 after the resume from step 5 (at step 6)"
+    >>> [c.key for c in likely_causes([], [], straight_runs_agree=None, resumed_mid_epoch=True,
+    ...                               lost=("unregistered_value", seen))]
+    ['unregistered_value']
     """
-    causes = []
+    causes = [] if lost is None else [Cause(key=lost[0], found=[lost[1]])]
     objects = [f"{name} ({kind})" for name, kind in unregistered if kind not in _RNG_KINDS]
     generators = [f"{name} ({kind})" for name, kind in unregistered if kind in _RNG_KINDS]
     if objects:
@@ -244,7 +365,7 @@ def likely_causes(
         causes.append(Cause(key="uncaptured_rng", found=generators))
     if loaders_outside:
         causes.append(Cause(key="loader_outside_progress", found=loaders_outside))
-    if straight_runs_agree is False:
+    if straight_runs_agree is False and lost is None:
         causes.append(Cause(key="nondeterministic"))
     elif not causes and batches_after_resume is not None:  # data drawn from a generator no scan could reach
         causes.append(Cause(key="uncaptured_rng", found=[batches_after_resume]))
@@ -291,8 +412,10 @@ class CertifyReport:
     :ivar rows_compared: The ``metrics.jsonl`` rows compared.
     :ivar divergence: The first difference, or None.
     :ivar causes: Its likely causes (empty on PASS).
-    :ivar notes: What the attempts found that a PASS did not need (an unregistered object that did not matter), and
-        what certify left out (the remote tier).
+    :ivar notes: What the attempts found that a PASS did not need (an unregistered object that did not matter), what
+        a loader's state covers, and what certify left out (the remote tier, a boundary no interruption crossed).
+    :ivar crossed: For each interruption: what the run crossed between its start (or last resume) and the signal
+        (step checkpoints, validations, epoch ends).
     :ivar seconds: The wall-clock time certify took.
     :ivar timeout_s: Its bound.
     """
@@ -313,6 +436,7 @@ class CertifyReport:
     notes: tuple[str, ...]
     seconds: float
     timeout_s: float
+    crossed: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain values (what ``--json`` writes).
@@ -339,6 +463,7 @@ class CertifyReport:
             f"  budget:      {self.budget}: {self.total_steps} optimizer steps, {self.world_size} process(es)",
             f"  interrupted: {stops}",
         ]
+        lines += [f"  crossed:     {line}" for line in self.crossed]
         found = self.divergence
         if found is None or found.where == "metrics.jsonl":
             lines.append(
@@ -444,6 +569,7 @@ class _Runs:
     def __init__(self, base: dict[str, Any], folder: Path, deadline: float, timeout_s: float) -> None:
         self.base, self.folder, self.deadline, self.timeout_s = base, folder, deadline, timeout_s
         self.attempts = 0
+        self.stems: list[Path] = []
 
     def attempt(self, out_dir: Path, label: str, interruption: Interruption | None) -> tuple[str, dict | None]:
         """Run one attempt; return how it ended (``done``, ``term``, ``kill``) and what fired (step, epoch)."""
@@ -456,6 +582,8 @@ class _Runs:
         stem = self.folder / "logs" / f"{self.attempts:02d}-{label}"
         paths = {name: f"{stem}.{name}.json" for name in ("findings", "fired", "done")}
         paths["batches"] = f"{stem}.batches.jsonl"
+        paths["steps"] = f"{stem}.steps.jsonl"
+        self.stems.append(stem)
         env = {**self.base["env"], "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         config = {**self.base["config"], "out_dir": str(out_dir)}
         interrupt = None if interruption is None else {"how": interruption.how, "step": interruption.step}
@@ -698,17 +826,42 @@ def certify(
     }
     runs = _Runs(base, folder, started + timeout_s, timeout_s)
     straight, interrupted = folder / "straight", folder / "interrupted"
+    drawn = not kill_at and not term_at
+    if drawn and max_steps is not None and max_steps < _FEWEST_STEPS:
+        raise ConfigError("--max-steps", f"must be at least {_FEWEST_STEPS} for each of two interruptions to come "
+                          "after a step checkpoint, an epoch end and a validation", max_steps)  # fmt: skip
     with fork_server(preload=["trainkit.cli.certify_child"]):
-        _run_to_the_end(runs, straight, "straight", ())
-        from trainkit.checkpoint import load_checkpoint
-
-        last = _final(straight, "last")
-        total = int(load_checkpoint(last if last.is_file() else last / _ENGINE)["step"])
-        plan = plan_interruptions(total, kill_at=kill_at, term_at=term_at, seed=seed)
+        for _ in range(4):  # the budget given or certify's, then (certify's only) at most 3 longer ones
+            _run_to_the_end(runs, straight, "straight", ())
+            total = _total_steps(straight)
+            ends, validations = _boundaries(Path(f"{runs.stems[-1]}.steps.jsonl"), total)
+            if not drawn or covering_steps(total, ends, validations) is not None:
+                break
+            longer = _longer_budget(budget, total, ends, validations, derived=not given)
+            if longer is None:
+                notes += (_uncovered_note(total, ends, validations),)
+                ends = validations = None  # interrupt without: said in the notes
+                break
+            notes += (
+                f"certify's own budget ({', '.join(budget)}: {total} steps) let too few epoch ends and validations "
+                f"come before its interruptions; it ran {', '.join(longer)} instead (give --max-steps or --epochs to "
+                "choose)",
+            )
+            budget = longer
+            cfg, _ = _without_user_stores(config_from_argv(config, [*words, *budget, *_RUN_WORDS]))
+            runs.base["config"] = cfg.to_dict()
+            shutil.rmtree(straight)
+        plan = plan_interruptions(total, kill_at=kill_at, term_at=term_at, seed=seed, epoch_ends=ends,
+                                  validations=validations)  # fmt: skip
+        first_interrupted = runs.attempts
         resumes = _run_to_the_end(runs, interrupted, "interrupted", plan)
         divergence, compared, rows = compare_runs(straight, interrupted)
-        causes, found = _diagnose(runs, folder, divergence, resumes)
+        logs = [Path(f"{stem}.steps.jsonl") for stem in runs.stems[first_interrupted:]]
+        lost = _lost_value(Path(f"{runs.stems[first_interrupted - 1]}.steps.jsonl"), logs)
+        causes, found = _diagnose(runs, folder, divergence, resumes, lost)
     notes += found
+    full = _boundaries(Path(f"{runs.stems[first_interrupted - 1]}.steps.jsonl"), total)
+    crossed = _crossed_lines(plan, resumes, *full)
     kept = len(_kept(straight))
     if kept < total:
         notes += (
@@ -719,34 +872,182 @@ def certify(
         passed=divergence is None, trainer=target, budget=", ".join(budget), world_size=world_size,
         total_steps=total, interruptions=plan, resumes=tuple(resumes), straight_dir=str(straight),
         interrupted_dir=str(interrupted), checkpoints_compared=compared, rows_compared=rows, divergence=divergence,
-        causes=causes, notes=notes, seconds=time.monotonic() - started, timeout_s=timeout_s,
+        causes=causes, notes=notes, seconds=time.monotonic() - started, timeout_s=timeout_s, crossed=crossed,
     )  # fmt: skip
     if json_path is not None:
         Path(json_path).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     return report
 
 
-def _findings(folder: Path) -> tuple[list[tuple[str, str]], list[str]]:
-    """What the attempts found, merged in attempt order without repeats."""
+_FEWEST_STEPS = 5
+"""The fewest steps two interruptions can each come after a step checkpoint, an epoch end and a validation in
+(epochs of one step, validated at each end: :func:`minimum_steps`)."""
+
+
+def _total_steps(out_dir: Path) -> int:
+    from trainkit.checkpoint import load_checkpoint
+
+    last = _final(out_dir, "last")
+    if last is None:
+        raise CertifyError(f"the run in {out_dir} finished without writing last.pt")
+    return int(load_checkpoint(last if last.is_file() else last / _ENGINE)["step"])
+
+
+def _step_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows an attempt's step log holds (a row per step, one per validation); none when absent."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    rows = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut by a SIGKILL
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def _boundaries(path: Path, total: int) -> tuple[list[int], list[int]]:
+    """The steps (before ``total``) after which a run's attempt ended an epoch, and those after which it validated."""
+    steps = [(row["step"], row["epoch"]) for row in _step_rows(path) if "step" in row]
+    ends = [a for (a, epoch_a), (_, epoch_b) in zip(steps, steps[1:]) if epoch_b != epoch_a and a < total]
+    validations = sorted({row["val"] for row in _step_rows(path) if 1 <= row.get("val", 0) < total})
+    return ends, validations
+
+
+def _longer_budget(
+    budget: list[str], total: int, ends: list[int], validations: list[int], *, derived: bool
+) -> list[str] | None:
+    """The budget to run straight again with, for interruptions that cover an epoch end and a validation; None:
+    interrupt without (no epoch end within :data:`MAX_DERIVED_STEPS` steps).
+
+    :raises ConfigError: When the budget was given and is too small, naming the option and the minimum.
+    """
+    need = minimum_steps(ends, validations)
+    key, _, value = budget[0].partition("=")
+    if not derived:
+        if need is None:
+            return None
+        option = "--epochs" if key == "epochs" else "--max-steps"
+        least = -(-need // min(ends)) if key == "epochs" else need
+        raise ConfigError(
+            option, f"must be at least {least} for each of two interruptions to come after a step checkpoint, an epoch "
+            f"end and a validation (an epoch is {min(ends)} steps here)", int(value),
+        )  # fmt: skip
+    if need is None:  # no epoch ended yet: a longer run tells
+        need = total * 4
+    if need <= total or total >= MAX_DERIVED_STEPS:
+        return None
+    if key == "epochs":
+        return [f"epochs={-(-need // min(ends))}"] if ends else None
+    return [f"max_steps={min(need, MAX_DERIVED_STEPS)}"]
+
+
+def _uncovered_note(total: int, ends: list[int], validations: list[int]) -> str:
+    what = "no epoch ended" if not ends else "too few epoch ends and validations came"
+    return (
+        f"{what} within the {total} steps certify ran: its interruptions do not all come after an epoch end and a "
+        "validation, so state lost only across one was not checked (raise --max-steps or --epochs)"
+    )
+
+
+def _crossed_lines(
+    plan: Sequence[Interruption], resumes: Sequence[tuple[int, int]], ends: list[int], validations: list[int]
+) -> tuple[str, ...]:
+    """What the run crossed before each interruption, from its start or its last resume."""
+    lines = []
+    start = 0
+    for interruption, (fired, resumed) in zip(plan, resumes):
+        saved = [step for step in range(start + 1, fired)]
+        parts = [
+            f"step checkpoints after steps {saved[0]}-{saved[-1]}" if saved else "no step checkpoint",
+            _listed("validation", [v for v in validations if start <= v < fired]),
+            _listed("epoch end", [e for e in ends if start <= e < fired]),
+        ]
+        lines.append(f"before the {interruption.signal} at step {fired} (from step {start}): {', '.join(parts)}")
+        start = resumed
+    return tuple(lines)
+
+
+def _listed(what: str, steps: list[int]) -> str:
+    if not steps:
+        return f"no {what}"
+    shown = ", ".join(map(str, steps[:6])) + (", ..." if len(steps) > 6 else "")
+    return f"{what}{'s' if len(steps) > 1 else ''} after step{'s' if len(steps) > 1 else ''} {shown}"
+
+
+def _lost_value(straight: Path, attempts: Sequence[Path]) -> tuple[str, str, str] | None:
+    """The first value (a counter, a generator's state) that a resumed attempt of the interrupted run held at a step and
+    the straight run did not: its cause key, what was seen and its path. Values that already differ in the first
+    attempt, before any resume, vary from run to run (a time, an id) and are left out."""
+    base = {row["step"]: row.get("values", {}) for row in _step_rows(straight) if "step" in row}
+
+    def differing(step: int, values: dict[str, str]) -> list[str]:
+        there = base.get(step)
+        return [] if there is None else [key for key in {**there, **values} if there.get(key) != values.get(key)]
+
+    rows = [[row for row in _step_rows(path) if "step" in row] for path in attempts]
+    noise = {key for row in (rows[0] if rows else []) for key in differing(row["step"], row.get("values", {}))}
+    for attempt in rows[1:]:
+        for row in attempt:
+            keys = [key for key in differing(row["step"], row.get("values", {})) if key not in noise]
+            if keys:
+                key = keys[0]
+                path, _, loader = key.partition("@")
+                step, resumed = row["step"], attempt[0]["step"] - 1
+                seen = (
+                    f"{path}: {base[step].get(key, 'absent')} in the straight run, {row['values'].get(key, 'absent')} "
+                    f"after the resume from step {resumed} (at step {step})"
+                )
+                if loader:
+                    return "loader_state_incomplete", f"{seen}; reached from {loader}", path
+                kind = str(base[step].get(key, row["values"].get(key))).split(" state ")
+                if len(kind) == 2:  # a generator of its own, which no scan reached
+                    return ("unregistered" if kind[0] == "torch.Generator" else "uncaptured_rng"), seen, path
+                return "unregistered_value", seen, path
+    return None
+
+
+def _findings(folder: Path) -> tuple[list[tuple[str, str]], list[str], list[tuple[str, str, str]]]:
+    """What the attempts found, merged in attempt order without repeats: from the attempts that got to the end of
+    their training loop where any did (they know the loaders ``train_epoch()`` handed to ``progress()``)."""
     unregistered: dict[tuple[str, str], None] = {}
     loaders: dict[str, None] = {}
-    for path in sorted((folder / "logs").glob("*.findings.json")):
-        found = _read_json(path) or {}
+    covered: dict[tuple[str, str, str], None] = {}
+    found_all = [_read_json(path) or {} for path in sorted((folder / "logs").glob("*.findings.json"))]
+    final = [found for found in found_all if "loaders_outside_progress" in found]
+    for found in final or found_all:
         unregistered.update((tuple(pair), None) for pair in found.get("unregistered", []))
         loaders.update((name, None) for name in found.get("loaders_outside_progress", []))
-    return list(unregistered), list(loaders)
+        covered.update((tuple(entry), None) for entry in found.get("covered", []))
+    return list(unregistered), list(loaders), list(covered)  # type: ignore[arg-type]
 
 
 def _diagnose(
-    runs: _Runs, folder: Path, divergence: Divergence | None, resumes: Sequence[tuple[int, int]]
+    runs: _Runs,
+    folder: Path,
+    divergence: Divergence | None,
+    resumes: Sequence[tuple[int, int]],
+    lost: tuple[str, str, str] | None = None,
 ) -> tuple[tuple[Cause, ...], tuple[str, ...]]:
-    unregistered, loaders = _findings(folder)
+    unregistered, loaders, covered = _findings(folder)
+    if lost is not None and any(lost[2] == name or lost[2].startswith(f"{name}.") for name, _ in unregistered):
+        lost = None  # what the scan found and names (first) itself
+    lost_path = None if lost is None else lost[2]
+    notes = [
+        f"left to the state of {loader}, which each step checkpoint saves (not to be registered): {name} ({kind})"
+        for name, kind, loader in covered
+        if name != lost_path
+    ]
     if divergence is None:
-        notes = [f"not registered, but it did not matter here: {name} ({kind})" for name, kind in unregistered]
+        notes += [f"not registered, but it did not matter here: {name} ({kind})" for name, kind in unregistered]
         notes += [f"iterated outside progress(), but it did not matter here: {name}" for name in loaders]
         return (), tuple(notes)
     agree = None
-    if not unregistered and not loaders:  # a second straight run tells a non-deterministic op from a resume bug
+    if not unregistered and not loaders and lost is None:  # a second straight run tells a non-deterministic op
         again = folder / "straight-again"
         _run_to_the_end(runs, again, "straight-again", ())
         agree = compare_runs(folder / "straight", again)[0] is None
@@ -754,9 +1055,9 @@ def _diagnose(
     mid_epoch = bool(before) and _mid_epoch(folder / "interrupted", before[-1])
     causes = likely_causes(
         unregistered, loaders, straight_runs_agree=agree, resumed_mid_epoch=mid_epoch,
-        batches_after_resume=_batches_after_resume(folder / "logs"),
+        batches_after_resume=_batches_after_resume(folder / "logs"), lost=None if lost is None else lost[:2],
     )  # fmt: skip
-    return causes, ()
+    return causes, tuple(notes)
 
 
 def _batches_after_resume(logs: Path) -> str | None:
@@ -796,7 +1097,8 @@ def _add_options(parser: Any, default: Any = None) -> None:
     parser.add_argument("--config-class", default=given(None), help="MODULE:Class of the config (default: the "
                         "trainer's config_class)")  # fmt: skip
     parser.add_argument("--max-steps", type=int, default=given(None), help=f"budget in optimizer steps (default: "
-                        f"the config's, at most {DEFAULT_MAX_STEPS})")  # fmt: skip
+                        f"the config's, at most {DEFAULT_MAX_STEPS}, longer to cover an epoch end and a validation "
+                        f"before each interruption)")  # fmt: skip
     parser.add_argument("--epochs", type=int, default=given(None), help=f"budget in epochs (default: the config's, "
                         f"at most {DEFAULT_EPOCHS})")  # fmt: skip
     parser.add_argument("--kill-at", default=given(None), help="steps at which to SIGKILL the run, e.g. 3,7")
