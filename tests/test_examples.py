@@ -231,7 +231,7 @@ def test_inspect_shows_what_a_checkpoint_holds(tmp_path):
     for needle in (
         "a trainkit last.pt, schema 1",
         "epoch:        3 done, step",
-        "best:         score 1 at epoch 1 (minimize",
+        "best:         score 1 at epoch 1, step 12 (minimize",
         "patience:     3 of 4 left",
         "rng:          rank 0: ",
         "  epochs = 3",
@@ -265,7 +265,7 @@ def test_inspect_of_a_bare_state_dict_says_it_is_not_a_trainkit_checkpoint(tmp_p
 
 def test_curve_panels_put_test_points_and_the_lr_on_the_plot_and_a_wide_loss_on_a_log_axis():
     """The report's panels: a loss spanning more than a decade gets a log axis, a narrow one does not; test
-    metrics join their metric's panel; the learning rate gets a panel; grad norms stay out."""
+    metrics join their metric's panel; grad norms get a panel of their own, the learning rate one too."""
     from trainkit.cli.report import curve_panels
 
     rows = [
@@ -274,7 +274,8 @@ def test_curve_panels_put_test_points_and_the_lr_on_the_plot_and_a_wide_loss_on_
         {"trainer/epoch": 1, "test/loss": 0.09, "test/acc": 0.88},
     ]
     panels = curve_panels(rows)
-    assert list(panels) == ["loss", "acc", "lr"]
+    assert list(panels) == ["loss", "acc", "grad_norm", "lr"]
+    assert panels["grad_norm"]["keys"] == ["train/grad_norm"]
     assert panels["loss"] == {"keys": ["test/loss", "train/loss", "val/loss"], "log": True}
     assert panels["acc"] == {"keys": ["test/acc", "val/acc"], "log": False}
     assert panels["lr"]["log"] is True

@@ -493,10 +493,7 @@ class BaseTrainer(abc.ABC):
         :raises DistributedError: When the ranks disagree on stopping.
         """
         if self._results is not None:
-            try:  # the catch-up of a run killed during its final upload or retention lands first
-                self._checkpointer.wait_remote()
-            finally:
-                self._checkpointer.release_folder()
+            self._checkpointer.finish_rerun()
             if self.cfg.test.enable:  # as the run that finished left it: the tested (best) weights loaded
                 self._best.load_into(dist_utils.unwrap(self.model))
             return dict(self._results) or None
@@ -715,8 +712,7 @@ class BaseTrainer(abc.ABC):
         return self._checkpointer.best_path
 
     def _restore(self, resume: Resume) -> Iterable[Any]:
-        """After ``setup()`` (or in a rollback): the registered items, the records, the best weights and the epoch's
-        position; returns the registered items."""
+        """After ``setup()`` or in a rollback: restore the items, records, best weights and position; return items."""
         self._registry = self._checkpointer.restore(resume, self._registry)
         records = resume.records
         self._records = _Records(records.loop, records.best, records.patience)

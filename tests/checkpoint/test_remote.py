@@ -21,13 +21,13 @@ import pytest
 
 from tests.helpers import ROOT
 from tests.helpers.configs import make_cfg
-from tests.helpers.remote_store import ACCESS_KEY_ID, SECRET
+from tests.helpers.remote_store import ACCESS_KEY_ID, SECRET, committed_steps, remote_files
 from tests.helpers.trainers import TinyTrainer, param_digest
 from trainkit import OutDirError, UsageError
 from trainkit.checkpoint import load_checkpoint
 from trainkit.checkpoint.kept import read_kept
 from trainkit.checkpoint.remote import RemoteTier, open_store
-from trainkit.checkpoint.remote_manifest import LEASE, MANIFEST, Lease, lease_bytes, parse_manifest
+from trainkit.checkpoint.remote_manifest import LEASE, MANIFEST, Lease, lease_bytes
 
 pytest.importorskip("fsspec")
 
@@ -53,21 +53,6 @@ def run(out_dir: Path, epochs: int, **ckpt) -> tuple[str, TinyTrainer]:
         return param_digest(trainer.model), trainer
     finally:
         trainer.close()
-
-
-def remote_files(url: str) -> dict[str, bytes]:
-    """Every object under the prefix, by its name relative to it."""
-    fs, root = open_store(url)
-    fs.invalidate_cache()
-    try:
-        return {path[len(root) + 1 :]: fs.cat_file(path) for path in fs.find(root)}
-    except FileNotFoundError:  # no bucket yet, or an object deleted between the listing and the read
-        return {}
-
-
-def committed_steps(url: str) -> list[int]:
-    objects = remote_files(url)
-    return sorted(parse_manifest(data).step for name, data in objects.items() if name.endswith("/" + MANIFEST))
 
 
 def test_a_rerun_on_an_empty_machine_continues_from_the_remote_bit_for_bit(remote_url, tmp_path):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.checkpoint.test_remote import committed_steps, remote_files
 from tests.helpers.configs import make_cfg
+from tests.helpers.remote_store import committed_steps, remote_files
 from tests.helpers.trainers import TinyTrainer, param_digest
 from trainkit import CheckpointMismatchError, OutDirError
 from trainkit.checkpoint import load_checkpoint

@@ -56,3 +56,23 @@ def s3_server() -> Iterator[str]:
             else:
                 os.environ[name] = value
         server.stop()
+
+
+def remote_files(url: str) -> dict[str, bytes]:
+    """Every object under the prefix, by its name relative to it."""
+    from trainkit.checkpoint.remote import open_store
+
+    fs, root = open_store(url)
+    fs.invalidate_cache()
+    try:
+        return {path[len(root) + 1 :]: fs.cat_file(path) for path in fs.find(root)}
+    except FileNotFoundError:  # no bucket yet, or an object deleted between the listing and the read
+        return {}
+
+
+def committed_steps(url: str) -> list[int]:
+    """The steps of the committed checkpoints under the prefix, in order."""
+    from trainkit.checkpoint.remote_manifest import MANIFEST, parse_manifest
+
+    objects = remote_files(url)
+    return sorted(parse_manifest(data).step for name, data in objects.items() if name.endswith("/" + MANIFEST))

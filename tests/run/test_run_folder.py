@@ -55,10 +55,11 @@ def test_a_second_run_on_the_same_out_dir_is_refused_at_once(tmp_path):
         assert first.wait_for("epoch 1 ")
         started = time.monotonic()
         second = train(write_run(tmp_path / "b.json", make_cfg(out, epochs=10)), tmp_path / "b.log")
-        assert second.wait(timeout=60) != 0
+        assert second.wait(timeout=60) == 2  # a refusal: one line, exit status 2
         assert time.monotonic() - started < 30  # refused, not queued behind the first
         message = second.stderr
-        assert "OutDirError" in message and f"pid {first.proc.pid} on host {socket.gethostname()}" in message
+        assert len(message.strip().splitlines()) == 1 and "Traceback" not in message
+        assert "error: out_dir" in message and f"pid {first.proc.pid} on host {socket.gethostname()}" in message
         assert "since 20" in message
         assert "epoch 0 " not in second.stdout  # it never trained
         assert "epoch 9 " not in first.stdout, "the first run must still be running when the second is refused"

@@ -1082,6 +1082,14 @@ class Checkpointer:
             if self._rank == 0 and self._remote is not None:
                 self._remote.finish()
 
+    def finish_rerun(self) -> None:
+        """A finished run's rerun returns: the catch-up of a run killed during its final upload or retention lands
+        first (:meth:`wait_remote`), then the folder is let go (:meth:`release_folder`)."""
+        try:
+            self.wait_remote()
+        finally:
+            self.release_folder()
+
     def release_folder(self) -> None:
         """Let the folder go, and the remote prefix with it (idempotent): the next run on them may start."""
         if self._remote is not None:
