@@ -936,9 +936,17 @@ class RemoteTier:
         """The checkpoint folders without a commit record (uploads cut short): never read, deleted by the writer."""
         return self._scan()[1]
 
+    def _linked(self, name: str) -> bool:
+        """Whether the folder ``name`` is a symbolic link on a local (or mounted) file system: no run writes one, and
+        reading or deleting through it would reach another prefix's files (its commit record deleted by retention)."""
+        return _is_local(self._fs) and os.path.islink(self._fs._strip_protocol(self._path(name)))
+
     def _scan(self) -> tuple[list[tuple[str, Manifest]], list[str]]:
         found, uncommitted = [], []
         for name in self._folders():
+            if self._linked(name):  # neither committed nor uncommitted: never read, never deleted
+                self._refuse(name, "a symbolic link, which trainkit does not follow: no run writes one")
+                continue
             manifest = self._manifests.get(name)  # a commit record is written once: read once
             if manifest is None:
                 try:
@@ -1026,6 +1034,9 @@ class RemoteTier:
         failed: list[tuple[str, Exception]] = []
         for name in names:
             self._manifests.pop(name, None)
+            if self._linked(name):  # swapped for a link since it was listed: nothing behind it is touched
+                failed.append((name, OSError(f"{name} is a symbolic link, which trainkit does not follow")))
+                continue
             try:
                 with contextlib.suppress(FileNotFoundError):  # the commit record first: no reader takes half a folder
                     self._fs.rm_file(self._path(name, MANIFEST))
