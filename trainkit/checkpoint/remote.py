@@ -20,7 +20,9 @@ The protocol (see ``docs/remote.rst``):
 - **Lease.** One run writes under a prefix: :data:`~trainkit.checkpoint.remote_manifest.LEASE` is created with a
   conditional create and renewed by the uploader every third of ``ckpt.remote_lease_s``; a lease not renewed for
   that long may be taken over. A takeover or renewal replaces the lease only if it is still the object read
-  (S3 ``If-Match`` on its ETag; a file system: rename aside, check, hard-link a new one; memory: a lock).
+  (S3 ``If-Match`` on its ETag; a file system: rename aside, check, hard-link a new one, every step of it under an
+  ``flock`` of :data:`LEASE_LOCK` so that no other run's create falls between the rename and a put-back; memory: a
+  lock).
 - **Sharded.** Every rank uploads its own files of a sharded save into one folder (named alike on every rank);
   rank 0 writes the commit record once every rank reported its upload done (:meth:`RemoteTier.report`, gathered
   by the next save's collective or at the run's end; :meth:`RemoteTier.commit_reports`).
@@ -37,6 +39,7 @@ The protocol (see ``docs/remote.rst``):
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import importlib.metadata
 import math
@@ -76,7 +79,7 @@ from trainkit.checkpoint.remote_manifest import (
 from trainkit.config import CkptConfig, redact_text
 from trainkit.config.secrets import has_url_userinfo
 from trainkit.errors import CheckpointCorruptError, CheckpointUnsafeError, OutDirError, TrainkitError, UsageError
-from trainkit.files.bounded_read import UnreadableFile, open_regular
+from trainkit.files.bounded_read import UnreadableFile, file_kind, open_regular
 from trainkit.files.durable import fsync_directory
 from trainkit.files.weights_only_load import load_checkpoint
 from trainkit.messages import printable, say, warn_user
@@ -112,6 +115,12 @@ ATTEMPTS = 4
 """Tries per upload before it is given up (the next checkpoint supersedes it)."""
 BACKOFF_S = 0.5
 """The first retry's delay; each next one doubles it."""
+LEASE_LOCK = "lease.json.lock"
+"""On a file system, the file at the prefix's root whose ``flock`` makes each change of the lease (a create, a
+takeover, a renewal, a release) one step among runs: a takeover renames the lease aside and may have to put it back,
+and no other run may create one meanwhile. The lock goes with its holder's process (a kill lets it go)."""
+LEASE_LOCK_S = 30.0
+"""The most seconds a run waits for :data:`LEASE_LOCK` (held for a few file operations at a time)."""
 READ_DEADLINE_S = 120.0
 """The most seconds opening a store's object, or one read of it (a record, or one chunk of a download), may take;
 past it the read is given up as a ``TimeoutError`` (its thread is left behind, a daemon)."""
@@ -438,6 +447,8 @@ class RemoteTier:
         self._commit: _Commit | None = None
         self._awaiting: dict[str, Upload] = {}  # rank 0: sharded uploads waiting for every rank's report
         self._uploaded: tuple[str, tuple[RemoteObject, ...]] | None = None  # the newest uncommitted upload done
+        self._lease_guard = threading.RLock()  # the uploader renews while the main thread may release
+        self._lease_depth = 0  # how deep this process is in :meth:`_lease_locked` (the flock is taken once)
 
     @classmethod
     def build(cls, ckpt: CkptConfig, out_dir: Path, *, rank: int) -> RemoteTier | None:
@@ -508,6 +519,47 @@ class RemoteTier:
             return "local"
         return "memory" if isinstance(self._fs, MemoryFileSystem) else "other"
 
+    @contextlib.contextmanager
+    def _lease_locked(self) -> Iterator[None]:
+        """On a file system, hold :data:`LEASE_LOCK`'s ``flock`` (re-entrant in this process); elsewhere nothing.
+
+        :raises TimeoutError: When another process holds it for more than :data:`LEASE_LOCK_S`.
+        :raises UnreadableFile: When something other than a regular file is at :data:`LEASE_LOCK`.
+        """
+        with self._lease_guard:
+            if self._store() != "local" or self._lease_depth:
+                self._lease_depth += 1
+                try:
+                    yield
+                finally:
+                    self._lease_depth -= 1
+                return
+            path = self._fs._strip_protocol(self._path(LEASE_LOCK))
+            flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+            fd = os.open(path, flags, 0o644)
+            try:
+                mode = os.fstat(fd).st_mode
+                if not stat.S_ISREG(mode):
+                    raise UnreadableFile(path, f"{file_kind(mode)}, not a regular file")
+                deadline = time.monotonic() + LEASE_LOCK_S
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(
+                                f"{LEASE_LOCK} was held by another process for {LEASE_LOCK_S:g} s"
+                            ) from None
+                        time.sleep(0.01)
+                self._lease_depth += 1
+                try:
+                    yield
+                finally:
+                    self._lease_depth -= 1
+            finally:
+                os.close(fd)  # lets the flock go
+
     def _new_lease(self) -> bytes:
         return lease_bytes(Lease(holder=self._holder, expires=time.time() + self._lease_s))
 
@@ -515,7 +567,8 @@ class RemoteTier:
         """Create the lease if there is none, in one step of the store (see :meth:`_store`): True when created."""
         path, data, store = self._path(LEASE), self._new_lease(), self._store()
         if store == "local":
-            created = _link_new(path, data)
+            with self._lease_locked():  # never inside another run's takeover (between its rename and put-back)
+                created = _link_new(path, data)
         elif store == "memory":
             with _MEMORY_LEASES:
                 created = not self._fs.exists(path)
@@ -569,7 +622,8 @@ class RemoteTier:
                     return False
                 raise
         elif store == "local":
-            return _remove_if_read(path, seen, version) and self._create_lease()
+            with self._lease_locked():  # the rename aside, the check, the put-back and the create: one step
+                return _remove_if_read(path, seen, version) and self._create_lease()
         elif store == "memory":
             with _MEMORY_LEASES:
                 if self._read_lease() != seen:
@@ -594,7 +648,8 @@ class RemoteTier:
             self._fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=version)
             self._fs.invalidate_cache(path)
         elif store == "local":
-            _remove_if_read(path, held, version)
+            with self._lease_locked():
+                _remove_if_read(path, held, version)
         elif store == "memory":
             with _MEMORY_LEASES:
                 if self._read_lease() == held:
