@@ -639,6 +639,10 @@ class RemoteTier:
     def _release(self) -> None:
         """Delete this run's lease, conditionally on it being the object read (as :meth:`_replace_lease`): a
         successor's lease, taken over meanwhile, is never deleted."""
+        with self._lease_locked():
+            self._release_locked()
+
+    def _release_locked(self) -> None:
         held, version = self._lease_version()
         if held is None or held.holder != self._holder:
             return
@@ -670,20 +674,21 @@ class RemoteTier:
             self._start(uploads)
             return
         self._fs.makedirs(self._root, exist_ok=True)
-        for _ in range(3):
-            if self._create_lease():
-                break
-            held, version = self._lease_version()
-            if held is not None and not held.expired(time.time()):
-                until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(held.expires))
-                raise OutDirError(
-                    f"ckpt.remote={self.url} is held by another run ({shown(held.holder)}) until {until} unless it "
-                    "renews its lease; one run writes under a prefix: wait for it to end, or use another prefix"
-                )
-            if held is not None and self._replace_lease(held, version):  # expired: its run is gone
-                break
-        else:
-            raise OutDirError(f"ckpt.remote={self.url}: another run took the expired lease first; try again")
+        with self._lease_locked():  # a file system: no other run's takeover moves the lease while it is read here
+            for _ in range(3):
+                if self._create_lease():
+                    break
+                held, version = self._lease_version()
+                if held is not None and not held.expired(time.time()):
+                    until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(held.expires))
+                    raise OutDirError(
+                        f"ckpt.remote={self.url} is held by another run ({shown(held.holder)}) until {until} unless "
+                        "it renews its lease; one run writes under a prefix: wait for it to end, or use another prefix"
+                    )
+                if held is not None and self._replace_lease(held, version):  # expired: its run is gone
+                    break
+            else:
+                raise OutDirError(f"ckpt.remote={self.url}: another run took the expired lease first; try again")
         self._held = True
         if uploads:  # ``retain`` deletes them among the rest, and says what it could not
             try:
@@ -704,12 +709,13 @@ class RemoteTier:
             self._warn(f"the lease could not be renewed ({type(exc).__name__}: {exc})")
 
     def _renew(self) -> None:
-        held, version = self._lease_version()
-        renewed = (
-            self._create_lease()  # gone (deleted by hand): this run's again, unless another took the prefix
-            if held is None
-            else held.holder == self._holder and self._replace_lease(held, version)
-        )
+        with self._lease_locked():  # a file system: a racing takeover's rename aside never reads as "gone" here
+            held, version = self._lease_version()
+            renewed = (
+                self._create_lease()  # gone (deleted by hand): this run's again, unless another took the prefix
+                if held is None
+                else held.holder == self._holder and self._replace_lease(held, version)
+            )
         if not renewed:
             self._held = False  # this run stalled past its lease and another took the prefix: it writes no more
             self._evicted = True
