@@ -4,6 +4,7 @@ and transfer leftovers in ``out_dir``: real runs against a real S3 API server (m
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import secrets
@@ -137,6 +138,36 @@ def test_two_runs_taking_over_one_expired_lease_at_once_leave_exactly_one_holder
     assert "is held by another run" in str(refused[0]) and won[0].holder in str(refused[0])
     fs.invalidate_cache()
     assert json.loads(fs.cat_file(f"{root}/{LEASE}"))["holder"] == won[0].holder
+
+
+def test_many_runs_taking_over_one_expired_lease_on_a_file_system_leave_exactly_one_holder(tmp_path):
+    """Six runs at once on an expired lease of a file:// prefix (a shared mount), forty times: a takeover renames the
+    lease aside and puts back one it should not have taken, and a third run created its own in between, so two or
+    three runs held the prefix (about one time in three here). Each time exactly one holds it now, and the lease is
+    that run's (its end deletes it: a run deletes only its own)."""
+    url = f"file://{tmp_path}/remote"
+    fs, root = open_store(url)
+    fs.makedirs(root, exist_ok=True)
+    for attempt in range(40):
+        fs.pipe_file(f"{root}/{LEASE}", lease_bytes(Lease(holder="killed:1:ab", expires=time.time() - 5)))
+        tiers = [RemoteTier(url, fs, root, out_dir=tmp_path / f"run-{i}", lease_s=60.0, wait_s=0.0) for i in range(6)]
+        start = threading.Barrier(len(tiers), timeout=30)
+        holders: list[RemoteTier] = []
+
+        def take(tier: RemoteTier, start: threading.Barrier, holders: list[RemoteTier]) -> None:
+            start.wait()
+            with contextlib.suppress(OutDirError):
+                tier.acquire(uploads=False)
+                holders.append(tier)
+
+        threads = [threading.Thread(target=take, args=(tier, start, holders)) for tier in tiers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert len(holders) == 1, (attempt, len(holders))
+        holders[0].close()
+        assert not fs.exists(f"{root}/{LEASE}"), attempt
 
 
 # ---------------------------------------------------------------------- 10: retention apart from the commit

@@ -69,8 +69,11 @@ def train(trainer_class, out, **overrides):
 
 @pytest.mark.parametrize("fmt", ["file", "sharded"])
 def test_an_item_state_that_holds_itself_is_refused_naming_the_item_before_anything_is_written(tmp_path, fmt):
-    with pytest.raises(CheckpointUnsafeError, match=r"checkpoint item 'counter' holds a cycle: counter\['self'\] is "
-                       r"the dict at counter, which contains it") as caught:
+    with pytest.raises(
+        CheckpointUnsafeError,
+        match=r"checkpoint item 'counter' holds a cycle: counter\['self'\] is "
+        r"the dict at counter, which contains it",
+    ) as caught:
         train(ItemTrainer, tmp_path, epochs=1, ckpt={"format": fmt})
     assert caught.value.location == "counter['self']"
     assert not (tmp_path / "last.pt").exists() and not (tmp_path / "last.ckpt").exists()
@@ -100,10 +103,62 @@ def test_an_item_nested_deeper_than_a_resume_reads_is_refused_at_the_save(tmp_pa
                 state = [state]
             return {"deep": state}
 
-    with pytest.raises(CheckpointUnsafeError, match=r"checkpoint item 'counter' nests containers deeper than 256 at "
-                       r"counter\['deep'\]\[0\]"):
+    with pytest.raises(
+        CheckpointUnsafeError,
+        match=r"checkpoint item 'counter' nests containers deeper than 256 at "
+        r"counter\['deep'\]\[0\]",
+    ):
         train(DeepTrainer, tmp_path, epochs=1)
     assert not (tmp_path / "last.pt").exists()
+
+
+def tensor_back_to_its_state():
+    tensor = torch.ones(2)
+    state = {"t": tensor}
+    tensor.back = state  # a Python attribute of a tensor: torch.save pickles it with the tensor
+    return state
+
+
+def tensor_with_a_deep_attribute():
+    tensor, deep = torch.ones(2), []
+    for _ in range(100_000):
+        deep = [deep]
+    tensor.deep = deep
+    return {"t": tensor}
+
+
+@pytest.mark.parametrize(
+    ("make", "refusal"),
+    [
+        (tensor_back_to_its_state, r"holds a cycle: counter\['t'\]\.back is the dict at counter"),
+        (tensor_with_a_deep_attribute, r"nests containers deeper than 256 at counter\['t'\]\.deep\[0\]"),
+    ],
+    ids=["cycle", "deep"],
+)
+def test_a_tensors_python_attributes_are_walked_as_part_of_the_state(tmp_path, make, refusal):
+    """A cycle through a tensor's attribute was saved and then refused by every resume (the run lost its
+    checkpoints); an attribute nested 10**5 deep was a ``RecursionError`` traceback from torch.save. Both are
+    refused before anything is written, naming the path through the attribute."""
+
+    class AttributeTrainer(ItemTrainer):
+        MAKE = staticmethod(make)
+
+    with pytest.raises(CheckpointUnsafeError, match=r"checkpoint item 'counter' " + refusal):
+        train(AttributeTrainer, tmp_path, epochs=1)
+    assert not (tmp_path / "last.pt").exists()
+
+
+def test_a_tensor_with_plain_attributes_is_still_saved_and_resumed(tmp_path):
+    class PlainAttributeTrainer(ItemTrainer):
+        @staticmethod
+        def MAKE():  # noqa: N802 - the class attribute the base reads
+            tensor = torch.ones(2)
+            tensor.meta = {"a": [1, 2]}
+            return {"t": tensor}
+
+    train(PlainAttributeTrainer, tmp_path, epochs=1)
+    resumed = train(PlainAttributeTrainer, tmp_path, epochs=2)
+    assert resumed.counter.loaded["t"].meta == {"a": [1, 2]}
 
 
 class CyclicStream(ShuffledStream):
@@ -119,8 +174,11 @@ class CyclicStreamTrainer(StepTrainer):
 
 
 def test_a_loader_state_that_holds_itself_is_refused_at_the_first_step_checkpoint(tmp_path):
-    with pytest.raises(CheckpointUnsafeError, match=r"the state_dict\(\) of the CyclicStream holds a cycle: "
-                       r"loader_state\['self'\]"):
+    with pytest.raises(
+        CheckpointUnsafeError,
+        match=r"the state_dict\(\) of the CyclicStream holds a cycle: "
+        r"loader_state\['self'\]",
+    ):
         train(CyclicStreamTrainer, tmp_path, epochs=1, loader="stream", ckpt={"every_n_steps": 1})
     assert not (tmp_path / "last.pt").exists()
 
@@ -146,5 +204,6 @@ def test_every_walk_of_a_save_visits_a_shared_container_once():
 
 def test_the_walk_is_bounded_in_containers():
     with pytest.raises(CheckpointUnsafeError, match=r"checkpoint item 'big' holds more than 100 distinct containers"):
-        check_state_graph("big", [[i] for i in range(200)], owner="checkpoint item 'big'", max_depth=256,
-                          max_containers=100)
+        check_state_graph(
+            "big", [[i] for i in range(200)], owner="checkpoint item 'big'", max_depth=256, max_containers=100
+        )

@@ -152,6 +152,31 @@ def test_a_checkpoints_name_is_refused_wherever_it_is(runs, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["alias"]
 
 
+def test_a_name_a_run_writes_or_deletes_in_its_folder_is_refused(runs, tmp_path, capsys):
+    """An export at run b's lineage record, its staging or download folder of the remote tier (a run with ckpt.remote
+    deletes them at its start, the export with them), its metrics, lock or kept index: refused in one line, in both
+    formats, even where nothing is there yet; and a folder on OUT's way that is a file is one line, not a traceback."""
+    last = runs / "a" / "last.pt"
+    before = tree(runs / "b")
+    targets = [
+        runs / "b" / ".trainkit-lineage.json",
+        runs / "b" / ".remote-staging",
+        runs / "b" / ".remote-staging" / "rank-0" / "model.pt",
+        runs / "b" / ".remote-fetch-0123abcd",
+        runs / "b" / "metrics.jsonl",
+        runs / "b" / ".trainkit.lock",
+        runs / "b" / "checkpoints" / "index.json",
+    ]
+    for out in targets:
+        for extra in ([], ["--overwrite"], ["--format", "safetensors"]):
+            errors = refused(capsys, out, last, out, *extra)
+            assert "a run folder trainkit keeps for itself" in errors, errors
+    assert tree(runs / "b") == before
+    (tmp_path / "a-file").write_text("x")
+    errors = refused(capsys, tmp_path / "a-file" / "model.pt", last, tmp_path / "a-file" / "model.pt")
+    assert "a folder on its way is a file" in errors
+
+
 def test_an_existing_out_is_replaced_only_when_it_is_an_earlier_export_and_overwrite_says_so(runs, tmp_path, capsys):
     """A file of the user's (a plain state dict too), a folder, a link and a FIFO are refused with or without
     --overwrite, in one line, untouched; an earlier export is refused without --overwrite and replaced with it;

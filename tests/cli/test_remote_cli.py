@@ -7,7 +7,7 @@ import time
 
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import TinyTrainer
-from trainkit.checkpoint.remote import open_store
+from trainkit.checkpoint.remote import LEASE_LOCK, open_store
 from trainkit.checkpoint.remote_manifest import LEASE, Lease, lease_bytes
 from trainkit.cli import main
 
@@ -41,4 +41,21 @@ def test_inspect_and_retain_take_a_remote_url(tmp_path, capsys):
     assert main(["retain", url, "--keep", "latest:1"]) == 0
     said = capsys.readouterr().out
     assert "newest, latest:1" in said and "delete step-99-0000abcd" in said
-    assert sorted(p.name for p in (tmp_path / "remote").iterdir()) == folders
+    assert sorted(p.name for p in (tmp_path / "remote").iterdir() if p.name != LEASE_LOCK) == folders
+
+
+def test_inspect_describes_a_sharded_runs_remote_checkpoint(tmp_path, capsys):
+    """A sharded run's remote folder holds last.ckpt/, not last.pt: inspect URL/FOLDER describes it after verifying
+    it (it said a temporary last.pt 'does not exist')."""
+    url = f"file://{tmp_path}/remote"
+    trainer = TinyTrainer(make_cfg(tmp_path / "run", epochs=1, ckpt={"remote": url, "format": "sharded"}))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    (folder,) = (p.name for p in (tmp_path / "remote").iterdir() if p.name.startswith("step-"))
+    capsys.readouterr()
+    assert main(["inspect", f"{url}/{folder}"]) == 0, capsys.readouterr().err
+    described = capsys.readouterr().out
+    assert "verified" in described and "epoch:        1 done, step 6" in described
+    assert "model: in the DCP shards" in described

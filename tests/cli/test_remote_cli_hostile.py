@@ -102,6 +102,29 @@ def test_a_fifo_or_a_folder_at_a_record_is_refused_without_blocking(tmp_path, ca
     assert (root / "step-6-0000000a").is_dir()
 
 
+def test_a_folder_that_is_a_link_into_another_prefix_is_neither_read_nor_deleted_through(tmp_path, capsys):
+    """On a file:// store (a shared mount) a folder of the prefix that is a symbolic link, to another prefix's
+    committed checkpoint or to any folder, is refused with a warning: ``retain`` deletes neither the link nor, through
+    it, the other prefix's commit record (which would make that run delete the checkpoint as uncommitted)."""
+    url = f"file://{tmp_path}/remote"
+    root, other = tmp_path / "remote", tmp_path / "other"
+    plant_folder(url, "step-8-0000000c", commit_record(8, b"weights"))
+    plant_folder(f"file://{other}", "step-5-0000000a", commit_record(5, b"weights"))
+    os.symlink(other / "step-5-0000000a", root / "step-5-0000000b")
+    (tmp_path / "precious").mkdir()
+    os.symlink(tmp_path / "precious", root / "step-1-0000000d")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert finishes(lambda: main(["retain", url, "--keep", "latest:1"])) == 0, capsys.readouterr().err
+    said = [str(w.message) for w in caught]
+
+    assert (other / "step-5-0000000a" / MANIFEST).is_file()  # the other prefix's checkpoint is still committed
+    assert (root / "step-5-0000000b").is_symlink() and (root / "step-1-0000000d").is_symlink()
+    assert (root / "step-8-0000000c" / MANIFEST).is_file()
+    assert any("step-5-0000000b is refused" in line and "symbolic link" in line for line in said), said
+
+
 def test_a_store_that_never_answers_a_read_is_given_up_after_the_deadline(tmp_path, capsys, monkeypatch):
     """A store whose read of one commit record never returns (a hung mount, a stalled connection): that folder is
     refused after ``READ_DEADLINE_S`` and the rest listed; a lease read that never returns is one error line."""

@@ -390,6 +390,18 @@ def test_infinite_numbers_are_refused(key):
         Config(epochs=1).with_overrides([f"{key}=inf"])
 
 
+@pytest.mark.parametrize(
+    "key", ["val.min_delta", "weight_decay", "grad_clip", "ckpt.remote_wait_s", "ckpt.remote_lease_s", "max_steps"]
+)
+def test_an_int_too_large_for_a_float_is_refused_not_raised(key):
+    """An int of 400 digits (a JSON config or a mapping can hold one) was an OverflowError traceback from the range
+    check: it is refused in one line naming the key, by its size (its digits are not printed)."""
+    section, _, name = key.rpartition(".")
+    mapping = {"epochs": 1, **({section: {name: 10**400}} if section else {name: 10**400})}
+    with pytest.raises(ConfigError, match=rf"{key} must be a finite number, got 'an int of 1329 bits'"):
+        Config.from_mapping(mapping)
+
+
 def test_misspelled_section_gets_a_suggestion():
     """A typo in a section name suggests the section."""
     with pytest.raises(ConfigError, match="did you mean 'val'"):

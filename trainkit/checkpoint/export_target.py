@@ -4,7 +4,9 @@ replace.
 One set of rules for both formats (:func:`check_out`). Whatever the format, ``OUT`` is refused when it is the
 checkpoint being exported (by any spelling: a hard link or a link to it included) or lies inside it, and when it is
 named as trainkit names a checkpoint (``last.pt``, ``best.pt``, their ``.prev`` copies, ``last.ckpt/`` ...,
-``checkpoints/step-N.pt``) or lies inside such a directory: a resume would take those names for a checkpoint. The
+``checkpoints/step-N.pt``) or lies inside such a directory: a resume would take those names for a checkpoint; and
+when it bears another name a run writes or deletes in its folder (``metrics.jsonl``, ``.trainkit.lock``,
+``.trainkit-lineage.json``, ``checkpoints/index.json``, ``.remote-staging/``, ``.remote-fetch-*/``). The
 rules look at where ``OUT`` really is (its folder's links resolved). Then what is there already:
 
 - ``--format torch`` writes one file. An existing ``OUT`` is refused unless ``overwrite`` is given and it is a
@@ -89,6 +91,25 @@ def _real(path: Path) -> Path:
     return Path(os.path.realpath(path.parent)) / path.name
 
 
+def _run_owned(real: Path) -> str | None:
+    """How ``real`` is a name of a run folder that a run writes or deletes, besides its checkpoints (its lock, its
+    metrics, the lineage record, the remote tier's staging and download folders, the kept checkpoints' index);
+    None when it is not one."""
+    from trainkit.checkpoint.checkpointer import LINEAGE_RECORD
+    from trainkit.checkpoint.remote import FETCH_PREFIX, STAGING_DIR
+    from trainkit.run.folder import METRICS_FILE
+    from trainkit.run.lock import LOCK_FILE
+
+    if real.name in (LOCK_FILE, METRICS_FILE, LINEAGE_RECORD) or (
+        real.name == "index.json" and real.parent.name == _KEPT_DIR
+    ):
+        return f"is named as the {real.name} of"
+    for place in [real, *real.parents][:-1]:
+        if place.name == STAGING_DIR or place.name.startswith(FETCH_PREFIX):
+            return "is named as a folder of" if place == real else f"lies inside {place}, named as a folder of"
+    return None
+
+
 def _refuse_checkpoint_place(path: Path, source: Path | None) -> None:
     """Refuse an ``OUT`` that is the checkpoint, lies in it, or bears a checkpoint's name (see the module)."""
     real = _real(path)
@@ -106,6 +127,12 @@ def _refuse_checkpoint_place(path: Path, source: Path | None) -> None:
                 hint="name a new file or folder for the export",
             )  # fmt: skip
     places = [real, *real.parents]
+    owned = _run_owned(real)
+    if owned is not None:
+        raise ConfigError(
+            "OUT", f"{owned} a run folder trainkit keeps for itself (a run replaces or deletes it, and the export with "
+            "it)", str(path), hint="name the export otherwise, e.g. model.pt",
+        )  # fmt: skip
     for depth, place in enumerate(places[:-1]):
         kept = place.parent.name == _KEPT_DIR and _KEPT_NAME.fullmatch(place.name)
         if _CHECKPOINT_NAME.fullmatch(place.name) or kept:
@@ -137,7 +164,8 @@ def check_out(
     :returns: ``out``'s ``lstat`` when something is there (to check before the rename that it is still the same
         file: :func:`~trainkit.checkpoint.export_target.same_file_still`), else None.
     :raises ConfigError: When ``out`` is the checkpoint, lies inside it, or bears a checkpoint's name.
-    :raises FileExistsError: When ``out`` is there and may not be replaced, saying what to do.
+    :raises FileExistsError: When ``out`` is there and may not be replaced, or a folder on its way is a file,
+        saying what to do.
     """
     path = Path(out)
     _refuse_checkpoint_place(path, None if source is None else Path(source))
@@ -145,6 +173,8 @@ def check_out(
         info = os.lstat(path)
     except FileNotFoundError:
         return None
+    except NotADirectoryError:
+        raise FileExistsError(f"{path} cannot be written: a folder on its way is a file; name another OUT") from None
     if format == "torch":
         _check_torch_file(path, info, overwrite=overwrite)
     elif path.name.endswith(".safetensors"):

@@ -22,7 +22,8 @@ The protocol (see ``docs/remote.rst``):
   that long may be taken over, and so may, at once, a lease that names the identity of the run folder
   (:func:`folder_identity`) of a rerun that holds that folder's lock (a requeue after a kill). A takeover or renewal
   replaces the lease only if it is still the object read (S3 ``If-Match`` on its ETag; a file system: rename
-  aside, check, hard-link a new one; memory: a lock).
+  aside, check, hard-link a new one, every step of it under an ``flock`` of :data:`LEASE_LOCK` so that no other
+  run's create falls between the rename and a put-back; memory: a lock).
 - **Sharded.** Every rank uploads its own files of a sharded save into one folder (named alike on every rank);
   rank 0 writes the commit record once every rank reported its upload done (:meth:`RemoteTier.report`, gathered
   by the next save's collective or at the run's end; :meth:`RemoteTier.commit_reports`).
@@ -39,6 +40,7 @@ The protocol (see ``docs/remote.rst``):
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import importlib.metadata
 import math
@@ -79,7 +81,7 @@ from trainkit.checkpoint.remote_manifest import (
 from trainkit.config import CkptConfig, redact_text
 from trainkit.config.secrets import has_url_userinfo
 from trainkit.errors import CheckpointCorruptError, CheckpointUnsafeError, OutDirError, TrainkitError, UsageError
-from trainkit.files.bounded_read import UnreadableFile, open_regular, read_regular
+from trainkit.files.bounded_read import UnreadableFile, file_kind, open_regular, read_regular
 from trainkit.files.durable import atomic_write_bytes, fsync_directory
 from trainkit.files.weights_only_load import load_checkpoint
 from trainkit.messages import printable, say, warn_user
@@ -119,6 +121,12 @@ ATTEMPTS = 4
 """Tries per upload before it is given up (the next checkpoint supersedes it)."""
 BACKOFF_S = 0.5
 """The first retry's delay; each next one doubles it."""
+LEASE_LOCK = "lease.json.lock"
+"""On a file system, the file at the prefix's root whose ``flock`` makes each change of the lease (a create, a
+takeover, a renewal, a release) one step among runs: a takeover renames the lease aside and may have to put it back,
+and no other run may create one meanwhile. The lock goes with its holder's process (a kill lets it go)."""
+LEASE_LOCK_S = 30.0
+"""The most seconds a run waits for :data:`LEASE_LOCK` (held for a few file operations at a time)."""
 READ_DEADLINE_S = 120.0
 """The most seconds opening a store's object, or one read of it (a record, or one chunk of a download), may take;
 past it the read is given up as a ``TimeoutError`` (its thread is left behind, a daemon)."""
@@ -474,6 +482,8 @@ class RemoteTier:
         self._commit: _Commit | None = None
         self._awaiting: dict[str, Upload] = {}  # rank 0: sharded uploads waiting for every rank's report
         self._uploaded: tuple[str, tuple[RemoteObject, ...]] | None = None  # the newest uncommitted upload done
+        self._lease_guard = threading.RLock()  # the uploader renews while the main thread may release
+        self._lease_depth = 0  # how deep this process is in :meth:`_lease_locked` (the flock is taken once)
 
     @classmethod
     def build(cls, ckpt: CkptConfig, out_dir: Path, *, rank: int) -> RemoteTier | None:
@@ -544,6 +554,47 @@ class RemoteTier:
             return "local"
         return "memory" if isinstance(self._fs, MemoryFileSystem) else "other"
 
+    @contextlib.contextmanager
+    def _lease_locked(self) -> Iterator[None]:
+        """On a file system, hold :data:`LEASE_LOCK`'s ``flock`` (re-entrant in this process); elsewhere nothing.
+
+        :raises TimeoutError: When another process holds it for more than :data:`LEASE_LOCK_S`.
+        :raises UnreadableFile: When something other than a regular file is at :data:`LEASE_LOCK`.
+        """
+        with self._lease_guard:
+            if self._store() != "local" or self._lease_depth:
+                self._lease_depth += 1
+                try:
+                    yield
+                finally:
+                    self._lease_depth -= 1
+                return
+            path = self._fs._strip_protocol(self._path(LEASE_LOCK))
+            flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+            fd = os.open(path, flags, 0o644)
+            try:
+                mode = os.fstat(fd).st_mode
+                if not stat.S_ISREG(mode):
+                    raise UnreadableFile(path, f"{file_kind(mode)}, not a regular file")
+                deadline = time.monotonic() + LEASE_LOCK_S
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(
+                                f"{LEASE_LOCK} was held by another process for {LEASE_LOCK_S:g} s"
+                            ) from None
+                        time.sleep(0.01)
+                self._lease_depth += 1
+                try:
+                    yield
+                finally:
+                    self._lease_depth -= 1
+            finally:
+                os.close(fd)  # lets the flock go
+
     def _new_lease(self) -> bytes:
         return lease_bytes(Lease(holder=self._holder, expires=time.time() + self._lease_s, folder=self._folder))
 
@@ -551,7 +602,8 @@ class RemoteTier:
         """Create the lease if there is none, in one step of the store (see :meth:`_store`): True when created."""
         path, data, store = self._path(LEASE), self._new_lease(), self._store()
         if store == "local":
-            created = _link_new(path, data)
+            with self._lease_locked():  # never inside another run's takeover (between its rename and put-back)
+                created = _link_new(path, data)
         elif store == "memory":
             with _MEMORY_LEASES:
                 created = not self._fs.exists(path)
@@ -605,7 +657,8 @@ class RemoteTier:
                     return False
                 raise
         elif store == "local":
-            return _remove_if_read(path, seen, version) and self._create_lease()
+            with self._lease_locked():  # the rename aside, the check, the put-back and the create: one step
+                return _remove_if_read(path, seen, version) and self._create_lease()
         elif store == "memory":
             with _MEMORY_LEASES:
                 if self._read_lease() != seen:
@@ -621,6 +674,10 @@ class RemoteTier:
     def _release(self) -> None:
         """Delete this run's lease, conditionally on it being the object read (as :meth:`_replace_lease`): a
         successor's lease, taken over meanwhile, is never deleted."""
+        with self._lease_locked():
+            self._release_locked()
+
+    def _release_locked(self) -> None:
         held, version = self._lease_version()
         if held is None or held.holder != self._holder:
             return
@@ -630,7 +687,8 @@ class RemoteTier:
             self._fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=version)
             self._fs.invalidate_cache(path)
         elif store == "local":
-            _remove_if_read(path, held, version)
+            with self._lease_locked():
+                _remove_if_read(path, held, version)
         elif store == "memory":
             with _MEMORY_LEASES:
                 if self._read_lease() == held:
@@ -655,29 +713,30 @@ class RemoteTier:
             return
         self._folder = folder
         self._fs.makedirs(self._root, exist_ok=True)
-        for _ in range(3):
-            if self._create_lease():
-                break
-            held, version = self._lease_version()
-            if held is not None and not held.expired(time.time()) and held.held_for(folder):
-                if self._replace_lease(held, version):  # this folder's killed run left it: no wait
-                    until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(held.expires))
-                    say(
-                        f"ckpt.remote={self.url}: took over the lease that a killed run of {self._out_dir} left "
-                        f"({shown(held.holder)}, held until {until})"
-                    )
+        with self._lease_locked():  # a file system: no other run's takeover moves the lease while it is read here
+            for _ in range(3):
+                if self._create_lease():
                     break
-                continue  # changed since it was read: read it again
-            if held is not None and not held.expired(time.time()):
-                until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(held.expires))
-                raise OutDirError(
-                    f"ckpt.remote={self.url} is held by another run ({shown(held.holder)}) until {until} unless it "
-                    "renews its lease; one run writes under a prefix: wait for it to end, or use another prefix"
-                )
-            if held is not None and self._replace_lease(held, version):  # expired: its run is gone
-                break
-        else:
-            raise OutDirError(f"ckpt.remote={self.url}: another run took the expired lease first; try again")
+                held, version = self._lease_version()
+                if held is not None and not held.expired(time.time()) and held.held_for(folder):
+                    if self._replace_lease(held, version):  # this folder's killed run left it: no wait
+                        until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(held.expires))
+                        say(
+                            f"ckpt.remote={self.url}: took over the lease that a killed run of {self._out_dir} left "
+                            f"({shown(held.holder)}, held until {until})"
+                        )
+                        break
+                    continue  # changed since it was read: read it again
+                if held is not None and not held.expired(time.time()):
+                    until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(held.expires))
+                    raise OutDirError(
+                        f"ckpt.remote={self.url} is held by another run ({shown(held.holder)}) until {until} unless "
+                        "it renews its lease; one run writes under a prefix: wait for it to end, or use another prefix"
+                    )
+                if held is not None and self._replace_lease(held, version):  # expired: its run is gone
+                    break
+            else:
+                raise OutDirError(f"ckpt.remote={self.url}: another run took the expired lease first; try again")
         self._held = True
         if uploads:  # ``retain`` deletes them among the rest, and says what it could not
             try:
@@ -698,12 +757,13 @@ class RemoteTier:
             self._warn(f"the lease could not be renewed ({type(exc).__name__}: {exc})")
 
     def _renew(self) -> None:
-        held, version = self._lease_version()
-        renewed = (
-            self._create_lease()  # gone (deleted by hand): this run's again, unless another took the prefix
-            if held is None
-            else held.holder == self._holder and self._replace_lease(held, version)
-        )
+        with self._lease_locked():  # a file system: a racing takeover's rename aside never reads as "gone" here
+            held, version = self._lease_version()
+            renewed = (
+                self._create_lease()  # gone (deleted by hand): this run's again, unless another took the prefix
+                if held is None
+                else held.holder == self._holder and self._replace_lease(held, version)
+            )
         if not renewed:
             self._held = False  # this run stalled past its lease and another took the prefix: it writes no more
             self._evicted = True
@@ -985,9 +1045,17 @@ class RemoteTier:
         """The checkpoint folders without a commit record (uploads cut short): never read, deleted by the writer."""
         return self._scan()[1]
 
+    def _linked(self, name: str) -> bool:
+        """Whether the folder ``name`` is a symbolic link on a local (or mounted) file system: no run writes one, and
+        reading or deleting through it would reach another prefix's files (its commit record deleted by retention)."""
+        return _is_local(self._fs) and os.path.islink(self._fs._strip_protocol(self._path(name)))
+
     def _scan(self) -> tuple[list[tuple[str, Manifest]], list[str]]:
         found, uncommitted = [], []
         for name in self._folders():
+            if self._linked(name):  # neither committed nor uncommitted: never read, never deleted
+                self._refuse(name, "a symbolic link, which trainkit does not follow: no run writes one")
+                continue
             manifest = self._manifests.get(name)  # a commit record is written once: read once
             if manifest is None:
                 try:
@@ -1075,6 +1143,9 @@ class RemoteTier:
         failed: list[tuple[str, Exception]] = []
         for name in names:
             self._manifests.pop(name, None)
+            if self._linked(name):  # swapped for a link since it was listed: nothing behind it is touched
+                failed.append((name, OSError(f"{name} is a symbolic link, which trainkit does not follow")))
+                continue
             try:
                 with contextlib.suppress(FileNotFoundError):  # the commit record first: no reader takes half a folder
                     self._fs.rm_file(self._path(name, MANIFEST))

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainkit.checkpoint.remote import LAST, RemoteTier, open_store, shown
+from trainkit.checkpoint.remote import LAST, LAST_DIR, RemoteTier, open_store, shown
 from trainkit.checkpoint.remote_manifest import folder_step
 from trainkit.cli.inspect import describe_checkpoint, format_bytes
 from trainkit.config import redact_text
@@ -40,7 +40,8 @@ def _tier(url: str, directory: Path) -> RemoteTier:
 
 def describe_remote(url: str, *, all_tensors: bool = False) -> list[str]:
     """Describe a remote prefix (its committed checkpoints, uncommitted folders and lease) or, for a URL naming one
-    committed folder, that checkpoint's ``last.pt`` after the resume's checks (downloaded, verified, loaded safely).
+    committed folder, that checkpoint's ``last.pt`` (or a sharded one's ``last.ckpt/``) after the resume's checks
+    (downloaded, verified, loaded safely).
 
     :param url: ``ckpt.remote``, or ``ckpt.remote/step-<step>-<token>``.
     :param all_tensors: List every tensor (one checkpoint).
@@ -58,8 +59,11 @@ def describe_remote(url: str, *, all_tensors: bool = False) -> list[str]:
             found = dict(tier.committed())
             if last not in found:
                 raise CheckpointCorruptError(f"{where} is not a committed remote checkpoint (no valid commit record)")
+            tops = {item.name.split("/")[0] for item in found[last].objects}
+            if not tops & {LAST, LAST_DIR}:
+                raise CheckpointCorruptError(f"{where}: its commit record lists neither {LAST} nor {LAST_DIR}/")
             folder = tier.download(last, found[last])
-            lines = describe_checkpoint(folder / LAST, all_tensors=all_tensors)
+            lines = describe_checkpoint(folder / (LAST if LAST in tops else LAST_DIR), all_tensors=all_tensors)
             described = [printable(line, limit=4096) for line in lines[1:]]  # what the store's checkpoint holds
             return [f"remote:       {where} (verified: sizes and CRC-32 of its commit record)", *described]
     tier = _tier(url, Path(tempfile.gettempdir()))

@@ -6,7 +6,6 @@ Pure: stdlib and attrs only. A rule's message names the key, the rule and the va
 from __future__ import annotations
 
 import functools
-import math
 import re
 import types
 import typing
@@ -15,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from trainkit.bookkeeping import is_int, is_real, parse_keep
+from trainkit.bookkeeping import is_finite_real, is_int, is_real, parse_keep
 from trainkit.config.secrets import field_types, has_url_userinfo, is_secret_name, redact_text
 from trainkit.errors import BookkeepingError, ConfigError
 
@@ -26,8 +25,9 @@ def range_rule(check: typing.Callable[[Any], bool], text: str) -> typing.Callabl
     """Build a range validator; values of the wrong type are left to the type check, which names them."""
 
     def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if is_real(value) and not math.isfinite(value):
-            raise ConfigError(attribute.name, "must be a finite number", value)
+        if is_real(value) and not is_finite_real(value):  # an int of 400 digits fits no float: refused, not raised
+            shown = value if isinstance(value, float) else f"an int of {value.bit_length()} bits"
+            raise ConfigError(attribute.name, "must be a finite number", shown)
         if is_real(value) and not check(value):
             raise ConfigError(attribute.name, text, value)
 

@@ -26,32 +26,56 @@ MAX_STATE_CONTAINERS = 4_000_000
 parameter)."""
 
 CONTAINERS = (dict, list, tuple, set, frozenset)
-"""The containers a state is walked through (subclasses included); anything else is a leaf."""
+"""The containers a state is walked through (subclasses included), and a tensor's Python attributes (which
+``torch.save`` pickles with it); anything else is a leaf."""
 
-_LEAVES = frozenset({int, float, bool, str, bytes, type(None), torch.Tensor, torch.nn.Parameter})
+_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+_LEAVES = frozenset({int, float, bool, str, bytes, type(None), *_TENSORS})
+
+
+def _attributes(obj: Any) -> dict[str, Any]:
+    """A tensor's Python attributes (``t.meta = {...}``): ``torch.save`` pickles them with it, so they are walked."""
+    return (getattr(obj, "__dict__", None) or {}) if isinstance(obj, torch.Tensor) else {}
+
+
+def _walked(obj: Any) -> bool:
+    """Whether the walk goes into ``obj``: a container, or a tensor that carries Python attributes."""
+    return isinstance(obj, CONTAINERS) or bool(_attributes(obj))
+
+
+def _plain(members: Any) -> bool:
+    """Whether every member is a leaf the walk need not look into (no tensor among them carries attributes)."""
+    types = set(map(type, members))
+    if not _LEAVES.issuperset(types):
+        return False
+    return not types & _TENSORS or not any(_attributes(m) for m in members if type(m) in _TENSORS)
 
 
 def _children(obj: Any) -> Iterator[tuple[str, Any]]:
-    """``(step, child)`` for each child of ``obj`` that is a container: the step as a path renders it."""
-    if isinstance(obj, dict):
+    """``(step, child)`` for each child of ``obj`` the walk goes into: the step as a path renders it."""
+    if isinstance(obj, torch.Tensor):
+        for name, value in _attributes(obj).items():
+            if _walked(value):
+                yield f".{name}", value
+    elif isinstance(obj, dict):
         members: Any = obj.values()
         attributes = getattr(obj, "__dict__", None) or {}  # an OrderedDict's: a module state dict's _metadata
-        if attributes or not _LEAVES.issuperset(map(type, members)):
+        if attributes or not _plain(members):
             for key, value in obj.items():
                 if isinstance(key, CONTAINERS):
                     yield "[<key>]", key
-                if isinstance(value, CONTAINERS):
+                if _walked(value):
                     yield f"[{key!r}]" if type(key) in _LEAVES else "[<key>]", value
             for name, value in attributes.items():
-                if isinstance(value, CONTAINERS):
+                if _walked(value):
                     yield f".{name}", value
     elif isinstance(obj, set | frozenset):
         for member in obj:
             if isinstance(member, CONTAINERS):
                 yield "{<member>}", member
-    elif not _LEAVES.issuperset(map(type, obj)):
+    elif not _plain(obj):
         for index, value in enumerate(obj):
-            if isinstance(value, CONTAINERS):
+            if _walked(value):
                 yield f"[{index}]", value
 
 
@@ -92,7 +116,7 @@ def check_state_graph(
     :raises CheckpointUnsafeError: On a cycle, a deeper nesting or too many containers, naming ``owner`` and the
         path; its ``location`` is the path.
     """
-    if not isinstance(state, CONTAINERS):
+    if not _walked(state):
         return
     done: set[int] = set()
     on_path: dict[int, tuple[Any, str] | None] = {}  # the containers being walked, to the crumb that reached them
