@@ -444,6 +444,25 @@ def test_a_requeue_signal_that_cannot_be_caught_is_refused(name):
     assert "ckpt.requeue_signal" in str(error) and "can catch" in str(error) and name in str(error)
 
 
+@pytest.mark.parametrize(
+    ("options", "where"),
+    [
+        ({"client_kwargs": {"aws_secret_access_key": "hunter2"}}, "client_kwargs.aws_secret_access_key"),
+        ({"headers": {"Authorization": "Bearer hunter2"}}, "headers.Authorization"),
+        ({"connection_string": "AccountName=a;AccountKey=hunter2;"}, "connection_string (its text)"),
+        ({"config_kwargs": {"proxies": ["http://u:hunter2@proxy"]}}, "config_kwargs.proxies[0] (its text)"),
+    ],
+    ids=["nested-key", "header", "connection-string", "url-in-a-list"],
+)
+def test_remote_options_refuse_credentials_at_any_depth_naming_where(options, where):
+    """A credential nested in a store option (a client's kwargs, a header, a connection string, a proxy URL) is
+    refused as a top-level one is: it would be saved with the config in every checkpoint."""
+    with pytest.raises(ConfigError, match="ckpt.remote_options must not hold credentials") as refused:
+        Config(epochs=1, ckpt={"remote_options": options})
+    assert where in str(refused.value) and "hunter2" not in str(refused.value)
+    Config(epochs=1, ckpt={"remote_options": {"client_kwargs": {"region_name": "eu", "endpoint_url": "http://h:9"}}})
+
+
 def test_remote_options_refuse_credentials_without_showing_them():
     """ckpt.remote_options is saved with the config: a key named like a credential is refused, its value unshown;
     a URL's password is masked in the error of a malformed URL."""

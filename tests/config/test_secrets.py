@@ -205,6 +205,9 @@ URLS = [
     ),
     ("see postgres://a:b@h/d and https://c:d@e/f", "see postgres://a:***@h/d and https://c:***@e/f"),
     ("password=hunter2", "password=***"),
+    ("az://c/p?sv=2022-11-02&sig=c2VjcmV0%3D&se=2026", "az://c/p?sv=2022-11-02&sig=***&se=2026"),
+    ("s3://b/k?X-Amz-Signature=f00d&X-Amz-Date=1", "s3://b/k?X-Amz-Signature=***&X-Amz-Date=1"),
+    ("gs://b/o?X-Goog-Signature=beef", "gs://b/o?X-Goog-Signature=***"),
 ]
 """Strings with credentials, and what they become."""
 
@@ -216,6 +219,7 @@ UNCHANGED = [
     "bob@example.com",
     "runs/default",
     "pad_token=<pad>",
+    "signature_dim=3 sig=4",  # a signature is a credential in a URL's query only
     "",
 ]
 """Strings without credentials, left exactly as they are."""

@@ -163,15 +163,43 @@ def remote_url(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         )
 
 
+_OPTIONS_DEPTH = 16
+"""How deep ``ckpt.remote_options`` may nest (``client_kwargs``, ``config_kwargs``... are two or three deep)."""
+
+
+def _credential_in(value: Any, path: str, depth: int = 0) -> str | None:
+    """Where a credential sits in a store option: a key named like one at any depth (``client_kwargs.
+    aws_secret_access_key``, ``headers.Authorization``), or a string that carries one (``AccountKey=...`` in a
+    connection string, a URL's password); None when there is none."""
+    if depth > _OPTIONS_DEPTH:
+        return f"{path} (nested more than {_OPTIONS_DEPTH} deep)"
+    if isinstance(value, str):
+        return f"{path} (its text)" if redact_text(value) != value else None
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and is_secret_name(key):
+                return where
+            found = _credential_in(item, where, depth + 1)
+            if found is not None:
+                return found
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            found = _credential_in(item, f"{path}[{index}]", depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
 def remote_options(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
         raise ConfigError(attribute.name, "must be a mapping of option names to values", value)
-    secret = [key for key in value if is_secret_name(key)]
-    if secret:  # the config file is saved in every checkpoint: credentials come from the environment
+    secret = _credential_in(value, "")
+    if secret is not None:  # the config file is saved in every checkpoint: credentials come from the environment
         raise ConfigError(
             attribute.name,
-            f"must not hold credentials (the key {secret[0]!r}): set them in the environment, as the store's own "
-            "tools read them",
+            f"must not hold credentials (at {secret!r}): set them in the environment, as the store's own tools read "
+            "them",
             show_value=False,
         )
 

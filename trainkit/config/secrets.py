@@ -232,8 +232,15 @@ def _mask_url_userinfo(match: re.Match[str]) -> str:
     return f"{match['scheme']}{match['user']}:{SECRET_MASK}@"
 
 
+_QUERY_SIGNATURES = frozenset({"sig", "signature", "credential"})
+"""Words that make a URL query's parameter a credential (``?sig=`` of an Azure SAS, ``X-Amz-Signature``,
+``X-Amz-Credential``, ``X-Goog-Signature``), though not a config key's name (``signature_dim``)."""
+
+
 def _mask_pair(match: re.Match[str]) -> str:
-    if is_secret_name(match["name"].lstrip("-")):
+    name = match["name"].lstrip("-")
+    in_query = match.start() > 0 and match.string[match.start() - 1] in "?&"
+    if is_secret_name(name) or (in_query and _QUERY_SIGNATURES.intersection(_words(name.replace(".", "_")))):
         return f"{match['name']}={SECRET_MASK}"
     return match[0]
 
@@ -245,7 +252,8 @@ def redact_text(text: str) -> str:
     user name without a password, which is often a token (``https://ghp_x@github.com``), becomes ``***``
     itself. A ``name=value`` pair at the start of the text, after a space or after ``?``, ``&`` or ``;``
     (URL queries, connection strings, command-line words) has its value masked up to the next ``&``,
-    ``;``, ``#`` or space when :func:`is_secret_name` says the name is secret. Masking twice changes nothing.
+    ``;``, ``#`` or space when :func:`is_secret_name` says the name is secret, and so has a URL query's
+    signature (``sig``, ``signature`` or ``credential`` among its words). Masking twice changes nothing.
 
     :param text: Any string.
     :returns: The string with those parts replaced by ``***``.
@@ -254,6 +262,8 @@ def redact_text(text: str) -> str:
     'postgres://bob:***@db.example.com:5432/runs'
     >>> redact_text("https://api.example.com/v1?model=x&api_key=abc123&lang=en")
     'https://api.example.com/v1?model=x&api_key=***&lang=en'
+    >>> redact_text("az://c/p?sv=2022&sig=c2VjcmV0&se=2026"), redact_text("s3://b/k?X-Amz-Signature=f00d")
+    ('az://c/p?sv=2022&sig=***&se=2026', 's3://b/k?X-Amz-Signature=***')
     """
     if "@" in text:
         text = _URL_USERINFO.sub(_mask_url_userinfo, text)
