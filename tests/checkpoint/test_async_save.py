@@ -71,6 +71,26 @@ def test_staging_reuses_its_buffers_and_shares_nothing_with_the_payload():
     assert staging.nbytes == 9 * 4
 
 
+def test_staging_keeps_a_tensors_attributes_as_a_synchronous_save_does_and_never_leaves_them_on_a_buffer(tmp_path):
+    """A tensor's Python attributes go into the background save as torch.save writes them for a synchronous one (and
+    come back through the safe loader); a later save of a bare tensor in the same slot carries none."""
+    from trainkit.checkpoint import load_checkpoint
+
+    staging = StagingBuffers()
+    tagged, parameter = torch.ones(2), torch.nn.Parameter(torch.zeros(3))
+    tagged.meta, parameter.note = {"a": 1}, "kept"
+    first = staging.stage({"t": tagged, "p": parameter})
+    tagged.meta["a"] = 2  # changed after staging: the save keeps what was staged
+    torch.save(first, tmp_path / "first.pt")
+    loaded = load_checkpoint(tmp_path / "first.pt")
+    assert loaded["t"].meta == {"a": 1} and loaded["p"].note == "kept" and type(loaded["p"]) is torch.nn.Parameter
+    second = staging.stage({"t": torch.ones(2), "p": torch.nn.Parameter(torch.zeros(3))})
+    assert second["t"].data_ptr() == first["t"].data_ptr()  # the same buffer, reused
+    torch.save(second, tmp_path / "second.pt")
+    again = load_checkpoint(tmp_path / "second.pt")
+    assert not hasattr(again["t"], "meta") and not hasattr(again["p"], "note")
+
+
 def test_writer_keeps_at_most_one_job_in_flight(tmp_path):
     """submit() waits for the previous job, so two writes never overlap, and wait() leaves nothing running."""
     writer = AsyncCheckpointWriter()

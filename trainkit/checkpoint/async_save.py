@@ -41,7 +41,7 @@ class StagingBuffers:
         """Copy ``payload`` into the buffers: tensors into their slots, everything else deep-copied.
 
         Types survive: ``nn.Parameter``, ``OrderedDict`` (with its ``_metadata``), ``Counter`` and ``torch.Size``
-        stay what they were; numpy arrays are copied, so changing them after the call does not change the save.
+        stay what they were, and so do a tensor's Python attributes (copied; a reused buffer never keeps them); numpy arrays are copied, so changing them after the call does not change the save.
 
         Side effects: one copy per tensor (waits for device copies to finish before returning).
 
@@ -67,9 +67,14 @@ class StagingBuffers:
                 buffer = torch.empty(item.shape, dtype=item.dtype, device="cpu", pin_memory=item.device.type == "cuda")
                 self._buffers[path] = buffer
             buffer.copy_(item.detach(), non_blocking=item.device.type == "cuda")
+            staged = buffer
             if type(item) is torch.nn.Parameter:  # saved as a Parameter by a synchronous save: keep the type
-                return torch.nn.Parameter(buffer, requires_grad=item.requires_grad)
-            return buffer
+                staged = torch.nn.Parameter(buffer, requires_grad=item.requires_grad)
+            attributes = getattr(item, "__dict__", None)
+            if attributes:  # a synchronous save keeps a tensor's Python attributes: on an alias, the buffer stays bare
+                staged = staged.view(staged.shape) if staged is buffer else staged
+                staged.__dict__.update(copy.deepcopy(attributes))
+            return staged
         return copy.deepcopy(item)
 
     def _stage_container(self, item: Any, path: tuple[Any, ...], copies: dict[int, Any]) -> Any:
