@@ -177,6 +177,15 @@ def test_a_name_a_run_writes_or_deletes_in_its_folder_is_refused(runs, tmp_path,
     assert "a folder on its way is a file" in errors
 
 
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_out_dash_is_refused_instead_of_writing_a_file_named_dash(runs, tmp_path, capsys, monkeypatch, fmt):
+    """``export CKPT -``: a shell's stdout is not a place an export goes; one line, and no file named ``-``."""
+    monkeypatch.chdir(tmp_path)
+    errors = refused(capsys, Path("-"), runs / "a" / "last.pt", "-", "--format", fmt)
+    assert "OUT must name a file or folder to write" in errors
+    assert not (tmp_path / "-").exists()
+
+
 def test_an_existing_out_is_replaced_only_when_it_is_an_earlier_export_and_overwrite_says_so(runs, tmp_path, capsys):
     """A file of the user's (a plain state dict too), a folder, a link and a FIFO are refused with or without
     --overwrite, in one line, untouched; an earlier export is refused without --overwrite and replaced with it;

@@ -167,6 +167,11 @@ def check_out(
     :raises FileExistsError: When ``out`` is there and may not be replaced, or a folder on its way is a file,
         saying what to do.
     """
+    if os.fspath(out) in ("-", ""):  # not a file a user means: ``-`` is a shell's stdout, which an export never is
+        raise ConfigError(
+            "OUT", "must name a file or folder to write (an export is not written to stdout)", os.fspath(out),
+            hint="name the export, e.g. model.pt",
+        )  # fmt: skip
     path = Path(out)
     _refuse_checkpoint_place(path, None if source is None else Path(source))
     try:
