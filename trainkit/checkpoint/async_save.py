@@ -41,7 +41,8 @@ class StagingBuffers:
         """Copy ``payload`` into the buffers: tensors into their slots, everything else deep-copied.
 
         Types survive: ``nn.Parameter``, ``OrderedDict`` (with its ``_metadata``), ``Counter`` and ``torch.Size``
-        stay what they were, and so do a tensor's Python attributes (copied; a reused buffer never keeps them); numpy arrays are copied, so changing them after the call does not change the save.
+        stay what they were, and so do a tensor's Python attributes (copied; a reused buffer never keeps them); numpy
+        arrays are copied, so changing them after the call does not change the save.
 
         Side effects: one copy per tensor (waits for device copies to finish before returning).
 
