@@ -517,8 +517,8 @@ def run_rank(rank: int, spec: Mapping[str, Any]) -> None:
     :param rank: This process's rank.
     :param spec: Plain values: ``target`` and ``config_class`` (``MODULE:NAME``), ``config`` (a mapping),
         ``world_size``, ``env`` (the caller's environment), ``threads``, ``log``, ``findings``, ``fired``, ``done``,
-        ``batches`` and ``steps`` (paths, with ``{rank}`` in the log's; ``steps``: a row per step and per validation), and
-        ``interrupt`` (None, or ``{"how": "term" | "kill", "step": int}``).
+        ``batches`` and ``steps`` (paths, with ``{rank}`` in the log's; ``steps``: a row per step and per
+        validation), and ``interrupt`` (None, or ``{"how": "term" | "kill", "step": int}``).
     :raises SystemExit: With ``128 + signal`` when the trainer stopped on a signal.
     """
     import torch

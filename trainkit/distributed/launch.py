@@ -94,9 +94,9 @@ def _record_failure(folder: str | None, rank: int) -> None:
 
 
 def _refusal(record: dict[str, Any]) -> TrainkitError | None:
-    """The refusal a rank recorded (:func:`_record_failure`), rebuilt as the same :class:`~trainkit.TrainkitError` subclass
-    with the same message and plain attributes (a :class:`~trainkit.ConfigError`'s ``key``, ``rule``...); None when
-    the rank failed otherwise. Only trainkit's own error classes are rebuilt, and nothing is unpickled."""
+    """The refusal a rank recorded (:func:`_record_failure`), rebuilt as the same :class:`~trainkit.TrainkitError`
+    subclass with the same message and plain attributes (a :class:`~trainkit.ConfigError`'s ``key``, ``rule``...);
+    None when the rank failed otherwise. Only trainkit's own error classes are rebuilt, and nothing is unpickled."""
     refusal = record.get("refusal")
     if not isinstance(refusal, dict):
         return None
@@ -353,8 +353,8 @@ def spawn(trainer_class: type, cfg: Config | Mapping[str, Any], world_size: int)
     :param world_size: The number of processes (>= 1).
     :returns: Rank 0's ``train()`` result.
     :raises TrainkitError: When the first rank to fail refused to run (a bad config, a checkpoint this run cannot
-        resume, an ``out_dir`` in use): the same :class:`~trainkit.TrainkitError` subclass, with its one-line message and
-        without the rank's internal traceback, as :func:`launch` prints it.
+        resume, an ``out_dir`` in use): the same :class:`~trainkit.TrainkitError` subclass, with its one-line
+        message and without the rank's internal traceback, as :func:`launch` prints it.
     :raises torch.multiprocessing.ProcessRaisedException: With the failing rank's traceback, for any other error.
     :raises torch.multiprocessing.ProcessExitedException: When a rank died without an exception.
     """
