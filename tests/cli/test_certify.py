@@ -142,7 +142,7 @@ def test_the_run_time_is_bounded(tmp_path):
     """A check that cannot finish within --timeout-s is stopped there, its running attempt killed, with a clear
     error."""
     with pytest.raises(CertifyError, match=r"ran past --timeout-s 0\.5"):
-        certify(f"{HELPERS}:CleanTrainer", ["epochs=1"], timeout_s=0.5, work_dir=tmp_path)
+        certify(f"{HELPERS}:SlowTrainer", ["epochs=3"], timeout_s=0.5, work_dir=tmp_path)
 
 
 def test_the_work_folder_is_never_the_users_out_dir(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import torch
 from torch import nn
@@ -70,6 +71,14 @@ class CleanTrainer(trainkit.BaseTrainer):
         loss = self.reduce_mean(total, count)
         self.log({"val/loss": loss})
         return self.step_patience(self.save_if_best(loss, {"val/loss": loss}))
+
+
+class SlowTrainer(CleanTrainer):
+    """The clean trainer at 0.2 s a batch: no run of it ends within a fraction of a second, however warm the host."""
+
+    def loss(self, x, y, index):
+        time.sleep(0.2)
+        return super().loss(x, y, index)
 
 
 class UnregisteredScheduler(CleanTrainer):
