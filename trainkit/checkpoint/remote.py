@@ -99,6 +99,8 @@ __all__ = [
     "READ_DEADLINE_S",
     "FOLDER_ID_FILE",
     "folder_identity",
+    "LEASE_LOCK",
+    "LEASE_LOCK_S",
 ]
 
 _T = TypeVar("_T")
