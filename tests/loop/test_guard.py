@@ -86,6 +86,7 @@ def test_raise_stops_before_the_step_naming_it_and_its_batch(tmp_path):
     with pytest.raises(DivergenceError, match=rf"before optimizer step {NAN_AT} \(epoch 0, batch {NAN_AT} of") as info:
         run(tmp_path / "a", nan_batches=(NAN_AT,), guard={"nonfinite": "raise"}, ckpt={"every_n_steps": 2})
     assert (info.value.step, info.value.epoch, info.value.batch) == (NAN_AT, 0, NAN_AT)
+    assert "set guard.nonfinite=skip to drop such steps" in str(info.value)
     stopped = json.loads((tmp_path / "a" / "guard0.json").read_text())
     (frozen,), _ = run(tmp_path / "b", steps_left_out=tuple(range(NAN_AT, 12)))
     assert (stopped["digest"], stopped["optimizer"]) == (frozen["digest"], frozen["optimizer"])
@@ -95,8 +96,11 @@ def test_skip_raises_once_max_skips_non_finite_steps_fall_within_the_window(tmp_
     """With guard.max_skips=2 and guard.window=3 two NaNs 4 steps apart are skipped, two 2 apart stop the run."""
     (report,), _ = run(tmp_path / "a", nan_batches=(2, 6), guard={"nonfinite": "skip", "max_skips": 2, "window": 3})
     assert report["skipped"] == 2
-    with pytest.raises(DivergenceError, match=r"2 non-finite steps fell within guard.window=3 steps \(steps 6, 8;"):
+    with pytest.raises(
+        DivergenceError, match=r"2 non-finite steps fell within guard.window=3 steps \(steps 6, 8;"
+    ) as e:
         run(tmp_path / "b", nan_batches=(2, 6, 8), guard={"nonfinite": "skip", "max_skips": 2, "window": 3})
+    assert "raise guard.max_skips" in str(e.value) and "set guard.nonfinite=skip" not in str(e.value)  # set already
 
 
 def test_off_installs_nothing(tmp_path, monkeypatch):

@@ -287,7 +287,9 @@ class DivergenceGuard:
             )
         if state.mode == "raise":
             why = "its gradients are not finite (total grad norm NaN or inf; guard.nonfinite=raise)"
-        else:
+            fix = "set guard.nonfinite=skip to drop such steps"
+        else:  # already skipping: more skips, or going back before the run diverged
+            fix = "raise guard.max_skips (or lower guard.window) to drop more such steps"
             steps = ", ".join(map(str, state.recent))
             why = (
                 f"its gradients are not finite, and {len(state.recent)} non-finite steps fell within guard.window="
@@ -295,5 +297,5 @@ class DivergenceGuard:
             )
         return (
             f"training stopped before {where}: {why}; nothing of that step was applied. Resume from a checkpoint "
-            "before it, lower the learning rate, or set guard.nonfinite=skip to drop such steps"
+            f"before it, lower the learning rate, or {fix}"
         )
