@@ -144,3 +144,49 @@ def test_a_state_dict_that_is_no_dict_is_a_usage_error_at_the_first_step_checkpo
     with pytest.raises(UsageError, match=r"ListStateStream.state_dict\(\) must return a dict with str keys.*got list"):
         trainer.train()
     trainer.close()
+
+
+ITERABLE = {**STREAM, "loader": "stateful iterable"}
+"""The same run over torchdata's StatefulDataLoader over a ShuffledSamples stream (no state of its own)."""
+
+
+def test_a_stream_resumed_by_reading_it_again_saves_the_batches_the_loop_consumed(tmp_path):
+    """Resumed after 4 batches, torchdata counts the 4 it read again as well; stopped again after 6 batches, the
+    saved state counts 6 (not 10), and the live loader's own count is left as torchdata keeps it."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    first = stopped_run(tmp_path, ITERABLE)
+    assert first["trainkit"]["ranks"][0]["loader_state"]["_num_yielded"] == 4
+    trainers.SIGTERM_AT = ("batch", 0, 4)
+    try:
+        trainer = StepTrainer(make_cfg(tmp_path, ITERABLE), 0, 1)
+        with pytest.raises(TrainingInterrupted, match="stopped after step 3, batch 6 of epoch 0"):
+            trainer.train()
+        live = trainer.loader.state_dict()
+        trainer.close()
+    finally:
+        trainers.SIGTERM_AT = None
+    payload = torch.load(tmp_path / "last.pt", weights_only=True)
+    state = payload["trainkit"]["ranks"][0]["loader_state"]
+    assert payload["trainkit"]["position"]["batches"] == 6
+    assert (state["_num_yielded"], state["_sampler_iter_yielded"]) == (6, 6)
+    assert state["_sampler_iter_state"] == {"samples_yielded": 6 * 4}
+    assert live["_num_yielded"] == 10
+
+
+def test_a_stream_state_counting_other_batches_than_the_position_is_refused_at_resume(tmp_path):
+    """A saved state whose count is not the position's (as trainkit wrote it before it wrote the loop's count) would
+    skip data: refused by name before a batch is trained, last.pt untouched."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    payload = stopped_run(tmp_path, ITERABLE)
+    payload["trainkit"]["ranks"][0]["loader_state"]["_num_yielded"] = 6
+    torch.save(payload, tmp_path / "last.pt")
+    before = (tmp_path / "last.pt").read_bytes()
+    trainer = StepTrainer(make_cfg(tmp_path, ITERABLE), 0, 1)
+    message = (
+        r"after 4 batches, but the StatefulDataLoader given to progress\(\) saved a state that reads its "
+        r"IterableDataset ShuffledSamples again for 6 batches .*give the IterableDataset state_dict\(\)"
+    )
+    with pytest.raises(CheckpointMismatchError, match=message):
+        trainer.train()
+    trainer.close()
+    assert (tmp_path / "last.pt").read_bytes() == before
