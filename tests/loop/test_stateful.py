@@ -190,3 +190,45 @@ def test_a_stream_state_counting_other_batches_than_the_position_is_refused_at_r
         trainer.train()
     trainer.close()
     assert (tmp_path / "last.pt").read_bytes() == before
+
+
+class Numbers(torch.utils.data.IterableDataset):
+    """0..79, dealt round-robin to the workers; no state of its own."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        return iter(range(80) if info is None else range(info.id, 80, info.num_workers))
+
+
+@pytest.mark.parametrize(("workers", "every"), [(0, 1), (2, 1), (2, 3)], ids=["in-process", "workers", "snapshots-3"])
+def test_a_corrected_stream_state_resumes_at_the_consumed_batch_however_often_resumed(workers, every):
+    """Three resumes of one epoch, each state saved with the batches consumed so far: the next batch is always the
+    uninterrupted pass's (with workers, whatever batch the last snapshot was taken at)."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from trainkit.loop.stateful import naive_count, with_naive_count
+
+    def loader():
+        return StatefulDataLoader(Numbers(), batch_size=2, num_workers=workers, snapshot_every_n_steps=every)
+
+    truth = [batch.tolist() for batch in loader()]
+    state, consumed = None, 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for more in (5, 4, 3):
+            current = loader()
+            if state is not None:
+                current.load_state_dict(state)
+            batches = iter(current)
+            assert next(batches).tolist() == truth[consumed]
+            for _ in range(more - 1):
+                next(batches)
+            consumed += more
+            live = current.state_dict()
+            state = with_naive_count(current, live, consumed)
+            assert naive_count(current, state) == consumed
+            del batches, current
+        last = loader()
+        last.load_state_dict(state)
+        assert next(iter(last)).tolist() == truth[consumed]

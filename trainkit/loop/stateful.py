@@ -216,9 +216,13 @@ def with_naive_count(loader: Any, state: dict[str, Any], consumed: int) -> dict[
     resumed, its own count is the batches it consumed plus those it re-read, and a second resume inside the same epoch
     would skip as many batches of data. The batches the training loop consumed this epoch are the position; they are
     written into the copy (``_num_yielded`` and ``_sampler_iter_yielded`` in one process; ``_snapshot_step`` and the
-    main snapshot's ``_sampler_iter_yielded`` with workers, when the state's snapshot is the last batch's, as
-    ``snapshot_every_n_steps=1`` makes it). Any other loader or state, or another layout (another torchdata
-    version), is returned as it is; :meth:`StatefulBatches._resumed_iterator` refuses a count that still differs.
+    main snapshot's ``_sampler_iter_yielded`` with workers, where the resume reads ``_snapshot_step`` batches again
+    and then ``_steps_since_snapshot`` more: the first becomes ``consumed`` less the second). Any other loader or
+    state, or another layout (another torchdata version), is returned as it is;
+    :meth:`StatefulBatches._resumed_iterator` refuses a count that still differs.
+
+    >>> with_naive_count([[1.0]], {"_num_yielded": 10}, 6)
+    {'_num_yielded': 10}
 
     :param loader: What ``self.progress()`` was given.
     :param state: What its ``state_dict()`` returned (not changed).
@@ -234,9 +238,9 @@ def with_naive_count(loader: Any, state: dict[str, Any], consumed: int) -> dict[
     if layout == "in-process":
         state["_num_yielded"] = consumed
         _less_yielded(state, excess)
-    elif state["_steps_since_snapshot"] == 0:
+    elif consumed >= state["_steps_since_snapshot"]:
         snapshot = state["_snapshot"]
-        snapshot["_snapshot_step"] = consumed
+        snapshot["_snapshot_step"] = consumed - state["_steps_since_snapshot"]
         _less_yielded(snapshot["_main_snapshot"], excess)
     return state
 
