@@ -219,7 +219,7 @@ def with_naive_count(loader: Any, state: dict[str, Any], consumed: int) -> dict[
     main snapshot's ``_sampler_iter_yielded`` with workers, where the resume reads ``_snapshot_step`` batches again
     and then ``_steps_since_snapshot`` more: the first becomes ``consumed`` less the second). Any other loader or
     state, or another layout (another torchdata version), is returned as it is;
-    :meth:`StatefulBatches._resumed_iterator` refuses a count that still differs.
+    ``StatefulBatches._resumed_iterator`` refuses a count that still differs.
 
     >>> with_naive_count([[1.0]], {"_num_yielded": 10}, 6)
     {'_num_yielded': 10}
