@@ -242,3 +242,24 @@ def test_sigterm_at_random_steps_of_a_run_with_step_validation_resumes_exactly(t
     runs = [[["sigterm", e, b]] for e, b in random.Random(45).sample([(0, 3), (1, 2), (1, 6), (2, 1)], 2)]
     reference, results, stderr = run_scenario(tmp_path, runs, **STEP_BUDGET)
     assert_all_exact(reference, results, stderr, killed=143)
+
+
+@pytest.mark.parametrize("workers", [0, 1], ids=["in-process", "one-worker"])
+def test_a_stateful_dataloader_over_a_stateless_stream_resumes_twice_inside_one_epoch_exactly(tmp_path, workers):
+    """torchdata's StatefulDataLoader over an IterableDataset without state resumes by reading it again for as many
+    batches as its state counts, and counts that re-reading again: without trainkit writing the batches its loop
+    consumed into the saved state, a second resume inside the same epoch skips data. Killed twice and three times
+    inside epoch 0 (each kill after a step checkpoint the previous resume wrote), every run ends with the
+    uninterrupted run's weights."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    runs = [[["batch", 0, 2], ["batch", 0, 5]], [["batch", 0, 3], ["batch", 0, 5], ["batch", 0, 7]]]
+    reference, results, stderr = run_scenario(tmp_path, runs, loader="stateful iterable", num_workers=workers)
+    assert_all_exact(reference, results, stderr)
+
+
+def test_a_stateful_dataloader_over_a_stateless_stream_resumes_twice_after_a_sigterm(tmp_path):
+    """The same stream stopped by SIGTERM (saved at the next step boundary, exit 143) twice inside one epoch."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    runs = [[["sigterm", 0, 0], ["sigterm", 0, 4]]]
+    reference, results, stderr = run_scenario(tmp_path, runs, loader="stateful iterable")
+    assert_all_exact(reference, results, stderr, killed=143)

@@ -144,3 +144,91 @@ def test_a_state_dict_that_is_no_dict_is_a_usage_error_at_the_first_step_checkpo
     with pytest.raises(UsageError, match=r"ListStateStream.state_dict\(\) must return a dict with str keys.*got list"):
         trainer.train()
     trainer.close()
+
+
+ITERABLE = {**STREAM, "loader": "stateful iterable"}
+"""The same run over torchdata's StatefulDataLoader over a ShuffledSamples stream (no state of its own)."""
+
+
+def test_a_stream_resumed_by_reading_it_again_saves_the_batches_the_loop_consumed(tmp_path):
+    """Resumed after 4 batches, torchdata counts the 4 it read again as well; stopped again after 6 batches, the
+    saved state counts 6 (not 10), and the live loader's own count is left as torchdata keeps it."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    first = stopped_run(tmp_path, ITERABLE)
+    assert first["trainkit"]["ranks"][0]["loader_state"]["_num_yielded"] == 4
+    trainers.SIGTERM_AT = ("batch", 0, 4)
+    try:
+        trainer = StepTrainer(make_cfg(tmp_path, ITERABLE), 0, 1)
+        with pytest.raises(TrainingInterrupted, match="stopped after step 3, batch 6 of epoch 0"):
+            trainer.train()
+        live = trainer.loader.state_dict()
+        trainer.close()
+    finally:
+        trainers.SIGTERM_AT = None
+    payload = torch.load(tmp_path / "last.pt", weights_only=True)
+    state = payload["trainkit"]["ranks"][0]["loader_state"]
+    assert payload["trainkit"]["position"]["batches"] == 6
+    assert (state["_num_yielded"], state["_sampler_iter_yielded"]) == (6, 6)
+    assert state["_sampler_iter_state"] == {"samples_yielded": 6 * 4}
+    assert live["_num_yielded"] == 10
+
+
+def test_a_stream_state_counting_other_batches_than_the_position_is_refused_at_resume(tmp_path):
+    """A saved state whose count is not the position's (as trainkit wrote it before it wrote the loop's count) would
+    skip data: refused by name before a batch is trained, last.pt untouched."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    payload = stopped_run(tmp_path, ITERABLE)
+    payload["trainkit"]["ranks"][0]["loader_state"]["_num_yielded"] = 6
+    torch.save(payload, tmp_path / "last.pt")
+    before = (tmp_path / "last.pt").read_bytes()
+    trainer = StepTrainer(make_cfg(tmp_path, ITERABLE), 0, 1)
+    message = (
+        r"after 4 batches, but the StatefulDataLoader given to progress\(\) saved a state that reads its "
+        r"IterableDataset ShuffledSamples again for 6 batches .*give the IterableDataset state_dict\(\)"
+    )
+    with pytest.raises(CheckpointMismatchError, match=message):
+        trainer.train()
+    trainer.close()
+    assert (tmp_path / "last.pt").read_bytes() == before
+
+
+class Numbers(torch.utils.data.IterableDataset):
+    """0..79, dealt round-robin to the workers; no state of its own."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        return iter(range(80) if info is None else range(info.id, 80, info.num_workers))
+
+
+@pytest.mark.parametrize(("workers", "every"), [(0, 1), (2, 1), (2, 3)], ids=["in-process", "workers", "snapshots-3"])
+def test_a_corrected_stream_state_resumes_at_the_consumed_batch_however_often_resumed(workers, every):
+    """Three resumes of one epoch, each state saved with the batches consumed so far: the next batch is always the
+    uninterrupted pass's (with workers, whatever batch the last snapshot was taken at)."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from trainkit.loop.stateful import naive_count, with_naive_count
+
+    def loader():
+        return StatefulDataLoader(Numbers(), batch_size=2, num_workers=workers, snapshot_every_n_steps=every)
+
+    truth = [batch.tolist() for batch in loader()]
+    state, consumed = None, 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for more in (5, 4, 3):
+            current = loader()
+            if state is not None:
+                current.load_state_dict(state)
+            batches = iter(current)
+            assert next(batches).tolist() == truth[consumed]
+            for _ in range(more - 1):
+                next(batches)
+            consumed += more
+            live = current.state_dict()
+            state = with_naive_count(current, live, consumed)
+            assert naive_count(current, state) == consumed
+            del batches, current
+        last = loader()
+        last.load_state_dict(state)
+        assert next(iter(last)).tolist() == truth[consumed]

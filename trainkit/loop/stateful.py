@@ -18,7 +18,7 @@ import reprlib
 from collections.abc import Iterator
 from typing import Any
 
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, IterableDataset
 
 from trainkit import bookkeeping as core
 from trainkit.checkpoint.payload import MAX_ITEM_DEPTH
@@ -27,7 +27,15 @@ from trainkit.loop.batches import TrackedBatches, unskippable_reason
 from trainkit.state.graph import check_state_graph
 from trainkit.state.rng import loader_generators, restore_rng
 
-__all__ = ["carries_own_position", "check_rollback_loader", "loader_facts", "loader_order", "StatefulBatches"]
+__all__ = [
+    "carries_own_position",
+    "check_rollback_loader",
+    "loader_facts",
+    "loader_order",
+    "naive_count",
+    "StatefulBatches",
+    "with_naive_count",
+]
 
 
 def carries_own_position(loader: Any) -> bool:
@@ -133,6 +141,110 @@ def loader_order(loader: Any) -> str | None:
     return type(sampler).__name__
 
 
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _naive_layout(loader: Any, state: dict[str, Any]) -> str | None:
+    """How ``state`` holds the count torchdata's naive fast-forward reads, when ``loader`` is in that mode: a loader
+    over an ``IterableDataset`` without ``state_dict``/``load_state_dict`` (so its iterator's state is None too),
+    whose state has torchdata 0.11's keys with ints. ``"in-process"`` (``num_workers=0``), ``"workers"``, or None
+    (another loader, a stream with a state of its own, or a state laid out otherwise: left as it is)."""
+    dataset = getattr(loader, "dataset", None)
+    if not isinstance(dataset, IterableDataset) or carries_own_position(dataset):
+        return None
+    fetcher = state.get("fetcher_state")
+    if _is_int(state.get("_num_yielded")) and _is_int(state.get("_sampler_iter_yielded")) and isinstance(fetcher, dict):
+        if fetcher.get("dataset_iter_state", 0) is None and "dataset_state" in state and state["dataset_state"] is None:
+            return "in-process"
+        return None
+    snapshot = state.get("_snapshot")
+    if not isinstance(snapshot, dict) or not _is_int(state.get("_steps_since_snapshot")):
+        return None
+    main, workers = snapshot.get("_main_snapshot"), snapshot.get("_worker_snapshots")
+    if not _is_int(snapshot.get("_snapshot_step")) or not isinstance(main, dict) or not isinstance(workers, dict):
+        return None
+    if not _is_int(main.get("_sampler_iter_yielded")):
+        return None
+    for worker in workers.values():  # torchdata decides on the first worker state there is
+        if worker is None:
+            continue
+        fetcher = worker.get("fetcher_state") if isinstance(worker, dict) else None
+        if not isinstance(fetcher, dict) or "dataset_state" not in worker:
+            return None
+        return "workers" if worker["dataset_state"] is None and fetcher.get("dataset_iter_state", 0) is None else None
+    return None
+
+
+def naive_count(loader: Any, state: dict[str, Any]) -> int | None:
+    """The batches torchdata's ``StatefulDataLoader`` would read again to resume from ``state`` when it resumes an
+    ``IterableDataset`` without a state of its own by reading it again ("naively fast-forwarding"); None for any
+    other loader or state.
+
+    >>> naive_count([[1.0]], {"_num_yielded": 3}) is None
+    True
+
+    :param loader: What ``self.progress()`` was given.
+    :param state: What its ``state_dict()`` returned.
+    :returns: ``_num_yielded`` in one process, ``_snapshot_step + _steps_since_snapshot`` with workers; or None.
+    """
+    layout = _naive_layout(loader, state)
+    if layout == "in-process":
+        return state["_num_yielded"]
+    if layout == "workers":
+        return state["_snapshot"]["_snapshot_step"] + state["_steps_since_snapshot"]
+    return None
+
+
+def _less_yielded(main: dict[str, Any], excess: int) -> None:
+    """Take ``excess`` batches off a main state's sampler counts (``_sampler_iter_yielded``, and the batch
+    sampler iterator's ``samples_yielded`` where it is a whole number of samples per batch)."""
+    yielded = main["_sampler_iter_yielded"]
+    sampler = main.get("_sampler_iter_state")
+    if isinstance(sampler, dict) and _is_int(sampler.get("samples_yielded")) and yielded > 0:
+        per_batch, rest = divmod(sampler["samples_yielded"], yielded)
+        if rest == 0:
+            sampler["samples_yielded"] = max(0, sampler["samples_yielded"] - excess * per_batch)
+    main["_sampler_iter_yielded"] = max(0, yielded - excess)
+
+
+def with_naive_count(loader: Any, state: dict[str, Any], consumed: int) -> dict[str, Any]:
+    """``state`` (a copy of it, where it changes) counting ``consumed`` batches, when ``loader`` is torchdata's
+    ``StatefulDataLoader`` resuming a stateless ``IterableDataset`` by reading it again.
+
+    Such a loader reads the stream again for as many batches as its state counts, and counts that reading again: once
+    resumed, its own count is the batches it consumed plus those it re-read, and a second resume inside the same epoch
+    would skip as many batches of data. The batches the training loop consumed this epoch are the position; they are
+    written into the copy (``_num_yielded`` and ``_sampler_iter_yielded`` in one process; ``_snapshot_step`` and the
+    main snapshot's ``_sampler_iter_yielded`` with workers, where the resume reads ``_snapshot_step`` batches again
+    and then ``_steps_since_snapshot`` more: the first becomes ``consumed`` less the second). Any other loader or
+    state, or another layout (another torchdata version), is returned as it is;
+    ``StatefulBatches._resumed_iterator`` refuses a count that still differs.
+
+    >>> with_naive_count([[1.0]], {"_num_yielded": 10}, 6)
+    {'_num_yielded': 10}
+
+    :param loader: What ``self.progress()`` was given.
+    :param state: What its ``state_dict()`` returned (not changed).
+    :param consumed: The batches of this epoch the training loop consumed.
+    :returns: ``state``, or a corrected deep copy.
+    """
+    layout = _naive_layout(loader, state)
+    count = naive_count(loader, state)
+    if count is None or count <= consumed:
+        return state
+    excess = count - consumed
+    state = copy.deepcopy(state)
+    if layout == "in-process":
+        state["_num_yielded"] = consumed
+        _less_yielded(state, excess)
+    elif consumed >= state["_steps_since_snapshot"]:
+        snapshot = state["_snapshot"]
+        snapshot["_snapshot_step"] = consumed - state["_steps_since_snapshot"]
+        _less_yielded(snapshot["_main_snapshot"], excess)
+    return state
+
+
 class StatefulBatches(TrackedBatches):
     """The batches of one training epoch from a loader that carries its own position, counted as
     :class:`~trainkit.loop.batches.TrackedBatches` counts them.
@@ -190,7 +302,11 @@ class StatefulBatches(TrackedBatches):
             max_depth=MAX_ITEM_DEPTH,
         )
         generators = [generator.get_state() for generator in loader_generators(self.loader)]
-        return {"loader_state": copy.deepcopy(state), "generators_at_save": generators}
+        corrected = with_naive_count(self.loader, state, self.consumed)
+        return {
+            "loader_state": copy.deepcopy(state) if corrected is state else corrected,
+            "generators_at_save": generators,
+        }
 
     def _start(self) -> Iterator[Any]:
         self._before_iterator()
@@ -208,6 +324,15 @@ class StatefulBatches(TrackedBatches):
         """The loader's iterator from the saved position; a state it refuses (in ``load_state_dict()``, or when the
         iterator is made from it, as ``StatefulDataLoader`` reads it) is a mismatch naming the loader and why."""
         loader = self.loader
+        count = naive_count(loader, state)
+        if count is not None and count != self.skip:
+            raise CheckpointMismatchError(
+                f"the checkpoint was written inside epoch {self.epoch}, after {self.skip} batches, but the "
+                f"{type(loader).__name__} given to progress() saved a state that reads its IterableDataset "
+                f"{type(loader.dataset).__name__} again for {count} batches (it has no state_dict()/load_state_dict() "
+                "and torchdata counted its previous resume's re-reading), which would skip or repeat data; give the "
+                "IterableDataset state_dict() and load_state_dict(), or resume from an epoch-boundary checkpoint"
+            )
         try:
             loader.load_state_dict(state)
             return iter(loader)
