@@ -289,6 +289,23 @@ def test_from_mapping_applies_overrides_after_the_mapping():
     assert (cfg.epochs, cfg.val.patience) == (3, 5)
 
 
+def test_an_override_past_a_mapping_field_sets_that_entry_and_keeps_the_others():
+    """``ckpt.remote_options.endpoint_url=...`` sets one entry of the options (nested ones too), on top of what the
+    mapping gave; a credential set so is refused as any other; an entry under a non-mapping value is refused."""
+    base = {"epochs": 1, "ckpt": {"remote_options": {"endpoint_url": "http://a:1", "use_ssl": True}}}
+    cfg = Config.from_mapping(
+        base, ["ckpt.remote_options.endpoint_url=http://127.0.0.1:9000", "ckpt.remote_options.config_kwargs.retries=3"]
+    )
+    assert dict(cfg.ckpt.remote_options) == {
+        "endpoint_url": "http://127.0.0.1:9000", "use_ssl": True, "config_kwargs": {"retries": 3}
+    }  # fmt: skip
+    with pytest.raises(ConfigError, match="must not hold credentials") as refused:
+        Config.from_mapping({"epochs": 1}, ["ckpt.remote_options.client_kwargs.aws_secret_access_key=hunter2"])
+    assert "hunter2" not in str(refused.value)
+    with pytest.raises(ConfigError, match="ckpt.remote_options.use_ssl must be a mapping"):
+        Config.from_mapping(base, ["ckpt.remote_options.use_ssl.x=1"])
+
+
 @pytest.mark.parametrize("override", ["val.patience", "=3", "", "  =x"])
 def test_malformed_override_is_refused(override):
     """An override without '=' or without a key is an error showing what was given."""

@@ -30,7 +30,8 @@ def plain_tree(mapping: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def apply_overrides(root: type, data: dict[str, Any], overrides: Iterable[str]) -> None:
-    """Write ``"dotted.key=value"`` overrides into ``data`` (a plain tree), each value parsed for its key's type.
+    """Write ``"dotted.key=value"`` overrides into ``data`` (a plain tree), each value parsed for its key's type; a
+    key past a mapping field (``ckpt.remote_options.endpoint_url=...``) sets that entry of the mapping.
 
     Pure apart from changing ``data``.
 
@@ -39,6 +40,9 @@ def apply_overrides(root: type, data: dict[str, Any], overrides: Iterable[str]) 
     >>> apply_overrides(Config, data, ["val.patience=5", "epochs=2"])
     >>> data
     {'val': {'patience': 5}, 'epochs': 2}
+    >>> apply_overrides(Config, data, ["ckpt.remote_options.client_kwargs.region_name=eu-west-1"])
+    >>> data["ckpt"]
+    {'remote_options': {'client_kwargs': {'region_name': 'eu-west-1'}}}
 
     :param root: The config class the keys belong to.
     :param data: The plain tree to change.
@@ -72,8 +76,29 @@ def apply_overrides(root: type, data: dict[str, Any], overrides: Iterable[str]) 
                     raise ConfigError(".".join(parts[: depth + 1]), "must be a mapping", child)
                 node = child
                 cls = tp
+            elif _is_mapping_field(fields[part]):  # ckpt.remote_options.endpoint_url=...: one entry of the mapping
+                _set_entry(node, parts[: depth + 1], parts[depth + 1 :], text.strip())
+                break
             else:
                 raise unknown_key(root, key)
+
+
+def _is_mapping_field(field: attrs.Attribute) -> bool:
+    """Whether a field holds a free mapping of its own (its default a ``dict``), whose entries an override may set."""
+    default = field.default
+    return isinstance(default, dict) or (isinstance(default, attrs.Factory) and default.factory is dict)
+
+
+def _set_entry(node: dict[str, Any], field: list[str], entry: list[str], text: str) -> None:
+    """Set one (possibly nested) entry of a mapping field from ``field.entry=text``; the value parsed as a literal."""
+    mapping = node.setdefault(field[-1], {})
+    for depth, name in enumerate(entry):
+        if not isinstance(mapping, dict):
+            raise ConfigError(".".join(field + entry[:depth]), "must be a mapping", mapping)
+        if depth == len(entry) - 1:
+            mapping[name] = None if text.lower() in ("null", "none", "~") else _literal(text)
+        else:
+            mapping = mapping.setdefault(name, {})
 
 
 def all_keys(cls: type, prefix: str = "") -> list[str]:
