@@ -72,7 +72,7 @@ DEFAULT_MAX_STEPS = 12
 DEFAULT_EPOCHS = 2
 """The budget of a run measured in epochs, unless ``--epochs`` says otherwise."""
 
-MAX_DERIVED_STEPS = 200
+MAX_DERIVED_STEPS = 400
 """The most optimizer steps certify gives a run on its own (no ``--max-steps``/``--epochs``) to cover an epoch end and
 a validation before each interruption: past it, it interrupts without and says so."""
 
@@ -830,6 +830,7 @@ def certify(
     if drawn and max_steps is not None and max_steps < _FEWEST_STEPS:
         raise ConfigError("--max-steps", f"must be at least {_FEWEST_STEPS} for each of two interruptions to come "
                           "after a step checkpoint, an epoch end and a validation", max_steps)  # fmt: skip
+    own = (list(budget), None)  # certify's own budget, and the straight run's steps on it: one note on a longer one
     with fork_server(preload=["trainkit.cli.certify_child"]):
         for _ in range(4):  # the budget given or certify's, then (certify's only) at most 3 longer ones
             _run_to_the_end(runs, straight, "straight", ())
@@ -842,15 +843,18 @@ def certify(
                 notes += (_uncovered_note(total, ends, validations),)
                 ends = validations = None  # interrupt without: said in the notes
                 break
-            notes += (
-                f"certify's own budget ({', '.join(budget)}: {total} steps) let too few epoch ends and validations "
-                f"come before its interruptions; it ran {', '.join(longer)} instead (give --max-steps or --epochs to "
-                "choose)",
-            )
+            own = (own[0], total if own[1] is None else own[1])
             budget = longer
             cfg, _ = _without_user_stores(config_from_argv(config, [*words, *budget, *_RUN_WORDS]))
             runs.base["config"] = cfg.to_dict()
             shutil.rmtree(straight)
+        if own[1] is not None:
+            notes = (
+                f"certify's own budget ({', '.join(own[0])}: {own[1]} steps) let too few epoch ends and validations "
+                f"come before its interruptions; it ran {', '.join(budget)} ({total} steps) instead (give --max-steps "
+                "or --epochs to choose)",
+                *notes,
+            )
         plan = plan_interruptions(total, kill_at=kill_at, term_at=term_at, seed=seed, epoch_ends=ends,
                                   validations=validations)  # fmt: skip
         first_interrupted = runs.attempts
