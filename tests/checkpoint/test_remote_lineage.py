@@ -16,8 +16,8 @@ from tests.helpers.trainers import TinyTrainer, param_digest
 from trainkit import CheckpointMismatchError, OutDirError
 from trainkit.checkpoint import load_checkpoint
 from trainkit.checkpoint.checkpointer import LINEAGE_RECORD
-from trainkit.checkpoint.remote import open_store
-from trainkit.checkpoint.remote_manifest import MANIFEST, parse_manifest
+from trainkit.checkpoint.remote import RemoteTier, open_store
+from trainkit.checkpoint.remote_manifest import MANIFEST, Manifest, RemoteObject, manifest_bytes, parse_manifest
 from trainkit.files.durable import atomic_save
 
 pytest.importorskip("fsspec")
@@ -192,3 +192,29 @@ def test_a_hostile_lineage_record_takes_no_remote_checkpoint_and_a_directory_the
     (tmp_path / "dir" / LINEAGE_RECORD).mkdir(parents=True)
     with pytest.raises(OutDirError, match=LINEAGE_RECORD):
         TinyTrainer(make_cfg(tmp_path / "dir", epochs=1, ckpt={"remote": url, "resume": "never"}))
+
+
+def test_an_empty_machine_takes_a_steps_newest_save_whatever_its_folder_is_named(tmp_path):
+    """A step saved inside the epoch by one life and again at the epoch's end by the life that resumed it (a kill cut
+    the first life's end-of-epoch commit): a resume on an empty out_dir takes the end-of-epoch save, the tip, even
+    when the older copy's random folder name sorts after it (the kill fuzz met it: the older copy was taken, and the
+    newer, of a sibling history then, stayed on the remote for good)."""
+    prefix = tmp_path / "remote"
+    first, second = ("0a1b2c3d", 0), ("4e5f6a7b", 18)
+
+    def commit(name: str, *, epoch_end: bool, time: float, lineage) -> None:
+        (prefix / name).mkdir(parents=True)
+        (prefix / name / "last.pt").write_bytes(b"x")
+        manifest = Manifest(
+            step=18, epoch=2, kind="last", run_id=None, version="0", lineage=lineage,
+            objects=(RemoteObject(name="last.pt", size=1, crc32=0),),
+            description={"epoch_end": epoch_end, "time": time, "scores": {}},
+        )  # fmt: skip
+        (prefix / name / MANIFEST).write_bytes(manifest_bytes(manifest))
+
+    commit("step-18-ffffffff00000000", epoch_end=False, time=100.0, lineage=(first,))
+    commit("step-18-0000000000000000", epoch_end=True, time=200.0, lineage=(first, second))
+    fs, root = open_store(f"file://{prefix}")
+    reader = RemoteTier(f"file://{prefix}", fs, root, out_dir=tmp_path / "run", lease_s=60.0, wait_s=1.0)
+    names = [name for name, _ in reader.candidates(None)]
+    assert names == ["step-18-0000000000000000", "step-18-ffffffff00000000"]

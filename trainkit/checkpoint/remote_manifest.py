@@ -373,11 +373,24 @@ def parse_lease(data: bytes) -> Lease:
 
 
 def newest_first(manifests: Iterable[tuple[str, Manifest]]) -> list[tuple[str, Manifest]]:
-    """Committed folders, newest (largest step, then name) first.
+    """Committed folders, newest first: the largest step; at one step (a save inside the epoch and its save at the
+    epoch's end, or a copy a resumed life wrote again), the epoch's end after a save inside it, then the later save
+    time, then the name. Never the name alone: a fresh resume must take the step's newest save, not whichever random
+    folder name sorts last (it took an older copy of another life, and retention then left the newer one for good).
 
-    >>> m = lambda s: Manifest(step=s, epoch=0, kind="last", objects=(RemoteObject(name="a", size=0, crc32=0),),
-    ...                        run_id=None, version="0")
+    >>> m = lambda s, end=True, t=0.0: Manifest(step=s, epoch=0, kind="last", run_id=None, version="0",
+    ...     objects=(RemoteObject(name="a", size=0, crc32=0),), description={"epoch_end": end, "time": t})
     >>> [name for name, _ in newest_first([("a", m(1)), ("b", m(3))])]
     ['b', 'a']
+    >>> [name for name, _ in newest_first([("step-6-ff", m(6, end=False, t=9.0)), ("step-6-00", m(6, t=5.0))])]
+    ['step-6-00', 'step-6-ff']
+    >>> [name for name, _ in newest_first([("step-6-ff", m(6, t=5.0)), ("step-6-00", m(6, t=9.0))])]
+    ['step-6-00', 'step-6-ff']
     """
-    return sorted(manifests, key=lambda item: (item[1].step, item[0]), reverse=True)
+
+    def recency(item: tuple[str, Manifest]) -> tuple[int, bool, float, str]:
+        name, manifest = item
+        described = manifest.description
+        return manifest.step, bool(described.get("epoch_end", True)), float(described.get("time", 0.0)), name
+
+    return sorted(manifests, key=recency, reverse=True)
