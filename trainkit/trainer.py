@@ -585,9 +585,11 @@ class BaseTrainer(abc.ABC):
         records, run_log, best = self._records, self._run_log, self._best.state
         loop = records.loop if batches is None else attrs.evolve(records.loop, step=self.step, in_epoch=True)
         position, rank_position = self._position.save_position(batches, loop.epoch, self._metrics.state_dict())
+        loader_state = self._position.epoch_end_loader_state() if batches is None else None
         record = _save_record(
             records, loop, self._position, latest_metrics=self._metrics.latest, results=self._results,
             run_id=run_log.run_id, metrics_offset=run_log.offset(), position=position, rank_position=rank_position,
+            loader_state=loader_state,
         )  # fmt: skip
         with self._metrics.outside_training("ckpt"):
             seconds = self._checkpointer.save(record, self._registry, best_weights=best, before=run_log.pending_sync())
