@@ -12,7 +12,8 @@ import torch
 from tests.helpers import trainers
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import Crash, StepTrainer, param_digest
-from trainkit.errors import TrainingInterrupted, UsageError
+from trainkit.checkpoint.payload import validate_last
+from trainkit.errors import CheckpointCorruptError, TrainingInterrupted, UsageError
 
 pytest.importorskip("torchdata.stateful_dataloader")
 
@@ -193,3 +194,23 @@ def test_a_loader_that_never_starts_a_new_pass_after_a_resume_is_refused_not_tra
         trainer.train()
     trainer.close()
     assert trainer.step == 4  # nothing trained in epoch 1
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"rank": 0}, r"last.pt: loader_states must be None or a list with one entry per rank"),
+        ([], r"last.pt: loader_states must be None or a list with one entry per rank"),
+        ([[1, 2]], r"last.pt: loader_states\[0\] must be a dict of str keys"),
+        ([None, None], r"last.pt: loader_states must be a list of 1 entries \(world_size=1, one per rank\)"),
+    ],
+)
+def test_a_hostile_epoch_end_loader_state_is_refused_naming_the_key(tmp_path, value, message):
+    trainer = PassesTrainer(make_cfg(tmp_path, {**STREAM, "epochs": 1}), 0, 1)
+    trainer.train()
+    trainer.close()
+    payload = torch.load(tmp_path / "last.pt", weights_only=True)
+    validate_last(payload, path="last.pt", world_size=1)
+    payload["loader_states"] = value
+    with pytest.raises(CheckpointCorruptError, match=message):
+        validate_last(payload, path="last.pt", world_size=1)
