@@ -209,26 +209,14 @@ class StatefulBatches(TrackedBatches):
     hold for its next pass: a resume at the previous epoch's last step boundary."""
 
     def loader_state(self) -> dict[str, Any]:
-        """The loader's ``state_dict()`` now, checked and copied (a background save writes it later).
+        """The loader's ``state_dict()`` now, checked and copied, as :meth:`saved_share` takes it (an epoch-end
+        checkpoint keeps it).
 
         :returns: The state.
-        :raises UsageError: When ``state_dict()`` returns something else than a dict with str keys.
-        :raises CheckpointUnsafeError: When it holds a cycle, nests too deep or holds too many containers
-            (:func:`~trainkit.state.graph.check_state_graph`).
+        :raises UsageError: As :meth:`saved_share` does.
+        :raises CheckpointUnsafeError: As :meth:`saved_share` does.
         """
-        state = self.loader.state_dict()
-        if not isinstance(state, dict) or not all(isinstance(key, str) for key in state):
-            raise UsageError(
-                f"{type(self.loader).__name__}.state_dict() must return a dict with str keys to be saved in a "
-                f"checkpoint, got {type(state).__name__} {reprlib.repr(state)}"
-            )
-        check_state_graph(
-            "loader_state",
-            state,
-            owner=f"the state_dict() of the {type(self.loader).__name__}",
-            max_depth=MAX_ITEM_DEPTH,
-        )
-        return copy.deepcopy(state)
+        return self.saved_share()["loader_state"]
 
     def saved_share(self) -> dict[str, Any]:
         """What this rank's share of a step checkpoint adds for this loader: ``loader_state``, its ``state_dict()``
@@ -243,9 +231,20 @@ class StatefulBatches(TrackedBatches):
         :raises CheckpointUnsafeError: When it holds a cycle, nests too deep or holds too many containers
             (:func:`~trainkit.state.graph.check_state_graph`).
         """
-        state = self.loader_state()
+        state = self.loader.state_dict()
+        if not isinstance(state, dict) or not all(isinstance(key, str) for key in state):
+            raise UsageError(
+                f"{type(self.loader).__name__}.state_dict() must return a dict with str keys to be saved in a step "
+                f"checkpoint, got {type(state).__name__} {reprlib.repr(state)}"
+            )
+        check_state_graph(
+            "loader_state",
+            state,
+            owner=f"the state_dict() of the {type(self.loader).__name__}",
+            max_depth=MAX_ITEM_DEPTH,
+        )
         generators = [generator.get_state() for generator in loader_generators(self.loader)]
-        return {"loader_state": state, "generators_at_save": generators}
+        return {"loader_state": copy.deepcopy(state), "generators_at_save": generators}
 
     def _start(self) -> Iterator[Any]:
         self._before_iterator()
