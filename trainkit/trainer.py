@@ -289,10 +289,13 @@ def _end_epoch(
 
 def _save_record(records: _Records, loop: core.LoopState, tracker: EpochTracker, **values: Any) -> SaveRecord:
     """What a save writes: the records (with ``loop`` for this save), the position part's batches left out, and the
-    metrics, results, run id, journal offset and epoch position given as ``values``."""
+    metrics, results, run id, journal offset and epoch position given as ``values``; a save with no position (an
+    epoch's end) also the loader state the position part keeps for the next epoch."""
+    loader_state = tracker.epoch_end_loader_state() if values.get("position") is None else None
     return SaveRecord(
-        loop=loop, best=records.best, patience=records.patience, left_out=tuple(tracker.left_out()), **values
-    )
+        loop=loop, best=records.best, patience=records.patience, left_out=tuple(tracker.left_out()),
+        loader_state=loader_state, **values,
+    )  # fmt: skip
 
 
 def _position_field(name: str, doc: str) -> Any:

@@ -37,6 +37,7 @@ RESERVED_NAMES = frozenset(
         "metrics_offset",
         "training_modes",
         "rank_items",
+        "loader_states",
     }
 )
 """Top-level checkpoint keys that hold the engine's own state; no registered item may take them."""

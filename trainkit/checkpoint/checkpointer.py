@@ -179,6 +179,8 @@ class SaveRecord:
     :ivar rank_position: This rank's share of a step checkpoint (RNG and loader states at the iterator's
         creation, unpushed logs, the epoch's grad-norm mean); None at an epoch's end.
     :ivar left_out: Every ``(epoch, batch)`` the counted loop leaves out (``guard.skip_batches``, a rollback's).
+    :ivar loader_state: At an epoch's end, this rank's ``state_dict()`` of the loader that carries its own position
+        whose epoch ended (copied); None elsewhere, or without such a loader.
     """
 
     loop: core.LoopState
@@ -191,6 +193,7 @@ class SaveRecord:
     position: core.EpochPosition | None = None
     rank_position: dict[str, Any] | None = None
     left_out: tuple[tuple[int, int], ...] = ()
+    loader_state: dict[str, Any] | None = None
 
 
 class Checkpointer:
@@ -882,6 +885,7 @@ class Checkpointer:
         uploaded = self._remote.report() if self._remote is not None and self._remote_token is not None else None
         shares = self._item_shares(states) if refused is None else None
         state = {"rng": capture_rng(), "position": record.rank_position, "remote": uploaded, "items": shares}
+        state["loader"] = record.loader_state
         state["refused"] = refused
         gathered = dist_utils.all_gather_objects(state)  # also carries each rank's sharded upload, for the commit
         _raise_refused([rank_state["refused"] for rank_state in gathered])
@@ -891,14 +895,17 @@ class Checkpointer:
         mid_epoch = None
         if record.position is not None:
             mid_epoch = mid_epoch_state(record.position, [state["position"] for state in gathered])
+        loader_states = [rank_state["loader"] for rank_state in gathered]
+        loader_states = loader_states if any(each is not None for each in loader_states) else None
         rank_items = None
         if shares is not None:
             differ = core.differing_items([state["items"]["digests"] for state in gathered])
             rank_items = rank_items_state([state["items"]["means"] for state in gathered], differ)
         best = best_weights if changed and record.best is not None else None
         engine = functools.partial(
-            self._payload, record=record, rng=rng, mid_epoch=mid_epoch, registry=registry, rank_items=rank_items
-        )
+            self._payload, record=record, rng=rng, mid_epoch=mid_epoch, registry=registry, rank_items=rank_items,
+            loader_states=loader_states,
+        )  # fmt: skip
         request = SaveRequest(
             registry=registry,
             engine=engine,
@@ -999,6 +1006,7 @@ class Checkpointer:
         mid_epoch: dict[str, Any] | None,
         registry: core.CkptRegistry,
         rank_items: dict[str, Any] | None,
+        loader_states: list[dict[str, Any] | None] | None = None,
     ) -> dict[str, Any]:
         return last_payload(
             items=items,
@@ -1021,6 +1029,7 @@ class Checkpointer:
             guard_skips=[[epoch, batch] for epoch, batch in record.left_out],
             rank_items=rank_items,
             lineage=self._lineage,
+            loader_states=loader_states,
         )
 
     def keep_best_on_disk(self, tracked: bool, epoch: int | None) -> None:

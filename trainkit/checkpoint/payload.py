@@ -313,6 +313,21 @@ def _check_mid_epoch(value: Any, where: str) -> None:
         _check_running_mean(state["grad_norm"], f"{at}['grad_norm']")
 
 
+_LOADER_STATES_RULE = (
+    "a list with one entry per rank: None, or the state_dict() of the loader that carries its own position whose "
+    "epoch just ended on that rank"
+)
+
+
+def _check_loader_states(value: Any, where: str) -> None:
+    """The epoch-end states of the loaders that carry their own position, one per rank (see :func:`last_payload`)."""
+    if type(value) is not list or not value:
+        raise _Bad(where, _LOADER_STATES_RULE, value)
+    for rank, state in enumerate(value):
+        if state is not None:
+            _check_loader_state(state, f"{where}[{rank}]")
+
+
 def _check_generators(value: Any, where: str) -> None:
     """A loader's own generators' states, each tried on a throwaway generator."""
     if type(value) is not list or not all(_is_byte_tensor(g) for g in value):
@@ -518,6 +533,7 @@ LAST_PT: tuple[Key, ...] = (
     Key("guard_skips", _SKIPS_RULE, _check_skips, required=False),
     Key("rank_items", f"None or {_RANK_ITEMS_RULE}", _check_rank_items, nullable=True, required=False),
     Key("lineage", _LINEAGE_RULE, _check_lineage, required=False),
+    Key("loader_states", f"None or {_LOADER_STATES_RULE}", _check_loader_states, nullable=True, required=False),
 )
 """The engine's keys of a ``last.pt``, in the order the trainer writes them; each registered item's state sits
 beside them under its own name (listed in ``items``). ``training_modes`` is absent from checkpoints written before
@@ -525,7 +541,9 @@ trainkit saved it, and ``trainkit`` (the state of a step checkpoint written insi
 from checkpoints written before step checkpoints existed, ``guard_skips`` (the batches a rollback of the divergence
 guard leaves out) from those written before it existed, ``rank_items`` (the items whose state differed between ranks,
 None when none did) from those written before trainkit compared them, ``lineage`` (the history of lives the
-checkpoint belongs to, :func:`~trainkit.bookkeeping.in_history`) from those written before trainkit recorded it; a
+checkpoint belongs to, :func:`~trainkit.bookkeeping.in_history`) from those written before trainkit recorded it,
+``loader_states`` (at an epoch's end, each rank's ``state_dict()`` of the loader that carries its own position whose
+epoch ended; None when no rank has one) from those written before trainkit saved it; a
 ``loop`` dict may lack ``last_validated``
 (LoopState.from_dict supplies the default)."""
 
@@ -562,6 +580,7 @@ def last_payload(
     guard_skips: list[list[int]] | None = None,
     rank_items: dict[str, Any] | None = None,
     lineage: core.Lineage = (),
+    loader_states: list[dict[str, Any] | None] | None = None,
 ) -> dict[str, Any]:
     """Build a ``last.pt`` payload: every registered item's state under its name, then the engine's keys.
 
@@ -592,6 +611,8 @@ def last_payload(
     :param guard_skips: ``[epoch, batch]`` positions the divergence guard's rollback leaves out (None: none).
     :param rank_items: :func:`rank_items_state`'s dict, or None when every item's state was the same on every rank.
     :param lineage: The history of lives the checkpoint belongs to (:func:`~trainkit.bookkeeping.branch_lineage`).
+    :param loader_states: At an epoch's end, per rank, the ``state_dict()`` of the loader that carries its own
+        position whose epoch ended there (None for a rank without one); None when no rank has one.
     :returns: The payload, ready for :func:`~trainkit.checkpoint.atomic_save`.
     """
     return {
@@ -615,6 +636,7 @@ def last_payload(
         "guard_skips": list(guard_skips or []),
         "rank_items": rank_items,
         "lineage": [list(segment) for segment in lineage],
+        "loader_states": loader_states,
     }
 
 
@@ -904,6 +926,10 @@ def _check_last_consistency(payload: dict[str, Any], world_size: int | None) -> 
             if len(states) != saved:
                 rule = f"a list of {saved} states (world_size={saved}, one per rank)"
                 raise _Bad(f"rank_items['means'][{_short(name)}]", rule, states)
+    loader_states = payload.get("loader_states")
+    if loader_states is not None and len(loader_states) != saved:
+        rule = f"a list of {saved} entries (world_size={saved}, one per rank)"
+        raise _Bad("loader_states", rule, loader_states)
     mid_epoch = payload.get("trainkit")
     if mid_epoch is not None:
         position = mid_epoch["position"]

@@ -1042,7 +1042,8 @@ def _diagnose(
         lost = None  # what the scan found and names (first) itself
     lost_path = None if lost is None else lost[2]
     notes = [
-        f"left to the state of {loader}, which each step checkpoint saves (not to be registered): {name} ({kind})"
+        f"left to the state of {loader}, which every checkpoint saves, step and epoch-end (not to be registered): "
+        f"{name} ({kind})"
         for name, kind, loader in covered
         if name != lost_path
     ]

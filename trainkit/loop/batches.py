@@ -672,6 +672,7 @@ class TrackedBatches:
             if boundary is None:
                 for self.consumed, batch in counted:
                     yield batch
+                self._ran_out()
                 return
             step = self._step
             last_step = step()
@@ -683,9 +684,13 @@ class TrackedBatches:
                     last_step = now
                     if boundary(self):
                         return
+            self._ran_out()
         finally:
             self.ended = True
             self._on_close()
+
+    def _ran_out(self) -> None:
+        """The loader's iterator ran out (not the loop leaving early): nothing more to check here."""
 
 
 class WatchedBatches:

@@ -139,6 +139,9 @@ class EpochTracker:
         """Whether the epoch's loop ended at a step boundary before its last batch (``max_steps``, or a step
         validation's early stop); the run's final checkpoint then records its position, when it can resume."""
         self._end_batches: TrackedBatches | None = None
+        self._ran_out: StatefulBatches | None = None  # the epoch's counted pass over a loader with its own position
+        self._epoch_start_state: dict[str, Any] | None = None  # an epoch-end checkpoint's state for that loader
+        self._state_handed = False  # a resumed epoch handed its loader a saved state: the next pass starts after it
         self.stopped_early = False
         """Whether a step validation's early-stop verdict ended the epoch's loop."""
         self._voting = False  # whether this epoch's step boundaries take part in the ranks' stop vote
@@ -231,6 +234,9 @@ class EpochTracker:
         for epoch, batch in ckpt.get("guard_skips") or []:
             self.leave_out(epoch, (batch,))
         mid_epoch, rng = ckpt.get("trainkit"), ckpt.get("rng")
+        loader_states = ckpt.get("loader_states")
+        if mid_epoch is None and loader_states is not None and not loop.finished:
+            self._take_epoch_end_state(resume_path, loader_states, rank)
         if mid_epoch is None and loop.in_epoch and not loop.finished:
             # a run that ended inside an epoch without recording where: the epoch would start again at batch 0
             raise CheckpointMismatchError(
@@ -271,18 +277,49 @@ class EpochTracker:
         )
         return state
 
+    def _take_epoch_end_state(self, resume_path: Path, states: list[dict[str, Any] | None], rank: int) -> None:
+        """Keep this rank's state of the loader whose epoch ended at an epoch-end checkpoint, for the next epoch's
+        pass to start from (:class:`~trainkit.loop.stateful.StatefulBatches`); on another world size no saved rank's
+        state is this rank's: warned, and the loaders start as they are."""
+        if len(states) != self._world_size:
+            warn_user(
+                f"{resume_path} holds the states of {len(states)} ranks' loaders at the epoch's end, and this run has "
+                f"{self._world_size} ranks: the loaders that carry their own position start the next epoch from "
+                "their state as setup() built them, not from the saved one"
+            )
+            return
+        self._epoch_start_state = states[rank]
+
+    def epoch_end_loader_state(self) -> dict[str, Any] | None:
+        """What an epoch-end save records of this rank's loader: the ``state_dict()`` of the loader that carries its
+        own position whose counted pass ran out in the epoch that just ended, or None (no such loader, or the loop
+        ended inside the epoch: that save records the position instead).
+
+        :returns: The state (copied), or None.
+        :raises UsageError: As :meth:`~trainkit.loop.stateful.StatefulBatches.loader_state` does.
+        """
+        batches = self._ran_out
+        if batches is None or self._end_batches is not None:
+            return None
+        return batches.loader_state()
+
     @contextlib.contextmanager
     def running_epoch(self) -> Iterator[None]:
         """Around ``train_epoch()``: the tracked loop is counted inside; afterwards, warn when a resumed epoch's
         position was never used (``train_epoch()`` did not iterate a ``DataLoader`` through ``progress()``)."""
         self._in_epoch, self._tracked = True, False
         self.ended_inside, self.stopped_early, self._end_batches = False, False, None
+        self._ran_out = None
         try:
             yield
+            batches = self.counted_batches
+            if isinstance(batches, StatefulBatches) and batches.ended and not self.ended_inside:
+                self._ran_out = batches
         finally:
             self._in_epoch = False
             self.first_batch = 0
             self.counted_batches = None
+            self._epoch_start_state = None  # for this epoch's first pass only
         if self._pending is not None:
             position = self._pending[0]
             self._pending = None
@@ -364,6 +401,11 @@ class EpochTracker:
             drop=drop,
             on_drop=self.on_drop,
         )
+        if stateful and position is None:  # a pass from the epoch's first batch: after an epoch-end resume, its state
+            batches.start_state, self._epoch_start_state = self._epoch_start_state, None
+            batches.after_resume, self._state_handed = self._state_handed, False
+        elif stateful:
+            self._state_handed = True
         return self._counted(batches, True)
 
     def _counted(self, batches: Any, can_resume: bool) -> Any:

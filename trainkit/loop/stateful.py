@@ -14,6 +14,7 @@ resumes inside, and sets the process's RNG states when resuming.
 from __future__ import annotations
 
 import copy
+import itertools
 import reprlib
 from collections.abc import Iterator
 from typing import Any
@@ -25,10 +26,14 @@ from trainkit.checkpoint.payload import MAX_ITEM_DEPTH
 from trainkit.errors import CheckpointMismatchError, ConfigError, UsageError
 from trainkit.loop.batches import TrackedBatches, unskippable_reason
 from trainkit.state.graph import check_state_graph
-from trainkit.state.rng import loader_generators, restore_rng
+from trainkit.state.rng import capture_rng, loader_generators, restore_rng
+
+_ENDED = object()
+"""What ``next()`` gives for an iterator that has run out."""
 
 __all__ = [
     "carries_own_position",
+    "check_empty_pass",
     "check_rollback_loader",
     "loader_facts",
     "loader_order",
@@ -91,6 +96,32 @@ def check_rollback_loader(loader: Any) -> None:
             "skips a bad step's batches at the index level, which needs a torch DataLoader over a map-style dataset "
             "with a length; iterate one through self.progress(), or set guard.nonfinite=skip (or raise)"
         ),
+    )
+
+
+def check_empty_pass(batches: Any) -> None:
+    """Refuse an epoch whose counted pass over a loader that carries its own position started at the epoch's first
+    batch, ran out and yielded no batch: the epoch trained nothing, and the run would go on as if it had.
+
+    A loader handed a saved state at the end of a pass (a resume at an epoch's last step boundary, or from an
+    epoch-end checkpoint) may resume that ended pass at its next ``__iter__`` and yield nothing: the pass after that
+    one is then the epoch's (:class:`StatefulBatches`). A loader that yields nothing in that one too never starts a
+    new pass from the state it was given.
+
+    >>> check_empty_pass(None)
+
+    :param batches: The epoch's counted loop, its loader's iterator run out (:class:`StatefulBatches` or another),
+        or None.
+    :raises UsageError: Naming the epoch, the loader and what it must do.
+    """
+    if not isinstance(batches, StatefulBatches) or batches.skip or batches.consumed:
+        return
+    name = type(batches.loader).__name__
+    raise UsageError(
+        f"epoch {batches.epoch}'s pass over the {name} given to progress() yielded no batch: the epoch would train "
+        "nothing. A loader that carries its own position (or its dataset) must start a new pass when the state its "
+        "load_state_dict() was given is at the end of one, at the latest at the __iter__ after the one that resumes "
+        "it (docs: Step checkpoints, loaders that carry their own position)"
     )
 
 
@@ -276,6 +307,23 @@ class StatefulBatches(TrackedBatches):
         """The epoch's batches, ``len(loader)``, or None for a loader without a length (a stream)."""
         return _length(self.loader)
 
+    start_state: dict[str, Any] | None = None
+    """The state an epoch-end checkpoint saved of the loader, which this pass (from the epoch's first batch) hands it
+    before iterating; None otherwise."""
+    after_resume = False
+    """Whether the loader was handed a saved state before this pass (from the epoch's first batch), which it may still
+    hold for its next pass: a resume at the previous epoch's last step boundary."""
+
+    def loader_state(self) -> dict[str, Any]:
+        """The loader's ``state_dict()`` now, checked and copied, as :meth:`saved_share` takes it (an epoch-end
+        checkpoint keeps it).
+
+        :returns: The state.
+        :raises UsageError: As :meth:`saved_share` does.
+        :raises CheckpointUnsafeError: As :meth:`saved_share` does.
+        """
+        return self.saved_share()["loader_state"]
+
     def saved_share(self) -> dict[str, Any]:
         """What this rank's share of a step checkpoint adds for this loader: ``loader_state``, its ``state_dict()``
         now (copied: a background save writes it later), and ``generators_at_save``, its own generators' states now.
@@ -312,13 +360,59 @@ class StatefulBatches(TrackedBatches):
         self._before_iterator()
         resume = self._resume
         if resume is None:
-            return iter(self.loader)
+            if self.start_state is None and not self.after_resume:
+                return iter(self.loader)
+            return self._first_pass_after_a_state()
         iterator = self._resumed_iterator(resume.loader_state)
         restore_rng(resume.rng_at_save)
         for generator, state in zip(loader_generators(self.loader), resume.generators_at_save, strict=True):
             generator.set_state(state)
         self._resume = None
         return iterator
+
+    def _first_pass_after_a_state(self) -> Iterator[Any]:
+        """The epoch's pass over a loader handed a saved state before it: an epoch-end checkpoint's
+        (:attr:`start_state`), or a step checkpoint's at the previous epoch's last step boundary
+        (:attr:`after_resume`); the uninterrupted run's loader had only ended its previous pass there.
+
+        The epoch-end state goes to the loader's ``load_state_dict()``, then to an iterator made from it and dropped
+        (torchdata's ``StatefulDataLoader`` hands it to its dataset's ``load_state_dict()`` only then, and an ended
+        iterator's state gives way to a fresh one). The pass's first batch is then drawn: a loader (or its dataset)
+        that keeps the loaded state for its next pass resumes the ended pass there and yields nothing, and the
+        epoch's pass is the one after it. The RNG states and the loader's own generators' are put back before each
+        iterator is made: the dropped ones drew from them, which the uninterrupted run did not.
+
+        :raises CheckpointMismatchError: When the loader refuses the epoch-end state, naming it and why.
+        """
+        loader = self.loader
+        rng = capture_rng()
+        generators = loader_generators(loader)
+        states = [generator.get_state() for generator in generators]
+
+        def put_back() -> None:
+            restore_rng(rng)
+            for generator, saved in zip(generators, states, strict=True):
+                generator.set_state(saved)
+
+        if self.start_state is not None:
+            try:
+                loader.load_state_dict(self.start_state)
+                iter(loader)
+            except Exception as exc:  # noqa: BLE001 - a loader's own checks raise anything (KeyError, ...)
+                cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                raise CheckpointMismatchError(
+                    f"the checkpoint was written at the end of epoch {self.epoch - 1}, but the "
+                    f"{type(loader).__name__} given to progress() could not load the state it saved there ({cause}); "
+                    "resume with the loader that wrote it, or start fresh (ckpt.resume=never)"
+                ) from exc
+            self.start_state = None
+            put_back()
+        iterator = iter(loader)
+        first = next(iterator, _ENDED)
+        if first is not _ENDED:
+            return itertools.chain((first,), iterator)
+        put_back()  # the ended pass, resumed: the epoch's pass is the next one
+        return iter(loader)
 
     def _resumed_iterator(self, state: dict[str, Any]) -> Iterator[Any]:
         """The loader's iterator from the saved position; a state it refuses (in ``load_state_dict()``, or when the
@@ -343,6 +437,11 @@ class StatefulBatches(TrackedBatches):
                 f"{type(loader).__name__} given to progress() could not load the state it saved there ({cause}); "
                 "resume from an epoch-boundary checkpoint, or start fresh (ckpt.resume=never)"
             ) from exc
+
+    def _ran_out(self) -> None:
+        """The loader's iterator ran out: refuse a pass from the epoch's first batch that yielded none
+        (:func:`check_empty_pass`), before the code after the loop takes the epoch as trained."""
+        check_empty_pass(self)
 
     def _iterate(self, skip: int, drop: frozenset[int] = frozenset()) -> tuple[Iterator[Any], bool]:
         """A second pass over the loader (uncounted): its own iterator, from wherever it stands."""
