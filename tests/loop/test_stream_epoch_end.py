@@ -214,3 +214,24 @@ def test_a_hostile_epoch_end_loader_state_is_refused_naming_the_key(tmp_path, va
     payload["loader_states"] = value
     with pytest.raises(CheckpointCorruptError, match=message):
         validate_last(payload, path="last.pt", world_size=1)
+
+
+@pytest.mark.ddp
+def test_two_ranks_each_continue_their_own_loader_state_from_an_epoch_end_checkpoint(tmp_path):
+    """2 gloo ranks under DDP, each with its own stream dataset (its own generator): epochs=1 then epochs=3 on the
+    same folder trains what a straight 3-epoch run trains, so each rank got its own loader state back from the
+    epoch-end checkpoint (another rank's would change the averaged gradients)."""
+    import trainkit
+
+    config = {**STREAM, "dist": {"backend": "gloo", "timeout_s": 60}}
+    trainkit.spawn(PassesTrainer, make_cfg(tmp_path / "straight", config), 2)
+    trainkit.spawn(PassesTrainer, make_cfg(tmp_path / "run", {**config, "epochs": 1}), 2)
+    split = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    assert len(split["loader_states"]) == 2  # one per rank
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainkit.spawn(PassesTrainer, make_cfg(tmp_path / "run", config), 2)
+    straight = torch.load(tmp_path / "straight" / "last.pt", weights_only=True)
+    resumed = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    assert resumed["step"] == straight["step"]
+    assert all(torch.equal(resumed["model"][key], value) for key, value in straight["model"].items())
