@@ -218,3 +218,15 @@ def test_an_empty_machine_takes_a_steps_newest_save_whatever_its_folder_is_named
     reader = RemoteTier(f"file://{prefix}", fs, root, out_dir=tmp_path / "run", lease_s=60.0, wait_s=1.0)
     names = [name for name, _ in reader.candidates(None)]
     assert names == ["step-18-0000000000000000", "step-18-ffffffff00000000"]
+
+
+def test_a_checkpoint_taken_from_the_remote_into_an_empty_folder_is_kept_saying_so(tmp_path, capfd):
+    """Under ckpt.keep, the checkpoint an empty machine takes from the remote is kept like the resumed one of a
+    killed run, and the line says where it came from (not that "the run before stopped after publishing it")."""
+    url = f"file://{tmp_path}/remote"
+    run(tmp_path / "first", 1, ckpt={"remote": url, "keep": "latest:2"})
+    capfd.readouterr()
+    run(tmp_path / "empty", 2, ckpt={"remote": url, "keep": "latest:2"})
+    printed = "".join(capfd.readouterr())
+    assert "as checkpoints/step-6: it was taken from ckpt.remote (ckpt.keep)" in printed, printed
+    assert "the run before stopped after publishing it" not in printed

@@ -338,7 +338,7 @@ class Checkpointer:
             warn_user(f"resuming {path}: " + "; ".join(records.notes))
         if not quiet:
             self._say_resuming(path, records, ckpt.get("trainkit"))
-            self._keep_resumed(path, ckpt, records)
+            self._keep_resumed(path, ckpt, records, fetched=fetched is not None)
             if path.parent.name == KEPT_DIR and same_directory(path.parent.parent, self._files.out_dir):
                 # ckpt.resume names a kept checkpoint of this folder: rerunning the command must find it again
                 self._kept.resumed_from = kept_step(path.name)
@@ -661,9 +661,10 @@ class Checkpointer:
             os.replace(self.last_path, kept)
             warn_user(f"the damaged {self.last_path} is kept as {kept}; the next save writes {self.last_path} anew")
 
-    def _keep_resumed(self, path: Path, ckpt: Mapping[str, Any], records: core.Resumed) -> None:
+    def _keep_resumed(self, path: Path, ckpt: Mapping[str, Any], records: core.Resumed, *, fetched: bool) -> None:
         """Rank 0 under ``ckpt.keep``: the resumed ``last`` of this folder is kept if its step is not (a kill
-        between its publish and its link), described as its save described it, with the time it was written."""
+        between its publish and its link, or one just taken from the remote), described as its save described it,
+        with the time it was written."""
         in_shards = self._ckpt.format == "sharded"
         if not self._kept.active or not same_directory(path.parent, self._files.out_dir) or path.is_dir() != in_shards:
             return
@@ -672,10 +673,12 @@ class Checkpointer:
             return
         description, minimize = described
         if self._kept.keep_resumed(path, description, minimize=minimize):
-            say(
-                f"kept {path} as {self._kept.directory.name}/step-{description.step}: the run before stopped after "
-                "publishing it and before keeping it (ckpt.keep)"
+            why = (
+                "it was taken from ckpt.remote"
+                if fetched
+                else "the run before stopped after publishing it and before keeping it"
             )
+            say(f"kept {path} as {self._kept.directory.name}/step-{description.step}: {why} (ckpt.keep)")
 
     def _describe_resumed(
         self, path: Path, ckpt: Mapping[str, Any], records: core.Resumed
