@@ -160,6 +160,7 @@ def test_a_name_a_run_writes_or_deletes_in_its_folder_is_refused(runs, tmp_path,
     before = tree(runs / "b")
     targets = [
         runs / "b" / ".trainkit-lineage.json",
+        runs / "b" / ".trainkit-folder-id",
         runs / "b" / ".remote-staging",
         runs / "b" / ".remote-staging" / "rank-0" / "model.pt",
         runs / "b" / ".remote-fetch-0123abcd",

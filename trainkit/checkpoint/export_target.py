@@ -6,8 +6,9 @@ checkpoint being exported (by any spelling: a hard link or a link to it included
 named as trainkit names a checkpoint (``last.pt``, ``best.pt``, their ``.prev`` copies, ``last.ckpt/`` ...,
 ``checkpoints/step-N.pt``) or lies inside such a directory: a resume would take those names for a checkpoint; and
 when it bears another name a run writes or deletes in its folder (``metrics.jsonl``, ``.trainkit.lock``,
-``.trainkit-lineage.json``, ``checkpoints/index.json``, ``.remote-staging/``, ``.remote-fetch-*/``). The
-rules look at where ``OUT`` really is (its folder's links resolved). Then what is there already:
+``.trainkit-lineage.json``, ``.trainkit-folder-id``, ``checkpoints/index.json``, ``.remote-staging/``,
+``.remote-fetch-*/``). The rules look at where ``OUT`` really is (its folder's links resolved). Then what is there
+already:
 
 - ``--format torch`` writes one file. An existing ``OUT`` is refused unless ``overwrite`` is given and it is a
   regular file (no link, no folder, no FIFO) that an earlier torch-format export wrote: :func:`is_torch_export` reads
@@ -93,14 +94,15 @@ def _real(path: Path) -> Path:
 
 def _run_owned(real: Path) -> str | None:
     """How ``real`` is a name of a run folder that a run writes or deletes, besides its checkpoints (its lock, its
-    metrics, the lineage record, the remote tier's staging and download folders, the kept checkpoints' index);
+    metrics, the lineage record, the folder's identity, the remote tier's staging and download folders, the kept
+    checkpoints' index);
     None when it is not one."""
     from trainkit.checkpoint.checkpointer import LINEAGE_RECORD
-    from trainkit.checkpoint.remote import FETCH_PREFIX, STAGING_DIR
+    from trainkit.checkpoint.remote import FETCH_PREFIX, FOLDER_ID_FILE, STAGING_DIR
     from trainkit.run.folder import METRICS_FILE
     from trainkit.run.lock import LOCK_FILE
 
-    if real.name in (LOCK_FILE, METRICS_FILE, LINEAGE_RECORD) or (
+    if real.name in (LOCK_FILE, METRICS_FILE, LINEAGE_RECORD, FOLDER_ID_FILE) or (
         real.name == "index.json" and real.parent.name == _KEPT_DIR
     ):
         return f"is named as the {real.name} of"
