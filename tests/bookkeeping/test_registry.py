@@ -148,3 +148,23 @@ def test_payload_round_trip_restores_state():
     new, _ = apply_payload(target, collect_payload(source))
     assert target_model.value == 9
     assert collect_payload(new) == collect_payload(source)
+
+
+class _ManyMismatches:
+    """Loads nothing: fails as torch does for a model of other shapes, a line per tensor."""
+
+    def load_state_dict(self, state):
+        lines = "".join(f"\n\tsize mismatch for layer{i}.weight: copying a param of shape [64]" for i in range(40))
+        raise RuntimeError("Error(s) in loading state_dict for Net:" + lines)
+
+
+def test_an_item_that_cannot_load_is_refused_in_one_bounded_line_naming_it():
+    """A model of other shapes: the refusal names the item and its class, repeats the first lines of torch's error and
+    counts the rest, on one line (torch's own lists every tensor: 40 lines of it here)."""
+    registry = CkptRegistry({"model": _ManyMismatches()})
+    with pytest.raises(RegistryError) as refused:
+        apply_payload(registry, {"model": {}})
+    text = str(refused.value)
+    assert "\n" not in text and len(text) < 800, text
+    assert text.startswith("checkpoint item 'model' could not be restored into the registered _ManyMismatches: ")
+    assert "size mismatch for layer0.weight" in text and "... and 37 more lines" in text

@@ -123,6 +123,25 @@ def collect_payload(registry: CkptRegistry, *, state_of: Callable[[Any], Any] | 
     return {name: read(obj) if _has(obj, "state_dict") else obj for name, obj in registry.items.items()}
 
 
+_CAUSE_LINES = 4
+"""How many lines of a loader's error a refusal repeats (torch lists every tensor whose shape differs)."""
+
+
+def _one_line(text: str, limit: int = 600) -> str:
+    """An error's text as one bounded line: its first lines joined, the rest counted.
+
+    >>> _one_line("Error(s) in loading state_dict for Net:\\n\\tsize mismatch for a\\n\\tsize mismatch for b")
+    'Error(s) in loading state_dict for Net:; size mismatch for a; size mismatch for b'
+    >>> _one_line("\\n".join(f"line {i}" for i in range(10)))
+    'line 0; line 1; line 2; line 3; ... and 6 more lines'
+    """
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    shown = "; ".join(lines[:_CAUSE_LINES])
+    if len(lines) > _CAUSE_LINES:
+        shown += f"; ... and {len(lines) - _CAUSE_LINES} more lines"
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
+
 def apply_payload(
     registry: CkptRegistry,
     payload: Mapping[str, Any],
@@ -175,7 +194,8 @@ def apply_payload(
                 load(obj, payload[name])
             except (RuntimeError, ValueError, KeyError, TypeError) as exc:
                 raise RegistryError(
-                    f"checkpoint item {name!r} could not be restored into the registered {type(obj).__name__}: {exc}"
+                    f"checkpoint item {name!r} could not be restored into the registered {type(obj).__name__}: "
+                    f"{_one_line(str(exc))}"
                 ) from exc
         else:
             restored[name] = payload[name]
