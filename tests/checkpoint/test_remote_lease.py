@@ -55,7 +55,9 @@ def committed(url: str) -> dict[int, str]:
     for path in fs.find(root):
         if path.endswith("/" + MANIFEST):
             folder = path[len(root) + 1 :].split("/")[0]
-            found[parse_manifest(fs.cat_file(path)).step] = folder
+            data = fs.cat_file(path)
+            if data:  # on file:// a record being written reads empty for an instant: committed at the next look
+                found[parse_manifest(data).step] = folder
     return found
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -230,3 +231,24 @@ def test_a_checkpoint_taken_from_the_remote_into_an_empty_folder_is_kept_saying_
     printed = "".join(capfd.readouterr())
     assert "as checkpoints/step-6: it was taken from ckpt.remote (ckpt.keep)" in printed, printed
     assert "the run before stopped after publishing it" not in printed
+
+
+def test_a_commit_record_being_written_on_a_file_system_is_neither_refused_nor_taken_for_a_leftover(tmp_path):
+    """On file:// a commit record is visible, empty, for an instant while it is written: a reader then (another
+    machine's resume, inspect, retain) neither refuses the folder for good nor lists it as an uncommitted leftover
+    (which a lease holder deletes); its next look finds it committed."""
+    prefix = tmp_path / "remote"
+    folder = prefix / "step-6-0123456789abcdef"
+    folder.mkdir(parents=True)
+    (folder / "last.pt").write_bytes(b"x")
+    (folder / MANIFEST).write_bytes(b"")
+    fs, root = open_store(f"file://{prefix}")
+    reader = RemoteTier(f"file://{prefix}", fs, root, out_dir=tmp_path / "run", lease_s=60.0, wait_s=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a refusal would warn
+        assert (reader.committed(), reader.uncommitted()) == ([], [])
+    manifest = Manifest(
+        step=6, epoch=0, kind="last", run_id=None, version="0", objects=(RemoteObject(name="last.pt", size=1, crc32=0),)
+    )
+    (folder / MANIFEST).write_bytes(manifest_bytes(manifest))
+    assert [name for name, _ in reader.committed()] == ["step-6-0123456789abcdef"]

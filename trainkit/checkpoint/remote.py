@@ -1061,7 +1061,10 @@ class RemoteTier:
             manifest = self._manifests.get(name)  # a commit record is written once: read once
             if manifest is None:
                 try:
-                    manifest = parse_manifest(self._read_object(self._path(name, MANIFEST), MAX_MANIFEST_BYTES))
+                    record = self._read_object(self._path(name, MANIFEST), MAX_MANIFEST_BYTES)
+                    if not record and _is_local(self._fs):  # a file system shows a record being written as empty
+                        continue  # neither committed yet nor uncommitted (never deleted as such): the next scan sees it
+                    manifest = parse_manifest(record)
                 except FileNotFoundError:
                     uncommitted.append(name)  # never read
                     continue
