@@ -48,7 +48,7 @@ import attrs
 from trainkit import bookkeeping as core
 from trainkit.errors import BookkeepingError
 from trainkit.files.bounded_read import UnreadableFile, load_json, read_regular
-from trainkit.files.durable import _NO_HARD_LINKS, _copy_new_file, _process_gone, current_umask, fsync_directory
+from trainkit.files.durable import NO_HARD_LINKS, copy_new_file, current_umask, fsync_directory, process_gone
 from trainkit.messages import warn_user
 
 __all__ = [
@@ -620,9 +620,9 @@ class KeptCheckpoints:
         try:
             os.link(source, tmp, follow_symlinks=False)
         except OSError as exc:
-            if exc.errno not in _NO_HARD_LINKS:
+            if exc.errno not in NO_HARD_LINKS:
                 raise
-            _copy_new_file(str(source), tmp)  # no hard links here: a durable copy into a file of our own
+            copy_new_file(str(source), tmp)  # no hard links here: a durable copy into a file of our own
         try:
             os.replace(tmp, target)
         except BaseException:
@@ -646,9 +646,9 @@ class KeptCheckpoints:
                 try:
                     os.link(entry.path, tmp / entry.name, follow_symlinks=False)
                 except OSError as exc:
-                    if exc.errno not in _NO_HARD_LINKS:
+                    if exc.errno not in NO_HARD_LINKS:
                         raise
-                    _copy_new_file(entry.path, str(tmp / entry.name))
+                    copy_new_file(entry.path, str(tmp / entry.name))
             fsync_directory(tmp)
             os.chmod(tmp, 0o777 & ~current_umask())
             if replace:  # the same step kept before (a resumed run saving it again): the old one goes first
@@ -674,7 +674,7 @@ class KeptCheckpoints:
         with suppress(OSError):
             for entry in os.scandir(self.directory):
                 found = _TEMP_NAME.fullmatch(entry.name)
-                if not found or not _process_gone(int(found["pid"])):
+                if not found or not process_gone(int(found["pid"])):
                     continue
                 if entry.is_dir(follow_symlinks=False) and ".ckpt." in entry.name:
                     shutil.rmtree(entry.path, ignore_errors=True)  # a killed build or deletion of a kept directory

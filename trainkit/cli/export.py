@@ -40,27 +40,26 @@ def config_sha256(config: Any) -> str:
 
 def _read(source: Path, item: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """One item's whole weights from a checkpoint, and the payload they came from (``trainkit.pt``'s, sharded)."""
-    from trainkit import checkpoint as ckpt_io
-    from trainkit.checkpoint import dcp as sharded
+    from trainkit.checkpoint import dcp, load_checkpoint
     from trainkit.checkpoint.payload import validate_best, validate_last
     from trainkit.errors import CheckpointCorruptError, CheckpointError
 
     if source.is_dir():
-        problem = sharded.verify_directory(source, rank=0, world_size=1)
+        problem = dcp.verify_directory(source, rank=0, world_size=1)
         if problem is not None:
             raise CheckpointCorruptError(problem)
-        engine = ckpt_io.load_checkpoint(source / sharded.ENGINE_FILE)
+        engine = load_checkpoint(source / dcp.ENGINE_FILE)
         if "loop" in engine:
-            validate_last(engine, path=source / sharded.ENGINE_FILE)
+            validate_last(engine, path=source / dcp.ENGINE_FILE)
             key = item
-            if engine.get(item) != sharded.SHARDED:
-                stored = [name for name in engine["items"] if engine[name] == sharded.SHARDED]
+            if engine.get(item) != dcp.SHARDED:
+                stored = [name for name in engine["items"] if engine[name] == dcp.SHARDED]
                 raise CheckpointError(f"{source} holds no sharded item {item!r}; it holds {stored} (--item NAME)")
         else:
-            validate_best(engine, path=source / sharded.ENGINE_FILE)
+            validate_best(engine, path=source / dcp.ENGINE_FILE)
             key = "model"
-        return sharded.read_whole(source, key), engine
-    payload = ckpt_io.load_checkpoint(source)
+        return dcp.read_whole(source, key), engine
+    payload = load_checkpoint(source)
     if "loop" not in payload:
         validate_best(payload, path=source)
         return payload["model"], payload
@@ -138,7 +137,7 @@ def export_weights(
     """
     import torch
 
-    from trainkit import checkpoint as ckpt_io
+    from trainkit.checkpoint import atomic_save, payload_nbytes
     from trainkit.checkpoint import safetensors_files as st
     from trainkit.checkpoint.export_target import check_out, mark_export, same_file_still
     from trainkit.errors import ConfigError
@@ -160,7 +159,7 @@ def export_weights(
     tensors = {name: value for name, value in weights.items() if isinstance(value, torch.Tensor)}
     if format == "torch":
         same_file_still(out, checked)
-        ckpt_io.atomic_save(mark_export(weights, _header(payload, item)), out)
+        atomic_save(mark_export(weights, _header(payload, item)), out)
         written, aliases = [Path(out)], {}
     else:
         tensors, aliases = st.unique_storages(tensors)
@@ -168,7 +167,7 @@ def export_weights(
         written = st.write_safetensors(
             tensors, out, metadata=header, max_shard_size=max_shard_size, overwrite=overwrite
         )
-    size = ckpt_io.payload_nbytes(tensors)  # a tied weight's memory once, as both formats write it
+    size = payload_nbytes(tensors)  # a tied weight's memory once, as both formats write it
     where = f"{len(written)} files in {out}" if len(written) > 1 else str(written[0])
     tied = [f"{alias} = {kept}" for alias, kept in aliases.items()]
     notes = [f"tied, written once: {', '.join(tied[:3])}{', ...' if len(tied) > 3 else ''}"] if tied else []

@@ -105,7 +105,7 @@ def retain_remote(url: str, keep: str, *, dry_run: bool) -> list[str]:
     :raises OutDirError: When a live run holds the prefix, or a folder could not be deleted (after every other one
         was; naming it, its cause and the folders left).
     """
-    from trainkit.cli.retain import _policy
+    from trainkit.cli.retain import keep_policy
 
     # the tier's scratch folder (its staging, removed at close) is a folder of its own, never the system's temp
     with tempfile.TemporaryDirectory(prefix="trainkit-retain-") as scratch:
@@ -118,7 +118,7 @@ def retain_remote(url: str, keep: str, *, dry_run: bool) -> list[str]:
             if len(recorded) > 1 and None not in recorded
             else "the prefix's commit records do not record val.minimize (written by an older trainkit)"
         )
-        policy = _policy(keep, minimize, where="--keep", unknown=unknown)
+        policy = keep_policy(keep, minimize, where="--keep", unknown=unknown)
         leftovers = tier.uncommitted()  # taking the lease deletes them
         if not dry_run:
             tier.acquire(uploads=False)

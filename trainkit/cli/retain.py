@@ -54,15 +54,22 @@ def _size(path: Path) -> str:
         return "?"
 
 
-def _policy(
+def keep_policy(
     keep: tuple[str, ...] | str,
     minimize: bool | None,
     *,
     where: str,
     unknown: str = "the run folder does not record val.minimize",
 ) -> core.KeepAny:
-    """The rules as a policy; a ``best`` rule without a direction needs the run's (recorded in the index; ``unknown``
-    says why it is not known)."""
+    """The rules as a policy; a ``best`` rule without a direction needs the run's (recorded in the index).
+
+    :param keep: The rules (``ckpt.keep``'s form, or ``--keep``'s).
+    :param minimize: The run's direction, or None when it is not known.
+    :param where: The option or key named in an error.
+    :param unknown: Why the direction is not known, for the error.
+    :returns: The retention policy.
+    :raises ConfigError: On rules that do not parse, or a ``best`` rule without a known direction.
+    """
     try:
         lower, higher = core.parse_keep(keep, minimize=True), core.parse_keep(keep, minimize=False)
     except BookkeepingError as exc:
@@ -129,7 +136,7 @@ def describe_run_folder(out_dir: str | Path) -> list[str]:
         lines.append(f"  no kept checkpoints in {directory} (ckpt.keep is empty, or nothing was kept yet)")
         return lines
     try:
-        policy = _policy(folder.keep or (), folder.minimize, where="ckpt.keep")
+        policy = keep_policy(folder.keep or (), folder.minimize, where="ckpt.keep")
     except ConfigError:
         policy = core.KeepAny()
     rules = policy.spec or "none recorded"
@@ -168,7 +175,7 @@ def retain_run(out_dir: str | Path, keep: str, *, dry_run: bool) -> list[str]:
             )
         folder = read_kept(directory)
         described, minimize = list(folder.described), folder.minimize
-        policy = _policy(keep, minimize, where="--keep")
+        policy = keep_policy(keep, minimize, where="--keep")
         # the newest is the one the run recorded: a larger step (a planted step-999.pt) is left alone
         reasons = core.keep_reasons(policy, described, newest=folder.newest)
         doomed = [c for c in described if not reasons[c.step]]

@@ -40,6 +40,9 @@ __all__ = [
     "warn_if_low_on_space",
     "remove_stale_temp_files",
     "finish_freeing",
+    "NO_HARD_LINKS",
+    "copy_new_file",
+    "process_gone",
 ]
 
 TEMP_SUFFIX = ".tmp"
@@ -276,10 +279,10 @@ def _link_previous(path: str, names: _SaveNames) -> None:
         except FileNotFoundError:  # the first save: nothing to keep
             return
         except OSError as exc:
-            if exc.errno not in _NO_HARD_LINKS:
+            if exc.errno not in NO_HARD_LINKS:
                 raise
             try:
-                _copy_new_file(path, link_tmp)  # no hard links on this filesystem: a copy into a file of our own
+                copy_new_file(path, link_tmp)  # no hard links on this filesystem: a copy into a file of our own
                 break
             except FileExistsError:
                 continue
@@ -333,7 +336,7 @@ def finish_freeing() -> None:
             _freeing = None
 
 
-_NO_HARD_LINKS = frozenset(
+NO_HARD_LINKS = frozenset(
     code for code in (errno.EPERM, errno.EXDEV, errno.EMLINK, getattr(errno, "ENOTSUP", None)) if code is not None
 )
 """``link()`` errors that mean the filesystem has no hard links here (FAT, some network mounts)."""
@@ -342,8 +345,13 @@ _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW
 """A file trainkit creates: never one that exists already, never through a symbolic link."""
 
 
-def _copy_new_file(source: str, target: str) -> None:
-    """Copy ``source`` into a file created for it at ``target`` (``FileExistsError`` if anything is there)."""
+def copy_new_file(source: str, target: str) -> None:
+    """Copy ``source`` into a file created for it at ``target``, durably (fsynced; removed again on failure).
+
+    :param source: The file to copy.
+    :param target: The new file (never one that exists, never through a link).
+    :raises FileExistsError: When anything is at ``target``.
+    """
     fd = os.open(target, _NEW_FILE_FLAGS, _FILE_MODE)
     try:
         with open(source, "rb") as src, os.fdopen(fd, "wb") as dst:
@@ -406,8 +414,12 @@ _TEMP_NAME = re.compile(r"\.(?:last|best)(?:\.prev)?\.pt\.(?P<pid>\d+)\.\d+\.tmp
 """The temp files trainkit's own saves make: ``.last.pt.<pid>.<n>.tmp``, ``.best.prev.pt.<pid>.<n>.tmp``, ..."""
 
 
-def _process_gone(pid: int) -> bool:
-    """Whether no process with this id runs on this machine (a pid reused since errs on the side of keeping)."""
+def process_gone(pid: int) -> bool:
+    """Whether no process with this id runs on this machine (a pid reused since errs on the side of keeping).
+
+    :param pid: A process id (this process's own is never gone).
+    :returns: True when no such process runs.
+    """
     if pid == os.getpid():
         return False
     try:
@@ -436,7 +448,7 @@ def remove_stale_temp_files(directory: str | os.PathLike[str]) -> list[Path]:
         return removed
     for entry in entries:
         found = _TEMP_NAME.fullmatch(entry.name)
-        if found is None or not entry.is_file(follow_symlinks=False) or not _process_gone(int(found["pid"])):
+        if found is None or not entry.is_file(follow_symlinks=False) or not process_gone(int(found["pid"])):
             continue
         with suppress(OSError):
             os.unlink(entry.path)
