@@ -14,6 +14,7 @@ The helpers these fixtures build on (trainers, config builders, file readers) li
 
 from __future__ import annotations
 
+import secrets
 import signal
 
 import pytest
@@ -63,3 +64,19 @@ def s3_endpoint():
 
     with s3_server() as endpoint:
         yield endpoint
+
+
+STORES = ["s3", "file", "memory"]
+"""The stores the remote tier's tests run on: a real S3 API server (moto), a file system, fsspec's memory."""
+
+
+@pytest.fixture(params=STORES)
+def remote_url(request, tmp_path):
+    """A fresh remote prefix on each store."""
+    token = secrets.token_hex(4)
+    if request.param == "s3":
+        request.getfixturevalue("s3_endpoint")
+        return f"s3://trainkit-{token}/runs/a"
+    if request.param == "memory":
+        return f"memory://trainkit-{token}/runs/a"
+    return f"file://{tmp_path}/remote/runs/a"

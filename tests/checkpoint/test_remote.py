@@ -31,19 +31,6 @@ from trainkit.checkpoint.remote_manifest import LEASE, MANIFEST, Lease, lease_by
 
 pytest.importorskip("fsspec")
 
-STORES = ["s3", "file", "memory"]
-
-
-@pytest.fixture(params=STORES)
-def remote_url(request, tmp_path):
-    """A fresh remote prefix on each store."""
-    token = secrets.token_hex(4)
-    if request.param == "s3":
-        request.getfixturevalue("s3_endpoint")
-        return f"s3://trainkit-{token}/runs/a"
-    if request.param == "memory":
-        return f"memory://trainkit-{token}/runs/a"
-    return f"file://{tmp_path}/remote/runs/a"
 
 
 def run(out_dir: Path, epochs: int, **ckpt) -> tuple[str, TinyTrainer]:

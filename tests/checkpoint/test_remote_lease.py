@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.configs import make_cfg
-from tests.helpers.trainers import TinyTrainer, param_digest
+from tests.helpers.trainers import TinyTrainer, param_digest, train_and_close
 from trainkit import ConfigError, OutDirError
 from trainkit.checkpoint.remote import FETCH_PREFIX, STAGING_DIR, RemoteTier, open_store
 from trainkit.checkpoint.remote_manifest import LEASE, MANIFEST, Lease, lease_bytes, parse_manifest
@@ -25,26 +25,13 @@ from trainkit.cli.remote import retain_remote
 pytest.importorskip("fsspec")
 
 
-@pytest.fixture(params=["s3", "file", "memory"])
-def remote_url(request, tmp_path):
-    """A fresh remote prefix on each store."""
-    token = secrets.token_hex(4)
-    if request.param == "s3":
-        request.getfixturevalue("s3_endpoint")
-        return f"s3://trainkit-{token}/runs/a"
-    if request.param == "memory":
-        return f"memory://trainkit-{token}/runs/a"
-    return f"file://{tmp_path}/remote/runs/a"
 
 
 def run(out_dir: Path, epochs: int, *, url: str, **cfg) -> TinyTrainer:
     ckpt = {"remote": url, **cfg.pop("ckpt", {})}
     trainer = TinyTrainer(make_cfg(out_dir, epochs=epochs, ckpt=ckpt, **cfg))
-    try:
-        trainer.train()
-        return trainer
-    finally:
-        trainer.close()
+    train_and_close(trainer)
+    return trainer
 
 
 def committed(url: str) -> dict[int, str]:

@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers.configs import make_cfg
 from tests.helpers.remote_store import committed_steps, remote_files
-from tests.helpers.trainers import TinyTrainer, param_digest
+from tests.helpers.trainers import TinyTrainer, param_digest, train_and_close
 from trainkit import CheckpointMismatchError, OutDirError
 from trainkit.checkpoint import load_checkpoint
 from trainkit.checkpoint.checkpointer import LINEAGE_RECORD
@@ -32,11 +32,8 @@ def url(tmp_path):
 def run(out_dir: Path, epochs: int, **overrides) -> TinyTrainer:
     ckpt = overrides.pop("ckpt", {})
     trainer = TinyTrainer(make_cfg(out_dir, epochs=epochs, ckpt=ckpt, **overrides))
-    try:
-        trainer.train()
-        return trainer
-    finally:
-        trainer.close()
+    train_and_close(trainer)
+    return trainer
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
