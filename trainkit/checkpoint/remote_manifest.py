@@ -230,6 +230,17 @@ def manifest_bytes(manifest: Manifest) -> bytes:
     return json.dumps(data, sort_keys=True, allow_nan=False).encode()
 
 
+def _record_json(data: bytes, what: str) -> Any:
+    """A store's record (a commit record, a lease) as JSON: bounded in size (:data:`MAX_MANIFEST_BYTES`) and nesting
+    (:func:`~trainkit.files.bounded_read.load_json`), UTF-8; ``what`` names it in the error."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointUnsafeError(f"{what} is {len(data)} bytes, more than {MAX_MANIFEST_BYTES}")
+    try:
+        return load_json(data.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError too
+        raise CheckpointUnsafeError(f"{what} is not JSON ({exc})") from None
+
+
 def parse_manifest(data: bytes) -> Manifest:
     """A manifest read from a remote, checked: bounded size, JSON of the right shape, safe unique names.
 
@@ -237,12 +248,7 @@ def parse_manifest(data: bytes) -> Manifest:
     :returns: The manifest.
     :raises CheckpointUnsafeError: On anything else, naming what is wrong.
     """
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise CheckpointUnsafeError(f"remote manifest is {len(data)} bytes, more than {MAX_MANIFEST_BYTES}")
-    try:
-        raw = load_json(data.decode("utf-8"))
-    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError too
-        raise CheckpointUnsafeError(f"remote manifest is not JSON ({exc})") from None
+    raw = _record_json(data, "remote manifest")
     objects = raw.get("objects") if isinstance(raw, dict) else None
     if (
         not isinstance(objects, list)
@@ -344,12 +350,7 @@ def read_lease(data: bytes) -> Lease:
     :returns: The lease.
     :raises CheckpointUnsafeError: On anything else, naming what is wrong.
     """
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise CheckpointUnsafeError(f"remote lease is {len(data)} bytes, more than {MAX_MANIFEST_BYTES}")
-    try:
-        raw = load_json(data.decode("utf-8"))
-    except ValueError as exc:
-        raise CheckpointUnsafeError(f"remote lease is not JSON ({exc})") from None
+    raw = _record_json(data, "remote lease")
     if not isinstance(raw, dict) or "holder" not in raw or "expires" not in raw:
         raise CheckpointUnsafeError("remote lease must be a mapping with a holder and an expiry time")
     expires = raw["expires"]
