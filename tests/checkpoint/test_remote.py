@@ -8,7 +8,6 @@ import importlib.util
 import json
 import os
 import random
-import secrets
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import pytest
 
 from tests.helpers import ROOT
 from tests.helpers.configs import make_cfg
-from tests.helpers.remote_store import ACCESS_KEY_ID, SECRET, committed_steps, remote_files
+from tests.helpers.remote_store import ACCESS_KEY_ID, SECRET, committed_steps, failing_store, remote_files
 from tests.helpers.trainers import TinyTrainer, param_digest
 from trainkit import OutDirError, UsageError
 from trainkit.checkpoint import load_checkpoint
@@ -195,32 +194,10 @@ def test_a_kill_at_a_random_moment_of_the_uploads_leaves_a_committed_checkpoint_
     assert resumed == whole, f"killed {pause:.2f}s after the first commit; resumed from step {steps[-1]}"
 
 
-class FailingWrites:
-    """An fsspec memory store on which every write of a ``last.pt`` fails (a store that is down for checkpoints)."""
-
-    @staticmethod
-    def register() -> str:
-        import fsspec
-        from fsspec.implementations.memory import MemoryFileSystem
-
-        class Failing(MemoryFileSystem):
-            protocol = "failing"
-            store: dict = {}  # noqa: RUF012 - fsspec's own layout: the store is the class's
-            pseudo_dirs = [""]  # noqa: RUF012
-
-            def open(self, path, mode="rb", **kwargs):
-                if "w" in mode and str(path).endswith("/last.pt"):
-                    raise OSError("the store is down")
-                return super().open(path, mode, **kwargs)
-
-        fsspec.register_implementation("failing", Failing, clobber=True)
-        return f"failing://trainkit-{secrets.token_hex(4)}/runs/a"
-
-
 def test_a_store_that_fails_every_upload_neither_fails_nor_stops_training(tmp_path):
     """Every upload fails: the run trains to its end, warns once about the failures, and at its end says which step
     is not on the remote; nothing is committed there."""
-    url = FailingWrites.register()
+    url = failing_store()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, trainer = run(tmp_path / "run", 3, remote=url, remote_wait_s=0.5)

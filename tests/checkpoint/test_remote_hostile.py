@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.configs import make_cfg
+from tests.helpers.remote_store import failing_store
 from tests.helpers.trainers import TinyTrainer
 from trainkit import OutDirError
 from trainkit.checkpoint.remote import RemoteTier, open_store
@@ -135,21 +136,8 @@ def test_an_error_of_the_store_client_stops_the_run_in_one_line_without_its_trac
 
 def test_what_a_failing_store_says_is_escaped_in_the_warning(tmp_path):
     """A store whose error message holds ANSI escapes and a newline: the uploader's warning shows them escaped."""
-    import fsspec
-    from fsspec.implementations.memory import MemoryFileSystem
-
-    class Shouting(MemoryFileSystem):
-        protocol = "shouting"
-        store: dict = {}  # noqa: RUF012 - fsspec's own layout: the store is the class's
-        pseudo_dirs = [""]  # noqa: RUF012
-
-        def open(self, path, mode="rb", **kwargs):
-            if "w" in mode and str(path).endswith("/last.pt"):
-                raise OSError("\x1b[2J\x1b[31mdown\ntrainkit: forged line")
-            return super().open(path, mode, **kwargs)
-
-    fsspec.register_implementation("shouting", Shouting, clobber=True)
-    _, said = run(tmp_path / "run", 1, remote=f"shouting://trainkit-{os.getpid()}/runs", remote_wait_s=0.5)
+    url = failing_store("\x1b[2J\x1b[31mdown\ntrainkit: forged line", protocol="shouting")
+    _, said = run(tmp_path / "run", 1, remote=url, remote_wait_s=0.5)
 
     failed = [line for line in said if "failed" in line]
     assert failed and all("\x1b" not in line and "\n" not in line for line in failed), failed

@@ -15,13 +15,12 @@ import pytest
 import torch
 from torch import nn
 
-import trainkit
+from tests.helpers.checkpoint_files import export_header
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import TinyTrainer
 from trainkit.checkpoint import load_checkpoint
 from trainkit.checkpoint.export_target import EXPORT_MARKER
 from trainkit.cli import main as cli_main
-from trainkit.cli.export import config_sha256
 
 
 def export(capsys, *args) -> tuple[int, str, str]:
@@ -90,17 +89,7 @@ def test_the_torch_format_loads_with_weights_only_and_carries_its_header(runs, t
     assert list(loaded) == list(payload["model"])
     assert all(torch.equal(loaded[name], payload["model"][name]) for name in loaded)
     fresh_net().load_state_dict(loaded)
-    assert loaded._metadata == {
-        EXPORT_MARKER: {
-            "format": "pt",
-            "trainkit_version": trainkit.__version__,
-            "checkpoint": "last",
-            "item": "model",
-            "epoch": "2",
-            "step": str(payload["step"]),
-            "config_sha256": config_sha256(payload["config"]),
-        }
-    }
+    assert loaded._metadata == {EXPORT_MARKER: export_header(payload, epoch=2)}
 
 
 def test_out_is_never_the_checkpoint_by_any_spelling(runs, tmp_path, capsys):

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import trainkit
 from tests.faults.hostile import Reduces
+from tests.helpers.checkpoint_files import export_header
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import ShardTrainer, TinyTrainer, make_data, whole_best
 from trainkit.checkpoint.safetensors_files import export_names, parse_size, plan_shards
@@ -77,15 +78,7 @@ def test_last_pt_round_trips_bit_for_bit_with_its_run_in_the_header(file_run, tm
 
     with safe_open(str(out), framework="pt") as handle:
         header = handle.metadata()
-    assert header == {
-        "format": "pt",
-        "trainkit_version": trainkit.__version__,
-        "checkpoint": "last",
-        "item": "model",
-        "epoch": "2",
-        "step": str(payload["step"]),
-        "config_sha256": config_sha256(payload["config"]),
-    }
+    assert header == export_header(payload, epoch=2)
 
 
 def test_best_pt_exports_to_a_folder_of_one_file_and_a_best_records_its_step(file_run, tmp_path, capsys):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from tests.helpers.configs import make_cfg
-from tests.helpers.trainers import TinyTrainer
+from tests.helpers.trainers import TinyTrainer, train_and_close
 from trainkit.checkpoint.remote import LEASE_LOCK, open_store
 from trainkit.checkpoint.remote_manifest import LEASE, Lease, lease_bytes
 from trainkit.cli import main
@@ -16,11 +16,7 @@ def test_inspect_and_retain_take_a_remote_url(tmp_path, capsys):
     """inspect lists the committed checkpoints and describes one after verifying it; retain refuses a prefix a run
     holds, says what it keeps and why, and deletes the rest and an uncommitted folder."""
     url = f"file://{tmp_path}/remote"
-    trainer = TinyTrainer(make_cfg(tmp_path / "run", epochs=3, ckpt={"remote": url, "keep": "every_epochs:1"}))
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+    train_and_close(TinyTrainer(make_cfg(tmp_path / "run", epochs=3, ckpt={"remote": url, "keep": "every_epochs:1"})))
     fs, root = open_store(url)
     fs.makedirs(f"{root}/step-99-0000abcd", exist_ok=True)
     fs.pipe_file(f"{root}/step-99-0000abcd/last.pt", b"cut short")
@@ -48,11 +44,7 @@ def test_inspect_describes_a_sharded_runs_remote_checkpoint(tmp_path, capsys):
     """A sharded run's remote folder holds last.ckpt/, not last.pt: inspect URL/FOLDER describes it after verifying
     it (it said a temporary last.pt 'does not exist')."""
     url = f"file://{tmp_path}/remote"
-    trainer = TinyTrainer(make_cfg(tmp_path / "run", epochs=1, ckpt={"remote": url, "format": "sharded"}))
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+    train_and_close(TinyTrainer(make_cfg(tmp_path / "run", epochs=1, ckpt={"remote": url, "format": "sharded"})))
     (folder,) = (p.name for p in (tmp_path / "remote").iterdir() if p.name.startswith("step-"))
     capsys.readouterr()
     assert main(["inspect", f"{url}/{folder}"]) == 0, capsys.readouterr().err

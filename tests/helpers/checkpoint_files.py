@@ -40,3 +40,20 @@ def flip_bit_in_tensor_data(path, offset_in_member=7):
     data_start = header + 30 + name_len + extra_len
     raw[data_start + offset_in_member] ^= 0x10
     path.write_bytes(bytes(raw))
+
+
+def export_header(payload: dict, *, epoch: int, checkpoint: str = "last", item: str = "model") -> dict[str, str]:
+    """The header both export formats write for ``item`` of a checkpoint ``payload`` (safetensors metadata, and the
+    torch file's marker in its state dict's ``_metadata``)."""
+    import trainkit
+    from trainkit.cli.export import config_sha256
+
+    return {
+        "format": "pt",
+        "trainkit_version": trainkit.__version__,
+        "checkpoint": checkpoint,
+        "item": item,
+        "epoch": str(epoch),
+        "step": str(payload["step"]),
+        "config_sha256": config_sha256(payload["config"]),
+    }

@@ -76,3 +76,30 @@ def committed_steps(url: str) -> list[int]:
 
     objects = remote_files(url)
     return sorted(parse_manifest(data).step for name, data in objects.items() if name.endswith("/" + MANIFEST))
+
+
+def failing_store(message: str = "the store is down", protocol: str = "failing") -> str:
+    """Register an fsspec memory store on which every write of a ``last.pt`` fails with ``OSError(message)`` (a store
+    that is down for checkpoints); a fresh prefix on it.
+
+    :param message: What the store's error says.
+    :param protocol: The store's URL scheme.
+    :returns: The prefix's URL.
+    """
+    import secrets
+
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class Failing(MemoryFileSystem):
+        store: dict = {}  # noqa: RUF012 - fsspec's own layout: the store is the class's
+        pseudo_dirs = [""]  # noqa: RUF012
+
+        def open(self, path, mode="rb", **kwargs):
+            if "w" in mode and str(path).endswith("/last.pt"):
+                raise OSError(message)
+            return super().open(path, mode, **kwargs)
+
+    Failing.protocol = protocol
+    fsspec.register_implementation(protocol, Failing, clobber=True)
+    return f"{protocol}://trainkit-{secrets.token_hex(4)}/runs/a"

@@ -160,17 +160,20 @@ def test_planned_steps_sizes_a_schedule(tmp_path):
         trainer.close()
 
 
+class ListTrainer(StepValTrainer):
+    """Iterates a list of the loader's batches: a loop trainkit cannot skip into."""
+
+    def train_epoch(self):
+        self.model.train()
+        for x, y in self.progress(list(self.loader)):
+            loss = torch.nn.functional.mse_loss(self.model(x), y)
+            self.optimizer.zero_grad()
+            loss.backward()
+            self.optimizer.step()
+
+
 def test_an_iterable_loop_is_watched_for_the_budget_but_writes_no_step_checkpoint(tmp_path):
     """A list of batches cannot be skipped into: max_steps and step validation still act at its boundaries."""
-
-    class ListTrainer(StepValTrainer):
-        def train_epoch(self):
-            self.model.train()
-            for x, y in self.progress(list(self.loader)):
-                loss = torch.nn.functional.mse_loss(self.model(x), y)
-                self.optimizer.zero_grad()
-                loss.backward()
-                self.optimizer.step()
 
     with pytest.warns(RuntimeWarning, match="writes no step checkpoints"):
         trainer, _ = run(ListTrainer, tmp_path, epochs=None, max_steps=4, val={"every_n_steps": 2},
@@ -272,15 +275,6 @@ def test_epochs_changed_with_max_steps_on_a_run_cut_inside_an_epoch(tmp_path):
 def test_raising_max_steps_on_a_cut_loop_that_recorded_no_position_is_refused(tmp_path):
     """A list of batches cannot be skipped into: a run it cut inside an epoch cannot continue that epoch from the
     next batch, so raising max_steps is refused (naming why) instead of training the epoch's first batches twice."""
-
-    class ListTrainer(StepValTrainer):
-        def train_epoch(self):
-            self.model.train()
-            for x, y in self.progress(list(self.loader)):
-                loss = torch.nn.functional.mse_loss(self.model(x), y)
-                self.optimizer.zero_grad()
-                loss.backward()
-                self.optimizer.step()
 
     run(ListTrainer, tmp_path, epochs=None, max_steps=8)
     before = (tmp_path / "last.pt").read_bytes()
