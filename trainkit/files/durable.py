@@ -42,6 +42,7 @@ __all__ = [
     "finish_freeing",
     "NO_HARD_LINKS",
     "copy_new_file",
+    "link_or_copy",
     "process_gone",
 ]
 
@@ -348,13 +349,14 @@ _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW
 def copy_new_file(source: str, target: str) -> None:
     """Copy ``source`` into a file created for it at ``target``, durably (fsynced; removed again on failure).
 
-    :param source: The file to copy.
+    :param source: The file to copy (a symbolic link there is refused, never followed).
     :param target: The new file (never one that exists, never through a link).
     :raises FileExistsError: When anything is at ``target``.
     """
     fd = os.open(target, _NEW_FILE_FLAGS, _FILE_MODE)
     try:
-        with open(source, "rb") as src, os.fdopen(fd, "wb") as dst:
+        source_fd = os.open(source, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(source_fd, "rb") as src, os.fdopen(fd, "wb") as dst:
             fd = -1
             shutil.copyfileobj(src, dst)
             dst.flush()
@@ -365,6 +367,32 @@ def copy_new_file(source: str, target: str) -> None:
         with suppress(OSError):
             os.unlink(target)
         raise
+
+
+def link_or_copy(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+    """Give the file ``source`` the new name ``target``: a hard link, or a durable copy where the file system has no
+    hard links (:data:`NO_HARD_LINKS`). Never through a link at either end, never over a file that exists.
+
+    Side effects: creates ``target``.
+
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> _ = (folder / "a").write_bytes(b"x")
+    >>> link_or_copy(folder / "a", folder / "b")
+    >>> (folder / "b").read_bytes()
+    b'x'
+
+    :param source: The file (a symbolic link there is never followed: linked itself, or refused by the copy).
+    :param target: The new name.
+    :raises FileExistsError: When anything is at ``target``.
+    :raises OSError: When ``source`` cannot be linked or copied.
+    """
+    try:
+        os.link(source, target, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno not in NO_HARD_LINKS:
+            raise
+        copy_new_file(os.fspath(source), os.fspath(target))  # no hard links here: a durable copy of our own
 
 
 def payload_nbytes(payload: Any) -> int:
