@@ -70,9 +70,9 @@ CAUSES: dict[str, tuple[str, str]] = {
 
 @attrs.frozen(kw_only=True)
 class Cause:
-    """A likely cause of a divergence (:data:`CAUSES`).
+    """A likely cause of a divergence (:data:`~trainkit.certification.causes.CAUSES`).
 
-    :ivar key: Its key in :data:`CAUSES`.
+    :ivar key: Its key in :data:`~trainkit.certification.causes.CAUSES`.
     :ivar found: What was found: attribute names with their kinds, or a loader's name; empty for a hint.
     """
 

@@ -1,4 +1,5 @@
-"""Why the runs diverged, or what a PASS did not need: the evidence certify gathers for :func:`likely_causes`.
+"""Why the runs diverged, or what a PASS did not need: the evidence certify gathers for
+:func:`~trainkit.certification.causes.likely_causes`.
 
 The attempts' findings (objects not registered, loaders iterated outside ``progress()``, what a loader's state
 covers), a value seen to differ right after a resume (:func:`lost_value`, from the attempts' step logs), a second

@@ -185,14 +185,14 @@ def certify_trainer(
     json_path: str | Path | None = None,
 ) -> CertifyReport:
     """Check that a trainer resumed at step boundaries ends bit for bit where it ends run straight through (what
-    :func:`trainkit.certify` does, with the command line's parser given).
+    :func:`trainkit.cli.certify.certify` does, with the command line's parser given).
 
     Side effects: runs the trainer in subprocesses in a work folder (a new temporary one, or ``work_dir``), keeps
     it, and writes ``json_path``.
 
     :param target: The trainer class, ``MODULE:Class``.
     :param words: YAML config files and ``dotted.key=value`` overrides.
-    :param parse_words: Builds a config from words (:data:`ParseWords`).
+    :param parse_words: Builds a config from words (:data:`~trainkit.certification.engine.ParseWords`).
     :param config_class: ``MODULE:Class`` of the config; the trainer's ``config_class`` by default.
     :param max_steps: The runs' budget in optimizer steps.
     :param epochs: The runs' budget in epochs.

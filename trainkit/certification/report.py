@@ -1,6 +1,6 @@
 """certify's report: the verdict, what was compared and interrupted, the first difference and its likely causes.
 
-:class:`CertifyReport` is what :func:`trainkit.certification.certify` returns; ``python -m trainkit certify`` prints
+:class:`CertifyReport` is what :func:`trainkit.cli.certify.certify` returns; ``python -m trainkit certify`` prints
 its :meth:`~CertifyReport.lines` and ``--json`` writes its :meth:`~CertifyReport.to_dict`.
 """
 
@@ -21,7 +21,7 @@ __all__ = ["CertifyReport"]
 
 @attrs.frozen(kw_only=True)
 class CertifyReport:
-    """What :func:`~trainkit.certification.certify` found.
+    """What :func:`~trainkit.cli.certify.certify` found.
 
     :ivar passed: Whether the interrupted run ended bit for bit where the straight one did.
     :ivar trainer: The trainer, as ``MODULE:Class``.

@@ -49,7 +49,7 @@ _RECORD_KEYS = ("loop", "best", "patience", "epoch", "step", "world_size", "trai
 class Difference:
     """Where two checkpoints, or two runs, first differ: the one record of a difference, for
     :func:`compare_checkpoints` and for certify's comparison of two run folders
-    (:func:`trainkit.certification.compare_runs`, which says in which file and at which step).
+    (:func:`trainkit.certification.comparison.compare_runs`, which says in which file and at which step).
 
     :ivar where: The file the difference is in (``checkpoints/step-7.pt``, ``last.pt``, ``best.pt``,
         ``metrics.jsonl``); empty when two given checkpoints were compared.

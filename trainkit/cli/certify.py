@@ -5,7 +5,7 @@ status 0 on PASS and 1 on a divergence), and :func:`certify` (``trainkit.certify
 The engine is :mod:`trainkit.certification`: it runs the trainer straight through and interrupted at step
 boundaries (``SIGTERM`` and ``SIGKILL``), in real processes, resumed each time until it finishes, compares the two
 runs bit for bit (every kept step checkpoint, ``last``, ``best``, ``metrics.jsonl`` without its wall-clock keys)
-and names the likely cause of a divergence (:data:`trainkit.certification.CAUSES`). This module turns the
+and names the likely cause of a divergence (:data:`trainkit.certification.causes.CAUSES`). This module turns the
 command's words into configs (:func:`~trainkit.cli.config_from_argv`) for it.
 
 Every attempt of a run has the same ``--world-size``. Resuming on another number of processes works, mid-epoch
@@ -72,7 +72,7 @@ def certify(
     :returns: The report.
     :raises ConfigError: On a bad option, config word or step.
     :raises UsageError: When the trainer or config class cannot be imported.
-    :raises trainkit.certification.CertifyError: When a run fails or the check runs past ``timeout_s``.
+    :raises trainkit.certification.attempts.CertifyError: When a run fails or the check runs past ``timeout_s``.
     """
     return certify_trainer(
         target, words, config_from_argv, config_class=config_class, max_steps=max_steps, epochs=epochs,
