@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainkit.checkpoint",),
     ("trainkit.loop",),
     ("trainkit.trainer",),
+    ("trainkit.certification",),
     ("trainkit.cli",),
     ("trainkit", "trainkit.__main__"),
 )

@@ -6,8 +6,8 @@ Side effects: reads the checkpoint (with trainkit's checks, before anything is w
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
-from importlib import metadata as dist_metadata
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +73,8 @@ def _header(payload: dict[str, Any], item: str) -> dict[str, str]:
     """An export's header (the safetensors metadata, the torch file's marker): what the weights are, and of which
     run (text only, as safetensors wants)."""
     try:
-        version = dist_metadata.version("trainkit")
-    except dist_metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        version = importlib.metadata.version("trainkit")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
         version = "unknown"
     last = "loop" in payload
     header = {"format": "pt", "trainkit_version": version, "checkpoint": "last" if last else "best"}
@@ -137,8 +137,7 @@ def export_weights(
     """
     import torch
 
-    from trainkit.checkpoint import atomic_save, payload_nbytes
-    from trainkit.checkpoint import safetensors_files as st
+    from trainkit.checkpoint import atomic_save, payload_nbytes, safetensors_files
     from trainkit.checkpoint.export_target import check_out, mark_export, same_file_still
     from trainkit.errors import ConfigError
 
@@ -150,11 +149,11 @@ def export_weights(
             hint="--format torch writes one file",
         )  # fmt: skip
     if format == "safetensors":
-        st.require_safetensors()
+        safetensors_files.require_safetensors()
     source = Path(checkpoint)
     checked = check_out(out, overwrite=overwrite, format=format, source=source)  # before the read: it can take minutes
     weights, payload = _read(source, item)
-    names = st.export_names(weights)
+    names = safetensors_files.export_names(weights)
     weights = {names[name]: value for name, value in weights.items()}
     tensors = {name: value for name, value in weights.items() if isinstance(value, torch.Tensor)}
     if format == "torch":
@@ -162,9 +161,9 @@ def export_weights(
         atomic_save(mark_export(weights, _header(payload, item)), out)
         written, aliases = [Path(out)], {}
     else:
-        tensors, aliases = st.unique_storages(tensors)
+        tensors, aliases = safetensors_files.unique_storages(tensors)
         header = {**aliases, **_header(payload, item)}
-        written = st.write_safetensors(
+        written = safetensors_files.write_safetensors(
             tensors, out, metadata=header, max_shard_size=max_shard_size, overwrite=overwrite
         )
     size = payload_nbytes(tensors)  # a tied weight's memory once, as both formats write it
