@@ -19,7 +19,7 @@ from tests.helpers.remote_store import failing_store
 from tests.helpers.trainers import TinyTrainer
 from trainkit import OutDirError
 from trainkit.checkpoint.remote import RemoteTier, open_store
-from trainkit.checkpoint.remote_manifest import (
+from trainkit.checkpoint.remote.manifest import (
     LEASE,
     MANIFEST,
     MAX_UNIX_TIME,

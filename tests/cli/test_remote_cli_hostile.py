@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from trainkit.checkpoint.remote import open_store
-from trainkit.checkpoint.remote_manifest import LEASE, MANIFEST
+from trainkit.checkpoint.remote.manifest import LEASE, MANIFEST
 from trainkit.cli import main
 
 pytest.importorskip("fsspec")

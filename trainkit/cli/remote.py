@@ -15,8 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainkit.checkpoint.remote import LAST, LAST_DIR, RemoteTier, open_store, shown
-from trainkit.checkpoint.remote_manifest import folder_step
+from trainkit.checkpoint.remote import LAST, LAST_DIR, RemoteTier, folder_step, open_store, shown
 from trainkit.cli.inspect import describe_checkpoint, format_bytes
 from trainkit.config import redact_text
 from trainkit.messages import printable

@@ -13,11 +13,11 @@ The protocol (see ``docs/remote.rst``):
   (:meth:`RemoteTier.catch_up`): a list the uploader drains oldest first, before the queued hand-over, that no
   hand-over replaces; then retention runs once (a step committed twice keeps the copy that is the local one).
 - **Commit.** An upload streams each file into a fresh folder ``step-<step>-<token>/`` (CRC-32 computed on the
-  way), then writes :data:`~trainkit.checkpoint.remote_manifest.MANIFEST`, which lists every object's size and
+  way), then writes :data:`~trainkit.checkpoint.remote.manifest.MANIFEST`, which lists every object's size and
   CRC-32: a folder without one is never read, and is deleted by the next writer.
 - **Retention.** After each commit, the committed folders are described as the local kept checkpoints are and
   :func:`~trainkit.bookkeeping.retain` decides which stay (never the newest).
-- **Lease.** One run writes under a prefix: :data:`~trainkit.checkpoint.remote_manifest.LEASE` is created with a
+- **Lease.** One run writes under a prefix: :data:`~trainkit.checkpoint.remote.manifest.LEASE` is created with a
   conditional create and renewed by the uploader every third of ``ckpt.remote_lease_s``; a lease not renewed for
   that long may be taken over, and so may, at once, a lease that names the identity of the run folder
   (:func:`folder_identity`) of a rerun that holds that folder's lock (a requeue after a kill). A takeover or renewal
@@ -60,7 +60,7 @@ from typing import Any, BinaryIO, TypeVar
 import attrs
 
 from trainkit import bookkeeping as core
-from trainkit.checkpoint.remote_manifest import (
+from trainkit.checkpoint.remote.manifest import (
     LEASE,
     MANIFEST,
     MAX_MANIFEST_BYTES,
