@@ -26,6 +26,7 @@ from trainkit.errors import BookkeepingError, CheckpointUnsafeError
 from trainkit.files.bounded_read import load_json
 
 __all__ = [
+    "KIND",
     "MANIFEST",
     "LEASE",
     "MAX_MANIFEST_BYTES",
@@ -46,6 +47,8 @@ __all__ = [
     "folder_id",
 ]
 
+KIND = "last"
+"""What a commit record says was saved: the only kind trainkit writes (a run's ``last`` checkpoint)."""
 MANIFEST = "commit.json"
 """The commit record of a remote checkpoint folder, written last."""
 LEASE = "lease.json"

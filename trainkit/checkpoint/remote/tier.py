@@ -20,308 +20,102 @@ The protocol (see ``docs/remote.rst``):
 - **Lease.** One run writes under a prefix: :data:`~trainkit.checkpoint.remote.manifest.LEASE` is created with a
   conditional create and renewed by the uploader every third of ``ckpt.remote_lease_s``; a lease not renewed for
   that long may be taken over, and so may, at once, a lease that names the identity of the run folder
-  (:func:`folder_identity`) of a rerun that holds that folder's lock (a requeue after a kill). A takeover or renewal
-  replaces the lease only if it is still the object read (S3 ``If-Match`` on its ETag; a file system: rename
-  aside, check, hard-link a new one, every step of it under an ``flock`` of :data:`LEASE_LOCK` so that no other
-  run's create falls between the rename and a put-back; memory: a lock).
+  (:func:`~trainkit.checkpoint.remote.staging.folder_identity`) of a rerun that holds that folder's lock (a requeue
+  after a kill). A takeover or renewal replaces the lease only if it is still the object read (S3 ``If-Match`` on
+  its ETag; a file system: rename aside, check, hard-link a new one, every step of it under an ``flock`` of
+  :data:`~trainkit.checkpoint.remote.store.LEASE_LOCK` so that no other run's create falls between the rename and a
+  put-back; memory: a lock).
 - **Sharded.** Every rank uploads its own files of a sharded save into one folder (named alike on every rank);
   rank 0 writes the commit record once every rank reported its upload done (:meth:`RemoteTier.report`, gathered
   by the next save's collective or at the run's end; :meth:`RemoteTier.commit_reports`).
 - **Faults.** A failed upload is retried with backoff a few times, warned about once, and superseded by the next
   checkpoint; a failed deletion of retention is warned about once and tried again after the next commit (the
   commit stands); nothing here raises into the loop after the start.
-- **Hostile objects.** Every object is read as hostile input (``RemoteTier._read_object``,
-  ``_open_regular``): only a regular object is opened (on a local or mounted file system with ``O_NONBLOCK``
-  and ``O_NOFOLLOW`` and checked with ``fstat``, so a FIFO or device never blocks), no more bytes are read than
-  it may hold, and no open or read waits longer than :data:`READ_DEADLINE_S`. What a store's client raises
-  reaches the user as one line, credentials masked and control characters escaped (:func:`store_errors`).
+- **Hostile objects.** Every object is read as hostile input, through the store's verbs
+  (:mod:`trainkit.checkpoint.remote.store`): only a regular object is opened, no more bytes are read than it may
+  hold, and no open or read waits longer than :data:`~trainkit.checkpoint.remote.store.READ_DEADLINE_S`. What a
+  store's client raises reaches the user as one line (:func:`~trainkit.checkpoint.remote.store.store_errors`).
+
+This module is the tier's policy: when to take, renew and release the lease, what to upload and in which order, what
+retention deletes, which remote checkpoint a resume takes. The store's verbs are
+:mod:`~trainkit.checkpoint.remote.store`'s, its records :mod:`~trainkit.checkpoint.remote.manifest`'s, and its files
+in the run folder :mod:`~trainkit.checkpoint.remote.staging`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import importlib.metadata
 import math
 import os
-import re
 import secrets
 import shutil
 import socket
-import stat
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 
-from trainkit import bookkeeping as core
+from trainkit.bookkeeping import Checkpoint, Lineage, in_history, keep_reasons
+from trainkit.checkpoint.remote import store
 from trainkit.checkpoint.remote.manifest import (
+    KIND,
     LEASE,
     MANIFEST,
     MAX_MANIFEST_BYTES,
-    UNREADABLE_LEASE,
     Lease,
     Manifest,
     RemoteObject,
-    folder_id,
     folder_name,
     folder_step,
-    lease_bytes,
     manifest_bytes,
     newest_first,
-    parse_lease,
     parse_manifest,
-    read_lease,
 )
+from trainkit.checkpoint.remote.staging import (
+    FETCH_PREFIX,
+    LAST,
+    LAST_DIR,
+    PUBLISHED_NAMES,
+    STAGING_DIR,
+    publish_fetched,
+    stage_files,
+)
+from trainkit.checkpoint.remote.store import LEASE_LOCK, shown
 from trainkit.config import CkptConfig, redact_text
-from trainkit.config.secrets import has_url_userinfo
-from trainkit.errors import CheckpointCorruptError, CheckpointUnsafeError, OutDirError, TrainkitError, UsageError
-from trainkit.files.bounded_read import UnreadableFile, file_kind, open_regular, read_regular
-from trainkit.files.durable import atomic_write_bytes, fsync_directory
+from trainkit.errors import CheckpointCorruptError, CheckpointUnsafeError, OutDirError
+from trainkit.files.bounded_read import UnreadableFile
+from trainkit.files.checksum import file_checksum
 from trainkit.files.weights_only_load import load_checkpoint
-from trainkit.messages import printable, say, warn_user
+from trainkit.messages import say, warn_user
 
-__all__ = [
-    "RemoteTier",
-    "Upload",
-    "Anchor",
-    "Fetched",
-    "open_store",
-    "remove_transfer_leftovers",
-    "store_errors",
-    "STAGING_DIR",
-    "FETCH_PREFIX",
-    "READ_DEADLINE_S",
-    "FOLDER_ID_FILE",
-    "folder_identity",
-    "LEASE_LOCK",
-    "LEASE_LOCK_S",
-]
+__all__ = ["RemoteTier", "Upload", "Anchor", "Fetched", "ATTEMPTS", "BACKOFF_S"]
 
 _T = TypeVar("_T")
 
-FOLDER_ID_FILE = ".trainkit-folder-id"
-"""The file in ``out_dir`` that holds the run folder's identity (:func:`folder_identity`), named in its leases."""
-STAGING_DIR = ".remote-staging"
-"""The folder under ``out_dir`` where handed-over files wait (hard links) for their upload, in a folder per rank."""
-FETCH_PREFIX = ".remote-fetch-"
-"""The prefix of the folder under ``out_dir`` where a remote checkpoint is downloaded and verified."""
-CHUNK = 8 << 20
-"""Bytes moved per read and write: the most of a checkpoint held in memory at once."""
-LAST = "last.pt"
-"""The object that makes a remote folder a file checkpoint to resume (published into ``out_dir`` last)."""
-LAST_DIR = "last.ckpt"
-"""The directory that makes a remote folder a sharded checkpoint to resume (its files under ``last.ckpt/``)."""
-PUBLISHED_NAMES = frozenset({"best.pt", LAST, "best.ckpt", LAST_DIR, "metrics.jsonl"})
-"""The only top-level names a remote checkpoint may hold: what the uploader writes, and all a fetch may publish."""
 ATTEMPTS = 4
 """Tries per upload before it is given up (the next checkpoint supersedes it)."""
 BACKOFF_S = 0.5
 """The first retry's delay; each next one doubles it."""
-LEASE_LOCK = "lease.json.lock"
-"""On a file system, the file at the prefix's root whose ``flock`` makes each change of the lease (a create, a
-takeover, a renewal, a release) one step among runs: a takeover renames the lease aside and may have to put it back,
-and no other run may create one meanwhile. The lock goes with its holder's process (a kill lets it go)."""
-LEASE_LOCK_S = 30.0
-"""The most seconds a run waits for :data:`LEASE_LOCK` (held for a few file operations at a time)."""
-READ_DEADLINE_S = 120.0
-"""The most seconds opening a store's object, or one read of it (a record, or one chunk of a download), may take;
-past it the read is given up as a ``TimeoutError`` (its thread is left behind, a daemon)."""
-USERINFO_REFUSAL = (
-    "a remote URL must not hold credentials before the host (user:password@ or token@), so it is not repeated "
-    "here: give them the store's own way (its environment variables, its config files, an instance role)"
-)
-"""Why a URL with userinfo is refused, in every command (the URL is not shown: it holds the secret)."""
-
-
-def shown(text: object) -> str:
-    """Text that came from a store (or its client's error) made safe to show: credentials masked, one line,
-    control characters escaped (:func:`~trainkit.messages.printable`).
-
-    :param text: The text.
-    :returns: The text to put in a message.
-    """
-    return printable(redact_text(" ".join(str(text).split())), limit=1000)
-
-
-def _failure(exc: BaseException) -> str:
-    return shown(f"{type(exc).__name__}: {exc}")
-
-
-@contextlib.contextmanager
-def store_errors(url: str, doing: str) -> Iterator[None]:
-    """Turn what a store's client raises into one :class:`~trainkit.errors.OutDirError` line: the URL and the
-    exception's message with credentials masked and control characters escaped, and no traceback of the client's
-    (``from None``). trainkit's own errors pass unchanged.
-
-    :param url: The URL the store was opened at.
-    :param doing: What was being done, e.g. ``"listing the checkpoints"``.
-    :raises OutDirError: For any other exception.
-    """
-    try:
-        yield
-    except TrainkitError:
-        raise
-    except Exception as exc:
-        raise OutDirError(f"ckpt.remote={shown(url)}: {doing} failed ({_failure(exc)})") from None
 
 
 def _guarded(doing: str) -> Callable[[Callable[..., _T]], Callable[..., _T]]:
-    """A :class:`RemoteTier` method whose store failures are one line (:func:`store_errors`)."""
+    """A :class:`RemoteTier` method whose store failures are one line
+    (:func:`~trainkit.checkpoint.remote.store.store_errors`)."""
 
     def wrap(method: Callable[..., _T]) -> Callable[..., _T]:
         @functools.wraps(method)
         def guarded(self: RemoteTier, *args: Any, **kwargs: Any) -> _T:
-            with store_errors(self.url, doing):
+            with store.store_errors(self.url, doing):
                 return method(self, *args, **kwargs)
 
         return guarded
 
     return wrap
-
-
-def _within_deadline(call: Callable[[], _T], what: str) -> _T:
-    """``call()`` in a daemon thread, waited for at most :data:`READ_DEADLINE_S`.
-
-    :raises TimeoutError: When it takes longer (the thread is left to finish or hang on its own).
-    """
-    done = threading.Event()
-    outcome: list[tuple[bool, Any]] = []
-
-    def target() -> None:
-        try:
-            outcome.append((True, call()))
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, which raises it
-            outcome.append((False, exc))
-        finally:
-            done.set()
-
-    threading.Thread(target=target, name="trainkit-remote-read", daemon=True).start()
-    if not done.wait(READ_DEADLINE_S):
-        raise TimeoutError(f"{what} took more than {READ_DEADLINE_S:g} s")
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return value
-
-
-def _is_local(fs: Any) -> bool:
-    from fsspec.implementations.local import LocalFileSystem
-
-    return isinstance(fs, LocalFileSystem)
-
-
-def _open_regular(fs: Any, path: str) -> tuple[BinaryIO, int | None]:
-    """Open a store's object for reading only if it is a regular object, and say its size.
-
-    On a local (or mounted) file system the object is opened with ``O_NONBLOCK | O_NOFOLLOW`` and the descriptor
-    ``fstat``-ed (:func:`~trainkit.files.bounded_read.open_regular`): a FIFO, a device, a directory or a link is
-    refused without blocking, and nothing can be swapped in between the check and the open. An object store holds
-    only objects and prefixes: its ``info`` must say ``file``, not a link.
-
-    :raises FileNotFoundError: When it is missing.
-    :raises UnreadableFile: When it is not a regular object (the reason names what it is).
-    """
-    if _is_local(fs):
-        local = fs._strip_protocol(path)
-        try:
-            fd, info = open_regular(local)
-        except UnreadableFile as exc:
-            if exc.reason == "missing":
-                raise FileNotFoundError(local) from None
-            raise
-        return os.fdopen(fd, "rb"), info.st_size
-    info = fs.info(path)
-    if info.get("type") != "file" or info.get("islink"):
-        raise UnreadableFile(path, f"a {info.get('type')} object, not a regular one")
-    return fs.open(path, "rb"), info.get("size")
-
-
-def folder_identity(out_dir: Path) -> str | None:
-    """The run folder's identity, named in the leases its runs take: read from :data:`FOLDER_ID_FILE` (a regular
-    file of 32 lowercase hex digits; anything else is replaced), or drawn and written there first. Call it holding
-    the folder's lock (rank 0, :class:`~trainkit.run.lock.RunLock`): a lease naming it is then one that a run of
-    this folder left, and none runs here any more.
-
-    Side effects: creates or replaces ``out_dir/.trainkit-folder-id``.
-
-    :param out_dir: The run folder (it exists).
-    :returns: The identity, or None (warned) when it cannot be written: this run's lease is then never taken over
-        early.
-    """
-    path = out_dir / FOLDER_ID_FILE
-    try:
-        known = folder_id(read_regular(path, 64).decode("ascii").strip())
-    except (OSError, UnicodeDecodeError):  # missing, a link, a folder, too large: replaced (atomically, not through)
-        known = None
-    if known is not None:
-        return known
-    fresh = secrets.token_hex(16)
-    try:
-        atomic_write_bytes(fresh.encode() + b"\n", path)
-    except (OSError, TrainkitError) as exc:
-        warn_user(f"{path} cannot be written ({exc}); a rerun of this run waits for its lease to expire")
-        return None
-    return fresh
-
-
-def remove_transfer_leftovers(out_dir: Path) -> list[Path]:
-    """Remove what killed runs left in ``out_dir``: staged files (``.remote-staging/``, hard links of dead
-    checkpoints) and downloads (``.remote-fetch-*``). Links are removed, never followed.
-
-    Call it only while holding ``out_dir``'s lock, before any rank stages (rank 0, when the run claims the folder):
-    a live run's files are never touched.
-
-    :param out_dir: The run folder.
-    :returns: What was removed.
-    """
-    removed = []
-    for path in [out_dir / STAGING_DIR, *out_dir.glob(f"{FETCH_PREFIX}*")]:
-        try:
-            if stat.S_ISDIR(os.lstat(path).st_mode):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
-        except FileNotFoundError:
-            continue
-        removed.append(path)
-    return removed
-
-
-def open_store(url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
-    """The fsspec filesystem and root path of ``url``, with fsspec's own configuration (its config files and
-    ``FSSPEC_<PROTOCOL>_<OPTION>`` variables, read now) under ``options``.
-
-    :param url: The ``ckpt.remote`` URL.
-    :param options: ``ckpt.remote_options``.
-    :returns: ``(filesystem, root)``.
-    :raises UsageError: When fsspec or the store's filesystem package is missing (one line naming it), the URL
-        holds credentials (not repeated), or the store's client refuses the URL or an option (one line).
-    """
-    if has_url_userinfo(url):
-        raise UsageError(USERINFO_REFUSAL)
-    where = f"ckpt.remote={shown(url)}"
-    try:
-        import fsspec
-        import fsspec.config
-    except ImportError:
-        raise UsageError(f"{where} needs fsspec: pip install 'trainkit[remote]'") from None
-    from_env: dict[str, dict[str, Any]] = {}
-    fsspec.config.set_conf_env(from_env)  # a variable set after fsspec was imported counts too
-    protocol = fsspec.utils.get_protocol(url)
-    merged = {**fsspec.config.conf.get(protocol, {}), **from_env.get(protocol, {}), **(options or {})}
-    try:
-        fs, root = fsspec.core.url_to_fs(url, **merged)
-    except ImportError as exc:  # fsspec's message names the package to install
-        raise UsageError(f"{where}: {shown(str(exc).strip().splitlines()[0])}") from None
-    except Exception as exc:  # a bad option, an unknown protocol: the store's client, in one line
-        raise UsageError(f"{where}: {_failure(exc)}") from None
-    return fs, root.rstrip("/")
 
 
 @attrs.frozen(kw_only=True)
@@ -352,12 +146,12 @@ class Upload:
     step: int
     epoch: int
     run_id: str | None
-    description: core.Checkpoint
+    description: Checkpoint
     policy: Any
     minimize: bool | None = None
     folder: str | None = None
     commits: bool = True
-    lineage: core.Lineage | None = None
+    lineage: Lineage | None = None
     newest: int | None = None
     prefer: tuple[str, ...] = ()
 
@@ -373,7 +167,7 @@ class Anchor:
     :ivar what: How messages name it.
     """
 
-    lineage: core.Lineage
+    lineage: Lineage
     step: int
     checkpoint: bool
     what: str
@@ -400,7 +194,7 @@ class _Retention:
     policy: Any
     newest: int
     prefer: tuple[str, ...]
-    history: tuple[core.Lineage, int] | None = None
+    history: tuple[Lineage, int] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -418,25 +212,6 @@ def _version() -> str:
         return importlib.metadata.version("trainkit")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
-
-
-def _crc32(path: Path, size: int) -> int:
-    """The CRC-32 of a file's first ``size`` bytes, read in chunks."""
-    crc = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(min(CHUNK, size)):
-            crc = zlib.crc32(chunk, crc)
-            size -= len(chunk)
-    return crc
-
-
-def _copy_prefix(source: Path, target: Path, size: int) -> None:
-    """Copy the first ``size`` bytes of ``source`` (fewer if it is shorter) to the new file ``target``, in chunks."""
-    with open(source, "rb") as src, open(target, "xb") as dst:
-        remaining = size
-        while remaining and (chunk := src.read(min(CHUNK, remaining))):
-            dst.write(chunk)
-            remaining -= len(chunk)
 
 
 class RemoteTier:
@@ -500,7 +275,7 @@ class RemoteTier:
         """
         if ckpt.remote is None or not ckpt.enable or (rank != 0 and ckpt.format != "sharded"):
             return None
-        fs, root = open_store(ckpt.remote, dict(ckpt.remote_options))
+        fs, root = store.open_store(ckpt.remote, dict(ckpt.remote_options))
         options = {"lease_s": ckpt.remote_lease_s, "wait_s": ckpt.remote_wait_s, "rank": rank}
         return cls(ckpt.remote, fs, root, out_dir=out_dir, **options)
 
@@ -514,189 +289,58 @@ class RemoteTier:
         return self._read_lease()
 
     def _read_lease(self) -> Lease | None:
-        try:
-            return read_lease(self._read_object(self._path(LEASE), MAX_MANIFEST_BYTES))
-        except FileNotFoundError:
-            return None
-        except (UnreadableFile, CheckpointUnsafeError) as exc:  # no run wrote it: it must not lock the prefix
-            warn_user(f"ckpt.remote={self.url}: {LEASE} is unreadable ({shown(exc)}); it counts as expired")
-            return UNREADABLE_LEASE
+        return store.read_lease_object(self._fs, self._path(LEASE), self.url)
 
-    def _read_object(self, path: str, limit: int) -> bytes:
-        """A small object's bytes (a commit record, the lease): regular, at most ``limit`` bytes, within
-        :data:`READ_DEADLINE_S`.
-
-        :raises FileNotFoundError: When it is missing.
-        :raises UnreadableFile: When it is not a regular object, or larger than ``limit``.
-        :raises TimeoutError: When the store takes longer.
-        """
-
-        def read() -> bytes:
-            handle, size = _open_regular(self._fs, path)
-            with handle:
-                if size is not None and size > limit:
-                    raise UnreadableFile(path, f"{size} bytes, more than the {limit} it may hold")
-                data = handle.read(limit + 1)
-            if len(data) > limit:
-                raise UnreadableFile(path, f"more than the {limit} bytes it may hold")
-            return data
-
-        return _within_deadline(read, f"reading {path}")
-
-    def _store(self) -> str:
-        """Which lease mechanism the store has: ``"s3"`` (conditional puts), ``"local"`` (a file system: renames and
-        hard links), ``"memory"`` (one process: a lock) or ``"other"`` (no conditional write known)."""
-        from fsspec.implementations.local import LocalFileSystem
-        from fsspec.implementations.memory import MemoryFileSystem
-
-        protocols = self._fs.protocol if isinstance(self._fs.protocol, tuple | list) else (self._fs.protocol,)
-        if "s3" in protocols:
-            return "s3"
-        if isinstance(self._fs, LocalFileSystem):
-            return "local"
-        return "memory" if isinstance(self._fs, MemoryFileSystem) else "other"
+    def _lease_version(self) -> tuple[Lease | None, Any]:
+        return store.lease_version(self._fs, self._path(LEASE), self.url)
 
     @contextlib.contextmanager
     def _lease_locked(self) -> Iterator[None]:
-        """On a file system, hold :data:`LEASE_LOCK`'s ``flock`` (re-entrant in this process); elsewhere nothing.
+        """On a file system, hold :data:`~trainkit.checkpoint.remote.store.LEASE_LOCK`'s ``flock`` (re-entrant in this
+        process: taken once, by the outermost); elsewhere nothing.
 
-        :raises TimeoutError: When another process holds it for more than :data:`LEASE_LOCK_S`.
-        :raises UnreadableFile: When something other than a regular file is at :data:`LEASE_LOCK`.
+        :raises TimeoutError: When another process holds it for more than
+            :data:`~trainkit.checkpoint.remote.store.LEASE_LOCK_S`.
+        :raises UnreadableFile: When something other than a regular file is at the lock's path.
         """
         with self._lease_guard:
-            if self._store() != "local" or self._lease_depth:
+            outermost = self._lease_depth == 0 and store.store_kind(self._fs) == "local"
+            with store.lease_lock(self._fs, self._path(LEASE_LOCK)) if outermost else contextlib.nullcontext():
                 self._lease_depth += 1
                 try:
                     yield
                 finally:
                     self._lease_depth -= 1
-                return
-            path = self._fs._strip_protocol(self._path(LEASE_LOCK))
-            flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-            fd = os.open(path, flags, 0o644)
-            try:
-                mode = os.fstat(fd).st_mode
-                if not stat.S_ISREG(mode):
-                    raise UnreadableFile(path, f"{file_kind(mode)}, not a regular file")
-                deadline = time.monotonic() + LEASE_LOCK_S
-                while True:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        if time.monotonic() > deadline:
-                            raise TimeoutError(
-                                f"{LEASE_LOCK} was held by another process for {LEASE_LOCK_S:g} s"
-                            ) from None
-                        time.sleep(0.01)
-                self._lease_depth += 1
-                try:
-                    yield
-                finally:
-                    self._lease_depth -= 1
-            finally:
-                os.close(fd)  # lets the flock go
 
-    def _new_lease(self) -> bytes:
-        return lease_bytes(Lease(holder=self._holder, expires=time.time() + self._lease_s, folder=self._folder))
+    def _new_lease(self) -> Lease:
+        return Lease(holder=self._holder, expires=time.time() + self._lease_s, folder=self._folder)
 
     def _create_lease(self) -> bool:
-        """Create the lease if there is none, in one step of the store (see :meth:`_store`): True when created."""
-        path, data, store = self._path(LEASE), self._new_lease(), self._store()
-        if store == "local":
-            with self._lease_locked():  # never inside another run's takeover (between its rename and put-back)
-                created = _link_new(path, data)
-        elif store == "memory":
-            with _MEMORY_LEASES:
-                created = not self._fs.exists(path)
-                if created:
-                    self._fs.pipe_file(path, data)
-        else:
-            try:
-                self._fs.pipe_file(path, data, mode="create")
-                created = True
-            except FileExistsError:
-                created = False
-            except (TypeError, NotImplementedError):  # no conditional create: check, write, read back (a race remains)
-                if self._read_lease() is not None:
-                    return False
-                self._fs.pipe_file(path, data)
-                held = self._read_lease()
-                created = held is not None and held.holder == self._holder
+        """Create the lease if there is none, in one step of the store (:func:`~trainkit.checkpoint.remote.store.
+        create_lease`; a file system: never inside another run's takeover, between its rename and put-back)."""
+        with self._lease_locked():
+            created = store.create_lease(self._fs, self._path(LEASE), self._new_lease(), self.url)
         if created:
             self._renewed = time.monotonic()
         return created
 
-    def _lease_version(self) -> tuple[Lease | None, Any]:
-        """The lease now and a token of the very object read (S3: its ETag; a file system: its inode), taken before
-        the read: the token is never newer than the lease, so a write conditional on it fails on any change."""
-        path = self._path(LEASE)
-        self._fs.invalidate_cache(path)
-        try:
-            info = self._fs.info(path)
-        except FileNotFoundError:
-            return None, None
-        return self._read_lease(), info.get("ETag") if "ETag" in info else info.get("ino")
-
     def _replace_lease(self, seen: Lease, version: Any) -> bool:
-        """Write this run's lease over the one read (``seen``, of ``version``) only if it is still that object: a
-        takeover of an expired lease, or a renewal of this run's own. True when written.
-
-        S3: a put with ``If-Match`` on the ETag. A file system: the old lease renamed aside (of two runs, one
-        renames it), checked to be the one read (else put back), then this run's created (:func:`_link_new`).
-        memory://: check and write under one process lock. Other stores: a check right before the write only.
-        """
-        path, store = self._path(LEASE), self._store()
-        if store == "s3":
-            if not isinstance(version, str):  # no ETag to condition on: never an unconditional overwrite
-                return False
-            try:
-                self._fs.pipe_file(path, self._new_lease(), IfMatch=version)
-            except FileNotFoundError:  # deleted meanwhile: the caller creates one, or is refused
-                return False
-            except OSError as exc:
-                if _precondition_failed(exc):
-                    return False
-                raise
-        elif store == "local":
-            with self._lease_locked():  # the rename aside, the check, the put-back and the create: one step
-                return _remove_if_read(path, seen, version) and self._create_lease()
-        elif store == "memory":
-            with _MEMORY_LEASES:
-                if self._read_lease() != seen:
-                    return False
-                self._fs.pipe_file(path, self._new_lease())
-        else:
-            if self._read_lease() != seen:  # no conditional write: the window is this check to the write
-                return False
-            self._fs.pipe_file(path, self._new_lease())
-        self._renewed = time.monotonic()
-        return True
+        """Write this run's lease over the one read (``seen``, of ``version``) only if it is still that object
+        (:func:`~trainkit.checkpoint.remote.store.replace_lease`; a file system: the rename aside, the check, the
+        put-back and the create are one step under the lock). True when written."""
+        with self._lease_locked():
+            replaced = store.replace_lease(self._fs, self._path(LEASE), self._new_lease(), seen, version, self.url)
+        if replaced:
+            self._renewed = time.monotonic()
+        return replaced
 
     def _release(self) -> None:
         """Delete this run's lease, conditionally on it being the object read (as :meth:`_replace_lease`): a
         successor's lease, taken over meanwhile, is never deleted."""
         with self._lease_locked():
-            self._release_locked()
-
-    def _release_locked(self) -> None:
-        held, version = self._lease_version()
-        if held is None or held.holder != self._holder:
-            return
-        path, store = self._path(LEASE), self._store()
-        if store == "s3" and isinstance(version, str):  # s3fs's rm_file takes no condition: the client's call does
-            bucket, key, _ = self._fs.split_path(path)
-            self._fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=version)
-            self._fs.invalidate_cache(path)
-        elif store == "local":
-            with self._lease_locked():
-                _remove_if_read(path, held, version)
-        elif store == "memory":
-            with _MEMORY_LEASES:
-                if self._read_lease() == held:
-                    self._fs.rm_file(path)
-        else:
-            self._fs.rm_file(path)
+            held, version = self._lease_version()
+            if held is not None and held.holder == self._holder:
+                store.release_lease(self._fs, self._path(LEASE), held, version, self.url)
 
     @_guarded("taking the lease")
     def acquire(self, *, uploads: bool = True, folder: str | None = None) -> None:
@@ -705,16 +349,19 @@ class RemoteTier:
         taken over, and so is, at once, one that names ``folder`` (left by a killed run of this run folder): each
         conditionally on the very object read.
 
-        :param folder: The run folder's identity (:func:`folder_identity`, read holding the folder's lock), named in
-            this run's lease; None: no run folder (``retain``), and no lease is taken over before it expires.
+        :param uploads: Start the uploader.
+        :param folder: The run folder's identity (:func:`~trainkit.checkpoint.remote.staging.folder_identity`, read
+            holding the folder's lock), named in this run's lease; None: no run folder (``retain``), and no lease is
+            taken over before it expires.
         :raises OutDirError: When another run holds it (or took the expired lease first), naming the prefix, the
-            holder and when it expires; or the store fails (one line, :func:`store_errors`).
+            holder and when it expires; or the store fails (one line,
+            :func:`~trainkit.checkpoint.remote.store.store_errors`).
         """
         if self._rank != 0:  # rank 0 holds the prefix for the run
             self._start(uploads)
             return
         self._folder = folder
-        self._fs.makedirs(self._root, exist_ok=True)
+        store.make_folder(self._fs, self._root)
         with self._lease_locked():  # a file system: no other run's takeover moves the lease while it is read here
             for _ in range(3):
                 if self._create_lease():
@@ -821,26 +468,12 @@ class RemoteTier:
     def _stage(self, files: list[tuple[Path, str, int | None]], make_upload: Callable[..., Upload]) -> Upload | None:
         """Stage files for an upload (see :meth:`hand_over`): the upload, or None (warned) when they could not be."""
         staged = self._staging / secrets.token_hex(8)
-        listed = []
         try:
-            for path, name, size in files:
-                target = staged / name
-                target.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    if size is not None:  # metrics.jsonl grows while the upload runs: its prefix, frozen on disk
-                        _copy_prefix(path, target, size)
-                    else:
-                        os.link(path, target)
-                except FileNotFoundError:
-                    continue
-                except OSError:  # a file system without hard links: a copy on disk, still not in memory
-                    shutil.copyfile(path, target)
-                listed.append((name, os.stat(target).st_size))
+            listed = stage_files(staged, files)
         except OSError as exc:
-            shutil.rmtree(staged, ignore_errors=True)
             self._warn(f"could not stage checkpoint files for upload ({exc})")
             return None
-        return make_upload(staged=staged, files=tuple(listed))
+        return make_upload(staged=staged, files=listed)
 
     def report(self) -> tuple[str, tuple[RemoteObject, ...]] | None:
         """The newest sharded upload of this rank that is done and not committed yet: its folder and objects."""
@@ -967,21 +600,21 @@ class RemoteTier:
         :returns: The folder's name and the objects uploaded.
         """
         own = job.folder or folder_name(job.step, secrets.token_hex(8))
-        folder = self._path(own)
-        for sub in sorted({name.rpartition("/")[0] for name, _ in job.files}):  # a file system needs its folders
-            self._fs.makedirs(f"{folder}/{sub}" if sub else folder, exist_ok=True)
         crcs: dict[str, int] = {}
-        names = [name for name, _ in job.files]  # staged: none of them changes any more
-        # the CRC-32 pass reads the files beside the upload (zlib lets go of the GIL): it costs no upload time
+        # the CRC-32 pass reads the staged files (none changes any more) beside the upload (zlib lets go of the GIL):
+        # it costs no upload time
 
         def summed() -> None:
-            with contextlib.suppress(OSError):  # a file it could not read has no CRC: the upload fails below
-                crcs.update((name, _crc32(job.staged / name, size)) for name, size in job.files)
+            for name, size in job.files:
+                with contextlib.suppress(OSError):  # a file it could not read has no CRC: the upload fails below
+                    read, crc = file_checksum(job.staged / name, size)
+                    if read == size:
+                        crcs[name] = crc
 
         summing = threading.Thread(target=summed, daemon=True)
         summing.start()
-        try:  # the store's own put, streamed from the files: its part sizes, its concurrency
-            self._fs.put([str(job.staged / name) for name in names], [f"{folder}/{name}" for name in names])
+        try:
+            store.put_files(self._fs, self._path(own), [(job.staged / name, name) for name, _ in job.files])
         finally:
             summing.join()
         if len(crcs) != len(job.files):
@@ -996,7 +629,7 @@ class RemoteTier:
         manifest = Manifest(
             step=job.step,
             epoch=job.epoch,
-            kind="last",
+            kind=KIND,
             objects=objects,
             run_id=job.run_id,
             version=_version(),
@@ -1008,7 +641,7 @@ class RemoteTier:
             },
             lineage=job.lineage,
         )
-        self._fs.pipe_file(self._path(own, MANIFEST), manifest_bytes(manifest))  # the commit: written last
+        store.write_object(self._fs, self._path(own, MANIFEST), manifest_bytes(manifest))  # the commit: written last
 
     def _warn_retention(self, text: str) -> None:
         if not self._retention_warned:  # once per run: the next commit's retention tries again
@@ -1026,14 +659,7 @@ class RemoteTier:
     # ------------------------------------------------------------------ what is on the remote
 
     def _folders(self) -> list[str]:
-        self._fs.invalidate_cache(self._root)
-        try:  # a hung mount or connection must not hang the run: the listing is bounded in time as a read is
-            entries = _within_deadline(functools.partial(self._fs.ls, self._root, detail=False), f"listing {self.url}")
-        except FileNotFoundError:
-            return []
-        return [
-            name for name in (str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries) if folder_step(name) is not None
-        ]
+        return [name for name in store.list_names(self._fs, self._root, self.url) if folder_step(name) is not None]
 
     def committed(self) -> list[tuple[str, Manifest]]:
         """The committed checkpoint folders, newest first; a folder whose manifest is unsafe is warned about and
@@ -1050,7 +676,7 @@ class RemoteTier:
     def _linked(self, name: str) -> bool:
         """Whether the folder ``name`` is a symbolic link on a local (or mounted) file system: no run writes one, and
         reading or deleting through it would reach another prefix's files (its commit record deleted by retention)."""
-        return _is_local(self._fs) and os.path.islink(self._fs._strip_protocol(self._path(name)))
+        return store.is_link(self._fs, self._path(name))
 
     def _scan(self) -> tuple[list[tuple[str, Manifest]], list[str]]:
         found, uncommitted = [], []
@@ -1061,8 +687,8 @@ class RemoteTier:
             manifest = self._manifests.get(name)  # a commit record is written once: read once
             if manifest is None:
                 try:
-                    record = self._read_object(self._path(name, MANIFEST), MAX_MANIFEST_BYTES)
-                    if not record and _is_local(self._fs):  # a file system shows a record being written as empty
+                    record = store.read_object(self._fs, self._path(name, MANIFEST), MAX_MANIFEST_BYTES)
+                    if not record and store.is_local(self._fs):  # a file system shows a record being written as empty
                         continue  # neither committed yet nor uncommitted (never deleted as such): the next scan sees it
                     manifest = parse_manifest(record)
                 except FileNotFoundError:
@@ -1092,7 +718,7 @@ class RemoteTier:
         *,
         newest: int | None = None,
         prefer: str | tuple[str, ...] | None = None,
-        history: tuple[core.Lineage, int] | None = None,
+        history: tuple[Lineage, int] | None = None,
     ) -> tuple[dict[str, tuple[str, ...]], list[str]]:
         """Which committed folders a retention policy keeps, and why; and every folder to delete: those it does not
         keep, second copies of a step (``prefer`` is the copy kept), uncommitted ones.
@@ -1113,7 +739,7 @@ class RemoteTier:
             committed = [
                 (name, manifest)
                 for name, manifest in committed
-                if manifest.lineage is not None and core.in_history(manifest.lineage, manifest.step, *history)
+                if manifest.lineage is not None and in_history(manifest.lineage, manifest.step, *history)
             ]
         preferred = {prefer} if isinstance(prefer, str) else set(prefer or ())
         for name, manifest in sorted(committed, key=lambda item: item[0] not in preferred):
@@ -1123,7 +749,7 @@ class RemoteTier:
             by_step[manifest.step] = name
             d = manifest.description
             described.append(
-                core.Checkpoint(
+                Checkpoint(
                     step=manifest.step,
                     epoch=manifest.epoch,
                     epoch_end=d["epoch_end"],
@@ -1131,7 +757,7 @@ class RemoteTier:
                     scores=d["scores"],
                 )
             )
-        reasons = core.keep_reasons(policy, described, newest=newest)
+        reasons = keep_reasons(policy, described, newest=newest)
         doomed += [name for step, name in by_step.items() if not reasons[step]]
         # an uncommitted folder of a later save may be another rank's upload in flight: only older ones go
         doomed += [name for name in uncommitted if newest is None or (folder_step(name) or 0) < newest]
@@ -1151,11 +777,8 @@ class RemoteTier:
             if self._linked(name):  # swapped for a link since it was listed: nothing behind it is touched
                 failed.append((name, OSError(f"{name} is a symbolic link, which trainkit does not follow")))
                 continue
-            try:
-                with contextlib.suppress(FileNotFoundError):  # the commit record first: no reader takes half a folder
-                    self._fs.rm_file(self._path(name, MANIFEST))
-                with contextlib.suppress(FileNotFoundError):  # gone already: the goal
-                    self._fs.rm(self._path(name), recursive=True)
+            try:  # the commit record first: no reader takes half a folder
+                store.delete_folder(self._fs, self._path(name), MANIFEST)
             except Exception as exc:  # noqa: BLE001 - any store error: the other folders are still deleted
                 failed.append((name, exc))
         if failed:
@@ -1168,7 +791,7 @@ class RemoteTier:
             )
 
     def _retain(
-        self, policy: Any, *, newest: int, prefer: tuple[str, ...], history: tuple[core.Lineage, int] | None = None
+        self, policy: Any, *, newest: int, prefer: tuple[str, ...], history: tuple[Lineage, int] | None = None
     ) -> None:
         """Apply the run's retention after a commit; a failure is warned about once and retried after the next."""
         try:
@@ -1204,9 +827,11 @@ class RemoteTier:
         return target
 
     def _download_one(self, source: str, local: Path, item: RemoteObject, name: str) -> None:
+        """Download one object into the new file ``local``, checked against ``item``: a regular object, its size
+        (the store's, then the bytes read: at most one more than ``item.size``) and its CRC-32."""
         where = f"ckpt.remote={self.url}: {name}/{item.name}"
         try:
-            src, size = _within_deadline(lambda: _open_regular(self._fs, source), f"opening {where}")
+            src, size = store.open_object(self._fs, source, where)
         except FileNotFoundError:
             raise CheckpointCorruptError(f"{where} is listed in its manifest and missing") from None
         except UnreadableFile as exc:
@@ -1215,22 +840,9 @@ class RemoteTier:
             if size != item.size:
                 raise CheckpointCorruptError(f"{where} is {size} bytes, its manifest says {item.size}")
             local.parent.mkdir(parents=True, exist_ok=True)
-            self._copy_verified(src, local, item, where)
-
-    def _copy_verified(self, src: BinaryIO, local: Path, item: RemoteObject, where: str) -> None:
-        """Copy an opened object into the new file ``local``, each read within :data:`READ_DEADLINE_S`, checking
-        its size and CRC-32 against ``item``."""
-        crc, total = 0, 0
-        fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        with os.fdopen(fd, "wb") as dst:
-            while chunk := _within_deadline(functools.partial(src.read, min(CHUNK, item.size + 1 - total)), where):
-                total += len(chunk)
-                if total > item.size:
-                    raise CheckpointCorruptError(f"{where} holds more than the {item.size} bytes of its manifest")
-                crc = zlib.crc32(chunk, crc)
-                dst.write(chunk)
-            dst.flush()
-            os.fsync(dst.fileno())
+            total, crc = store.copy_object(src, local, item.size, where)
+        if total > item.size:
+            raise CheckpointCorruptError(f"{where} holds more than the {item.size} bytes of its manifest")
         if total != item.size or crc != item.crc32:
             raise CheckpointCorruptError(f"{where} does not match its manifest (size {total}, CRC-32 {crc:#010x})")
 
@@ -1254,7 +866,7 @@ class RemoteTier:
                 for name, m in committed
                 if m.lineage is not None
                 and (m.step > anchor.step or (not anchor.checkpoint and m.step == anchor.step))
-                and core.in_history(anchor.lineage, anchor.step, m.lineage, m.step)
+                and in_history(anchor.lineage, anchor.step, m.lineage, m.step)
             ]
             passed = [(name, m) for name, m in committed if m.step > anchor.step and (name, m) not in taken]
             if passed and (not taken or passed[0][1].step > taken[0][1].step):
@@ -1273,7 +885,7 @@ class RemoteTier:
         return [
             (name, m)
             for name, m in committed
-            if m.lineage is not None and core.in_history(m.lineage, m.step, tip.lineage, tip.step)
+            if m.lineage is not None and in_history(m.lineage, m.step, tip.lineage, tip.step)
         ]
 
     @_guarded("looking for a newer checkpoint")
@@ -1389,118 +1001,3 @@ class RemoteTier:
         shutil.rmtree(self._staging, ignore_errors=True)  # this rank's only: another rank may still upload
         with contextlib.suppress(OSError):
             (self._out_dir / STAGING_DIR).rmdir()  # the last rank out removes the folder
-
-
-_MEMORY_LEASES = threading.Lock()
-"""memory:// lives in one process: this lock makes a lease's check and write on it one step."""
-
-
-def _precondition_failed(exc: BaseException) -> bool:
-    """Whether a store's error says that a conditional write's condition did not hold (S3: 412, or 409 for a
-    conditional write that raced another)."""
-    response = getattr(exc.__cause__, "response", None)
-    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
-    return code in {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
-
-
-def _link_new(path: str, data: bytes) -> bool:
-    """Create the file ``path`` holding ``data`` unless one exists, in one step: the bytes go into a private temp
-    file, then a hard link gives them the name (a link never replaces a file, and no reader sees a torn lease).
-
-    :returns: Whether it was created.
-    """
-    temp = f"{path}.{secrets.token_hex(8)}.new"
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        try:
-            os.link(temp, path)
-        except FileExistsError:
-            return False
-        except OSError:  # a file system without hard links: an exclusive create (a reader may see it half written)
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-        return True
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-
-
-def _remove_if_read(path: str, seen: Lease, inode: Any) -> bool:
-    """Remove the lease file ``path`` if it is still the one read (``seen``, of inode ``inode``), in one step of the
-    file system: it is renamed aside (of two runs taking one lease over, one renames it), then checked; one that
-    changed meanwhile (renewed, or another run's) is put back.
-
-    :returns: Whether it was removed (the caller may then create its own, exclusively).
-    """
-    aside = f"{path}.{secrets.token_hex(8)}.old"
-    try:
-        os.rename(path, aside)
-    except FileNotFoundError:
-        return False
-    info = os.lstat(aside)
-    if not stat.S_ISREG(info.st_mode):  # no lease a run wrote (unreadable, so expired): left aside, never followed
-        return True
-    fd = os.open(aside, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    with os.fdopen(fd, "rb") as handle:
-        moved = parse_lease(handle.read(MAX_MANIFEST_BYTES))
-    if info.st_ino != inode or moved != seen:
-        with contextlib.suppress(FileExistsError):  # back where it was, unless a new one is there already
-            os.link(aside, path)
-    os.unlink(aside)
-    return info.st_ino == inode and moved == seen
-
-
-_SHARD = re.compile(r"__(\d+)_\d+\.distcp")
-
-
-def published_files(
-    checkpoints: list[Path], metrics: Path, metrics_size: int | None, *, rank: int
-) -> list[tuple[Path, str, int | None]]:
-    """What this rank uploads of a just-published save: a file checkpoint whole (rank 0), or this rank's own files
-    of a sharded directory (``__<rank>_<n>.distcp``; rank 0 also the rest: ``.metadata``, ``trainkit.pt``, the
-    manifest); ``metrics.jsonl`` up to ``metrics_size`` bytes (rank 0). ``last`` comes last.
-
-    :param checkpoints: ``best`` then ``last`` (files, or directories).
-    :param metrics: ``metrics.jsonl``.
-    :param metrics_size: Its size the checkpoint records (None: not uploaded).
-    :param rank: This rank.
-    :returns: ``(path, remote name, size or None for the whole file)`` triples.
-    """
-    files: list[tuple[Path, str, int | None]] = []
-    if metrics_size:
-        files.append((metrics, metrics.name, metrics_size))
-    for path in checkpoints:
-        if path.is_dir() and not path.is_symlink():
-            for entry in sorted(path.iterdir()):
-                shard = _SHARD.fullmatch(entry.name)
-                if (int(shard[1]) == rank if shard else rank == 0) and entry.is_file() and not entry.is_symlink():
-                    files.append((entry, f"{path.name}/{entry.name}", None))
-        elif rank == 0:
-            files.append((path, path.name, None))
-    return files
-
-
-def publish_fetched(folder: Path, out_dir: Path, names: list[str]) -> None:
-    """Move verified files and directories into ``out_dir`` (each an atomic rename; ``last.pt`` or ``last.ckpt/``,
-    which makes it a checkpoint, last). A directory in the way (an older local ``last.ckpt/``) is moved aside first
-    and deleted.
-
-    :param folder: The download folder (under ``out_dir``).
-    :param out_dir: The run folder.
-    :param names: The top-level names, in the order to publish them.
-    """
-    for name in names:
-        target = out_dir / name
-        if target.is_dir() and not target.is_symlink():
-            aside = out_dir / f"{FETCH_PREFIX}old-{secrets.token_hex(8)}"
-            os.replace(target, aside)
-            shutil.rmtree(aside, ignore_errors=True)
-        os.replace(folder / name, target)
-    fsync_directory(out_dir)
-    shutil.rmtree(folder, ignore_errors=True)
