@@ -209,6 +209,17 @@ def test_every_number_of_a_commit_record_must_fit_its_range(change, named):
     assert parse_manifest(json.dumps(HONEST).encode()).description["scores"] == {"score": 0.5}
 
 
+@pytest.mark.parametrize("kind", ["best", "", None, 7])
+def test_a_commit_record_of_another_kind_is_refused(kind):
+    """``kind`` is checked: trainkit writes only ``"last"`` records, and a record of any other kind (or none) is
+    refused with one line rather than taken for a ``last`` checkpoint."""
+    with pytest.raises(CheckpointUnsafeError, match="kind must be 'last'"):
+        parse_manifest(json.dumps({**HONEST, "kind": kind}).encode())
+    missing = {key: value for key, value in HONEST.items() if key != "kind"}
+    with pytest.raises(CheckpointUnsafeError, match="kind must be 'last'"):
+        parse_manifest(json.dumps(missing).encode())
+
+
 def test_a_commit_record_nested_too_deep_is_refused():
     data = json.dumps({**HONEST, "extra": 1}).encode()[:-1] + b', "deep": ' + b"[" * 100 + b"]" * 100 + b"}"
     with pytest.raises(CheckpointUnsafeError, match="not JSON"):
