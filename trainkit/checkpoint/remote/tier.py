@@ -103,6 +103,11 @@ BACKOFF_S = 0.5
 """The first retry's delay; each next one doubles it."""
 
 
+def _utc(seconds: float) -> str:
+    """A Unix time as messages show it (UTC, to the second)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+
+
 def _guarded(doing: str) -> Callable[[Callable[..., _T]], Callable[..., _T]]:
     """A :class:`RemoteTier` method whose store failures are one line
     (:func:`~trainkit.checkpoint.remote.store.store_errors`)."""
@@ -281,12 +286,95 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ the lease
 
-    def _path(self, *parts: str) -> str:
-        return "/".join((self._root, *parts))
+    @_guarded("taking the lease")
+    def acquire(self, *, uploads: bool = True, folder: str | None = None) -> None:
+        """Take the prefix for this run, delete uncommitted leftovers and start the uploader (unless ``uploads`` is
+        False: ``retain`` holds the lease only to delete, and deletes the leftovers itself). An expired lease is
+        taken over, and so is, at once, one that names ``folder`` (left by a killed run of this run folder): each
+        conditionally on the very object read.
+
+        :param uploads: Start the uploader.
+        :param folder: The run folder's identity (:func:`~trainkit.checkpoint.remote.staging.folder_identity`, read
+            holding the folder's lock), named in this run's lease; None: no run folder (``retain``), and no lease is
+            taken over before it expires.
+        :raises OutDirError: When another run holds it (or took the expired lease first), naming the prefix, the
+            holder and when it expires; or the store fails (one line,
+            :func:`~trainkit.checkpoint.remote.store.store_errors`).
+        """
+        if self._rank != 0:  # rank 0 holds the prefix for the run
+            self._start(uploads)
+            return
+        self._folder = folder
+        store.make_folder(self._fs, self._root)
+        with self._lease_locked():  # a file system: no other run's takeover moves the lease while it is read here
+            self._take_lease()
+        self._held = True
+        if uploads:  # ``retain`` deletes them among the rest, and says what it could not
+            try:
+                self._remove_uncommitted()
+            except OutDirError as exc:  # the next commit's retention deletes them
+                self._warn_retention(str(exc))
+        self._start(uploads)
+
+    def _take_lease(self) -> None:
+        """Create the lease, or take over one this run folder's killed run left, or an expired one: a few tries, each
+        conditional on the very object read (one changed since it was read is read again).
+
+        :raises OutDirError: When another run holds it, or took the expired lease first.
+        """
+        for _ in range(3):
+            if self._create_lease():
+                return
+            held, version = self._lease_version()
+            if held is not None and not held.expired(time.time()) and held.held_for(self._folder):
+                if self._replace_lease(held, version):  # this folder's killed run left it: no wait
+                    say(
+                        f"ckpt.remote={self.url}: took over the lease that a killed run of {self._out_dir} left "
+                        f"({shown(held.holder)}, held until {_utc(held.expires)})"
+                    )
+                    return
+                continue  # changed since it was read: read it again
+            if held is not None and not held.expired(time.time()):
+                raise OutDirError(
+                    f"ckpt.remote={self.url} is held by another run ({shown(held.holder)}) until {_utc(held.expires)} "
+                    "unless it renews its lease; one run writes under a prefix: wait for it to end, or use another "
+                    "prefix"
+                )
+            if held is not None and self._replace_lease(held, version):  # expired: its run is gone
+                return
+        raise OutDirError(f"ckpt.remote={self.url}: another run took the expired lease first; try again")
 
     def lease(self) -> Lease | None:
         """The lease on the prefix now, or None."""
         return self._read_lease()
+
+    def _start(self, uploads: bool) -> None:
+        if uploads:
+            self._thread = threading.Thread(target=self._run, name="trainkit-remote-upload", daemon=True)
+            self._thread.start()
+
+    def _renew_quietly(self) -> None:
+        try:
+            self._renew()
+        except Exception as exc:  # noqa: BLE001 - a store that is down now may be up at the next renewal
+            self._warn(f"the lease could not be renewed ({type(exc).__name__}: {exc})")
+
+    def _renew(self) -> None:
+        with self._lease_locked():  # a file system: a racing takeover's rename aside never reads as "gone" here
+            held, version = self._lease_version()
+            renewed = (
+                self._create_lease()  # gone (deleted by hand): this run's again, unless another took the prefix
+                if held is None
+                else held.holder == self._holder and self._replace_lease(held, version)
+            )
+        if not renewed:
+            self._held = False  # this run stalled past its lease and another took the prefix: it writes no more
+            self._evicted = True
+            holder = shown(held.holder) if held is not None else "another run"
+            raise OutDirError(f"the lease was taken over by {holder}; this run uploads nothing more")
+
+    def _path(self, *parts: str) -> str:
+        return "/".join((self._root, *parts))
 
     def _read_lease(self) -> Lease | None:
         return store.read_lease_object(self._fs, self._path(LEASE), self.url)
@@ -342,83 +430,6 @@ class RemoteTier:
             if held is not None and held.holder == self._holder:
                 store.release_lease(self._fs, self._path(LEASE), held, version, self.url)
 
-    @_guarded("taking the lease")
-    def acquire(self, *, uploads: bool = True, folder: str | None = None) -> None:
-        """Take the prefix for this run, delete uncommitted leftovers and start the uploader (unless ``uploads`` is
-        False: ``retain`` holds the lease only to delete, and deletes the leftovers itself). An expired lease is
-        taken over, and so is, at once, one that names ``folder`` (left by a killed run of this run folder): each
-        conditionally on the very object read.
-
-        :param uploads: Start the uploader.
-        :param folder: The run folder's identity (:func:`~trainkit.checkpoint.remote.staging.folder_identity`, read
-            holding the folder's lock), named in this run's lease; None: no run folder (``retain``), and no lease is
-            taken over before it expires.
-        :raises OutDirError: When another run holds it (or took the expired lease first), naming the prefix, the
-            holder and when it expires; or the store fails (one line,
-            :func:`~trainkit.checkpoint.remote.store.store_errors`).
-        """
-        if self._rank != 0:  # rank 0 holds the prefix for the run
-            self._start(uploads)
-            return
-        self._folder = folder
-        store.make_folder(self._fs, self._root)
-        with self._lease_locked():  # a file system: no other run's takeover moves the lease while it is read here
-            for _ in range(3):
-                if self._create_lease():
-                    break
-                held, version = self._lease_version()
-                if held is not None and not held.expired(time.time()) and held.held_for(folder):
-                    if self._replace_lease(held, version):  # this folder's killed run left it: no wait
-                        until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(held.expires))
-                        say(
-                            f"ckpt.remote={self.url}: took over the lease that a killed run of {self._out_dir} left "
-                            f"({shown(held.holder)}, held until {until})"
-                        )
-                        break
-                    continue  # changed since it was read: read it again
-                if held is not None and not held.expired(time.time()):
-                    until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(held.expires))
-                    raise OutDirError(
-                        f"ckpt.remote={self.url} is held by another run ({shown(held.holder)}) until {until} unless "
-                        "it renews its lease; one run writes under a prefix: wait for it to end, or use another prefix"
-                    )
-                if held is not None and self._replace_lease(held, version):  # expired: its run is gone
-                    break
-            else:
-                raise OutDirError(f"ckpt.remote={self.url}: another run took the expired lease first; try again")
-        self._held = True
-        if uploads:  # ``retain`` deletes them among the rest, and says what it could not
-            try:
-                self._remove_uncommitted()
-            except OutDirError as exc:  # the next commit's retention deletes them
-                self._warn_retention(str(exc))
-        self._start(uploads)
-
-    def _start(self, uploads: bool) -> None:
-        if uploads:
-            self._thread = threading.Thread(target=self._run, name="trainkit-remote-upload", daemon=True)
-            self._thread.start()
-
-    def _renew_quietly(self) -> None:
-        try:
-            self._renew()
-        except Exception as exc:  # noqa: BLE001 - a store that is down now may be up at the next renewal
-            self._warn(f"the lease could not be renewed ({type(exc).__name__}: {exc})")
-
-    def _renew(self) -> None:
-        with self._lease_locked():  # a file system: a racing takeover's rename aside never reads as "gone" here
-            held, version = self._lease_version()
-            renewed = (
-                self._create_lease()  # gone (deleted by hand): this run's again, unless another took the prefix
-                if held is None
-                else held.holder == self._holder and self._replace_lease(held, version)
-            )
-        if not renewed:
-            self._held = False  # this run stalled past its lease and another took the prefix: it writes no more
-            self._evicted = True
-            holder = shown(held.holder) if held is not None else "another run"
-            raise OutDirError(f"the lease was taken over by {holder}; this run uploads nothing more")
-
     # ------------------------------------------------------------------ hand-over and upload
 
     def hand_over(self, files: list[tuple[Path, str, int | None]], make_upload: Callable[..., Upload]) -> None:
@@ -465,16 +476,6 @@ class RemoteTier:
                 )
             self._cond.notify_all()
 
-    def _stage(self, files: list[tuple[Path, str, int | None]], make_upload: Callable[..., Upload]) -> Upload | None:
-        """Stage files for an upload (see :meth:`hand_over`): the upload, or None (warned) when they could not be."""
-        staged = self._staging / secrets.token_hex(8)
-        try:
-            listed = stage_files(staged, files)
-        except OSError as exc:
-            self._warn(f"could not stage checkpoint files for upload ({exc})")
-            return None
-        return make_upload(staged=staged, files=listed)
-
     def report(self) -> tuple[str, tuple[RemoteObject, ...]] | None:
         """The newest sharded upload of this rank that is done and not committed yet: its folder and objects."""
         with self._cond:
@@ -499,6 +500,16 @@ class RemoteTier:
             objects = tuple(o for report in reports if report is not None for o in report[1])
             self._commit = _Commit(upload=upload, folder=folder, objects=objects)
             self._cond.notify_all()
+
+    def _stage(self, files: list[tuple[Path, str, int | None]], make_upload: Callable[..., Upload]) -> Upload | None:
+        """Stage files for an upload (see :meth:`hand_over`): the upload, or None (warned) when they could not be."""
+        staged = self._staging / secrets.token_hex(8)
+        try:
+            listed = stage_files(staged, files)
+        except OSError as exc:
+            self._warn(f"could not stage checkpoint files for upload ({exc})")
+            return None
+        return make_upload(staged=staged, files=listed)
 
     def _run(self) -> None:
         while True:
@@ -658,9 +669,6 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ what is on the remote
 
-    def _folders(self) -> list[str]:
-        return [name for name in store.list_names(self._fs, self._root, self.url) if folder_step(name) is not None]
-
     def committed(self) -> list[tuple[str, Manifest]]:
         """The committed checkpoint folders, newest first; a folder whose manifest is unsafe is warned about and
         left out.
@@ -672,45 +680,6 @@ class RemoteTier:
     def uncommitted(self) -> list[str]:
         """The checkpoint folders without a commit record (uploads cut short): never read, deleted by the writer."""
         return self._scan()[1]
-
-    def _linked(self, name: str) -> bool:
-        """Whether the folder ``name`` is a symbolic link on a local (or mounted) file system: no run writes one, and
-        reading or deleting through it would reach another prefix's files (its commit record deleted by retention)."""
-        return store.is_link(self._fs, self._path(name))
-
-    def _scan(self) -> tuple[list[tuple[str, Manifest]], list[str]]:
-        found, uncommitted = [], []
-        for name in self._folders():
-            if self._linked(name):  # neither committed nor uncommitted: never read, never deleted
-                self._refuse(name, "a symbolic link, which trainkit does not follow: no run writes one")
-                continue
-            manifest = self._manifests.get(name)  # a commit record is written once: read once
-            if manifest is None:
-                try:
-                    record = store.read_object(self._fs, self._path(name, MANIFEST), MAX_MANIFEST_BYTES)
-                    if not record and store.is_local(self._fs):  # a file system shows a record being written as empty
-                        continue  # neither committed yet nor uncommitted (never deleted as such): the next scan sees it
-                    manifest = parse_manifest(record)
-                except FileNotFoundError:
-                    uncommitted.append(name)  # never read
-                    continue
-                except (CheckpointUnsafeError, UnreadableFile, TimeoutError) as exc:  # the rest are still used
-                    self._refuse(name, str(exc))
-                    continue
-                if manifest.step != folder_step(name):
-                    self._refuse(name, f"its manifest says step {manifest.step}")
-                    continue
-                self._manifests[name] = manifest
-            found.append((name, manifest))
-        return newest_first(found), uncommitted
-
-    def _refuse(self, name: str, why: str) -> None:
-        if name not in self._refused:  # once per folder: retention lists the remote after every upload
-            self._refused.add(name)
-            warn_user(f"ckpt.remote={self.url}: {name} is refused ({shown(why)})")
-
-    def _remove_uncommitted(self) -> None:
-        self.delete(self.uncommitted())
 
     def plan(
         self,
@@ -804,47 +773,87 @@ class RemoteTier:
             )
             self._warn_retention(text)
 
+    def _remove_uncommitted(self) -> None:
+        self.delete(self.uncommitted())
+
+    def _folders(self) -> list[str]:
+        return [name for name in store.list_names(self._fs, self._root, self.url) if folder_step(name) is not None]
+
+    def _linked(self, name: str) -> bool:
+        """Whether the folder ``name`` is a symbolic link on a local (or mounted) file system: no run writes one, and
+        reading or deleting through it would reach another prefix's files (its commit record deleted by retention)."""
+        return store.is_link(self._fs, self._path(name))
+
+    def _scan(self) -> tuple[list[tuple[str, Manifest]], list[str]]:
+        found, uncommitted = [], []
+        for name in self._folders():
+            if self._linked(name):  # neither committed nor uncommitted: never read, never deleted
+                self._refuse(name, "a symbolic link, which trainkit does not follow: no run writes one")
+                continue
+            manifest = self._manifests.get(name)  # a commit record is written once: read once
+            if manifest is None:
+                try:
+                    record = store.read_object(self._fs, self._path(name, MANIFEST), MAX_MANIFEST_BYTES)
+                    if not record and store.is_local(self._fs):  # a file system shows a record being written as empty
+                        continue  # neither committed yet nor uncommitted (never deleted as such): the next scan sees it
+                    manifest = parse_manifest(record)
+                except FileNotFoundError:
+                    uncommitted.append(name)  # never read
+                    continue
+                except (CheckpointUnsafeError, UnreadableFile, TimeoutError) as exc:  # the rest are still used
+                    self._refuse(name, str(exc))
+                    continue
+                if manifest.step != folder_step(name):
+                    self._refuse(name, f"its manifest says step {manifest.step}")
+                    continue
+                self._manifests[name] = manifest
+            found.append((name, manifest))
+        return newest_first(found), uncommitted
+
+    def _refuse(self, name: str, why: str) -> None:
+        if name not in self._refused:  # once per folder: retention lists the remote after every upload
+            self._refused.add(name)
+            warn_user(f"ckpt.remote={self.url}: {name} is refused ({shown(why)})")
+
     # ------------------------------------------------------------------ resuming
 
-    def download(self, name: str, manifest: Manifest) -> Path:
-        """Download a committed folder into ``out_dir/.remote-fetch-<token>/``, verified against its manifest
-        (regular objects, sizes bounded and equal, CRC-32), and return that folder.
+    @_guarded("looking for a newer checkpoint")
+    def fetch(self, anchor: Anchor | None) -> Fetched | None:
+        """Download the newest of :meth:`candidates` that verifies into a folder of its own under ``out_dir``:
+        checked against its manifest, each ``.pt`` file loaded by the safe reader. A damaged one is warned about
+        and the next older one tried. Nothing in ``out_dir`` itself changes: the caller checks the checkpoint
+        further and then publishes it (:meth:`publish`) or lets it go (:meth:`discard`).
 
-        :param name: The folder's name.
-        :param manifest: Its manifest.
-        :returns: The local folder holding the verified files.
-        :raises CheckpointCorruptError: On a missing object, a size or CRC-32 that differs.
-        :raises CheckpointUnsafeError: On an object that is not a regular file.
+        :param anchor: What the resume has locally, or None (see :meth:`candidates`).
+        :returns: The verified download, or None.
         """
-        target = self._out_dir / f"{FETCH_PREFIX}{secrets.token_hex(8)}"
-        target.mkdir()
-        try:
-            for item in manifest.objects:
-                self._download_one(self._path(name, item.name), target / item.name, item, name)
-        except BaseException:
-            shutil.rmtree(target, ignore_errors=True)
-            raise
-        return target
-
-    def _download_one(self, source: str, local: Path, item: RemoteObject, name: str) -> None:
-        """Download one object into the new file ``local``, checked against ``item``: a regular object, its size
-        (the store's, then the bytes read: at most one more than ``item.size``) and its CRC-32."""
-        where = f"ckpt.remote={self.url}: {name}/{item.name}"
-        try:
-            src, size = store.open_object(self._fs, source, where)
-        except FileNotFoundError:
-            raise CheckpointCorruptError(f"{where} is listed in its manifest and missing") from None
-        except UnreadableFile as exc:
-            raise CheckpointUnsafeError(f"{where} is not a regular object ({shown(exc.reason)})") from None
-        with src:
-            if size != item.size:
-                raise CheckpointCorruptError(f"{where} is {size} bytes, its manifest says {item.size}")
-            local.parent.mkdir(parents=True, exist_ok=True)
-            total, crc = store.copy_object(src, local, item.size, where)
-        if total > item.size:
-            raise CheckpointCorruptError(f"{where} holds more than the {item.size} bytes of its manifest")
-        if total != item.size or crc != item.crc32:
-            raise CheckpointCorruptError(f"{where} does not match its manifest (size {total}, CRC-32 {crc:#010x})")
+        for stale in self._out_dir.glob(f"{FETCH_PREFIX}*"):  # a download a kill interrupted
+            shutil.rmtree(stale, ignore_errors=True)
+        for name, manifest in self.candidates(anchor):
+            tops = {item.name.split("/")[0] for item in manifest.objects}
+            if not tops & {LAST, LAST_DIR}:
+                self._refuse(name, f"its manifest lists neither {LAST} nor {LAST_DIR}/")
+                continue
+            if not tops <= PUBLISHED_NAMES:  # anything else would replace a file or folder of out_dir
+                self._refuse(name, f"its manifest lists {sorted(tops - PUBLISHED_NAMES)}, not a checkpoint's files")
+                continue
+            try:
+                folder = self.download(name, manifest)
+            except (CheckpointCorruptError, CheckpointUnsafeError, OSError) as exc:
+                warn_user(f"{shown(exc)}; trying the previous committed remote checkpoint")
+                continue
+            try:
+                for item in manifest.objects:
+                    if item.name.endswith(".pt"):
+                        load_checkpoint(folder / item.name)  # refused here, before anything is published
+            except (CheckpointCorruptError, CheckpointUnsafeError) as exc:
+                shutil.rmtree(folder, ignore_errors=True)
+                warn_user(
+                    f"ckpt.remote={self.url}: {name} is refused ({shown(exc)}); trying the previous committed one"
+                )
+                continue
+            return Fetched(folder=folder, name=name, manifest=manifest)
+        return None
 
     @_guarded("listing the committed checkpoints")
     def candidates(self, anchor: Anchor | None) -> list[tuple[str, Manifest]]:
@@ -888,43 +897,54 @@ class RemoteTier:
             if m.lineage is not None and in_history(m.lineage, m.step, tip.lineage, tip.step)
         ]
 
-    @_guarded("looking for a newer checkpoint")
-    def fetch(self, anchor: Anchor | None) -> Fetched | None:
-        """Download the newest of :meth:`candidates` that verifies into a folder of its own under ``out_dir``:
-        checked against its manifest, each ``.pt`` file loaded by the safe reader. A damaged one is warned about
-        and the next older one tried. Nothing in ``out_dir`` itself changes: the caller checks the checkpoint
-        further and then publishes it (:meth:`publish`) or lets it go (:meth:`discard`).
+    def download(self, name: str, manifest: Manifest) -> Path:
+        """Download a committed folder into ``out_dir/.remote-fetch-<token>/``, verified against its manifest
+        (regular objects, sizes bounded and equal, CRC-32), and return that folder.
 
-        :param anchor: What the resume has locally, or None (see :meth:`candidates`).
-        :returns: The verified download, or None.
+        :param name: The folder's name.
+        :param manifest: Its manifest.
+        :returns: The local folder holding the verified files.
+        :raises CheckpointCorruptError: On a missing object, a size or CRC-32 that differs.
+        :raises CheckpointUnsafeError: On an object that is not a regular file.
         """
-        for stale in self._out_dir.glob(f"{FETCH_PREFIX}*"):  # a download a kill interrupted
-            shutil.rmtree(stale, ignore_errors=True)
-        for name, manifest in self.candidates(anchor):
-            tops = {item.name.split("/")[0] for item in manifest.objects}
-            if not tops & {LAST, LAST_DIR}:
-                self._refuse(name, f"its manifest lists neither {LAST} nor {LAST_DIR}/")
-                continue
-            if not tops <= PUBLISHED_NAMES:  # anything else would replace a file or folder of out_dir
-                self._refuse(name, f"its manifest lists {sorted(tops - PUBLISHED_NAMES)}, not a checkpoint's files")
-                continue
-            try:
-                folder = self.download(name, manifest)
-            except (CheckpointCorruptError, CheckpointUnsafeError, OSError) as exc:
-                warn_user(f"{shown(exc)}; trying the previous committed remote checkpoint")
-                continue
-            try:
-                for item in manifest.objects:
-                    if item.name.endswith(".pt"):
-                        load_checkpoint(folder / item.name)  # refused here, before anything is published
-            except (CheckpointCorruptError, CheckpointUnsafeError) as exc:
-                shutil.rmtree(folder, ignore_errors=True)
-                warn_user(
-                    f"ckpt.remote={self.url}: {name} is refused ({shown(exc)}); trying the previous committed one"
-                )
-                continue
-            return Fetched(folder=folder, name=name, manifest=manifest)
-        return None
+        target = self._out_dir / f"{FETCH_PREFIX}{secrets.token_hex(8)}"
+        target.mkdir()
+        try:
+            for item in manifest.objects:
+                self._download_one(self._path(name, item.name), target / item.name, item, name)
+        except BaseException:
+            shutil.rmtree(target, ignore_errors=True)
+            raise
+        return target
+
+    def _download_one(self, source: str, local: Path, item: RemoteObject, name: str) -> None:
+        """Download one object into the new file ``local``, checked against ``item``: a regular object, its size
+        (the store's, then the bytes read: at most one more than ``item.size``) and its CRC-32."""
+        where = f"ckpt.remote={self.url}: {name}/{item.name}"
+        try:
+            src, size = store.open_object(self._fs, source, where)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{where} is listed in its manifest and missing") from None
+        except UnreadableFile as exc:
+            raise CheckpointUnsafeError(f"{where} is not a regular object ({shown(exc.reason)})") from None
+        with src:
+            if size != item.size:
+                raise CheckpointCorruptError(f"{where} is {size} bytes, its manifest says {item.size}")
+            local.parent.mkdir(parents=True, exist_ok=True)
+            total, crc = store.copy_object(src, local, item.size, where)
+        if total > item.size:
+            raise CheckpointCorruptError(f"{where} holds more than the {item.size} bytes of its manifest")
+        if total != item.size or crc != item.crc32:
+            raise CheckpointCorruptError(f"{where} does not match its manifest (size {total}, CRC-32 {crc:#010x})")
+
+    def publish(self, fetched: Fetched) -> None:
+        """Move a fetched checkpoint that passed every check into ``out_dir`` (``last`` last) and say so.
+
+        :param fetched: What :meth:`fetch` returned.
+        """
+        tops = {item.name.split("/")[0] for item in fetched.manifest.objects}
+        publish_fetched(fetched.folder, self._out_dir, sorted(tops, key=lambda top: top in (LAST, LAST_DIR)))
+        say(f"took step {fetched.manifest.step} from ckpt.remote={self.url} ({fetched.name})")
 
     def refuse(self, fetched: Fetched, why: str) -> None:
         """Let a fetched checkpoint that a later check refused go: warned, its download deleted, and never offered
@@ -944,29 +964,7 @@ class RemoteTier:
         """
         shutil.rmtree(fetched.folder, ignore_errors=True)
 
-    def publish(self, fetched: Fetched) -> None:
-        """Move a fetched checkpoint that passed every check into ``out_dir`` (``last`` last) and say so.
-
-        :param fetched: What :meth:`fetch` returned.
-        """
-        tops = {item.name.split("/")[0] for item in fetched.manifest.objects}
-        publish_fetched(fetched.folder, self._out_dir, sorted(tops, key=lambda top: top in (LAST, LAST_DIR)))
-        say(f"took step {fetched.manifest.step} from ckpt.remote={self.url} ({fetched.name})")
-
     # ------------------------------------------------------------------ the end
-
-    def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until the uploader has nothing queued (catch-up uploads included), no commit record to write and no
-        upload in flight.
-
-        :param timeout_s: The most seconds to wait.
-        :returns: Whether it is idle (False: the time ran out first).
-        """
-        with self._cond:
-            return self._cond.wait_for(self._idle, timeout=max(0.0, timeout_s))
-
-    def _idle(self) -> bool:
-        return self._queued is None and self._commit is None and not self._catching_up and not self._busy
 
     def finish(self) -> None:
         """Wait up to ``ckpt.remote_wait_s`` for the last upload; say what is not on the remote when it gives up."""
@@ -985,6 +983,19 @@ class RemoteTier:
                 f"ckpt.remote={self.url}: step {self._lost_step} is not on the remote (its upload failed; the newest "
                 f"committed there by this run: {newest})"
             )
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until the uploader has nothing queued (catch-up uploads included), no commit record to write and no
+        upload in flight.
+
+        :param timeout_s: The most seconds to wait.
+        :returns: Whether it is idle (False: the time ran out first).
+        """
+        with self._cond:
+            return self._cond.wait_for(self._idle, timeout=max(0.0, timeout_s))
+
+    def _idle(self) -> bool:
+        return self._queued is None and self._commit is None and not self._catching_up and not self._busy
 
     def close(self) -> None:
         """Stop the uploader (an upload in flight is left uncommitted) and let the prefix go."""
