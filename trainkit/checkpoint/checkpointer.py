@@ -56,10 +56,10 @@ from trainkit.checkpoint.remote import (
     RemoteTier,
     Upload,
     folder_identity,
+    folder_name,
     published_files,
     remove_transfer_leftovers,
 )
-from trainkit.checkpoint.remote_manifest import folder_name
 from trainkit.checkpoint.storage import BestWeights, FileStorage, SaveRequest, ShardedStorage, Storage
 from trainkit.config import CkptConfig, Config, changed_on_resume, render_value, strip_secrets
 from trainkit.distributed import collectives as dist_utils
@@ -207,7 +207,7 @@ class Checkpointer:
     :param device: Where best weights read back go.
     :param config: The config as saved (``public_config``: no secrets).
     :param remote: The remote tier (``ckpt.remote``: rank 0's, or every rank's for sharded checkpoints; see
-        :meth:`~trainkit.checkpoint.remote.RemoteTier.build`), or None.
+        :meth:`~trainkit.checkpoint.remote.tier.RemoteTier.build`), or None.
     """
 
     def __init__(

@@ -25,8 +25,7 @@ from trainkit import bookkeeping
 from trainkit.bookkeeping import EpochPosition, resumable_world_sizes
 from trainkit.checkpoint.kept import KEPT_DIR, directory_problem, folder_problem, kept_path, read_kept
 from trainkit.checkpoint.pt_files import BEST_CKPT, LAST_CKPT
-from trainkit.checkpoint.remote import LAST, LAST_DIR, shown
-from trainkit.checkpoint.remote_manifest import folder_step
+from trainkit.checkpoint.remote import LAST, LAST_DIR, folder_step, shown
 from trainkit.cli.report import format_value
 from trainkit.cli.retain import keep_policy, open_remote_prefix
 from trainkit.errors import ConfigError
