@@ -30,10 +30,11 @@ What each reach is for, and why no public API serves:
   differentiable view), GradScaler's flag for optimizers that take ``found_inf``, ``torch.compile``'s wrapped
   module, and the compiler package the fork server preloads.
 
-torch versions checked: every name below is present in torch 2.13.0 (the installed one, which the test resolves);
-each has been in torch since 2.1 or earlier (``_foreach_copy_``: 2.1; ``TorchDispatchMode``: 1.13;
-``_current_graph_task_id``: 2.0; the DataLoader and DCP names: 2.0 or earlier), so ``torch>=2.4`` as pyproject
-declares is covered; that was read from torch's history, not run.
+torch versions checked: every name here resolves on torch 2.13.0 (``tests/test_torch_private.py`` resolves and calls
+them all on the installed torch, so CI checks whichever torch it installs). By torch's release history each was there
+by 2.1 (``_foreach_copy_`` 2.1, ``_current_graph_task_id`` 2.0, ``TorchDispatchMode`` 1.13, the DataLoader, DCP,
+GradScaler and compile names 2.0 or earlier), hence in every torch pyproject admits (``>=2.4``); no torch 2.4 install
+was run to confirm it.
 
 Side effects: importing it imports ``torch``; nothing else runs until a function is called.
 """
