@@ -18,6 +18,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainkit.errors", "trainkit.messages"),
     ("trainkit.bookkeeping",),
     ("trainkit.config",),
+    ("trainkit.torch_private",),
     ("trainkit.files",),
     ("trainkit.state",),
     ("trainkit.distributed",),

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from trainkit import checkpoint as ckpt_io
+from trainkit import torch_private
 from trainkit.distributed import collectives as dist_utils
 from trainkit.errors import CheckpointCorruptError, CheckpointError, CheckpointUnsafeError
 from trainkit.files.bounded_read import UnreadableFile, load_json, open_regular, read_regular
@@ -206,9 +207,11 @@ def _metadata_globals() -> dict[tuple[str, str], Any]:
         )
         if hasattr(metadata, name)
     }
-    allowed[(filesystem.__name__, "_StorageInfo")] = filesystem._StorageInfo
+    storage_info = torch_private.dcp_storage_info_class()
+    allowed[(filesystem.__name__, storage_info.__name__)] = storage_info
     allowed[("torch", "Size")] = torch.Size
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # a lookup by name
+    layout_by_name = torch_private.tensor_layout_by_name()
+    allowed[(layout_by_name.__module__, layout_by_name.__name__)] = layout_by_name  # a lookup by name
     allowed.update({("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)})
     import collections
     import pathlib
@@ -328,7 +331,6 @@ def read_metadata(directory: Path, files: Mapping[str, tuple[int, int]] | None =
 
 
 def _check_metadata(metadata: Any, files: Mapping[str, tuple[int, int]]) -> None:
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         MetadataIndex,
@@ -336,6 +338,7 @@ def _check_metadata(metadata: Any, files: Mapping[str, tuple[int, int]]) -> None
         TensorStorageMetadata,
     )
 
+    storage_info = torch_private.dcp_storage_info_class()
     _fields(metadata, {"state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"}, "Metadata")
     entries = metadata.state_dict_metadata
     if type(entries) is not dict or not all(type(key) is str for key in entries):
@@ -360,7 +363,7 @@ def _check_metadata(metadata: Any, files: Mapping[str, tuple[int, int]]) -> None
             f"the entries declare {declared // 2} bytes of tensors, more than the shard files hold ({data_bytes})", True
         )
     for index, info in storage.items():
-        if type(index) is not MetadataIndex or type(info) is not _StorageInfo:
+        if type(index) is not MetadataIndex or type(info) is not storage_info:
             raise _Bad(f"storage_data maps a {type(index).__name__} to a {type(info).__name__}")
         _fields(index, {"fqn", "offset", "index"}, "MetadataIndex")
         if type(index.fqn) is not str or not (index.offset is None or _is_size(index.offset)):
@@ -519,9 +522,7 @@ def _dcp_classes() -> tuple[type, type]:
             :param value: The loaded value.
             """
             if self.flatten_state_dict:
-                from torch.distributed.checkpoint._traverse import set_element
-
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
+                torch_private.dcp_set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
             else:
                 self.state_dict[read_item.dest_index.fqn] = value
 
@@ -559,7 +560,6 @@ def _dcp_classes() -> tuple[type, type]:
             :returns: A completed future.
             :raises CheckpointError: When an entry cannot be read, or holds what trainkit does not load.
             """
-            from torch.distributed._shard._utils import narrow_tensor_by_index
             from torch.distributed.checkpoint.planner import LoadItemType
             from torch.futures import Future
 
@@ -587,7 +587,7 @@ def _dcp_classes() -> tuple[type, type]:
                             raise CheckpointCorruptError(
                                 f"{what} holds a {type(value).__name__} where a tensor is stored"
                             )
-                        tensor = narrow_tensor_by_index(value, item.storage_offsets, item.lengths)
+                        tensor = torch_private.narrow_tensor_by_index(value, item.storage_offsets, item.lengths)
                         target = planner.resolve_tensor(item).detach()
                         if target.size() != tensor.size():
                             raise CheckpointCorruptError(

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainkit import bookkeeping as core
+from trainkit import torch_private
 from trainkit.bookkeeping.guard import CONTINUE, RAISE, ROLLBACK, SKIP
 from trainkit.errors import DivergenceError, RollbackNeeded
 from trainkit.loop.batches import TrackedBatches
@@ -51,7 +52,7 @@ SKIPPED_KEY = "guard/skipped_steps"
 
 def _fused(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the optimizer's step takes ``found_inf`` (GradScaler's contract: a fused torch optimizer)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+    return torch_private.optimizer_unscales_itself(optimizer)
 
 
 class DivergenceGuard:

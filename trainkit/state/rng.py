@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from trainkit import torch_private
+
 __all__ = [
     "seed_everything",
     "capture_rng",
@@ -117,7 +119,7 @@ def start_persistent_workers(loader: Any) -> None:
     """
     if not isinstance(loader, DataLoader) or not loader.persistent_workers or loader.num_workers == 0:
         return
-    if getattr(loader, "_iterator", None) is not None:  # started before: its draw already happened
+    if torch_private.persistent_iterator(loader) is not None:  # started before: its draw already happened
         return
     state = torch.get_rng_state()
     # the loader's own generators too: its base seed, and a sampler's shuffle when prefetching starts
