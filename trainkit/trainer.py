@@ -2,8 +2,9 @@
 
 Every decision (improved? stop? validate now? which epoch next?) comes from :mod:`trainkit.bookkeeping`; every
 side effect goes through one part: the :class:`~trainkit.checkpoint.checkpointer.Checkpointer` (files), the
-:class:`~trainkit.loop.position.EpochTracker` (the epoch's position), the :class:`~trainkit.run.log.RunLog`
-(``metrics.jsonl`` and W&B), :class:`~trainkit.loop.signals.StopSignals` and :mod:`trainkit.distributed.collectives`.
+:class:`~trainkit.loop.epoch_tracker.EpochTracker` (the epoch's position), the :class:`~trainkit.run.log.RunLog`
+(``metrics.jsonl`` and W&B), :class:`~trainkit.loop.stop_signals.StopSignals` and
+:mod:`trainkit.distributed.collectives`.
 """
 
 from __future__ import annotations
@@ -31,15 +32,15 @@ from trainkit.distributed import collectives as dist_utils
 from trainkit.distributed import fsdp as sharding
 from trainkit.errors import BookkeepingError, DistributedError, HookNotImplementedError, TrainingInterrupted, UsageError
 from trainkit.loop import optim as optim_utils
-from trainkit.loop.batches import TrackedBatches
-from trainkit.loop.guard import DivergenceGuard
-from trainkit.loop.metrics import TrainerMetrics
-from trainkit.loop.position import EpochTracker
+from trainkit.loop.divergence_guard import DivergenceGuard
+from trainkit.loop.epoch_tracker import EpochTracker
 from trainkit.loop.progress import EpochBar, StepBar, step_bar
 from trainkit.loop.rollback import Rollback, rolled_back
-from trainkit.loop.signals import StopSignals
-from trainkit.loop.snapshot import WeightSnapshot, modes_kept, weights_swapped_in
+from trainkit.loop.stop_signals import StopSignals
 from trainkit.loop.throughput import CountedBatches, Throughput, check_token_count
+from trainkit.loop.tracked_batches import TrackedBatches
+from trainkit.loop.trainer_metrics import TrainerMetrics
+from trainkit.loop.weight_snapshot import WeightSnapshot, modes_kept, weights_swapped_in
 from trainkit.messages import say, warn_user
 from trainkit.run.log import RunLog, new_run_id, open_run_log
 from trainkit.state.modules import module_state
@@ -701,7 +702,7 @@ class BaseTrainer(abc.ABC):
 
     @property
     def guard(self) -> DivergenceGuard | None:
-        """The divergence guard part (:class:`~trainkit.loop.guard.DivergenceGuard`); None with guard.nonfinite off."""
+        """The :class:`~trainkit.loop.divergence_guard.DivergenceGuard`; None with guard.nonfinite off."""
         return self._metrics.guard
 
     @property

@@ -12,7 +12,7 @@ import trainkit
 from tests.helpers.configs import make_cfg
 from tests.helpers.host_syncs import count_host_syncs
 from tests.helpers.trainers import TinyConfig, TinyTrainer
-from trainkit.loop.metrics import LogBuffer
+from trainkit.loop.trainer_metrics import LogBuffer
 
 TRAINKIT_DIR = str(Path(trainkit.__file__).parent)
 

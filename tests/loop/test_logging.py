@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tests.helpers.configs import make_cfg
 from tests.helpers.host_syncs import count_host_syncs
 from tests.helpers.trainers import TinyTrainer
-from trainkit.loop.metrics import LogBuffer
+from trainkit.loop.trainer_metrics import LogBuffer
 
 RUNS = {"epochs": 3, "val": {"minimize": False}}
 """What this module's runs put over make_cfg's defaults: 3 epochs and the engine's default direction (the validation

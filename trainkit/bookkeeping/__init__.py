@@ -69,7 +69,14 @@ from trainkit.bookkeeping.schedule import (
     should_validate,
     validates_at_epoch_end,
 )
-from trainkit.bookkeeping.throughput import PEAK_FLOPS, PERF_KEYS, ThroughputMark, mfu, peak_flops, throughput_rates
+from trainkit.bookkeeping.throughput_rates import (
+    PEAK_FLOPS,
+    PERF_KEYS,
+    ThroughputMark,
+    mfu,
+    peak_flops,
+    throughput_rates,
+)
 
 __all__ = [
     "GUARD_MODES",

@@ -27,8 +27,8 @@ import torch
 
 from trainkit import bookkeeping as core
 from trainkit.errors import DivergenceError, RollbackNeeded
-from trainkit.loop.metrics import TrainerMetrics
-from trainkit.loop.position import EpochTracker
+from trainkit.loop.epoch_tracker import EpochTracker
+from trainkit.loop.trainer_metrics import TrainerMetrics
 from trainkit.messages import say
 
 if TYPE_CHECKING:

@@ -1,8 +1,8 @@
 """Where the training epoch stands: the loop's batches counted, step boundaries decided, samplers and loaders checked.
 
 Side effects: warnings (pointing at the user's code), the ranks' stop vote (a non-blocking all-reduce per step
-boundary under DDP), ``set_epoch`` on the samplers handed over, and what :class:`~trainkit.loop.batches.TrackedBatches`
-does to a loader it counts.
+boundary under DDP), ``set_epoch`` on the samplers handed over, and what
+:class:`~trainkit.loop.tracked_batches.TrackedBatches` does to a loader it counts.
 
 :class:`EpochTracker` is the position part of the trainer: ``progress()`` hands it the epoch's loader and
 gets the batches back (counted for step checkpoints, and skipped into when an epoch resumes inside); at each
@@ -25,14 +25,14 @@ import torch
 from trainkit import bookkeeping as core
 from trainkit.distributed import collectives as dist_utils
 from trainkit.errors import BookkeepingError, CheckpointMismatchError, UsageError
-from trainkit.loop.batches import RankPosition, TrackedBatches, WatchedBatches, epoch_tagged, unskippable_reason
-from trainkit.loop.stateful import (
+from trainkit.loop.stateful_batches import (
     StatefulBatches,
     carries_own_position,
     check_rollback_loader,
     loader_facts,
     loader_order,
 )
+from trainkit.loop.tracked_batches import RankPosition, TrackedBatches, WatchedBatches, epoch_tagged, unskippable_reason
 from trainkit.messages import warn_user
 from trainkit.state.rng import capture_rng, loader_generators
 
@@ -279,8 +279,8 @@ class EpochTracker:
 
     def _take_epoch_end_state(self, resume_path: Path, states: list[dict[str, Any] | None], rank: int) -> None:
         """Keep this rank's state of the loader whose epoch ended at an epoch-end checkpoint, for the next epoch's
-        pass to start from (:class:`~trainkit.loop.stateful.StatefulBatches`); on another world size no saved rank's
-        state is this rank's: warned, and the loaders start as they are."""
+        pass to start from (:class:`~trainkit.loop.stateful_batches.StatefulBatches`); on another world size no saved
+        rank's state is this rank's: warned, and the loaders start as they are."""
         if len(states) != self._world_size:
             warn_user(
                 f"{resume_path} holds the states of {len(states)} ranks' loaders at the epoch's end, and this run has "
@@ -296,7 +296,7 @@ class EpochTracker:
         ended inside the epoch: that save records the position instead).
 
         :returns: The state (copied), or None.
-        :raises UsageError: As :meth:`~trainkit.loop.stateful.StatefulBatches.loader_state` does.
+        :raises UsageError: As :meth:`~trainkit.loop.stateful_batches.StatefulBatches.loader_state` does.
         """
         batches = self._ran_out
         if batches is None or self._end_batches is not None:
@@ -339,7 +339,7 @@ class EpochTracker:
         :returns: The tracked batches, or None when this loop is not counted (warned once when it should be).
         :raises CheckpointMismatchError: When a resumed epoch's loader cannot be skipped into, or differs.
         :raises ConfigError: Under ``guard.nonfinite=rollback`` (``count_always``), when the loop is one a rollback
-            could not leave batches out of (:func:`~trainkit.loop.stateful.check_rollback_loader`).
+            could not leave batches out of (:func:`~trainkit.loop.stateful_batches.check_rollback_loader`).
         """
         pending, epoch = self._pending, self.epoch
         drop = self._left_out.get(epoch, _NOTHING)
@@ -435,7 +435,7 @@ class EpochTracker:
         :func:`trainkit.sample_generator` inside ``train_epoch()``; outside it, ``loader`` itself.
 
         :param loader: What ``progress()`` was given.
-        :returns: What ``progress()`` iterates (see :func:`trainkit.loop.batches.epoch_tagged`).
+        :returns: What ``progress()`` iterates (see :func:`trainkit.loop.tracked_batches.epoch_tagged`).
         """
         return epoch_tagged(loader, self.epoch) if self._in_epoch else loader
 
@@ -628,8 +628,8 @@ class EpochTracker:
         :param logs: Its unpushed metrics (``LogBuffer.state_dict()``).
         :param grad_norm: Its epoch grad-norm mean so far.
         :returns: Its share; with ``loader_state`` and ``generators_at_save`` for a loader that carries its own
-            position (:meth:`~trainkit.loop.stateful.StatefulBatches.saved_share`), without for one trainkit skips into
-            (as checkpoints were written before such loaders).
+            position (:meth:`~trainkit.loop.stateful_batches.StatefulBatches.saved_share`), without for one trainkit
+            skips into (as checkpoints were written before such loaders).
         """
         share = {
             "rng_at_iter": batches.rng_at_iter,

@@ -37,8 +37,8 @@ import torch
 from trainkit import bookkeeping as core
 from trainkit.bookkeeping.guard import CONTINUE, RAISE, ROLLBACK, SKIP
 from trainkit.errors import DivergenceError, RollbackNeeded
-from trainkit.loop.batches import TrackedBatches
-from trainkit.loop.position import EpochTracker
+from trainkit.loop.epoch_tracker import EpochTracker
+from trainkit.loop.tracked_batches import TrackedBatches
 
 if TYPE_CHECKING:
     from trainkit.config import GuardConfig
