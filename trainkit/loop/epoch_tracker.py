@@ -22,8 +22,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from trainkit import bookkeeping as core
-from trainkit.distributed import collectives as dist_utils
+from trainkit import bookkeeping
+from trainkit.distributed import collectives
 from trainkit.errors import BookkeepingError, CheckpointMismatchError, UsageError
 from trainkit.loop.stateful_batches import (
     StatefulBatches,
@@ -59,7 +59,7 @@ class StepDue(NamedTuple):
 
 def _next_due(step: int, every_n_steps: int | None) -> float:
     """The first step after ``step`` that is a multiple of ``every_n_steps`` (inf: never)."""
-    due = core.next_step_checkpoint(step, every_n_steps)
+    due = bookkeeping.next_step_checkpoint(step, every_n_steps)
     return math.inf if due is None else due
 
 
@@ -73,7 +73,7 @@ def _pooled_share(ranks: list[dict[str, Any]], resume_path: Path) -> dict[str, A
     means = [state["grad_norm"] for state in ranks]
     shares = [(0.0 if mean["sum"] is None else float(mean["sum"]), int(mean["count"])) for mean in means]
     try:
-        total, count = core.pooled_mean_share(shares, name="the epoch's grad-norm mean (train/grad_norm_epoch)")
+        total, count = bookkeeping.pooled_mean_share(shares, name="the epoch's grad-norm mean (train/grad_norm_epoch)")
     except BookkeepingError as exc:
         raise CheckpointMismatchError(f"{resume_path} was written inside an epoch: {exc}") from exc
     grad_norm = means[0]
@@ -123,8 +123,8 @@ class EpochTracker:
         self._stepping = enabled and every_n_steps is not None
         self._enabled = enabled
         self._world_size = world_size
-        self._vote = dist_utils.DelayedVote(timeout_s)
-        self._pending: tuple[core.EpochPosition, RankPosition] | None = None
+        self._vote = collectives.DelayedVote(timeout_s)
+        self._pending: tuple[bookkeeping.EpochPosition, RankPosition] | None = None
         self._max_steps = math.inf if max_steps is None else max_steps
         self._val_every, self._log_every = val_every_n_steps, log_every_n_steps
         # step boundaries are watched for step checkpoints, for the step budget, step validation and rows
@@ -212,7 +212,7 @@ class EpochTracker:
     # ------------------------------------------------------------------ the epoch
 
     def resume(
-        self, resume_path: Path, ckpt: Mapping[str, Any], *, rank: int, loop: core.LoopState, budget: str
+        self, resume_path: Path, ckpt: Mapping[str, Any], *, rank: int, loop: bookkeeping.LoopState, budget: str
     ) -> dict[str, Any] | None:
         """Take a checkpoint's place in the run: the batches it leaves out and, for a step checkpoint, its position,
         kept for the resumed epoch's tracked loop.
@@ -247,7 +247,7 @@ class EpochTracker:
             )
         if mid_epoch is None or rng is None:
             return None
-        position = core.EpochPosition.from_dict(mid_epoch["position"])
+        position = bookkeeping.EpochPosition.from_dict(mid_epoch["position"])
         if loop.finished or loop.epoch != position.epoch:
             if ckpt["loop"].get("stop_reason") is None:  # a finished run's final position is no news
                 warn_user(
@@ -255,7 +255,7 @@ class EpochTracker:
                     "ends the run before it: the rest of that epoch is not trained"
                 )
             return None
-        refusal = core.world_change_refusal(position, self._world_size)
+        refusal = bookkeeping.world_change_refusal(position, self._world_size)
         if refusal is not None:  # the checkpoint's reader refuses it already; kept for a caller
             raise CheckpointMismatchError(f"{resume_path} was written inside an epoch: {refusal}")
         self.first_batch = position.batches
@@ -417,7 +417,7 @@ class EpochTracker:
         """
         self._tracked, self._can_resume = True, can_resume
         self._resumable = self._stepping and can_resume
-        self._voting = self._resumable and dist_utils.is_distributed()
+        self._voting = self._resumable and collectives.is_distributed()
         step = self.step
         self._val_due, self._log_due = _next_due(step, self._val_every), _next_due(step, self._log_every)
         self.saved(step)
@@ -448,7 +448,7 @@ class EpochTracker:
         return None if batches is None or batches.consumed == 0 else batches.consumed - 1
 
     def _check_stateful(
-        self, loader: Any, pending: tuple[core.EpochPosition, RankPosition] | None, drop: frozenset[int]
+        self, loader: Any, pending: tuple[bookkeeping.EpochPosition, RankPosition] | None, drop: frozenset[int]
     ) -> None:
         """Refuse what a loader that carries its own position cannot do, or a resume its position cannot serve."""
         name = type(loader).__name__
@@ -475,9 +475,9 @@ class EpochTracker:
                 "epoch-boundary checkpoint, or start fresh (ckpt.resume=never)"
             )
 
-    def _check_same_data(self, position: core.EpochPosition, resume: Any, loader: Any) -> None:
+    def _check_same_data(self, position: bookkeeping.EpochPosition, resume: Any, loader: Any) -> None:
         batch_size, dataset_length, per_epoch = loader_facts(loader)
-        decision = core.decide_resume(
+        decision = bookkeeping.decide_resume(
             position,
             world_size=self._world_size,
             batch_size=batch_size,
@@ -582,7 +582,7 @@ class EpochTracker:
 
     def save_position(
         self, batches: TrackedBatches | None, epoch: int, metrics: tuple[dict[str, Any], dict[str, Any]]
-    ) -> tuple[core.EpochPosition | None, dict[str, Any] | None]:
+    ) -> tuple[bookkeeping.EpochPosition | None, dict[str, Any] | None]:
         """What a save records of the epoch's position: none at an epoch's end (``batches`` None), else where the
         epoch stands and this rank's share (:meth:`epoch_position`, :meth:`rank_position`). A run whose last loop
         ended at a step boundary (:meth:`end_inside`) records that position in its final saves.
@@ -597,7 +597,7 @@ class EpochTracker:
         return self.epoch_position(batches, epoch, self._world_size), self.rank_position(batches, *metrics)
 
     @staticmethod
-    def epoch_position(batches: TrackedBatches, epoch: int, world_size: int) -> core.EpochPosition:
+    def epoch_position(batches: TrackedBatches, epoch: int, world_size: int) -> bookkeeping.EpochPosition:
         """Where the tracked epoch stands, for a step checkpoint.
 
         :param batches: The tracked batches.
@@ -608,7 +608,7 @@ class EpochTracker:
         # a loader that carries its own position keeps it per rank: no place in a global order to record
         own = isinstance(batches, StatefulBatches)
         global_batch = None if batch_size is None or own else batch_size * world_size
-        return core.EpochPosition(
+        return bookkeeping.EpochPosition(
             epoch=epoch,
             batches=batches.consumed,
             batches_per_epoch=batches.per_epoch,

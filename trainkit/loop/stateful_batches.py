@@ -21,7 +21,7 @@ from typing import Any
 
 from torch.utils.data import DistributedSampler, IterableDataset
 
-from trainkit import bookkeeping as core
+from trainkit import bookkeeping
 from trainkit.checkpoint.payload import MAX_ITEM_DEPTH
 from trainkit.errors import CheckpointMismatchError, ConfigError, UsageError
 from trainkit.loop.tracked_batches import TrackedBatches, unskippable_reason
@@ -168,7 +168,7 @@ def loader_order(loader: Any) -> str | None:
     if sampler is None:
         return None
     if type(sampler) is DistributedSampler:
-        return core.distributed_order(shuffle=sampler.shuffle, seed=sampler.seed, drop_last=sampler.drop_last)
+        return bookkeeping.distributed_order(shuffle=sampler.shuffle, seed=sampler.seed, drop_last=sampler.drop_last)
     return type(sampler).__name__
 
 
