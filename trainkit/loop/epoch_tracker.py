@@ -20,9 +20,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import torch
-
 from trainkit import bookkeeping
+from trainkit.checkpoint.payload import pooled_running_mean
 from trainkit.distributed import collectives
 from trainkit.errors import BookkeepingError, CheckpointMismatchError, UsageError
 from trainkit.loop.stateful_batches import (
@@ -67,19 +66,15 @@ def _pooled_share(ranks: list[dict[str, Any]], resume_path: Path) -> dict[str, A
     """What every rank of a run on another world size takes of a step checkpoint's per-rank shares.
 
     The unpushed logs are saved rank 0's (rank 0 writes the rows: the journal and W&B continue as they would have);
-    the epoch's grad-norm mean pools the saved ranks' sums and counts (:func:`~trainkit.bookkeeping.pooled_mean_share`:
-    identical ones, as DDP's all-reduced gradients give, stay as they are).
+    the epoch's grad-norm mean pools the saved ranks' sums and counts
+    (:func:`~trainkit.checkpoint.payload.pooled_running_mean`: identical ones, as DDP's all-reduced gradients give, stay
+    as they are).
     """
     means = [state["grad_norm"] for state in ranks]
-    shares = [(0.0 if mean["sum"] is None else float(mean["sum"]), int(mean["count"])) for mean in means]
     try:
-        total, count = bookkeeping.pooled_mean_share(shares, name="the epoch's grad-norm mean (train/grad_norm_epoch)")
+        grad_norm = pooled_running_mean(means, name="the epoch's grad-norm mean (train/grad_norm_epoch)")
     except BookkeepingError as exc:
         raise CheckpointMismatchError(f"{resume_path} was written inside an epoch: {exc}") from exc
-    grad_norm = means[0]
-    if (total, count) != shares[0]:
-        dtype = grad_norm["sum"].dtype if grad_norm["sum"] is not None else torch.float64
-        grad_norm = {"sum": torch.tensor(total, dtype=dtype), "count": count}
     return {"logs": ranks[0]["logs"], "grad_norm": grad_norm}
 
 
