@@ -375,8 +375,9 @@ class EpochTracker:
                 return None
             return self._counted(WatchedBatches(loader, step=self.read_step, at_step_boundary=at_boundary), False)
         position, resume = pending if pending is not None else (None, None)
+        skip = 0
         if position is not None:
-            self._check_same_data(position, resume, loader)
+            skip = self._decide_resume(position, resume, loader).skip_batches
             self._pending = None
         beyond = sorted(batch for batch in drop if batch >= len(loader))
         if beyond:
@@ -387,7 +388,7 @@ class EpochTracker:
         batches = (StatefulBatches if stateful else TrackedBatches)(
             loader,
             epoch=epoch,
-            skip=position.batches if position is not None else 0,
+            skip=skip,
             resume=resume,
             step=self.read_step,
             at_step_boundary=at_boundary if self._watching else None,
@@ -470,7 +471,15 @@ class EpochTracker:
                 "epoch-boundary checkpoint, or start fresh (ckpt.resume=never)"
             )
 
-    def _check_same_data(self, position: bookkeeping.EpochPosition, resume: Any, loader: Any) -> None:
+    def _decide_resume(
+        self, position: bookkeeping.EpochPosition, resume: Any, loader: Any
+    ) -> bookkeeping.ResumeDecision:
+        """How the resumed epoch goes on over ``loader``: the core's decision
+        (:func:`~trainkit.bookkeeping.decide_resume`), whose ``skip_batches`` the counted loop skips.
+
+        :raises CheckpointMismatchError: Unless the rest of the epoch is the same samples (the decision refuses, or
+            the loader's own generators differ in number from the saved ones).
+        """
         batch_size, dataset_length, per_epoch = loader_facts(loader)
         decision = bookkeeping.decide_resume(
             position,
@@ -497,6 +506,7 @@ class EpochTracker:
                 f"there needs the same data: {mismatch}; "
                 "resume from an epoch-boundary checkpoint, or start fresh (ckpt.resume=never)"
             )
+        return decision
 
     def _warn_untracked(self, message: str) -> None:
         """Say once per trainer that a loop runs without step checkpoints."""
