@@ -8,7 +8,9 @@ boundary under DDP), ``set_epoch`` on the samplers handed over, and what
 gets the batches back (counted for step checkpoints, and skipped into when an epoch resumes inside); at each
 step boundary the loop asks it whether a step checkpoint is due and whether the ranks must stop; the
 checkpointer saves what it reports (:meth:`EpochTracker.epoch_position`, :meth:`EpochTracker.rank_position`).
-It is built from plain values (``ckpt.every_n_steps``, ``ckpt.enable``, the world size, ``dist.timeout_s``).
+It is built from plain values (``ckpt.every_n_steps``, ``ckpt.enable``, the world size, ``dist.timeout_s``). What
+falls due at a step boundary is decided on plain numbers in :mod:`trainkit.bookkeeping.step_schedule`; the tracker
+keeps the effects.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from trainkit import bookkeeping
+from trainkit.bookkeeping.step_schedule import StepDue, StepSchedule, schedule_from, schedule_saved, step_due
 from trainkit.checkpoint.payload import pooled_running_mean
 from trainkit.distributed import collectives
 from trainkit.errors import BookkeepingError, CheckpointMismatchError, UsageError
@@ -35,31 +38,10 @@ from trainkit.loop.tracked_batches import RankPosition, TrackedBatches, WatchedB
 from trainkit.messages import warn_user
 from trainkit.state.rng import capture_rng, loader_generators
 
-__all__ = ["EpochTracker", "StepDue"]
+__all__ = ["EpochTracker"]
 
 _NOTHING: frozenset[int] = frozenset()
 """No batch left out (shared: looked up once per epoch)."""
-
-
-class StepDue(NamedTuple):
-    """What falls due at a step boundary of the training loop (:meth:`EpochTracker.boundary`)."""
-
-    save: bool
-    """A step checkpoint is due (or the ranks stop on a signal, and the loop can be resumed from here)."""
-    stop: bool
-    """The ranks stop on a signal now."""
-    validate: bool
-    """A step validation is due (``val.every_n_steps``)."""
-    push: bool
-    """A row is due (``log_every_n_steps``)."""
-    end: bool
-    """``max_steps`` is reached: the loop ends here (the run's final validation, save and test follow)."""
-
-
-def _next_due(step: int, every_n_steps: int | None) -> float:
-    """The first step after ``step`` that is a multiple of ``every_n_steps`` (inf: never)."""
-    due = bookkeeping.next_step_checkpoint(step, every_n_steps)
-    return math.inf if due is None else due
 
 
 def _pooled_share(ranks: list[dict[str, Any]], resume_path: Path) -> dict[str, Any]:
@@ -114,18 +96,20 @@ class EpochTracker:
         """The epoch being run (0-based); after the last one, the last one that ran."""
         self.step = 0
         """The optimizer steps taken so far, in the run and the runs it resumed."""
-        self._every_n_steps = every_n_steps
         self._stepping = enabled and every_n_steps is not None
         self._enabled = enabled
         self._world_size = world_size
         self._vote = collectives.DelayedVote(timeout_s)
         self._pending: tuple[bookkeeping.EpochPosition, RankPosition] | None = None
-        self._max_steps = math.inf if max_steps is None else max_steps
-        self._val_every, self._log_every = val_every_n_steps, log_every_n_steps
+        self._schedule = StepSchedule(
+            every_n_steps=every_n_steps,
+            val_every_n_steps=val_every_n_steps,
+            log_every_n_steps=log_every_n_steps,
+            max_steps=math.inf if max_steps is None else max_steps,
+        )
         # step boundaries are watched for step checkpoints, for the step budget, step validation and rows
         self._watching = self._stepping or max_steps is not None or val_every_n_steps or log_every_n_steps
-        self._ckpt_due = self._val_due = self._log_due = math.inf
-        self._due_at = math.inf  # the first step from which anything above is due (this epoch's tracked loop)
+        self._due_at = self._schedule.due_at  # read at every step boundary: an attribute, not the record's
         self._resumable = False  # whether this epoch's loop writes step checkpoints (it can resume, and they are on)
         self._can_resume = False  # whether this epoch's loop can be resumed from a recorded position at all
         self.validated_at: int | None = None
@@ -414,9 +398,8 @@ class EpochTracker:
         self._tracked, self._can_resume = True, can_resume
         self._resumable = self._stepping and can_resume
         self._voting = self._resumable and collectives.is_distributed()
-        step = self.step
-        self._val_due, self._log_due = _next_due(step, self._val_every), _next_due(step, self._log_every)
-        self.saved(step)
+        self._schedule = schedule_from(self._schedule, self.step, saving=self._resumable)
+        self._due_at = self._schedule.due_at
         self.counted_batches = batches
         return batches
 
@@ -522,7 +505,8 @@ class EpochTracker:
 
         The ranks agree on a signal through a vote started at the previous boundary, so no rank waits here; a
         signal is acted on one step later under DDP than on one process, and only where a step checkpoint can be
-        written (elsewhere at the epoch's end). The rest is decided by the step count alone, alike on every rank.
+        written (elsewhere at the epoch's end). The rest is decided by the step count alone, alike on every rank
+        (:func:`~trainkit.bookkeeping.step_schedule.step_due`).
 
         :param step: The optimizer step counter.
         :param signalled: Whether this process got a stop signal.
@@ -533,24 +517,17 @@ class EpochTracker:
         stop = self._vote.cast(signalled) if self._resumable else False
         if not (stop or step >= self._due_at):
             return None
-        end = step >= self._max_steps
-        validate = step >= self._val_due and not end  # the run's final validation follows the end instead
-        push = step >= self._log_due
-        save = self._resumable and (stop or step >= self._ckpt_due) and not end
-        if validate:
-            self._val_due = _next_due(step, self._val_every)
-        if push:
-            self._log_due = _next_due(step, self._log_every)
-        self._due_at = min(self._ckpt_due, self._val_due, self._log_due, self._max_steps)
-        return StepDue(save=save, stop=stop, validate=validate, push=push, end=end)
+        due, self._schedule = step_due(self._schedule, step, stop=stop, saving=self._resumable)
+        self._due_at = self._schedule.due_at
+        return due
 
     def saved(self, step: int) -> None:
         """Record that ``last`` holds ``step`` (or that the tracked epoch starts there): the next one is due later.
 
         :param step: The optimizer step counter.
         """
-        self._ckpt_due = _next_due(step, self._every_n_steps) if self._resumable else math.inf
-        self._due_at = min(self._ckpt_due, self._val_due, self._log_due, self._max_steps)
+        self._schedule = schedule_saved(self._schedule, step, saving=self._resumable)
+        self._due_at = self._schedule.due_at
 
     def validated(self, step: int) -> None:
         """Record a validation at ``step`` (never a second one there: see
