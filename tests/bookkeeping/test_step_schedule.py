@@ -80,7 +80,7 @@ def test_each_boundary_gets_what_the_periods_crossed_since_it_was_last_done(
     saving=st.booleans(),
 )
 def test_nothing_is_due_before_due_at(every, val_every, log_every, max_steps, start, step, saving):
-    """Below :attr:`StepSchedule.due_at` a boundary without a stop has nothing due and leaves the schedule as it
+    """Below ``StepSchedule.due_at`` a boundary without a stop has nothing due and leaves the schedule as it
     was: the one comparison the epoch tracker makes at almost every step boundary."""
     schedule = schedule_from(
         StepSchedule(

@@ -2,7 +2,7 @@
 of the step budget.
 
 Pure: stdlib and attrs only. The epoch tracker (:class:`~trainkit.loop.epoch_tracker.EpochTracker`) holds a
-:class:`StepSchedule`, compares one number per step boundary with it (:attr:`StepSchedule.due_at`), and only when
+:class:`StepSchedule`, compares one number per step boundary with it (its ``due_at``), and only when
 something may be due asks :func:`step_due`; it keeps the effects (the ranks' stop vote, the counted batches).
 """
 
