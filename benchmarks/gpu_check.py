@@ -56,7 +56,7 @@ from torch import nn  # noqa: E402
 import trainkit  # noqa: E402
 from benchmarks.common import RESULTS, keep_weights, write_json  # noqa: E402
 from trainkit.checkpoint.async_save import StagingBuffers
-from trainkit.loop.snapshot import WeightSnapshot
+from trainkit.loop.weight_snapshot import WeightSnapshot
 from trainkit.state.modules import module_state
 
 GATE_SNAPSHOT = 1.3

@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 
 def module_name(path: Path) -> str:
-    """``trainkit/loop/guard.py`` -> ``trainkit.loop.guard``; a package's ``__init__.py`` is the package."""
+    """``trainkit/loop/rollback.py`` -> ``trainkit.loop.rollback``; a package's ``__init__.py`` is the package."""
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]

@@ -17,7 +17,7 @@ from trainkit.checkpoint.dcp_files import ShardedFiles
 from trainkit.checkpoint.payload import BEST_PT, LAST_PT, best_payload, last_payload, validate_best, validate_last
 from trainkit.checkpoint.pt_files import RunFiles
 from trainkit.errors import CheckpointError, OutDirError
-from trainkit.loop.signals import StopSignals
+from trainkit.loop.stop_signals import StopSignals
 from trainkit.state.rng import capture_rng
 
 # ---------------------------------------------------------------------------------- signals

@@ -10,8 +10,8 @@ What each reach is for, and why no public API serves:
 - **DataLoader internals** (:func:`loader_uses_batch_sampler`, :func:`makes_iterator_as_dataloader`,
   :func:`persistent_iterator`, :func:`set_index_sampler`, :func:`index_stream`, :func:`set_index_stream`): a step
   resume skips the consumed batches at the index level, before any index reaches a worker
-  (:mod:`trainkit.loop.batches`). torch has no public hook to hand a DataLoader iterator another index sampler, nor
-  to ask which sampler (``sampler`` or ``batch_sampler``) it draws from.
+  (:mod:`trainkit.loop.tracked_batches`). torch has no public hook to hand a DataLoader iterator another index
+  sampler, nor to ask which sampler (``sampler`` or ``batch_sampler``) it draws from.
 - **Fused foreach kernels** (:data:`foreach_norm`, :data:`foreach_mul_`, :data:`foreach_copy_`): gradient norms,
   clipping on torch versions without ``torch.nn.utils.get_total_norm``/``clip_grads_with_norm_``, per-parameter
   statistics and the best-model snapshot, in one kernel launch per tensor list. Hot (per step): they are the torch

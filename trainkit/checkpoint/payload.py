@@ -46,6 +46,7 @@ __all__ = [
     "is_running_mean",
     "rank_items_state",
     "item_states_for_rank",
+    "pooled_running_mean",
 ]
 
 SCHEMA_VERSION = 1
@@ -702,7 +703,7 @@ def world_change_refusal(ckpt: dict[str, Any], world_size: int) -> str | None:
     for name, states in rank_items["means"].items():
         if refusal is None:
             try:
-                _pooled(states, name)
+                pooled_running_mean(states, name=f"checkpoint item {name!r}")
             except BookkeepingError as exc:
                 refusal = str(exc)
     if refusal is not None or mid_epoch is None:
@@ -753,7 +754,7 @@ def rank_items_state(states: list[dict[str, Any]], differ: list[str]) -> dict[st
 
 def item_states_for_rank(ckpt: dict[str, Any], *, rank: int, world_size: int) -> dict[str, Any]:
     """The running means' states this rank resumes with: its own on the world size that wrote them, the pooled
-    share (:func:`~trainkit.bookkeeping.pooled_mean_share`) on another.
+    share (:func:`pooled_running_mean`) on another.
 
     :param ckpt: The checkpoint (validated; :func:`world_change_refusal` found nothing in the way).
     :param rank: This rank.
@@ -772,15 +773,30 @@ def item_states_for_rank(ckpt: dict[str, Any], *, rank: int, world_size: int) ->
     means = (ckpt.get("rank_items") or {}).get("means") or {}
     if ckpt.get("world_size") == world_size:
         return {name: states[rank] for name, states in means.items()}
-    return {name: _pooled(states, name) for name, states in means.items()}
+    return {name: pooled_running_mean(states, name=f"checkpoint item {name!r}") for name, states in means.items()}
 
 
-def _pooled(states: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    """Running-mean states pooled into one share, summed in float64 and kept in the saved dtype."""
-    total, count = core.pooled_mean_share(
-        [(0.0 if state["sum"] is None else float(state["sum"].double()), state["count"]) for state in states],
-        name=f"checkpoint item {name!r}",
-    )
+def pooled_running_mean(states: list[dict[str, Any]], *, name: str) -> dict[str, Any]:
+    """What every rank of a run on another world size takes of the saved ranks' running-mean states (a
+    ``trainkit.RunningMean``'s, the epoch's grad-norm mean): the pooled mean over the count each saved rank held
+    (:func:`~trainkit.bookkeeping.pooled_mean_share`), summed in float64 and kept in the saved dtype. Identical
+    states (a mean of all-reduced values) come back as they are.
+
+    >>> pooled_running_mean([{"sum": torch.tensor(2.0), "count": 2}, {"sum": torch.tensor(6.0), "count": 2}],
+    ...                     name="loss_mean")
+    {'sum': tensor(4.), 'count': 2}
+    >>> pooled_running_mean([{"sum": None, "count": 0}, {"sum": None, "count": 0}], name="loss_mean")
+    {'sum': None, 'count': 0}
+
+    :param states: Each saved rank's ``{"sum": a 0-d floating tensor or None, "count": int}``.
+    :param name: What the states are, for the error (``"checkpoint item 'loss_mean'"``).
+    :returns: The state for every new rank.
+    :raises BookkeepingError: When the saved ranks' counts differ (no per-rank share is then exact), naming ``name``.
+    """
+    shares = [(0.0 if state["sum"] is None else float(state["sum"].double()), state["count"]) for state in states]
+    total, count = core.pooled_mean_share(shares, name=name)
+    if (total, count) == shares[0]:
+        return {"sum": states[0]["sum"], "count": states[0]["count"]}
     dtype = next((state["sum"].dtype for state in states if state["sum"] is not None), None)
     return {"sum": None if dtype is None else torch.tensor(total, dtype=dtype), "count": count}
 

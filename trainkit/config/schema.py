@@ -360,7 +360,7 @@ class GuardConfig(Section):
     ``max_rollbacks`` times in a row to the same checkpoint (then it stops with a
     :class:`~trainkit.DivergenceError`). ``skip_batches`` (``"EPOCH:BATCH"`` strings) leaves those
     batch positions out of the counted loop, as a rollback does (how a rerun skips the batches a rollback
-    skipped). See :mod:`trainkit.loop.guard`.
+    skipped). See :mod:`trainkit.loop.divergence_guard`.
     """
 
     nonfinite: str = attrs.field(default="off", validator=one_of(*GUARD_NONFINITE))

@@ -19,7 +19,7 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from trainkit import torch_private
-from trainkit.bookkeeping.throughput import peak_flops
+from trainkit.bookkeeping.throughput_rates import peak_flops
 from trainkit.config.schema import ThroughputConfig
 from trainkit.messages import warn_user
 

@@ -565,7 +565,7 @@ class TrackedBatches:
     @property
     def per_epoch(self) -> int | None:
         """The epoch's batches, ``len(loader)``; None for a loader without a length (see
-        :class:`~trainkit.loop.stateful.StatefulBatches`)."""
+        :class:`~trainkit.loop.stateful_batches.StatefulBatches`)."""
         return len(self.loader)
 
     @property
