@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import trainkit.checkpoint.async_save
+import trainkit.checkpoint.formats.async_save
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import Crash, TinyTrainer, dying
-from trainkit.checkpoint.async_save import AsyncCheckpointWriter, StagingBuffers
+from trainkit.checkpoint.formats.async_save import AsyncCheckpointWriter, StagingBuffers
 
 
 def test_async_run_writes_the_same_checkpoints_as_a_sync_run(tmp_path):

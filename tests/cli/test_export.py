@@ -19,7 +19,7 @@ from tests.helpers.checkpoint_files import export_header
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import TinyTrainer
 from trainkit.checkpoint import load_checkpoint
-from trainkit.checkpoint.export_target import EXPORT_MARKER
+from trainkit.checkpoint.export.target import EXPORT_MARKER
 from trainkit.cli import main as cli_main
 
 

@@ -77,7 +77,8 @@ MAX_DERIVED_STEPS = 400
 a validation before each interruption: past it, it interrupts without and says so."""
 
 _ENGINE = "trainkit.pt"
-"""The engine's own file inside a sharded checkpoint directory (``trainkit.checkpoint.dcp.ENGINE_FILE``)."""
+"""The engine's own file inside a sharded checkpoint directory (``ENGINE_FILE`` of
+:mod:`trainkit.checkpoint.formats.dcp_directory`)."""
 
 _MARKER = ".trainkit-certify"
 """The file that marks a folder as certify's work folder (the only kind it clears and writes)."""

@@ -13,6 +13,7 @@ import stat
 from pathlib import Path
 
 from trainkit import bookkeeping as core
+from trainkit.checkpoint.formats.pt import BEST_CKPT, LAST_CKPT
 from trainkit.checkpoint.kept import (
     KEPT_DIR,
     directory_problem,
@@ -22,7 +23,6 @@ from trainkit.checkpoint.kept import (
     remove_kept,
     write_index,
 )
-from trainkit.checkpoint.pt_files import BEST_CKPT, LAST_CKPT
 from trainkit.cli.inspect import format_bytes
 from trainkit.errors import BookkeepingError, ConfigError, OutDirError
 from trainkit.run.lock import RunLock
@@ -36,7 +36,7 @@ def is_run_folder(path: Path) -> bool:
 
     :param path: What ``inspect`` was given.
     """
-    from trainkit.checkpoint.dcp import ENGINE_FILE, MANIFEST_FILE
+    from trainkit.checkpoint.formats.dcp_directory import ENGINE_FILE, MANIFEST_FILE
 
     if not path.is_dir() or path.suffix == ".ckpt":
         return False
