@@ -11,10 +11,17 @@ Housed by job, as orbax and torchtitan house theirs:
 - :mod:`~trainkit.checkpoint.remote` and :mod:`~trainkit.checkpoint.remote_manifest`: the remote tier;
 - :mod:`~trainkit.checkpoint.compare`: two checkpoints compared.
 
-This face exports the checkpoint API: the checkpointer and its records, the storage formats, the payloads' schema
-checks (imported on first use, so that importing one module of the layer does not import them all), and, as it
-always has, a checkpoint file's writes and reads from :mod:`trainkit.files` (atomic, durable writes; verified,
-code-free reads). Modules of trainkit import those from :mod:`trainkit.files` itself.
+This face exports the checkpoint API, each name imported on first use (so that importing one module of the layer
+does not import them all) and documented where it is defined: the checkpointer and its records
+(:class:`~trainkit.checkpoint.checkpointer.Checkpointer`, ``Resume``, ``SaveRecord``, ``load_item``), the storage
+formats (:class:`~trainkit.checkpoint.formats.base.Storage`, ``SaveRequest``, ``BestWeights``,
+:class:`~trainkit.checkpoint.formats.pt.PtStorage`, :class:`~trainkit.checkpoint.formats.dcp.DcpStorage`, the
+sharded directory check :func:`~trainkit.checkpoint.formats.dcp_read.verify_directory`), the kept checkpoints
+(:class:`~trainkit.checkpoint.kept.KeptCheckpoints`) and the payloads' schema (``SCHEMA_VERSION``,
+``last_payload``, ``best_payload``, ``validate_last``, ``validate_best``, ``resume_refusal`` of
+:mod:`~trainkit.checkpoint.payload`). Beside them, as it always has, it exports a checkpoint file's writes and reads
+from :mod:`trainkit.files` (atomic, durable writes; verified, code-free reads), documented below; modules of
+trainkit import those from :mod:`trainkit.files` itself.
 
 Side effects: file I/O. Payloads hold only tensors and plain Python values, so every checkpoint loads
 with ``torch.load(..., weights_only=True)``; trainkit never loads with ``weights_only=False``. Numpy numeric
@@ -34,7 +41,6 @@ from trainkit.files.durable import (
     atomic_write_bytes,
     current_umask,
     fsync_directory,
-    link_or_copy,
     payload_nbytes,
     previous_path,
     remove_stale_temp_files,
@@ -77,7 +83,6 @@ __all__ = [
     "warn_if_low_on_space",
     "fsync_directory",
     "current_umask",
-    "link_or_copy",
     "TEMP_SUFFIX",
     *_API,
 ]

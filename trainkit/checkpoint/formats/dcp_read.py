@@ -114,8 +114,9 @@ def verify_directory(directory: Path, *, rank: int, world_size: int) -> str | No
     """Check a checkpoint directory against its manifest, every rank a share of the files (a collective).
 
     Every file the manifest lists must be a regular file (no link, FIFO or device) of its recorded size and
-    CRC-32; the rank that checks ``.metadata`` also reads it as :func:`read_metadata` does, so a planted one is
-    refused before anything trusts the directory.
+    CRC-32; the rank that checks ``.metadata`` also reads it as
+    :func:`~trainkit.checkpoint.formats.dcp_read.read_metadata` does, so a planted one is refused before anything
+    trusts the directory.
 
     :param directory: The checkpoint directory.
     :param rank: This rank.

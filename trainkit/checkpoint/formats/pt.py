@@ -52,8 +52,8 @@ class PtStorage:
         without checkpoints still keeps a damaged ``last.pt`` aside and repairs ``best.pt`` in ``out_dir``.
     :param async_save: ``ckpt.async_save``: stage each save in reused host buffers and write it in the
         background (one write in flight), instead of writing before :meth:`save` returns.
-    :param world_size: The number of processes (a resume is checked against it; every rank hears of a failed write).
-    :param device: Where best weights read back go.
+    :param world_size: The number of processes (a resume is validated for it; every rank hears of a failed write).
+    :param device: Where best weights read back go (the CPU unless given).
     """
 
     def __init__(
