@@ -122,8 +122,8 @@ class SaveTrainer(BaseTrainer):
         import torch.distributed.checkpoint as dcp
 
         from trainkit import bookkeeping as core
-        from trainkit.checkpoint import dcp as sharded
         from trainkit.checkpoint.checkpointer import SaveRecord
+        from trainkit.checkpoint.formats import dcp_directory
 
         bare = self.cfg.bare
         group = dist.new_group(backend="gloo") if bare == "async" else None
@@ -142,10 +142,10 @@ class SaveTrainer(BaseTrainer):
             writing = None
             begun = time.perf_counter()
             if bare == "sync":
-                dcp.save(sharded.state_for_save(items), checkpoint_id=target)
+                dcp.save(dcp_directory.state_for_save(items), checkpoint_id=target)
             elif bare == "async":
                 writing = dcp.async_save(
-                    sharded.state_for_save(items),
+                    dcp_directory.state_for_save(items),
                     checkpoint_id=target,
                     process_group=group,
                     async_stager=stager,
@@ -164,7 +164,7 @@ class SaveTrainer(BaseTrainer):
                 if self.is_main:
                     shutil.rmtree(target)
             discard_begun = time.perf_counter()
-            sharded.wait_discarded()  # the replaced .prev deleted in the background: a loop trains meanwhile
+            dcp_directory.wait_discarded()  # the replaced .prev deleted in the background: a loop trains meanwhile
             discard = time.perf_counter() - discard_begun
             if index:
                 blocked.append(took)
@@ -179,7 +179,7 @@ class SaveTrainer(BaseTrainer):
         held = (
             sum(
                 _local(t).nbytes
-                for t in tree_leaves(sharded.state_for_save(items))
+                for t in tree_leaves(dcp_directory.state_for_save(items))
                 if isinstance(t, torch.Tensor)
             )
             / 2**20

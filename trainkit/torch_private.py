@@ -23,7 +23,7 @@ What each reach is for, and why no public API serves:
   whether it runs a backward now (per op: looked up once); ``aten._convolution`` is the convolution op an older
   graph dispatches.
 - **DCP internals** (:func:`dcp_storage_info_class`, :func:`tensor_layout_by_name`, :func:`dcp_set_element`,
-  :func:`narrow_tensor_by_index`): the safe reader of sharded checkpoints (:mod:`trainkit.checkpoint.dcp_read`)
+  :func:`narrow_tensor_by_index`): the safe reader of sharded checkpoints (:mod:`trainkit.checkpoint.formats.dcp_read`)
   admits DCP's own records by class and fills a state dict as DCP's default planner does; DCP exports none of them.
 - **Protocol attributes** (:func:`dtensor_local_shard`, :func:`optimizer_unscales_itself`,
   :func:`compiled_inner_module`, :data:`COMPILER_MODULE`): an FSDP2 shard's own memory (``to_local()`` is a

@@ -34,7 +34,8 @@ __all__ = [
 
 
 _ENGINE = "trainkit.pt"
-"""The engine's own file inside a sharded checkpoint directory (``trainkit.checkpoint.dcp.ENGINE_FILE``)."""
+"""The engine's own file inside a sharded checkpoint directory (``ENGINE_FILE`` of
+:mod:`trainkit.checkpoint.formats.dcp_directory`)."""
 
 
 EXIT_SIGTERM = 143

@@ -205,21 +205,22 @@ def read_comparable(path: str | Path) -> dict[str, Any]:
     :returns: The sections.
     :raises CheckpointError: When the checkpoint is damaged or unsafe.
     """
-    from trainkit.checkpoint import dcp, load_checkpoint
+    from trainkit.checkpoint import load_checkpoint
+    from trainkit.checkpoint.formats import dcp_directory
     from trainkit.errors import CheckpointCorruptError
 
     source = Path(path)
     if not source.is_dir():
         return comparable_sections(load_checkpoint(source))
-    problem = dcp.verify_directory(source, rank=0, world_size=1)
+    problem = dcp_directory.verify_directory(source, rank=0, world_size=1)
     if problem is not None:
         raise CheckpointCorruptError(problem)
-    payload = dict(load_checkpoint(source / dcp.ENGINE_FILE))
+    payload = dict(load_checkpoint(source / dcp_directory.ENGINE_FILE))
     with warnings.catch_warnings():  # DCP's "loading in a single process" is what is meant here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         for key, value in list(payload.items()):
-            if isinstance(value, str) and value == dcp.SHARDED:
-                payload[key] = dcp.read_whole(source, key)
+            if isinstance(value, str) and value == dcp_directory.SHARDED:
+                payload[key] = dcp_directory.read_whole(source, key)
     return comparable_sections(payload)
 
 

@@ -53,7 +53,7 @@ def _inspect(args: argparse.Namespace) -> list[str]:
 
 
 def _export(args: argparse.Namespace) -> list[str]:
-    from trainkit.checkpoint.safetensors_files import parse_size
+    from trainkit.checkpoint.export.safetensors_files import parse_size
     from trainkit.cli.export import export_weights
 
     limit = parse_size(args.max_shard_size) if args.max_shard_size is not None else None

@@ -23,8 +23,8 @@ from typing import Any
 
 from trainkit import bookkeeping
 from trainkit.bookkeeping import EpochPosition, resumable_world_sizes
+from trainkit.checkpoint.formats.pt import BEST_CKPT, LAST_CKPT
 from trainkit.checkpoint.kept import KEPT_DIR, directory_problem, folder_problem, kept_path, read_kept
-from trainkit.checkpoint.pt_files import BEST_CKPT, LAST_CKPT
 from trainkit.checkpoint.remote import LAST, LAST_DIR, folder_step, shown
 from trainkit.cli.report import format_value
 from trainkit.cli.retain import keep_policy, open_remote_prefix
@@ -86,9 +86,9 @@ def _global_order_lines(position: EpochPosition, pinned: str | None = None) -> l
 
 def _pinned(payload: Mapping[str, Any]) -> str | None:
     """Why a checkpoint resumes only on the world size that wrote it because of its registered items, or None."""
-    from trainkit.checkpoint.payload import world_change_refusal  # torch, only once a checkpoint is read
+    from trainkit.checkpoint.payload import resume_refusal  # torch, only once a checkpoint is read
 
-    refusal = world_change_refusal({**payload, "trainkit": None}, payload["world_size"] + 1)
+    refusal = resume_refusal({**payload, "trainkit": None}, payload["world_size"] + 1)
     return None if refusal is None else "registered items differ between its ranks"
 
 
@@ -165,17 +165,18 @@ def describe_checkpoint(path: str | Path, *, all_tensors: bool = False) -> list[
     :returns: The lines to print.
     :raises CheckpointError: When the file is damaged, unsafe, or not a trainkit checkpoint.
     """
-    from trainkit.checkpoint import dcp, load_checkpoint
+    from trainkit.checkpoint import load_checkpoint
+    from trainkit.checkpoint.formats import dcp_directory
     from trainkit.checkpoint.payload import validate_best, validate_last
     from trainkit.errors import CheckpointCorruptError
 
     source = Path(path)
     path = source
     if source.is_dir():  # a sharded checkpoint: its manifest first, then its engine payload
-        problem = dcp.verify_directory(source, rank=0, world_size=1)
+        problem = dcp_directory.verify_directory(source, rank=0, world_size=1)
         if problem is not None:
             raise CheckpointCorruptError(problem)
-        path = source / dcp.ENGINE_FILE
+        path = source / dcp_directory.ENGINE_FILE
     payload = load_checkpoint(path)
     if "loop" in payload:
         kind = "last.pt"
@@ -257,7 +258,7 @@ def describe_checkpoint(path: str | Path, *, all_tensors: bool = False) -> list[
     items = {"model": payload["model"]} if kind == "best.pt" else {name: payload[name] for name in payload["items"]}
     lines.append("items:" if kind == "last.pt" else "weights:")
     for name, value in items.items():
-        if (isinstance(value, str) and value == dcp.SHARDED) or (source.is_dir() and kind == "best.pt"):
+        if (isinstance(value, str) and value == dcp_directory.SHARDED) or (source.is_dir() and kind == "best.pt"):
             lines.append(f"  {name}: in the DCP shards (python -m trainkit export {source} OUT.pt --item {name})")
             continue
         tensors = _tensors(value, "")
@@ -280,7 +281,7 @@ def is_run_folder(path: Path) -> bool:
 
     :param path: What ``inspect`` was given.
     """
-    from trainkit.checkpoint.dcp import ENGINE_FILE, MANIFEST_FILE
+    from trainkit.checkpoint.formats.dcp_directory import ENGINE_FILE, MANIFEST_FILE
 
     if not path.is_dir() or path.suffix == ".ckpt":
         return False

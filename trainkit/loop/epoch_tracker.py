@@ -205,8 +205,8 @@ class EpochTracker:
         :returns: This rank's share of a step checkpoint (its unpushed ``logs`` and ``grad_norm`` mean), or None
             (an epoch-end checkpoint, a finished run's, or a run that ends before that epoch: warned). On another
             world size every rank's share is the same: saved rank 0's logs and the pooled grad-norm mean.
-        :raises CheckpointMismatchError: When written by another number of processes and it cannot be dealt over
-            this one (:func:`~trainkit.bookkeeping.world_change_refusal`), or its grad-norm means cannot be pooled;
+        :raises CheckpointMismatchError: When written by another number of processes and its grad-norm means cannot
+            be pooled (one that cannot be dealt over this one the checkpointer refused as it read it);
             when the run ended inside an epoch (``max_steps``, a step validation's early stop) without recording its
             position there, and this run would continue that epoch (its first batches would be trained twice).
         """
@@ -234,9 +234,6 @@ class EpochTracker:
                     "ends the run before it: the rest of that epoch is not trained"
                 )
             return None
-        refusal = bookkeeping.world_change_refusal(position, self._world_size)
-        if refusal is not None:  # the checkpoint's reader refuses it already; kept for a caller
-            raise CheckpointMismatchError(f"{resume_path} was written inside an epoch: {refusal}")
         self.first_batch = position.batches
         if position.world_size != self._world_size:
             state = _pooled_share(mid_epoch["ranks"], resume_path)

@@ -33,19 +33,19 @@ import math
 import os
 import pickle
 import re
-import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePath
 from typing import Any
 
 import torch
 
-from trainkit import checkpoint as ckpt_io
 from trainkit import torch_private
-from trainkit.distributed import collectives as dist_utils
+from trainkit.distributed.collectives import all_gather_objects
 from trainkit.errors import CheckpointCorruptError, CheckpointError, CheckpointUnsafeError
 from trainkit.files.bounded_read import UnreadableFile, load_json, open_regular, read_regular
+from trainkit.files.checksum import file_checksum
 from trainkit.files.pickle_scan import MAX_COLLISIONS, PickleUnsafe, check_pickle
+from trainkit.files.weights_only_load import load_archive
 
 __all__ = [
     "ENGINE_FILE",
@@ -53,7 +53,6 @@ __all__ = [
     "METADATA_FILE",
     "MANIFEST_LIMIT",
     "read_manifest",
-    "checksum",
     "verify_directory",
     "read_metadata",
     "SafeReader",  # noqa: F822 - made at first use (module __getattr__)
@@ -112,42 +111,13 @@ def read_manifest(directory: Path) -> dict[str, tuple[int, int]]:
     return checked
 
 
-def checksum(path: Path, size: int | None = None) -> tuple[int, int]:
-    """The size and CRC-32 of a regular file, read through no link and never past ``size`` bytes.
-
-    Side effects: reads the file.
-
-    :param path: The file.
-    :param size: The size it should have; a file of another size is not read (its size is returned, with CRC 0).
-    :returns: ``(size, crc)``.
-    :raises UnreadableFile: When the file is missing, a link, not a regular file, or unreadable.
-    """
-    fd, info = open_regular(path)
-    try:
-        if size is not None and info.st_size != size:
-            return info.st_size, 0
-        crc, total = 0, 0
-        buffer = bytearray(_CHUNK)  # one buffer read into again and again: no allocation per chunk
-        view = memoryview(buffer)
-        limit = info.st_size if size is None else size
-        while total < limit and (read := os.readv(fd, [view[: min(_CHUNK, limit - total)]])):
-            crc = zlib.crc32(view[:read], crc)
-            total += read
-        return total, crc
-    except OSError as exc:
-        if isinstance(exc, UnreadableFile):
-            raise
-        raise UnreadableFile(path, f"unreadable ({exc.strerror or exc})") from exc
-    finally:
-        os.close(fd)
-
-
 def verify_directory(directory: Path, *, rank: int, world_size: int) -> str | None:
     """Check a checkpoint directory against its manifest, every rank a share of the files (a collective).
 
     Every file the manifest lists must be a regular file (no link, FIFO or device) of its recorded size and
-    CRC-32; the rank that checks ``.metadata`` also reads it as :func:`~trainkit.checkpoint.dcp_read.read_metadata`
-    does, so a planted one is refused before anything trusts the directory.
+    CRC-32; the rank that checks ``.metadata`` also reads it as
+    :func:`~trainkit.checkpoint.formats.dcp_read.read_metadata` does, so a planted one is refused before anything
+    trusts the directory.
 
     :param directory: The checkpoint directory.
     :param rank: This rank.
@@ -162,7 +132,7 @@ def verify_directory(directory: Path, *, rank: int, world_size: int) -> str | No
         for index, (name, (size, crc)) in enumerate(sorted(files.items())):
             if index % world_size != rank:
                 continue
-            got_size, got_crc = checksum(directory / name, size)
+            got_size, got_crc = file_checksum(directory / name, size)
             if (got_size, got_crc) != (size, crc):
                 problem = (
                     "corrupt",
@@ -179,7 +149,7 @@ def verify_directory(directory: Path, *, rank: int, world_size: int) -> str | No
         problem = ("corrupt", str(exc), "")
     except OSError as exc:
         problem = ("corrupt", str(exc), "")
-    answers = [answer for answer in dist_utils.all_gather_objects(problem) if answer is not None]
+    answers = [answer for answer in all_gather_objects(problem) if answer is not None]
     unsafe = [answer for answer in answers if answer[0] == "unsafe"]
     if unsafe:
         raise CheckpointUnsafeError(unsafe[0][1], unsafe[0][2])
@@ -513,7 +483,7 @@ def _dcp_classes() -> tuple[type, type]:
             :param read_item: DCP's read item.
             :param value: The entry's bytes.
             """
-            self.set_value(read_item, ckpt_io.load_archive(value.getvalue(), f"entry {read_item.dest_index.fqn!r}"))
+            self.set_value(read_item, load_archive(value.getvalue(), f"entry {read_item.dest_index.fqn!r}"))
 
         def set_value(self, read_item: Any, value: Any) -> None:
             """Put an entry's loaded value into the state dict being filled.
@@ -579,7 +549,7 @@ def _dcp_classes() -> tuple[type, type]:
                         stored = self.storage_data[item.storage_index]
                         what = f"{path}, entry {item.storage_index.fqn!r}"
                         data = _read_span(fd, info.st_size, stored.offset, stored.length, what)
-                        value = ckpt_io.load_archive(data, what)
+                        value = load_archive(data, what)
                         if item.type == LoadItemType.BYTE_IO:
                             planner.set_value(item, value)
                             continue
