@@ -20,6 +20,9 @@ from tests.faults.harness import ROOT, child_env
 
 pytestmark = pytest.mark.timeout(600)
 
+SLOW = os.environ.get("TRAINKIT_SLOW") == "1"
+"""Every kill point and more fuzz trials (the default run keeps one point of each kind)."""
+
 BASE = {
     "epochs": 2,
     "wandb": {"mode": "disabled"},
@@ -55,16 +58,23 @@ def assert_all_exact(reference, results, stderr, killed=-9):
             assert summary[key] == reference[key], f"{key} differs after kills at {result['kills']}"
 
 
-def every_point(epochs, batches):
+def kill_points(epochs, batches):
     """A kill after every batch of every epoch (inside and at the end of accumulation windows, the last batch)
-    and after every validation."""
+    and after every validation; under ``TRAINKIT_SLOW=1`` only. By default one point of each kind: inside a
+    window and at its end in the first epoch, an epoch's last batch, inside a window of the last epoch, the run's
+    last batch, the first and the last validation."""
+    if not SLOW:
+        last = epochs - 1
+        points = [(0, 0), (0, 1), (0, batches - 1), (last, 2), (last, batches - 1)]
+        return [[["batch", e, b]] for e, b in points] + [[["val", 0, 0]], [["val", last, 0]]]
     points = [[["batch", e, b]] for e in range(epochs) for b in range(batches)]
     return points + [[["val", e, 0]] for e in range(epochs)]
 
 
 def test_a_kill_after_any_batch_resumes_bit_identically(tmp_path):
-    """One process, no workers: 30 samples in batches of 4 (8 per epoch, the last short), windows of 2."""
-    runs = every_point(2, 8) + [[["batch", 0, 1], ["batch", 0, 4]], [["batch", 1, 2], ["batch", 1, 6]]]
+    """One process, no workers: 30 samples in batches of 4 (8 per epoch, the last short), windows of 2; each kind
+    of kill point (every one under TRAINKIT_SLOW=1), and two kills in one epoch."""
+    runs = kill_points(2, 8) + [[["batch", 0, 1], ["batch", 0, 4]], [["batch", 1, 2], ["batch", 1, 6]]]
     reference, results, stderr = run_scenario(tmp_path, runs)
     assert reference["step"] == 8  # 4 steps per epoch: windows of 2 over 8 batches
     assert_all_exact(reference, results, stderr)
@@ -97,8 +107,9 @@ def test_a_sampler_that_shuffles_with_python_random_resumes_bit_identically(tmp_
 
 @pytest.mark.ddp
 def test_two_gloo_ranks_with_a_distributed_sampler_resume_bit_identically(tmp_path):
-    """2 ranks, a DistributedSampler (4 batches per rank per epoch): every kill point, and two in one epoch."""
-    runs = every_point(2, 4) + [[["batch", 0, 0], ["batch", 0, 2]]]
+    """2 ranks, a DistributedSampler (4 batches per rank per epoch): each kind of kill point (every one under
+    TRAINKIT_SLOW=1), and two in one epoch."""
+    runs = kill_points(2, 4) + [[["batch", 0, 0], ["batch", 0, 2]]]
     reference, results, stderr = run_scenario(tmp_path, runs, world_size=2, distributed_sampler=True)
     assert_all_exact(reference, results, stderr)
 
@@ -164,8 +175,6 @@ def test_two_gloo_ranks_each_resume_their_own_loader_state(tmp_path):
     assert_all_exact(reference, results[:1], stderr)
     assert_all_exact(reference, results[1:], stderr, killed=143)
 
-
-SLOW = os.environ.get("TRAINKIT_SLOW") == "1"
 
 KEEP = "latest:2,best:1,every_epochs:2"
 """Rules that keep, delete and rank at every save: the two newest, the best validation, every second epoch's end."""
