@@ -9,16 +9,23 @@ The tests that press Ctrl-C stand for a run started from a terminal, so a suite 
 puts Python's own handler back: the processes it starts then get SIGINT as a terminal's would (the one test
 of an ignored SIGINT ignores it on purpose).
 
+What is slow because it repeats (more rounds of a fuzz, more parameters of one kind of case, more examples of a
+property) is marked ``slow`` and skipped unless ``TRAINKIT_SLOW=1``; the default run keeps at least one case of
+every kind (each fault, each format, each store). Hypothesis runs the ``default`` profile (30 examples a property)
+unless ``TRAINKIT_SLOW=1`` loads the ``slow`` one (300, at least what each property asked for before).
+
 The helpers these fixtures build on (trainers, config builders, file readers) live in ``tests/helpers/``.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import signal
 
 import pytest
 import torch
+from hypothesis import settings
 
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import TinyTrainer
@@ -26,6 +33,25 @@ from tests.helpers.trainers import TinyTrainer
 torch.set_num_threads(1)
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+SLOW = os.environ.get("TRAINKIT_SLOW") == "1"
+"""The long run: every case marked ``slow`` and hypothesis's full count of examples."""
+
+# No deadline in either: a deadline is a clock, and a loaded host would miss it. The counts live here, not on the
+# tests: 30 examples find what a property test is for in the default run, 300 search longer in the slow one.
+settings.register_profile("default", max_examples=30, deadline=None)
+settings.register_profile("slow", max_examples=300, deadline=None)
+settings.load_profile("slow" if SLOW else "default")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip the cases marked ``slow`` unless ``TRAINKIT_SLOW=1``."""
+    if SLOW:
+        return
+    skip = pytest.mark.skip(reason="repeats a kind the default run covers: set TRAINKIT_SLOW=1")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture

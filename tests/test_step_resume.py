@@ -3,7 +3,9 @@
 Every scenario runs in tests/faults/step_kills.py: real processes (forked), real SIGKILLs, real files. The
 StepTrainer accumulates gradients over 2 batches, uses dropout (global RNG), per-sample noise from
 trainkit.sample_generator, a RunningMean epoch loss and log pushes in the middle of epochs; each run's final
-weights, optimizer state and metrics.jsonl must equal the uninterrupted run's.
+weights, optimizer state and metrics.jsonl must equal the uninterrupted run's. Loaders that keep their own position
+and runs measured in steps: tests/test_step_resume_loaders.py (a second file, so ``--dist loadfile`` runs the two
+on two workers).
 """
 
 from __future__ import annotations
@@ -11,60 +13,34 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 
-from tests.faults.harness import ROOT, child_env
+from tests.helpers.step_scenarios import assert_all_exact, run_scenario
 
 pytestmark = pytest.mark.timeout(600)
 
-BASE = {
-    "epochs": 2,
-    "wandb": {"mode": "disabled"},
-    "progress": {"enable": False},
-    "ckpt": {"every_n_steps": 1},
-    "dist": {"backend": "gloo", "timeout_s": 30},
-}
+SLOW = os.environ.get("TRAINKIT_SLOW") == "1"
+"""Every kill point and more fuzz trials (the default run keeps one point of each kind)."""
 
 
-def run_scenario(tmp_path, runs, world_size=1, op_counts=False, **config):
-    """Run the reference and every kill sequence of ``runs``; return (reference summary, results)."""
-    scenario = {"config": {**BASE, **config, "out_dir": str(tmp_path / "out")}, "world_size": world_size,
-                "runs": [[], *runs], "op_counts": op_counts}
-    path = tmp_path / "scenario.json"
-    path.write_text(json.dumps(scenario))
-    report = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "tests.faults.step_kills", str(path), str(report)], cwd=ROOT,
-                          env=child_env(), capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(report.read_text())
-    reference = results[0]
-    assert reference["exit_codes"] == [[0] * world_size], proc.stderr[-4000:]
-    return reference["summary"], results[1:], proc.stderr
-
-
-def assert_all_exact(reference, results, stderr, killed=-9):
-    for result in results:
-        codes = result["exit_codes"]
-        assert all(code == [killed] * len(code) for code in codes[:-1]), (result["kills"], codes, stderr[-3000:])
-        assert codes[-1] == [0] * len(codes[-1]), (result["kills"], codes, stderr[-3000:])
-        summary = result["summary"]
-        for key in ("model", "optimizer", "metrics_text", "step"):
-            assert summary[key] == reference[key], f"{key} differs after kills at {result['kills']}"
-
-
-def every_point(epochs, batches):
+def kill_points(epochs, batches):
     """A kill after every batch of every epoch (inside and at the end of accumulation windows, the last batch)
-    and after every validation."""
+    and after every validation; under ``TRAINKIT_SLOW=1`` only. By default one point of each kind: inside a
+    window and at its end in the first epoch, an epoch's last batch, inside a window of the last epoch, the run's
+    last batch, the first and the last validation."""
+    if not SLOW:
+        last = epochs - 1
+        points = [(0, 0), (0, 1), (0, batches - 1), (last, 2), (last, batches - 1)]
+        return [[["batch", e, b]] for e, b in points] + [[["val", 0, 0]], [["val", last, 0]]]
     points = [[["batch", e, b]] for e in range(epochs) for b in range(batches)]
     return points + [[["val", e, 0]] for e in range(epochs)]
 
 
 def test_a_kill_after_any_batch_resumes_bit_identically(tmp_path):
-    """One process, no workers: 30 samples in batches of 4 (8 per epoch, the last short), windows of 2."""
-    runs = every_point(2, 8) + [[["batch", 0, 1], ["batch", 0, 4]], [["batch", 1, 2], ["batch", 1, 6]]]
+    """One process, no workers: 30 samples in batches of 4 (8 per epoch, the last short), windows of 2; each kind
+    of kill point (every one under TRAINKIT_SLOW=1), and two kills in one epoch."""
+    runs = kill_points(2, 8) + [[["batch", 0, 1], ["batch", 0, 4]], [["batch", 1, 2], ["batch", 1, 6]]]
     reference, results, stderr = run_scenario(tmp_path, runs)
     assert reference["step"] == 8  # 4 steps per epoch: windows of 2 over 8 batches
     assert_all_exact(reference, results, stderr)
@@ -97,8 +73,9 @@ def test_a_sampler_that_shuffles_with_python_random_resumes_bit_identically(tmp_
 
 @pytest.mark.ddp
 def test_two_gloo_ranks_with_a_distributed_sampler_resume_bit_identically(tmp_path):
-    """2 ranks, a DistributedSampler (4 batches per rank per epoch): every kill point, and two in one epoch."""
-    runs = every_point(2, 4) + [[["batch", 0, 0], ["batch", 0, 2]]]
+    """2 ranks, a DistributedSampler (4 batches per rank per epoch): each kind of kill point (every one under
+    TRAINKIT_SLOW=1), and two in one epoch."""
+    runs = kill_points(2, 4) + [[["batch", 0, 0], ["batch", 0, 2]]]
     reference, results, stderr = run_scenario(tmp_path, runs, world_size=2, distributed_sampler=True)
     assert_all_exact(reference, results, stderr)
 
@@ -129,43 +106,6 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_boundary(tmp_path):
     # the signal lands in step 1; the vote cast at its boundary is read at the next one
     assert steps == [2, 2]
 
-
-@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "workers"])
-def test_a_stateful_dataloader_resumes_from_its_own_state_bit_identically(tmp_path, workers):
-    """torchdata's StatefulDataLoader (shuffled with a registered generator): its state_dict() is the position, given
-    back through load_state_dict() before the resumed epoch is iterated; kills inside windows, at an epoch's last batch,
-    twice in a run, and a SIGTERM."""
-    pytest.importorskip("torchdata.stateful_dataloader")
-    runs = [[["batch", 0, 3]], [["batch", 1, 7]], [["batch", 0, 6], ["batch", 1, 2]], [["sigterm", 0, 4]]]
-    reference, results, stderr = run_scenario(tmp_path, runs, loader="stateful", num_workers=workers)
-    assert_all_exact(reference, results[:-1], stderr)
-    assert_all_exact(reference, results[-1:], stderr, killed=143)
-
-
-@pytest.mark.parametrize("loader", ["stream", "stateful iterable"])
-def test_an_iterable_without_a_length_resumes_from_its_own_state_bit_identically(tmp_path, loader):
-    """A stream of batches with state_dict()/load_state_dict() of its own, and a StatefulDataLoader over an
-    IterableDataset (no state: torchdata reads it again up to the position, drawing its order from the iterator-time
-    RNG states trainkit puts back): no length, no index-level skip, and exact."""
-    if loader != "stream":
-        pytest.importorskip("torchdata.stateful_dataloader")
-    runs = [[["batch", 0, 3]], [["batch", 1, 4]], [["batch", 0, 1], ["batch", 1, 6]]]
-    reference, results, stderr = run_scenario(tmp_path, runs, loader=loader)
-    assert_all_exact(reference, results, stderr)
-    assert "inside it: 2 batches done" in stderr  # the resume line of a position of unknown length
-
-
-@pytest.mark.ddp
-def test_two_gloo_ranks_each_resume_their_own_loader_state(tmp_path):
-    """2 ranks, each with its own stream (its own order, drawn from its own RNG): each rank's share of the checkpoint
-    holds its own state_dict(), and a stream given another rank's state raises, so an exact resume is per rank."""
-    runs = [[["batch", 0, 3]], [["sigterm", 1, 2]]]
-    reference, results, stderr = run_scenario(tmp_path, runs, world_size=2, loader="stream")
-    assert_all_exact(reference, results[:1], stderr)
-    assert_all_exact(reference, results[1:], stderr, killed=143)
-
-
-SLOW = os.environ.get("TRAINKIT_SLOW") == "1"
 
 KEEP = "latest:2,best:1,every_epochs:2"
 """Rules that keep, delete and rank at every save: the two newest, the best validation, every second epoch's end."""
@@ -208,58 +148,3 @@ def test_sigkill_fuzz_with_retention_keeps_the_uninterrupted_kept_set(tmp_path, 
         for key in ("model", "optimizer", "metrics_text", "step"):
             assert summary[key] == reference[key], f"{key} differs after kills at {result['kills']}"
     print(f"retention fuzz ({fmt}, {world_size} rank(s)): {trials} runs, {landed} kills over {results[0]['ops']} ops")
-
-
-STEP_BUDGET = {"epochs": None, "max_steps": 10, "val": {"every_n_steps": 3, "patience": 20}, "log_every_n_steps": 2,
-               "loader": "stateful"}
-"""A run measured in steps over torchdata's StatefulDataLoader: 10 steps (4 per epoch, so it ends inside epoch 2), a
-validation every 3 steps, a row every 2 steps."""
-
-
-def budget_points(seed, count):
-    """``count`` kill points drawn with ``seed`` among every batch and validation of the STEP_BUDGET run."""
-    points = [["batch", e, b] for e in range(2) for b in range(8)] + [["batch", 2, b] for b in range(4)]
-    points += [["val", e, 0] for e in range(3)]
-    return random.Random(seed).sample(points, count)
-
-
-def test_sigkill_at_random_steps_of_a_run_with_step_validation_and_max_steps_resumes_exactly(tmp_path):
-    """SIGKILLs at seeded-random batches and validations (one per run, then two in one run) of a run over a
-    StatefulDataLoader with val.every_n_steps, log_every_n_steps and max_steps: every run ends with the uninterrupted
-    run's weights, optimizer state and metrics.jsonl."""
-    pytest.importorskip("torchdata.stateful_dataloader")
-    points = budget_points(44, 6)
-    runs = [[point] for point in points[:4]] + [sorted(points[4:], key=lambda p: (p[1], p[0] == "val", p[2]))]
-    reference, results, stderr = run_scenario(tmp_path, runs, **STEP_BUDGET)
-    assert reference["step"] == 10
-    assert_all_exact(reference, results, stderr)
-
-
-def test_sigterm_at_random_steps_of_a_run_with_step_validation_resumes_exactly(tmp_path):
-    """SIGTERM at seeded-random batches of the same run: it stops at the next step boundary, saves, exits 143, and
-    the rerun ends where the uninterrupted run does."""
-    pytest.importorskip("torchdata.stateful_dataloader")
-    runs = [[["sigterm", e, b]] for e, b in random.Random(45).sample([(0, 3), (1, 2), (1, 6), (2, 1)], 2)]
-    reference, results, stderr = run_scenario(tmp_path, runs, **STEP_BUDGET)
-    assert_all_exact(reference, results, stderr, killed=143)
-
-
-@pytest.mark.parametrize("workers", [0, 1], ids=["in-process", "one-worker"])
-def test_a_stateful_dataloader_over_a_stateless_stream_resumes_twice_inside_one_epoch_exactly(tmp_path, workers):
-    """torchdata's StatefulDataLoader over an IterableDataset without state resumes by reading it again for as many
-    batches as its state counts, and counts that re-reading again: without trainkit writing the batches its loop
-    consumed into the saved state, a second resume inside the same epoch skips data. Killed twice and three times
-    inside epoch 0 (each kill after a step checkpoint the previous resume wrote), every run ends with the
-    uninterrupted run's weights."""
-    pytest.importorskip("torchdata.stateful_dataloader")
-    runs = [[["batch", 0, 2], ["batch", 0, 5]], [["batch", 0, 3], ["batch", 0, 5], ["batch", 0, 7]]]
-    reference, results, stderr = run_scenario(tmp_path, runs, loader="stateful iterable", num_workers=workers)
-    assert_all_exact(reference, results, stderr)
-
-
-def test_a_stateful_dataloader_over_a_stateless_stream_resumes_twice_after_a_sigterm(tmp_path):
-    """The same stream stopped by SIGTERM (saved at the next step boundary, exit 143) twice inside one epoch."""
-    pytest.importorskip("torchdata.stateful_dataloader")
-    runs = [[["sigterm", 0, 0], ["sigterm", 0, 4]]]
-    reference, results, stderr = run_scenario(tmp_path, runs, loader="stateful iterable")
-    assert_all_exact(reference, results, stderr, killed=143)

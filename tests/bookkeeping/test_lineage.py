@@ -55,7 +55,7 @@ def lineages(parents, bound):
     return built
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(forests())
 def test_in_history_is_the_model_without_a_bound(forest):
     """Unbounded (as with fewer resumes than MAX_SEGMENTS): the rule says exactly what the tree says."""
@@ -67,7 +67,7 @@ def test_in_history_is_the_model_without_a_bound(forest):
             assert got == is_ancestor(parents, older, newer), (parents, older, newer)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(forests(), st.integers(1, 3))
 def test_with_a_bound_it_never_takes_another_history_and_misses_only_far_ancestors(forest, bound):
     """With a bound of a few segments: never True for a checkpoint outside the history (the safe side); False for

@@ -222,7 +222,7 @@ leaves = st.one_of(
 policies = st.recursive(leaves, lambda inner: st.lists(inner, max_size=4).map(lambda ps: KeepAny(*ps)), max_leaves=6)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(deadline=None)
 @given(histories(), policies, st.randoms(use_true_random=False))
 def test_newest_and_in_flight_are_never_deleted_and_order_does_not_matter(cs, policy, rnd):
     """Whatever the history and policy: the newest and every in-flight checkpoint are kept; the answer is a
@@ -238,7 +238,7 @@ def test_newest_and_in_flight_are_never_deleted_and_order_does_not_matter(cs, po
     assert retain(policy, shuffled) == kept
 
 
-@settings(max_examples=100, deadline=None)
+@settings(deadline=None)
 @given(histories(), st.lists(leaves, max_size=5))
 def test_keep_any_is_the_union(cs, parts):
     """KeepAny keeps exactly the union of what its policies keep."""
@@ -247,7 +247,7 @@ def test_keep_any_is_the_union(cs, parts):
     assert retain(KeepAny(*parts), cs) == union | protected
 
 
-@settings(max_examples=100, deadline=None)
+@settings(deadline=None)
 @given(histories(), st.integers(1, 30))
 def test_keep_latest_keeps_exactly_min_n_len_without_in_flight(cs, n):
     """With nothing in flight, KeepLatest(n) keeps exactly min(n, len) checkpoints: the n largest steps."""
@@ -257,7 +257,7 @@ def test_keep_latest_keeps_exactly_min_n_len_without_in_flight(cs, n):
     assert kept == set(sorted(c.step for c in cs)[-n:])
 
 
-@settings(max_examples=100, deadline=None)
+@settings(deadline=None)
 @given(histories(), st.integers(1, 30), st.booleans())
 def test_keep_best_keeps_the_n_best_finite_scores(cs, n, minimize):
     """KeepBest keeps min(n, #finite) checkpoints for their score, none with a non-finite or missing score, and
@@ -273,7 +273,7 @@ def test_keep_best_keeps_the_n_best_finite_scores(cs, n, minimize):
         assert all(sign * finite[k] <= sign * finite[dropped] for k in best)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(deadline=None)
 @given(histories(), policies)
 def test_applying_a_policy_twice_deletes_nothing_more(cs, policy):
     """Deleting what a policy does not keep leaves a history it keeps whole (so a restart deletes nothing more)."""
@@ -283,7 +283,7 @@ def test_applying_a_policy_twice_deletes_nothing_more(cs, policy):
     assert retain(policy, survivors) == kept
 
 
-@settings(max_examples=100, deadline=None)
+@settings(deadline=None)
 @given(histories(), policies)
 def test_reasons_agree_with_retain_and_name_the_rules(cs, policy):
     """keep_reasons lists every checkpoint; the kept ones are those with a reason, each a rule's spec."""
@@ -294,7 +294,7 @@ def test_reasons_agree_with_retain_and_name_the_rules(cs, policy):
     assert all(set(why) <= specs for why in reasons.values())
 
 
-@settings(max_examples=100, deadline=None)
+@settings(deadline=None)
 @given(policies)
 def test_spec_round_trips_through_parse_keep(policy):
     """A policy's spec parses back to the same rules (KeepAny nesting flattened), whatever the default direction."""

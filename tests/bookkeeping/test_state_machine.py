@@ -86,7 +86,7 @@ class Track:
         return self.registry.items["validations"]
 
 
-@settings(max_examples=200, stateful_step_count=50, deadline=None)
+@settings(stateful_step_count=50, deadline=None)
 class BookkeepingMachine(RuleBasedStateMachine):
     """Drives BestState, PatienceState, LoopState and CkptRegistry with random score streams."""
 

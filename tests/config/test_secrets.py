@@ -431,7 +431,7 @@ _NESTED = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(data=st.dictionaries(st.sampled_from(_KEY_WORDS), _NESTED, max_size=8), key=st.sampled_from(_KEY_WORDS))
 def test_strip_secrets_judges_every_key_by_its_dotted_path(data, key):
     """strip_secrets and render_value, which judge each key from its level's record class down, drop and mask

@@ -72,8 +72,8 @@ def test_wait_for_the_backend_returns_once_it_lets_go_and_gives_up_at_the_bound(
     dist_utils.held_by_backend().clear()
     SlowBackend(0.2)
     start = time.monotonic()
-    assert dist_utils.wait_until_backend_lets_go(10) is True
-    assert 0.15 <= time.monotonic() - start < 5
+    assert dist_utils.wait_until_backend_lets_go(120) is True
+    assert 0.15 <= time.monotonic() - start < 60  # at the release, far from the bound, however loaded the host
     assert dist_utils.held_by_backend() == []
 
     stuck = SlowBackend(None)

@@ -35,8 +35,10 @@ pytestmark = [pytest.mark.ddp, pytest.mark.timeout(240)]
 N_SAMPLES, GLOBAL_BATCH, EPOCHS = 96, 8, 2
 STEPS_PER_EPOCH = N_SAMPLES // GLOBAL_BATCH
 EVERY_N_STEPS = 1
-STEP_SLEEP = {"1": 0.6, "2": 0.2}
-"""Seconds each step sleeps, by world size: slow enough to kill mid-epoch, and a window for a new agent to join."""
+STEP_SLEEP = {"1": 1.5, "2": 0.2}
+"""Seconds each step sleeps, by world size: slow enough to kill mid-epoch, and a window for a new agent to join
+(~25 s of steps left on 1 process when it starts: a loaded host's torchrun takes its time; the window ends at the
+join, so a quiet one waits no longer)."""
 
 
 def run_cfg(out_dir: Path) -> dict:

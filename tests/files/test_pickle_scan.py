@@ -30,7 +30,7 @@ plain = st.recursive(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 @given(value=plain, protocol=st.integers(0, pickle.HIGHEST_PROTOCOL))
 def test_every_pickle_of_plain_values_passes(value, protocol):
     """A pickle of nested plain values, at any protocol, passes the scan (no false alarm)."""

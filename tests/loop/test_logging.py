@@ -399,7 +399,7 @@ def test_run_log_without_a_file_numbers_from_zero():
     assert [step for step, _ in wandb.logged] == [0, 1, 2]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     kept=st.integers(0, 8),
     lost=st.integers(0, 8),

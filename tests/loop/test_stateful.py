@@ -1,5 +1,6 @@
 """A loader that carries its own position (state_dict/load_state_dict): what a step checkpoint saves of it, and what
-a resume refuses, by name, before training a batch. The bit-for-bit resumes are in tests/test_step_resume.py."""
+a resume refuses, by name, before training a batch. The bit-for-bit resumes are in tests/test_step_resume.py
+and tests/test_step_resume_loaders.py."""
 
 from __future__ import annotations
 
