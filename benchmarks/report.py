@@ -236,4 +236,3 @@ def write_outputs(report: Report, out_dir: Path, meta: dict[str, Any]) -> tuple[
     md_path = out_dir / "latest.md"
     md_path.write_text("\n".join(lines) + "\n")
     return json_path, md_path
-

@@ -131,7 +131,12 @@ class SaveTrainer(BaseTrainer):
         items = dict(self.checkpoint_items)
         registry, _ = core.register_items(core.CkptRegistry(), items)
         record = SaveRecord(
-            loop=core.LoopState(), best=None, patience=None, latest_metrics={}, results=None, run_id=None,
+            loop=core.LoopState(),
+            best=None,
+            patience=None,
+            latest_metrics={},
+            results=None,
+            run_id=None,
             metrics_offset=None,
         )
         blocked, drains, discards, peaks, disk = [], [], [], [], []
@@ -177,11 +182,7 @@ class SaveTrainer(BaseTrainer):
                     self.barrier()
         # what background saves keep between saves: a host copy of this rank's shards of the state
         held = (
-            sum(
-                _local(t).nbytes
-                for t in tree_leaves(sharded.state_for_save(items))
-                if isinstance(t, torch.Tensor)
-            )
+            sum(_local(t).nbytes for t in tree_leaves(sharded.state_for_save(items)) if isinstance(t, torch.Tensor))
             / 2**20
         )
         return {

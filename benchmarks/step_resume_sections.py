@@ -494,7 +494,6 @@ class BlockTrainer(BaseTrainer):
         return False
 
 
-
 def block_config(s: Settings, out_dir: Path, async_save: bool) -> dict[str, Any]:
     return {
         "epochs": 1,
@@ -783,5 +782,3 @@ def bench_exactness(tmp: Path, use_lightning: bool, lightning_why: str | None) -
                 f"L2 {entry['relative_l2_diff']:.3g}); steps {entry['steps']}; {entry['seconds']} s"
             )
     return out
-
-
