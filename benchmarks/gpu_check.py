@@ -54,7 +54,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import trainkit  # noqa: E402
-from benchmarks.common import RESULTS, keep_weights, write_json  # noqa: E402
+from benchmarks.common import RESULTS, keep_weights, save_inputs, write_json  # noqa: E402
 from trainkit.checkpoint.async_save import StagingBuffers
 from trainkit.loop.snapshot import WeightSnapshot
 from trainkit.state.modules import module_state
@@ -523,23 +523,13 @@ def check_sharded(device: torch.device, smoke: bool, rounds: int) -> dict:
 
     The saves go through the checkpointer part itself (``trainkit.checkpoint.checkpointer.Checkpointer``, what the
     trainer's loop calls at an epoch's end), built from plain values as the trainer builds it."""
-    from trainkit import bookkeeping as core
     from trainkit.checkpoint import dcp as sharded
-    from trainkit.checkpoint.checkpointer import Checkpointer, SaveRecord
+    from trainkit.checkpoint.checkpointer import Checkpointer
     from trainkit.config import Config, public_config
 
     width, layers = (64, 4) if smoke else (2048, 16)
     model, optimizer = sharded_state(device, width, layers)
-    registry, _ = core.register_items(core.CkptRegistry(), {"model": model, "optimizer": optimizer})
-    record = SaveRecord(
-        loop=core.LoopState(),
-        best=None,
-        patience=None,
-        latest_metrics={},
-        results=None,
-        run_id=None,
-        metrics_offset=None,
-    )
+    record, registry = save_inputs({"model": model, "optimizer": optimizer})
     result: dict[str, Any] = {}
     failures = []
     for variant in ("sync", "async"):
