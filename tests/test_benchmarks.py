@@ -326,3 +326,25 @@ def test_remote_upload_benchmark_runs(tmp_path):
     medians = report["median_s"]
     assert medians["hand_over_s"] > 0 and medians["tier_s"] > 0 and medians["put_s"] > 0
     assert {g["gate"] for g in report["gates"]} == {"remote/blocked_extra_s", "remote/throughput_ratio"}
+
+
+# ------------------------------------------------------------------ the benchmarks' own code
+
+
+BENCHMARK_FUNCTION_LINES = 60
+"""The longest a benchmark function may be, its ``def`` line to its last line: the library's own standard."""
+
+
+def test_no_benchmark_function_is_over_60_lines():
+    """Every function and method in benchmarks/ (nested ones included) reads in one screen: a long one is split
+    into named steps, as the library's are."""
+    import ast
+
+    long = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > BENCHMARK_FUNCTION_LINES:
+                    long.append(f"{path.name}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, f"benchmark functions over {BENCHMARK_FUNCTION_LINES} lines: {long}"
