@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.common import RESULTS, write_json
 from trainkit.checkpoint import atomic_save
-from trainkit.checkpoint.async_save import AsyncCheckpointWriter, StagingBuffers
+from trainkit.checkpoint.formats.async_save import AsyncCheckpointWriter, StagingBuffers
 
 GATE_BLOCKED = 0.15
 GATE_BLOCKED_PLUS_LOST = 0.5

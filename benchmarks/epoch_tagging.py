@@ -1,6 +1,7 @@
 """What telling a dataset the epoch costs per batch: ``iter(loader)`` against the loop ``self.progress()`` hands a
-``train_epoch()`` without step checkpoints (:func:`trainkit.loop.batches.epoch_tagged`) and the counted one (step
-checkpoints on, none due: the index stream of :class:`trainkit.loop.batches.TrackedBatches`), ``num_workers=0``.
+``train_epoch()`` without step checkpoints (:func:`trainkit.loop.tracked_batches.epoch_tagged`) and the counted one
+(step checkpoints on, none due: the index stream of :class:`trainkit.loop.tracked_batches.TrackedBatches`),
+``num_workers=0``.
 
 Run from the repository root, as a module (about a minute on 2 cores)::
 
@@ -26,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.common import one_thread
-from trainkit.loop.batches import TrackedBatches, epoch_tagged
+from trainkit.loop.tracked_batches import TrackedBatches, epoch_tagged
 
 BATCHES = 50
 

@@ -55,8 +55,8 @@ from torch import nn  # noqa: E402
 
 import trainkit  # noqa: E402
 from benchmarks.common import RESULTS, keep_weights, save_inputs, write_json  # noqa: E402
-from trainkit.checkpoint.async_save import StagingBuffers
-from trainkit.loop.snapshot import WeightSnapshot
+from trainkit.checkpoint.formats.async_save import StagingBuffers
+from trainkit.loop.weight_snapshot import WeightSnapshot
 from trainkit.state.modules import module_state
 
 GATE_SNAPSHOT = 1.3
@@ -531,8 +531,8 @@ def check_sharded(device: torch.device, smoke: bool, rounds: int) -> dict:
 
     The saves go through the checkpointer part itself (``trainkit.checkpoint.checkpointer.Checkpointer``, what the
     trainer's loop calls at an epoch's end), built from plain values as the trainer builds it."""
-    from trainkit.checkpoint import dcp as sharded
     from trainkit.checkpoint.checkpointer import Checkpointer
+    from trainkit.checkpoint.formats import dcp_directory
     from trainkit.config import Config, public_config
 
     width, layers = (64, 4) if smoke else (2048, 16)
@@ -563,7 +563,7 @@ def check_sharded(device: torch.device, smoke: bool, rounds: int) -> dict:
                         for parameter in model.parameters():
                             parameter.add_(1.0)
                     checkpointer.wait()
-                    published = sharded.read_whole(checkpointer.last_path, "model")
+                    published = dcp_directory.read_whole(checkpointer.last_path, "model")
                     exact = exact and all(torch.equal(published[key], value) for key, value in expected.items())
                 checkpointer.finish()
             finally:

@@ -29,7 +29,7 @@ from benchmarks.verdicts import Report
 from benchmarks.workloads import Workload, medium_workload, tiny_workload
 from trainkit.checkpoint import atomic_save
 from trainkit.loop import optim
-from trainkit.loop.snapshot import WeightSnapshot
+from trainkit.loop.weight_snapshot import WeightSnapshot
 from trainkit.state.modules import module_state
 
 # the clock each training gate is judged on with --clock auto: CPU time for what trainkit adds inside the
@@ -256,7 +256,7 @@ def bench_snapshot(report: Report, s: Settings, model: nn.Module) -> None:
         f"micro/snapshot: {n_params / 1e6:.1f}M parameters in {len(list(model.parameters()))} tensors "
         f"({n_params * 4 / 2**20:.0f} MiB); {rounds} rounds x {s.micro_reps}"
     )
-    # what save_if_best does on an improvement (trainkit.loop.snapshot): read the state dict, copy it into the
+    # what save_if_best does on an improvement (trainkit.loop.weight_snapshot): read the state dict, copy it into the
     # snapshot's tensors, which nobody else holds here, so they are refilled in place
     snapshot = WeightSnapshot()
 

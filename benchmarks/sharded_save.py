@@ -121,7 +121,7 @@ class SaveTrainer(BaseTrainer):
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
-        from trainkit.checkpoint import dcp as sharded
+        from trainkit.checkpoint.formats import dcp_directory
 
         bare = self.cfg.bare
         group = dist.new_group(backend="gloo") if bare == "async" else None
@@ -136,10 +136,10 @@ class SaveTrainer(BaseTrainer):
             writing = None
             begun = time.perf_counter()
             if bare == "sync":
-                dcp.save(sharded.state_for_save(items), checkpoint_id=target)
+                dcp.save(dcp_directory.state_for_save(items), checkpoint_id=target)
             elif bare == "async":
                 writing = dcp.async_save(
-                    sharded.state_for_save(items),
+                    dcp_directory.state_for_save(items),
                     checkpoint_id=target,
                     process_group=group,
                     async_stager=stager,
@@ -149,13 +149,17 @@ class SaveTrainer(BaseTrainer):
             took = time.perf_counter() - begun
             drain = self.wait_for_write(writing, target)
             discard_begun = time.perf_counter()
-            sharded.wait_discarded()  # the replaced .prev deleted in the background: a loop trains meanwhile
+            dcp_directory.wait_discarded()  # the replaced .prev deleted in the background: a loop trains meanwhile
             discard = time.perf_counter() - discard_begun
             if index:
                 self.record_round(samples, took, drain, discard, before)
         # what background saves keep between saves: a host copy of this rank's shards of the state
         held = (
-            sum(_local(t).nbytes for t in tree_leaves(sharded.state_for_save(items)) if isinstance(t, torch.Tensor))
+            sum(
+                _local(t).nbytes
+                for t in tree_leaves(dcp_directory.state_for_save(items))
+                if isinstance(t, torch.Tensor)
+            )
             / 2**20
         )
         return {

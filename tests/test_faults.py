@@ -23,12 +23,22 @@ from pathlib import Path
 import pytest
 import torch
 
-import trainkit.checkpoint as ckpt_io
+import trainkit.checkpoint.formats.async_save
 from tests.faults.harness import SIGTERM_CODE, assert_equal_state, assert_same_training, load, train, write_run
 from tests.helpers.checkpoint_files import flip_bit_in_tensor_data
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import Crash, TinyTrainer, dying, param_digest
 from trainkit import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, RegistryError
+from trainkit.checkpoint import (
+    TEMP_SUFFIX,
+    atomic_save,
+    load_checkpoint,
+    payload_nbytes,
+    previous_path,
+    remove_stale_temp_files,
+    verify_checkpoint,
+    warn_if_low_on_space,
+)
 
 SLOW = os.environ.get("TRAINKIT_SLOW") == "1"
 slow = pytest.mark.skipif(not SLOW, reason="long fuzz variant: set TRAINKIT_SLOW=1")
@@ -63,14 +73,14 @@ def checkpoints_load(out: Path) -> list[str]:
     names = []
     for name in ("last.pt", "last.prev.pt", "best.pt", "best.prev.pt"):
         if (out / name).exists():
-            ckpt_io.load_checkpoint(out / name)
+            load_checkpoint(out / name)
             names.append(name)
     return names
 
 
 def temp_files(out: Path) -> list[str]:
     """The names of the temp files of unfinished saves in ``out``."""
-    return [p.name for p in out.glob(f".*{ckpt_io.TEMP_SUFFIX}")] if out.exists() else []
+    return [p.name for p in out.glob(f".*{TEMP_SUFFIX}")] if out.exists() else []
 
 
 # ---------------------------------------------------------------------------------------------- signals
@@ -218,7 +228,7 @@ def test_atomic_save_survives_sigkill_at_random_moments(tmp_path):
     def payload(counter: int) -> dict:
         return {"counter": counter, "stamp": torch.tensor([counter]), "block": block}
 
-    ckpt_io.atomic_save(payload(0), path, keep_previous=True)
+    atomic_save(payload(0), path, keep_previous=True)
     seen, torn, between, stale = 0, 0, 0, set()
     for kill in range(kills):
         pid = os.fork()
@@ -227,7 +237,7 @@ def test_atomic_save_survives_sigkill_at_random_moments(tmp_path):
                 counter = seen
                 while True:
                     counter += 1
-                    ckpt_io.atomic_save(payload(counter), path, keep_previous=True)
+                    atomic_save(payload(counter), path, keep_previous=True)
             finally:
                 os._exit(1)
         # a loaded machine slows the child's saves: give it longer while it has done fewer than one per ten kills
@@ -238,10 +248,10 @@ def test_atomic_save_survives_sigkill_at_random_moments(tmp_path):
         left = set(temp_files(tmp_path))
         torn += bool(left - stale)
         stale = left
-        now = ckpt_io.load_checkpoint(path)
+        now = load_checkpoint(path)
         assert now["stamp"].item() == now["counter"] >= seen and torch.equal(now["block"], block)
-        if ckpt_io.previous_path(path).exists():
-            previous = ckpt_io.load_checkpoint(ckpt_io.previous_path(path))
+        if previous_path(path).exists():
+            previous = load_checkpoint(previous_path(path))
             assert previous["stamp"].item() == previous["counter"] in (now["counter"] - 1, now["counter"])
             between += previous["counter"] == now["counter"]
         else:
@@ -249,7 +259,7 @@ def test_atomic_save_survives_sigkill_at_random_moments(tmp_path):
         seen = now["counter"]
     assert seen > kills / 10, "the child must get saves done between the kills"
     assert torn > kills / 10, f"only {torn} of {kills} kills landed mid-write"
-    assert len(ckpt_io.remove_stale_temp_files(tmp_path)) == len(stale) and not temp_files(tmp_path)
+    assert len(remove_stale_temp_files(tmp_path)) == len(stale) and not temp_files(tmp_path)
     print(f"atomic_save: {kills} kills, {torn} mid-write, {between} between link and replace, {seen} saves")
 
 
@@ -295,9 +305,9 @@ def test_random_bit_flips_in_tensor_data_are_all_detected(tmp_path, real_last_pt
         raw[start + offset] ^= 1 << bit
         copy.write_bytes(bytes(raw))
         with pytest.raises(CheckpointCorruptError, match=rf"{copy.name} is corrupted: CRC mismatch in '{member}'"):
-            ckpt_io.verify_checkpoint(copy)
+            verify_checkpoint(copy)
         with pytest.raises(CheckpointCorruptError, match="CRC mismatch"):
-            ckpt_io.load_checkpoint(copy)
+            load_checkpoint(copy)
         detected += 1
         copy.unlink()
     assert detected == 50
@@ -316,7 +326,7 @@ def bits_to_flip(path: Path, rng: random.Random) -> list[int]:
 def test_bit_flips_outside_tensor_data_are_refused_or_harmless(tmp_path, real_last_pt):
     """A bit flip in the zip headers, the pickle or the directory is refused as corrupt or loads the same payload."""
     original = real_last_pt.read_bytes()
-    reference = ckpt_io.load_checkpoint(real_last_pt)
+    reference = load_checkpoint(real_last_pt)
     refused = harmless = 0
     copy = tmp_path / "flipped.pt"
     for position in bits_to_flip(real_last_pt, random.Random(51)):
@@ -324,7 +334,7 @@ def test_bit_flips_outside_tensor_data_are_refused_or_harmless(tmp_path, real_la
         raw[position // 8] ^= 1 << position % 8
         copy.write_bytes(bytes(raw))
         try:
-            payload = ckpt_io.load_checkpoint(copy)
+            payload = load_checkpoint(copy)
         except CheckpointCorruptError:
             refused += 1
         else:
@@ -345,7 +355,7 @@ def test_a_tensor_member_flagged_as_a_directory_is_refused(tmp_path, real_last_p
     copy = tmp_path / "folder_flag.pt"
     copy.write_bytes(bytes(raw))
     with pytest.raises(CheckpointCorruptError, match=rf"'{member}' is marked as a directory"):
-        ckpt_io.load_checkpoint(copy)
+        load_checkpoint(copy)
 
 
 def test_auto_resume_from_a_flipped_last_pt_falls_back_and_still_ends_identically(tmp_path):
@@ -419,19 +429,19 @@ def test_full_disk_leaves_the_previous_checkpoint_and_names_the_numbers(tmp_path
     """ENOSPC mid-save raises CheckpointError naming path, bytes needed and free; last.pt intact, no temp file."""
     path = tmp_path / "last.pt"
     old = {"weights": torch.zeros(1000)}
-    ckpt_io.atomic_save(old, path, keep_previous=True)
+    atomic_save(old, path, keep_previous=True)
     before = path.read_bytes()
     new = {"weights": torch.ones(100_000)}
     for limit in (0, 64, 4096, 200_000):
         limit_writes(monkeypatch, limit)
         with pytest.raises(CheckpointError) as info:
-            ckpt_io.atomic_save(new, path, keep_previous=True)
+            atomic_save(new, path, keep_previous=True)
         monkeypatch.undo()
         message = str(info.value)
         assert str(path) in message and "was left unchanged" in message
         written, needed, free = map(int, ENOSPC_MESSAGE.search(message).groups())
         assert written <= limit + 8192  # what the buffered writer had flushed when the disk filled
-        assert needed >= ckpt_io.payload_nbytes(new) == 400_000
+        assert needed >= payload_nbytes(new) == 400_000
         assert abs(free - shutil.disk_usage(tmp_path).free) < 512 * 2**20
         assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
         assert path.read_bytes() == before
@@ -479,20 +489,20 @@ def small_tmpfs(tmp_path):
 def test_real_full_tmpfs(small_tmpfs):
     """On a real 1 MiB tmpfs a save that does not fit raises CheckpointError; last.pt stays intact, no temp file."""
     path = small_tmpfs / "last.pt"
-    ckpt_io.atomic_save({"weights": torch.zeros(64_000)}, path, keep_previous=True)  # 256 KB fits
+    atomic_save({"weights": torch.zeros(64_000)}, path, keep_previous=True)  # 256 KB fits
     before = path.read_bytes()
     too_big = {"weights": torch.ones(200_000)}  # 800 KB does not fit next to it
     with pytest.warns(RuntimeWarning, match=r"bytes free, less than twice"):
-        ckpt_io.warn_if_low_on_space(too_big, path)
+        warn_if_low_on_space(too_big, path)
     with pytest.raises(CheckpointError) as info:
-        ckpt_io.atomic_save(too_big, path, keep_previous=True)
+        atomic_save(too_big, path, keep_previous=True)
     written, needed, free = map(int, ENOSPC_MESSAGE.search(str(info.value)).groups())
     assert str(path) in str(info.value) and needed >= 800_000 and free < 1 << 20
     assert path.read_bytes() == before
     assert not temp_files(small_tmpfs)
-    assert ckpt_io.load_checkpoint(path)["weights"].shape == (64_000,)
-    ckpt_io.atomic_save({"weights": torch.ones(64_000)}, path, keep_previous=True)  # space came back
-    assert ckpt_io.load_checkpoint(ckpt_io.previous_path(path))["weights"].sum() == 0
+    assert load_checkpoint(path)["weights"].shape == (64_000,)
+    atomic_save({"weights": torch.ones(64_000)}, path, keep_previous=True)  # space came back
+    assert load_checkpoint(previous_path(path))["weights"].sum() == 0
 
 
 def test_low_space_warns_once_before_the_first_save(tmp_path, monkeypatch):
@@ -517,7 +527,7 @@ def test_crash_between_best_and_last_is_repaired_on_resume(tmp_path, monkeypatch
     kwargs = dict(epochs=5, scripted_scores=scores, test={"enable": True})
     ref = TinyTrainer(make_cfg(tmp_path / "ref", **kwargs))
     expected = ref.train()
-    real_save = ckpt_io.atomic_save
+    real_save = atomic_save
 
     def crash_before_last_of_epoch_3(payload, path, **kwargs):
         if Path(path).name == "last.pt" and payload["epoch"] == 4:
@@ -525,7 +535,7 @@ def test_crash_between_best_and_last_is_repaired_on_resume(tmp_path, monkeypatch
         return real_save(payload, path, **kwargs)
 
     out = tmp_path / "run"
-    monkeypatch.setattr(ckpt_io, "atomic_save", crash_before_last_of_epoch_3)
+    monkeypatch.setattr(trainkit.checkpoint.formats.async_save, "atomic_save", crash_before_last_of_epoch_3)
     with pytest.raises(Crash):
         TinyTrainer(make_cfg(out, **kwargs)).train()
     monkeypatch.undo()
@@ -555,7 +565,7 @@ def test_test_after_resume_uses_the_repaired_best_weights(tmp_path):
     stray = load(out / "best.pt")
     stray["best"] = {**stray["best"], "epoch": 2, "score": 0.5}
     stray["model"] = {key: torch.randn_like(value) for key, value in stray["model"].items()}
-    ckpt_io.atomic_save(stray, out / "best.pt", keep_previous=True)
+    atomic_save(stray, out / "best.pt", keep_previous=True)
     with pytest.warns(RuntimeWarning, match="repaired it from"):
         resumed = TinyTrainer(make_cfg(out, **kwargs))
     result = resumed.train()
@@ -573,7 +583,7 @@ def test_mismatched_checkpoint_is_refused_naming_both_sides(tmp_path, what):
     TinyTrainer(make_cfg(tmp_path, epochs=1)).train()
     payload = load(tmp_path / "last.pt")
     payload.update(schema_version=7) if what == "schema" else payload.update(world_size=4)
-    ckpt_io.atomic_save(payload, tmp_path / "last.pt")
+    atomic_save(payload, tmp_path / "last.pt")
     written = (tmp_path / "last.pt").read_bytes()
     expected = (r"schema version 7, newer than this trainkit's 1" if what == "schema"
                 else r"world_size=4, this run has world_size=1")

@@ -344,7 +344,7 @@ def test_a_background_save_reuses_its_host_copy_and_never_writes_a_stale_one(tmp
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from trainkit.checkpoint import dcp as sharded
+    from trainkit.checkpoint.formats import dcp_directory
 
     real_write = FileSystemWriter.write_data
 
@@ -354,7 +354,7 @@ def test_a_background_save_reuses_its_host_copy_and_never_writes_a_stale_one(tmp
 
     monkeypatch.setattr(FileSystemWriter, "write_data", slow_write)
     weights, moment = torch.zeros(64, 64), torch.zeros(100)
-    saver = sharded.BackgroundSave(timeout_s=60)
+    saver = dcp_directory.BackgroundSave(timeout_s=60)
     final = tmp_path / "last.ckpt"
     for save, value in enumerate([1.0, 2.0, 3.0, 4.0]):
         if save == 2:
@@ -368,7 +368,7 @@ def test_a_background_save_reuses_its_host_copy_and_never_writes_a_stale_one(tmp
         weights.fill_(100.0)  # training changes the weights while the shards are written
         moment.fill_(100.0)
         saver.finish(rank=0, world_size=1)
-        assert sharded.verify_directory(final, rank=0, world_size=1) is None
+        assert dcp_directory.verify_directory(final, rank=0, world_size=1) is None
         read = {"model": {"w": torch.empty(64, 64)}, "opt": {"m": torch.empty(moment.numel())}}
         dcp.load(read, checkpoint_id=str(final), no_dist=True)
         assert torch.equal(read["model"]["w"], torch.full((64, 64), value)), save
@@ -383,18 +383,18 @@ def test_publishing_keeps_the_previous_checkpoint_and_deletes_the_older_one_off_
     run left half-deleted is removed by the next save."""
     import torch.distributed.checkpoint as dcp
 
-    from trainkit.checkpoint import dcp as sharded
+    from trainkit.checkpoint.formats import dcp_directory
 
     final = tmp_path / "last.ckpt"
     (tmp_path / ".last.ckpt.tmp-0-0-1-old").mkdir()  # a kill during an earlier run's background delete
     (tmp_path / ".last.ckpt.tmp-0-0-1-old" / "__0_0.distcp").write_bytes(b"x" * 1000)
     for save in range(4):
         state = {"model": {"w": torch.full((32,), float(save))}}
-        sharded.save_directory(final, state, {"epoch": save}, rank=0, world_size=1, tag=f"{save}-0-{save}")
-    sharded.wait_discarded()
+        dcp_directory.save_directory(final, state, {"epoch": save}, rank=0, world_size=1, tag=f"{save}-0-{save}")
+    dcp_directory.wait_discarded()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "last.prev.ckpt"]
     for directory, save in ((final, 3), (tmp_path / "last.prev.ckpt", 2)):
-        assert sharded.verify_directory(directory, rank=0, world_size=1) is None
+        assert dcp_directory.verify_directory(directory, rank=0, world_size=1) is None
         read = {"model": {"w": torch.empty(32)}}
         dcp.load(read, checkpoint_id=str(directory), no_dist=True)
         assert torch.equal(read["model"]["w"], torch.full((32,), float(save)))

@@ -18,6 +18,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainkit.errors", "trainkit.messages"),
     ("trainkit.bookkeeping",),
     ("trainkit.config",),
+    ("trainkit.torch_private",),
     ("trainkit.files",),
     ("trainkit.state",),
     ("trainkit.distributed",),
@@ -25,6 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainkit.checkpoint",),
     ("trainkit.loop",),
     ("trainkit.trainer",),
+    ("trainkit.certification",),
     ("trainkit.cli",),
     ("trainkit", "trainkit.__main__"),
 )
@@ -32,7 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 
 def module_name(path: Path) -> str:
-    """``trainkit/loop/guard.py`` -> ``trainkit.loop.guard``; a package's ``__init__.py`` is the package."""
+    """``trainkit/loop/rollback.py`` -> ``trainkit.loop.rollback``; a package's ``__init__.py`` is the package."""
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
@@ -203,3 +205,46 @@ def test_no_test_or_benchmark_reads_a_private_attribute():
                         if alias.name.startswith("_")
                     ]
     assert reads == []
+
+
+def imports_of_the_package() -> list[tuple[str, ast.ImportFrom | ast.Import]]:
+    """Every import statement in the package's source, with the module it stands in."""
+    return [
+        (module, node)
+        for module, path in sorted(MODULES.items())
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+    ]
+
+
+def test_no_module_is_imported_under_another_name():
+    """A module is called by its own name wherever it is used (``from trainkit import bookkeeping``, never
+    ``... as core``): a reader who greps a module's name finds every use. Names inside a module may be imported as
+    they are; torch's own conventions for its modules (``torch.distributed as dist``) are torch's, not ours."""
+    renamed = []
+    for module, node in imports_of_the_package():
+        for alias in node.names:
+            if alias.asname is None or alias.asname == alias.name.rsplit(".", 1)[-1]:
+                continue
+            if isinstance(node, ast.Import):
+                target = alias.name
+            elif node.level == 0 and node.module:
+                target = f"{node.module}.{alias.name}"
+            else:
+                continue
+            if target in MODULES or target == "trainkit":
+                renamed.append(f"{module}: {target} as {alias.asname}")
+    assert renamed == []
+
+
+def test_no_module_imports_another_modules_private_name():
+    """``from trainkit.x import _name`` across modules ties one module to another's insides: what two modules
+    share is public (named without the underscore, documented)."""
+    reaches = [
+        f"{module}: from {node.module} import {alias.name}"
+        for module, node in imports_of_the_package()
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("trainkit")
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+    assert reaches == []

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from trainkit.bookkeeping import RESERVED_NAMES, BestState, LoopState, PatienceState
-from trainkit.checkpoint.dcp import SHARDED
-from trainkit.checkpoint.dcp_files import ShardedFiles
+from trainkit.checkpoint.formats.dcp import DcpStorage
+from trainkit.checkpoint.formats.dcp_directory import SHARDED
+from trainkit.checkpoint.formats.pt import PtStorage
 from trainkit.checkpoint.payload import BEST_PT, LAST_PT, best_payload, last_payload, validate_best, validate_last
-from trainkit.checkpoint.pt_files import RunFiles
 from trainkit.errors import CheckpointError, OutDirError
-from trainkit.loop.signals import StopSignals
+from trainkit.loop.stop_signals import StopSignals
 from trainkit.state.rng import capture_rng
 
 # ---------------------------------------------------------------------------------- signals
@@ -120,7 +120,7 @@ def test_the_engine_keys_are_the_reserved_names():
 
 
 def files(tmp_path, **kwargs):
-    return RunFiles(tmp_path, enabled=True, writer=True, async_save=False, **kwargs)
+    return PtStorage(tmp_path, enabled=True, writer=True, async_save=False, **kwargs)
 
 
 def test_a_save_writes_best_then_last_and_keeps_the_previous(tmp_path):
@@ -143,7 +143,7 @@ def test_a_save_writes_best_then_last_and_keeps_the_previous(tmp_path):
 def test_background_saves_report_seconds_like_synchronous_ones(tmp_path):
     """With async_save the save returns at once (None) and last_seconds, after wait(), means the same."""
     sync_run = files(tmp_path / "sync")
-    async_run = RunFiles(tmp_path / "async", enabled=True, writer=True, async_save=True)
+    async_run = PtStorage(tmp_path / "async", enabled=True, writer=True, async_save=True)
     for run in (sync_run, async_run):
         run.out_dir.mkdir()
     best = best_payload(model={"w": torch.ones(1000)}, best=BestState(), config={})
@@ -207,7 +207,7 @@ def test_a_directory_in_a_checkpoints_place_is_refused(tmp_path):
     (tmp_path / "last.prev.pt").mkdir()
     with pytest.raises(OutDirError, match="last.prev.pt is a directory"):
         files(tmp_path).check_writable()
-    RunFiles(tmp_path, enabled=True, writer=False, async_save=False).check_writable()  # a reader never writes
+    PtStorage(tmp_path, enabled=True, writer=False, async_save=False).check_writable()  # a reader never writes
 
 
 def test_a_handler_that_cannot_be_installed_puts_the_others_back():
@@ -223,11 +223,11 @@ def test_a_handler_that_cannot_be_installed_puts_the_others_back():
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_sharded_files_save_resume_fall_back_and_read_the_matching_best(tmp_path, async_save):
-    """ShardedFiles on one process: save() writes best.ckpt then last.ckpt (with async_save in the background,
+    """DcpStorage on one process: save() writes best.ckpt then last.ckpt (with async_save in the background,
     published by the next save or wait()); load_resume() returns the newest whole checkpoint and falls back to
     last.prev.ckpt, with a warning, when a shard of last.ckpt is damaged; read_best() reads the best.ckpt whose
     record matches into a copy of the template, and says so when none does; release() leaves nothing stray."""
-    shards = ShardedFiles(tmp_path, enabled=True, rank=0, world_size=1, async_save=async_save, timeout_s=60)
+    shards = DcpStorage(tmp_path, enabled=True, rank=0, world_size=1, async_save=async_save, timeout_s=60)
     best = BestState(minimize=True, score=0.5, epoch=0)
     for epoch in (1, 2):
         changed = epoch == 1

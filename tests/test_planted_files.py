@@ -31,7 +31,7 @@ from tests.helpers.checkpoint_files import rewrite, small_checkpoint
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import ShardTrainer, TinyTrainer
 from trainkit import CheckpointCorruptError, CheckpointUnsafeError
-from trainkit.checkpoint.dcp_read import read_metadata
+from trainkit.checkpoint.formats.dcp_read import read_metadata
 from trainkit.cli import main as cli_main
 
 needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")

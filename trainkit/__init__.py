@@ -55,8 +55,8 @@ from trainkit.errors import (
 if TYPE_CHECKING:
     from trainkit.cli.certify import certify
     from trainkit.distributed.launch import fork_server, launch, spawn
-    from trainkit.loop.batches import SampleIndex
     from trainkit.loop.optim import RunningMean
+    from trainkit.loop.tracked_batches import SampleIndex
     from trainkit.state.rng import sample_generator, sample_seed
     from trainkit.trainer import BaseTrainer
 
@@ -70,7 +70,7 @@ _LAZY = {
     "RunningMean": "trainkit.loop.optim",
     "sample_generator": "trainkit.state.rng",
     "sample_seed": "trainkit.state.rng",
-    "SampleIndex": "trainkit.loop.batches",
+    "SampleIndex": "trainkit.loop.tracked_batches",
     "certify": "trainkit.cli.certify",
 }
 

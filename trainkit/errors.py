@@ -113,6 +113,12 @@ class DistributedError(TrainkitError, RuntimeError):
     """The ranks of a distributed run disagree, or one of them failed."""
 
 
+class TorchInternalsError(TrainkitError, RuntimeError):
+    """The installed torch lacks a private name trainkit relies on (:mod:`trainkit.torch_private`): torch moved or
+    removed it. The message names the thing, the torch version found and the versions trainkit supports.
+    Not exported: it says to change the installed torch, not something a caller handles."""
+
+
 class OutDirError(TrainkitError, RuntimeError):
     """The run folder (``out_dir``) is in use by another run, or cannot be used (read-only, a file in the
     way of a checkpoint, a symbolic link trainkit would have to write through).

@@ -2,8 +2,9 @@
 
 Every decision (improved? stop? validate now? which epoch next?) comes from :mod:`trainkit.bookkeeping`; every
 side effect goes through one part: the :class:`~trainkit.checkpoint.checkpointer.Checkpointer` (files), the
-:class:`~trainkit.loop.position.EpochTracker` (the epoch's position), the :class:`~trainkit.run.log.RunLog`
-(``metrics.jsonl`` and W&B), :class:`~trainkit.loop.signals.StopSignals` and :mod:`trainkit.distributed.collectives`.
+:class:`~trainkit.loop.epoch_tracker.EpochTracker` (the epoch's position), the :class:`~trainkit.run.log.RunLog`
+(``metrics.jsonl`` and W&B), :class:`~trainkit.loop.stop_signals.StopSignals` and
+:mod:`trainkit.distributed.collectives`.
 """
 
 from __future__ import annotations
@@ -21,25 +22,25 @@ import attrs
 import torch
 from torch import nn
 
-from trainkit import bookkeeping as core
+from trainkit import bookkeeping
+from trainkit.bookkeeping import planned_steps, save_if_best
 from trainkit.checkpoint.checkpointer import Checkpointer, Resume, SaveRecord
 from trainkit.checkpoint.payload import SCHEMA_VERSION
 from trainkit.checkpoint.remote import RemoteTier
 from trainkit.config import Config, public_config
 from trainkit.config.schema import skip_batches
-from trainkit.distributed import collectives as dist_utils
-from trainkit.distributed import fsdp as sharding
+from trainkit.distributed import collectives, fsdp
 from trainkit.errors import BookkeepingError, DistributedError, HookNotImplementedError, TrainingInterrupted, UsageError
-from trainkit.loop import optim as optim_utils
-from trainkit.loop.batches import TrackedBatches
-from trainkit.loop.guard import DivergenceGuard
-from trainkit.loop.metrics import TrainerMetrics
-from trainkit.loop.position import EpochTracker
+from trainkit.loop import optim
+from trainkit.loop.divergence_guard import DivergenceGuard
+from trainkit.loop.epoch_tracker import EpochTracker
 from trainkit.loop.progress import EpochBar, StepBar, step_bar
 from trainkit.loop.rollback import Rollback, rolled_back
-from trainkit.loop.signals import StopSignals
-from trainkit.loop.snapshot import WeightSnapshot, modes_kept, weights_swapped_in
+from trainkit.loop.stop_signals import StopSignals
 from trainkit.loop.throughput import CountedBatches, Throughput, check_token_count
+from trainkit.loop.tracked_batches import TrackedBatches
+from trainkit.loop.trainer_metrics import TrainerMetrics
+from trainkit.loop.weight_snapshot import WeightSnapshot, modes_kept, weights_swapped_in
 from trainkit.messages import say, warn_user
 from trainkit.run.log import RunLog, new_run_id, open_run_log
 from trainkit.state.modules import module_state
@@ -56,9 +57,9 @@ CHECKPOINT_SCHEMA_VERSION = SCHEMA_VERSION
 class _Records(NamedTuple):
     """The engine's records: the loop, and the best and patience once tracked."""
 
-    loop: core.LoopState
-    best: core.BestState | None
-    patience: core.PatienceState | None
+    loop: bookkeeping.LoopState
+    best: bookkeeping.BestState | None
+    patience: bookkeeping.PatienceState | None
 
 
 _RECORD_ATTRIBUTES = {"best_state": "best", "patience_state": "patience"}
@@ -79,21 +80,21 @@ def _step_counter(position: EpochTracker) -> Any:
     return count
 
 
-def _step_counting_optimizer(registry: core.CkptRegistry, items: Mapping[str, Any]) -> Any:
+def _step_counting_optimizer(registry: bookkeeping.CkptRegistry, items: Mapping[str, Any]) -> Any:
     """The optimizer among ``items`` that drives ``step``: the first one, unless one is registered already."""
     if any(isinstance(obj, torch.optim.Optimizer) for obj in registry.items.values()):
         return None
     return next((obj for obj in items.values() if isinstance(obj, torch.optim.Optimizer)), None)
 
 
-def _generators(registry: core.CkptRegistry) -> list[torch.Generator]:
+def _generators(registry: bookkeeping.CkptRegistry) -> list[torch.Generator]:
     """The ``torch.Generator`` objects registered as checkpoint items."""
     return [obj.generator for obj in registry.items.values() if isinstance(obj, GeneratorItem)]
 
 
-def _fresh_patience(cfg: Config) -> core.PatienceState:
+def _fresh_patience(cfg: Config) -> bookkeeping.PatienceState:
     """Patience as ``val.patience`` and ``val.start_patience`` set it, nothing counted yet."""
-    return core.PatienceState(patience=cfg.val.patience, start_patience=cfg.val.start_patience)
+    return bookkeeping.PatienceState(patience=cfg.val.patience, start_patience=cfg.val.start_patience)
 
 
 def _device(rank: int) -> torch.device:
@@ -169,13 +170,13 @@ def _validated_config(cls: type[Config], cfg: Config | Mapping[str, Any]) -> Con
 def _verdict(verdict: Any) -> bool:
     """What ``val_epoch()`` returned, read by its truth; an ambiguous one refused, a truthy non-bool warned."""
     try:
-        stop = core.as_verdict(verdict)
+        stop = bookkeeping.as_verdict(verdict)
     except BookkeepingError:
         raise UsageError(
             f"val_epoch() must return True to stop early or a falsey value to go on, got {type(verdict).__name__} "
             f"{verdict!r}, whose truth is ambiguous; return what step_patience() returned"
         ) from None
-    if stop and not core.is_bool_like(verdict):  # a score or a metrics dict returned by mistake, say
+    if stop and not bookkeeping.is_bool_like(verdict):  # a score or a metrics dict returned by mistake, say
         warn_user(
             f"val_epoch() returned {type(verdict).__name__} {verdict!r}, which is truthy: training stops early now; "
             "return what step_patience() returned (a bool)"
@@ -185,9 +186,9 @@ def _verdict(verdict: Any) -> bool:
 
 def _agree_on_stop(stop: bool, signalled: bool, *, epoch: int, rank: int) -> tuple[bool, bool]:
     """Check every rank's stop verdict agrees and learn whether any rank got a signal, in one all-reduce."""
-    if not dist_utils.is_distributed():
+    if not collectives.is_distributed():
         return stop, signalled
-    (anyone, any_signal), (everyone, _) = dist_utils.any_all([stop, signalled])
+    (anyone, any_signal), (everyone, _) = collectives.any_all([stop, signalled])
     if anyone != everyone:
         raise DistributedError(
             f"ranks disagree on early stopping at epoch {epoch} (rank {rank} said {stop}); select on a "
@@ -215,13 +216,13 @@ def _summary(records: _Records, best_metrics: Mapping[str, float], latest: Mappi
     return summary
 
 
-def _final_line(summary: Mapping[str, Any], cfg: Config, loop: core.LoopState) -> str:
+def _final_line(summary: Mapping[str, Any], cfg: Config, loop: bookkeeping.LoopState) -> str:
     """The summary as rank 0 prints it, in the run's own unit: a run measured in steps (``max_steps`` without
     ``epochs``) leads with ``steps_run`` and says inside which epoch it stopped; the stop reason says the step or
     epoch it acted at (``stop_reason=max_steps (step 150)``)."""
     in_steps = cfg.epochs is None
     values = dict(summary)
-    if loop.stop_reason == core.STOP_MAX_STEPS or (in_steps and loop.stop_reason is not None):
+    if loop.stop_reason == bookkeeping.STOP_MAX_STEPS or (in_steps and loop.stop_reason is not None):
         values["stop_reason"] = f"{loop.stop_reason} (step {loop.step})"
     elif loop.stop_reason is not None:
         values["stop_reason"] = f"{loop.stop_reason} (epoch {loop.current_epoch})"
@@ -231,7 +232,7 @@ def _final_line(summary: Mapping[str, Any], cfg: Config, loop: core.LoopState) -
     return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
 
 
-def _bars(cfg: Config, loop: core.LoopState, enabled: bool) -> tuple[EpochBar, StepBar | None]:
+def _bars(cfg: Config, loop: bookkeeping.LoopState, enabled: bool) -> tuple[EpochBar, StepBar | None]:
     """The run's bars: over epochs (not drawn for a run measured in steps alone: it has no epoch total), and over
     optimizer steps for a run with ``max_steps``."""
     epochs = EpochBar(total=cfg.epochs, initial=loop.epoch, enabled=enabled and cfg.epochs is not None)
@@ -257,15 +258,15 @@ def _budget(cfg: Config) -> str:
 
 def _validates_now(cfg: Config, epoch: int, step: int, position: EpochTracker) -> bool:
     """Whether the epoch that just ended is validated now (:func:`~trainkit.bookkeeping.validates_at_epoch_end`)."""
-    return core.validates_at_epoch_end(
+    return bookkeeping.validates_at_epoch_end(
         epoch, step, epochs=cfg.epochs, every_n_epochs=cfg.val.every_n_epochs, max_steps=cfg.max_steps,
         every_n_steps=cfg.val.every_n_steps, validated_at=position.validated_at, stopped_early=position.stopped_early,
     )  # fmt: skip
 
 
 def _end_epoch(
-    cfg: Config, loop: core.LoopState, step: int, position: EpochTracker, *, stop: bool, validated: bool
-) -> tuple[core.LoopState, bool]:
+    cfg: Config, loop: bookkeeping.LoopState, step: int, position: EpochTracker, *, stop: bool, validated: bool
+) -> tuple[bookkeeping.LoopState, bool]:
     """Close the epoch (:func:`~trainkit.bookkeeping.end_epoch`) once its steps are checked: a run measured in steps
     must take some each epoch (it would never end), and a ``max_steps`` passed at the epoch's end (no loop through
     ``progress()``) is warned about."""
@@ -281,13 +282,13 @@ def _end_epoch(
             f"self.progress(); epoch {loop.epoch} ended at step {step} without one, so the run stops there"
         )
     validated = validated or position.validated_at == step
-    return core.end_epoch(
+    return bookkeeping.end_epoch(
         loop, epochs=cfg.epochs, early_stop=stop, step=step, validated=validated, max_steps=cfg.max_steps,
         in_epoch=position.ended_inside,
     )  # fmt: skip
 
 
-def _save_record(records: _Records, loop: core.LoopState, tracker: EpochTracker, **values: Any) -> SaveRecord:
+def _save_record(records: _Records, loop: bookkeeping.LoopState, tracker: EpochTracker, **values: Any) -> SaveRecord:
     """What a save writes: the records (with ``loop`` for this save), the position part's batches left out, and the
     metrics, results, run id, journal offset and epoch position given as ``values``; a save with no position (an
     epoch's end) also the loader state the position part keeps for the next epoch."""
@@ -363,15 +364,15 @@ class BaseTrainer(abc.ABC):
         parts = _parts(self.cfg, rank, world_size, self.device)
         self._signals, self._position, self._checkpointer, self._metrics = parts
         self._best = WeightSnapshot()
-        self._records = _Records(core.LoopState(), None, None)
-        self._registry = core.CkptRegistry()
+        self._records = _Records(bookkeeping.LoopState(), None, None)
+        self._registry = bookkeeping.CkptRegistry()
         self._results: dict[str, float] | None = None
         self._validating: bool | None = None  # None outside val_epoch(); True once step_patience() ran in it
         self._step_bar: StepBar | None = None  # a run with max_steps, while train() runs its epochs
         self._failed = False
         self._run_log = RunLog()
         dist = self.cfg.dist
-        self._owns_process_group = world_size > 1 and dist_utils.init_process_group(
+        self._owns_process_group = world_size > 1 and collectives.init_process_group(
             rank, world_size, backend=dist.backend, timeout_s=dist.timeout_s, device=self.device
         )
         try:
@@ -423,7 +424,7 @@ class BaseTrainer(abc.ABC):
         :returns: The number of optimizer steps the run plans to take.
         :raises BookkeepingError: When ``epochs`` is set and ``steps_per_epoch`` is not given.
         """
-        return core.planned_steps(epochs=self.cfg.epochs, max_steps=self.cfg.max_steps, steps_per_epoch=steps_per_epoch)
+        return planned_steps(epochs=self.cfg.epochs, max_steps=self.cfg.max_steps, steps_per_epoch=steps_per_epoch)
 
     @property
     def first_batch(self) -> int:
@@ -498,7 +499,7 @@ class BaseTrainer(abc.ABC):
         if self._results is not None:
             self._checkpointer.finish_rerun()
             if self.cfg.test.enable:  # as the run that finished left it: the tested (best) weights loaded
-                self._best.load_into(dist_utils.unwrap(self.model))
+                self._best.load_into(collectives.unwrap(self.model))
             return dict(self._results) or None
         try:
             with self._signals:  # installed until the cleanup is done: a signal during it is recorded, not fatal
@@ -611,7 +612,7 @@ class BaseTrainer(abc.ABC):
             self._validating = None
 
     def _finish(self) -> dict[str, float] | None:
-        model = dist_utils.unwrap(self.model)
+        model = collectives.unwrap(self.model)
         # test() leaves the best weights loaded; the final last.pt holds the last epoch's, as a resume needs
         tested = self.cfg.test.enable and model is not None and self._best.state is not None
         trained = WeightSnapshot().take(module_state(model)) if tested else None
@@ -638,7 +639,7 @@ class BaseTrainer(abc.ABC):
         :raises HookNotImplementedError: When the subclass has no :meth:`test_epoch`.
         """
         self._checkpointer.wait_local()
-        model = dist_utils.unwrap(self.model)
+        model = collectives.unwrap(self.model)
         if not self._best.load_into(model) and model is not None:
             warn_user("test(): no best model was recorded (save_if_best never improved); testing the current weights")
         with modes_kept(model), self._metrics.outside_training("test"):
@@ -670,7 +671,7 @@ class BaseTrainer(abc.ABC):
         counting = _step_counting_optimizer(self._registry, kwargs)
         # a generator has no state_dict(): registered as its state, restored into it in place
         items = {name: GeneratorItem(obj) if isinstance(obj, torch.Generator) else obj for name, obj in kwargs.items()}
-        self._registry, _ = core.register_items(self._registry, items)
+        self._registry, _ = bookkeeping.register_items(self._registry, items)
         if self._metrics.guard is not None:  # the divergence guard's hooks on its optimizers
             self._metrics.guard.watch(kwargs.values(), self._position)
         if counting is not None:
@@ -701,7 +702,7 @@ class BaseTrainer(abc.ABC):
 
     @property
     def guard(self) -> DivergenceGuard | None:
-        """The divergence guard part (:class:`~trainkit.loop.guard.DivergenceGuard`); None with guard.nonfinite off."""
+        """The :class:`~trainkit.loop.divergence_guard.DivergenceGuard`; None with guard.nonfinite off."""
         return self._metrics.guard
 
     @property
@@ -721,7 +722,7 @@ class BaseTrainer(abc.ABC):
         self._records = _Records(records.loop, records.best, records.patience)
         self.epoch, self.step = records.loop.current_epoch, records.loop.step
         if records.best is not None and records.best.score is not None:
-            loaded = self._checkpointer.read_best(resume.path.parent, records.best, dist_utils.unwrap(self.model))
+            loaded = self._checkpointer.read_best(resume.path.parent, records.best, collectives.unwrap(self.model))
             if loaded is not None:
                 self._best.replace(loaded.weights, private=loaded.private)
         self._results = resume.results
@@ -745,7 +746,7 @@ class BaseTrainer(abc.ABC):
         :param minimize: The direction; None takes ``val.minimize``.
         """
         direction = self.cfg.val.minimize if minimize is None else bool(minimize)
-        best = core.BestState(minimize=direction, min_delta=self.cfg.val.min_delta)
+        best = bookkeeping.BestState(minimize=direction, min_delta=self.cfg.val.min_delta)
         self._records = self._records._replace(best=best, patience=_fresh_patience(self.cfg))
         self._best.replace(None)
 
@@ -769,9 +770,9 @@ class BaseTrainer(abc.ABC):
         """
         if self._records.best is None:
             self.reset_best_tracking()
-        best, improved = core.save_if_best(self._records.best, score, epoch=self.epoch, metrics=metrics, step=self.step)
+        best, improved = save_if_best(self._records.best, score, epoch=self.epoch, metrics=metrics, step=self.step)
         if improved:
-            model = dist_utils.unwrap(self.model)
+            model = collectives.unwrap(self.model)
             if model is None:
                 raise UsageError("save_if_best() snapshots self.model, which is not set; assign it in setup()")
             self._best.take(module_state(model))  # written (best.pt) at the end of the epoch, before last.pt
@@ -797,7 +798,7 @@ class BaseTrainer(abc.ABC):
         if self._validating:
             raise UsageError(f"step_patience() was already called in epoch {self.epoch}'s validation; call it once")
         patience = self._records.patience or _fresh_patience(self.cfg)
-        patience, stop = core.step_patience(patience, improved, epoch=self.epoch)
+        patience, stop = bookkeeping.step_patience(patience, improved, epoch=self.epoch)
         self._records = self._records._replace(patience=patience)
         self._validating = True
         return stop
@@ -818,7 +819,7 @@ class BaseTrainer(abc.ABC):
             forward pass. Defaults to False.
         :returns: The DDP-wrapped module, or the original module if not distributed.
         """
-        return dist_utils.wrap_ddp(module.to(self.device), self.world_size, find_unused_parameters)
+        return collectives.wrap_ddp(module.to(self.device), self.world_size, find_unused_parameters)
 
     def make_fsdp(
         self,
@@ -842,12 +843,12 @@ class BaseTrainer(abc.ABC):
         :returns: The sharded module, or the module itself on one process.
         """
         options = {"shard": shard, "mp_policy": mp_policy, "reshard_after_forward": reshard_after_forward}
-        return sharding.shard_on(module.to(self.device), self.device, self.world_size, mesh=mesh, **options)
+        return fsdp.shard_on(module.to(self.device), self.device, self.world_size, mesh=mesh, **options)
 
     def barrier(self) -> None:
         """Synchronize all processes in the distributed group (a rank late by ``dist.timeout_s`` fails them)."""
         if self.world_size > 1:
-            dist_utils.barrier(self.cfg.dist.timeout_s)
+            collectives.barrier(self.cfg.dist.timeout_s)
 
     def reduce_mean(self, total: Any, count: Any) -> float:
         """Mean over the whole split rather than over this rank's shard of it.
@@ -860,7 +861,7 @@ class BaseTrainer(abc.ABC):
         :param count: This rank's number of terms in that sum.
         :returns: The pooled mean, NaN if no rank contributed a term.
         """
-        return dist_utils.reduce_mean(total, count)
+        return collectives.reduce_mean(total, count)
 
     def broadcast(self, value: T, src: int = 0) -> T:
         """Give every rank ``src``'s value, e.g. a verdict computed from a rank-0-only score.
@@ -869,7 +870,7 @@ class BaseTrainer(abc.ABC):
         :param src: The rank whose value wins.
         :returns: ``src``'s value, on every rank.
         """
-        return dist_utils.broadcast_object(value, src=src)
+        return collectives.broadcast_object(value, src=src)
 
     def _modules(self, modules: tuple[nn.Module, ...], caller: str) -> tuple[nn.Module, ...]:
         if modules:
@@ -893,7 +894,7 @@ class BaseTrainer(abc.ABC):
             projection head.
         :returns: The groups, ready for any torch optimizer.
         """
-        return optim_utils.make_param_groups(
+        return optim.make_param_groups(
             self._modules(modules, "get_param_groups"),
             weight_decay=self.cfg.weight_decay,
             no_weight_decay=self.cfg.no_weight_decay,
@@ -909,11 +910,11 @@ class BaseTrainer(abc.ABC):
             :meth:`get_param_groups`, so the norm spans every parameter stepped.
         :returns: The pre-clip total L2 norm, a 0-d tensor on the gradients' device.
         """
-        params = optim_utils.trainable_parameters(self._modules(modules, "clip_and_log_grad_norm"))
-        norm = optim_utils.total_grad_norm(params)
+        params = optim.trainable_parameters(self._modules(modules, "clip_and_log_grad_norm"))
+        norm = optim.total_grad_norm(params)
         if self.cfg.grad_clip is not None:
-            optim_utils.clip_grads_(params, self.cfg.grad_clip, norm)
-        norm = sharding.plain(norm.detach())  # over FSDP2 shards a replicated DTensor: its local value is the norm
+            optim.clip_grads_(params, self.cfg.grad_clip, norm)
+        norm = fsdp.plain(norm.detach())  # over FSDP2 shards a replicated DTensor: its local value is the norm
         self._metrics.add_grad_norm(norm)  # and to the divergence guard (guard.nonfinite), when on
         return norm
 
@@ -935,9 +936,9 @@ class BaseTrainer(abc.ABC):
         """
         cfg = self.cfg
         if (cfg.log_weight_stats or cfg.log_grad_stats) and self.step % cfg.log_stats_every_n_steps == 0:
-            named = optim_utils.named_trainable_parameters(self._modules(modules, "log_param_grad_stats"))
-            keys, values = optim_utils.param_stats(named, weights=cfg.log_weight_stats, grads=cfg.log_grad_stats)
-            self._metrics.buffer.add_vector(keys, sharding.plain(values))  # over FSDP2 shards: one all-reduce
+            named = optim.named_trainable_parameters(self._modules(modules, "log_param_grad_stats"))
+            keys, values = optim.param_stats(named, weights=cfg.log_weight_stats, grads=cfg.log_grad_stats)
+            self._metrics.buffer.add_vector(keys, fsdp.plain(values))  # over FSDP2 shards: one all-reduce
 
     def log_lr(self) -> None:
         """Log the current learning rate for each optimizer parameter group.
@@ -945,7 +946,7 @@ class BaseTrainer(abc.ABC):
         Keys are ``lr/<optimizer>/<group>``: the registered name (or the attribute holding an unregistered
         optimizer) and the group's ``name`` or index.
         """
-        self._metrics.buffer.add(optim_utils.learning_rates(self._registry.items, or_else=vars(self)))
+        self._metrics.buffer.add(optim.learning_rates(self._registry.items, or_else=vars(self)))
 
     @property
     def _bars_enabled(self) -> bool:
@@ -1024,6 +1025,6 @@ class BaseTrainer(abc.ABC):
         failed one they do not (the others may be gone).
         """
         self._checkpointer.close(self._failed, before_release=self._run_log.finish)
-        if self._owns_process_group and dist_utils.is_distributed():
-            dist_utils.teardown(self.cfg.dist.timeout_s, meet=not self._failed)
+        if self._owns_process_group and collectives.is_distributed():
+            collectives.teardown(self.cfg.dist.timeout_s, meet=not self._failed)
             self._owns_process_group = False

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import trainkit.checkpoint.async_save
+import trainkit.checkpoint.formats.async_save
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import Crash, TinyTrainer, dying
-from trainkit.checkpoint.async_save import AsyncCheckpointWriter, StagingBuffers
+from trainkit.checkpoint.formats.async_save import AsyncCheckpointWriter, StagingBuffers
 
 
 def test_async_run_writes_the_same_checkpoints_as_a_sync_run(tmp_path):
@@ -42,7 +42,7 @@ def test_async_resume_is_bit_identical(tmp_path):
 def test_background_failure_surfaces_at_the_next_save_with_the_original_error(tmp_path, monkeypatch):
     """A write that fails in the background raises its own error from the next save, and last.pt stays loadable."""
     calls = {"n": 0}
-    real_save = trainkit.checkpoint.atomic_save
+    real_save = trainkit.checkpoint.formats.async_save.atomic_save
 
     def flaky(payload, path, **kwargs):
         calls["n"] += 1
@@ -50,7 +50,7 @@ def test_background_failure_surfaces_at_the_next_save_with_the_original_error(tm
             raise OSError(28, "injected: no space left on device")
         return real_save(payload, path, **kwargs)
 
-    monkeypatch.setattr(trainkit.checkpoint, "atomic_save", flaky)
+    monkeypatch.setattr(trainkit.checkpoint.formats.async_save, "atomic_save", flaky)
     trainer = TinyTrainer(make_cfg(tmp_path, epochs=4, ckpt={"async_save": True}))
     with pytest.raises(OSError, match="injected: no space left"):
         trainer.train()

@@ -24,7 +24,7 @@ import torch
 from tests.faults.harness import ROOT, child_env
 from trainkit import CheckpointCorruptError, CheckpointError, CheckpointUnsafeError
 from trainkit.checkpoint import atomic_save, check_loadable, load_checkpoint
-from trainkit.checkpoint.async_save import StagingBuffers
+from trainkit.checkpoint.formats.async_save import StagingBuffers
 
 np = pytest.importorskip("numpy")
 

@@ -79,13 +79,13 @@ def load_in_thread(path: Path, seconds: float = 5.0) -> BaseException | None:
 
 CHILD = r"""
 import json, resource, sys, time
-import trainkit.checkpoint as ckpt_io
+import trainkit.checkpoint
 vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
 resource.setrlimit(resource.RLIMIT_AS, (vm + 2**30, resource.getrlimit(resource.RLIMIT_AS)[1]))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 start = time.perf_counter()
 try:
-    getattr(ckpt_io, sys.argv[1])(sys.argv[2])
+    getattr(trainkit.checkpoint, sys.argv[1])(sys.argv[2])
     outcome = {"error": None, "message": ""}
 except Exception as exc:
     outcome = {"error": type(exc).__name__, "message": str(exc)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainkit.checkpoint.payload import item_states_for_rank, rank_items_state, world_change_refusal
+from trainkit.checkpoint.payload import item_states_for_rank, rank_items_state, resume_refusal
 from trainkit.state.digest import state_digest
 
 
@@ -24,7 +24,7 @@ def test_a_running_mean_comes_back_as_each_ranks_own_on_its_world_and_pooled_on_
     for rank, total in enumerate((1.0, 4.0)):
         state = item_states_for_rank(ckpt, rank=rank, world_size=2)["loss_mean"]
         assert state["count"] == 2 and torch.equal(state["sum"], torch.tensor(total))
-    assert world_change_refusal(ckpt, 3) is None
+    assert resume_refusal(ckpt, 3) is None
     for rank in range(3):
         state = item_states_for_rank(ckpt, rank=rank, world_size=3)["loss_mean"]
         assert state["count"] == 2 and state["sum"].dtype == torch.float32 and state["sum"].item() == 2.5
@@ -36,13 +36,11 @@ def test_what_cannot_be_pooled_is_refused_on_another_world_size_naming_the_item(
     resumed on the world size that wrote them."""
     uneven = saved({"loss_mean": [mean(1.0, 1), mean(4.0, 2)]}, [])
     assert "checkpoint item 'loss_mean' differs between the saved ranks with different counts ([1, 2])" in (
-        world_change_refusal(uneven, 1) or ""
+        resume_refusal(uneven, 1) or ""
     )
     tally = saved({}, ["tally"])
-    assert "checkpoint item 'tally' held a different state on each of the 2 ranks" in (
-        world_change_refusal(tally, 1) or ""
-    )
-    assert world_change_refusal(uneven, 2) is None and world_change_refusal(tally, 2) is None
+    assert "checkpoint item 'tally' held a different state on each of the 2 ranks" in (resume_refusal(tally, 1) or "")
+    assert resume_refusal(uneven, 2) is None and resume_refusal(tally, 2) is None
 
 
 def test_only_what_differed_is_kept_per_rank():

@@ -26,7 +26,7 @@ from trainkit import OutDirError, UsageError
 from trainkit.checkpoint import load_checkpoint
 from trainkit.checkpoint.kept import read_kept
 from trainkit.checkpoint.remote import LEASE_LOCK, RemoteTier, open_store
-from trainkit.checkpoint.remote_manifest import LEASE, MANIFEST, Lease, lease_bytes
+from trainkit.checkpoint.remote.manifest import LEASE, MANIFEST, Lease, lease_bytes
 
 pytest.importorskip("fsspec")
 

@@ -19,7 +19,7 @@ from tests.helpers.remote_store import failing_store
 from tests.helpers.trainers import TinyTrainer
 from trainkit import OutDirError
 from trainkit.checkpoint.remote import RemoteTier, open_store
-from trainkit.checkpoint.remote_manifest import (
+from trainkit.checkpoint.remote.manifest import (
     LEASE,
     MANIFEST,
     MAX_UNIX_TIME,
@@ -207,6 +207,17 @@ def test_every_number_of_a_commit_record_must_fit_its_range(change, named):
         parse_manifest(data)
     assert len(str(refused.value)) < 300  # an int of 400 digits is named by its size, not printed
     assert parse_manifest(json.dumps(HONEST).encode()).description["scores"] == {"score": 0.5}
+
+
+@pytest.mark.parametrize("kind", ["best", "", None, 7])
+def test_a_commit_record_of_another_kind_is_refused(kind):
+    """``kind`` is checked: trainkit writes only ``"last"`` records, and a record of any other kind (or none) is
+    refused with one line rather than taken for a ``last`` checkpoint."""
+    with pytest.raises(CheckpointUnsafeError, match="kind must be 'last'"):
+        parse_manifest(json.dumps({**HONEST, "kind": kind}).encode())
+    missing = {key: value for key, value in HONEST.items() if key != "kind"}
+    with pytest.raises(CheckpointUnsafeError, match="kind must be 'last'"):
+        parse_manifest(json.dumps(missing).encode())
 
 
 def test_a_commit_record_nested_too_deep_is_refused():

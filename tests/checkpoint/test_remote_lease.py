@@ -19,8 +19,8 @@ from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import TinyTrainer, param_digest, train_and_close
 from trainkit import ConfigError, OutDirError
 from trainkit.checkpoint.remote import FETCH_PREFIX, STAGING_DIR, RemoteTier, open_store
-from trainkit.checkpoint.remote_manifest import LEASE, MANIFEST, Lease, lease_bytes, parse_manifest
-from trainkit.cli.remote import retain_remote
+from trainkit.checkpoint.remote.manifest import LEASE, MANIFEST, Lease, lease_bytes, parse_manifest
+from trainkit.cli.retain import retain_remote
 
 pytest.importorskip("fsspec")
 

@@ -18,7 +18,7 @@ from trainkit import CheckpointMismatchError, OutDirError
 from trainkit.checkpoint import load_checkpoint
 from trainkit.checkpoint.checkpointer import LINEAGE_RECORD
 from trainkit.checkpoint.remote import RemoteTier, open_store
-from trainkit.checkpoint.remote_manifest import MANIFEST, Manifest, RemoteObject, manifest_bytes, parse_manifest
+from trainkit.checkpoint.remote.manifest import MANIFEST, Manifest, RemoteObject, manifest_bytes, parse_manifest
 from trainkit.files.durable import atomic_save
 
 pytest.importorskip("fsspec")

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainkit.checkpoint.remote_manifest import (
+from trainkit.checkpoint.remote.manifest import (
     MAX_OBJECT_BYTES,
     MAX_UNIX_TIME,
     Lease,

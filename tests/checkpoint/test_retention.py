@@ -20,7 +20,7 @@ from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import TinyTrainer
 from trainkit import ConfigError
 from trainkit.checkpoint import load_checkpoint
-from trainkit.checkpoint.dcp import read_engine
+from trainkit.checkpoint.formats.dcp_directory import read_engine
 from trainkit.checkpoint.kept import read_kept
 from trainkit.checkpoint.payload import validate_last
 from trainkit.cli import main

@@ -15,7 +15,7 @@ from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import ShuffledStream, StepTrainer, TinyTrainer
 from trainkit import CheckpointUnsafeError
 from trainkit.checkpoint import check_loadable, payload_nbytes
-from trainkit.checkpoint.async_save import StagingBuffers
+from trainkit.checkpoint.formats.async_save import StagingBuffers
 from trainkit.state.digest import state_digest
 from trainkit.state.graph import check_state_graph
 

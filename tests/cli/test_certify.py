@@ -19,9 +19,10 @@ from torch.utils.data import DataLoader, RandomSampler
 
 import trainkit
 from tests.helpers import ROOT
+from trainkit.certification import CertifyError, plan_interruptions
+from trainkit.certification.child import unregistered_objects
 from trainkit.cli import main
-from trainkit.cli.certify import CertifyError, certify, plan_interruptions
-from trainkit.cli.certify_child import unregistered_objects
+from trainkit.cli.certify import certify
 from trainkit.errors import ConfigError
 
 HELPERS = "tests.helpers.certify_trainers"
@@ -30,7 +31,7 @@ HELPERS = "tests.helpers.certify_trainers"
 @pytest.fixture(scope="module", autouse=True)
 def server():
     """One fork server (torch, trainkit and the examples' imports loaded once) for every certify of this file."""
-    with trainkit.fork_server(preload=["trainkit.cli.certify_child", "numpy", "sklearn.datasets"]):
+    with trainkit.fork_server(preload=["trainkit.certification.child", "numpy", "sklearn.datasets"]):
         yield
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 
 import trainkit
+from trainkit.certification import covering_steps, minimum_steps
 from trainkit.cli import main
-from trainkit.cli.certify import certify, covering_steps, minimum_steps
+from trainkit.cli.certify import certify
 from trainkit.errors import ConfigError
 
 pytest.importorskip("torchdata")
@@ -25,7 +26,7 @@ STREAM_WORDS = ["max_steps=1000"]  # the user's budget: certify runs its own def
 @pytest.fixture(scope="module", autouse=True)
 def server():
     """One fork server (torch, torchdata and trainkit loaded once) for every certify of this file."""
-    with trainkit.fork_server(preload=["trainkit.cli.certify_child", "torchdata.stateful_dataloader"]):
+    with trainkit.fork_server(preload=["trainkit.certification.child", "torchdata.stateful_dataloader"]):
         yield
 
 

@@ -19,7 +19,7 @@ from tests.helpers.checkpoint_files import export_header
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import TinyTrainer
 from trainkit.checkpoint import load_checkpoint
-from trainkit.checkpoint.export_target import EXPORT_MARKER
+from trainkit.checkpoint.export.target import EXPORT_MARKER
 from trainkit.cli import main as cli_main
 
 
@@ -230,15 +230,15 @@ def test_a_failed_write_leaves_the_earlier_export_as_it_was(runs, tmp_path, caps
     assert code == 2 and "no space left" in errors
     assert digest(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
 
-    import trainkit.checkpoint as checkpoint_api
+    import trainkit.checkpoint
 
     late = tmp_path / "late.pt"
-    read = checkpoint_api.load_checkpoint
+    read = trainkit.checkpoint.load_checkpoint
 
     def read_while_another_writes(source, *args, **kwargs):
         late.write_bytes(b"written meanwhile")
         return read(source, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint_api, "load_checkpoint", read_while_another_writes)
+    monkeypatch.setattr(trainkit.checkpoint, "load_checkpoint", read_while_another_writes)
     refused(capsys, late, best, late)
     assert late.read_bytes() == b"written meanwhile"

@@ -27,7 +27,7 @@ from tests.faults.hostile import Reduces
 from tests.helpers.checkpoint_files import export_header
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import ShardTrainer, TinyTrainer, make_data, whole_best
-from trainkit.checkpoint.safetensors_files import export_names, parse_size, plan_shards
+from trainkit.checkpoint.export.safetensors_files import export_names, parse_size, plan_shards
 from trainkit.cli import main as cli_main
 from trainkit.cli.export import config_sha256
 from trainkit.errors import ConfigError
@@ -382,7 +382,7 @@ def tangled_tensors(draw) -> dict[str, torch.Tensor]:
 def test_unique_storages_gives_safetensors_what_it_takes_with_every_value_kept(tensors):
     """Whatever shares memory how: safetensors saves the result, every kept name loads its own values back, and
     every dropped name is a second name of the very tensor a kept name holds."""
-    from trainkit.checkpoint.safetensors_files import unique_storages
+    from trainkit.checkpoint.export.safetensors_files import unique_storages
 
     kept, aliases = unique_storages(tensors)
     assert kept.keys() | aliases.keys() == tensors.keys() and not kept.keys() & aliases.keys()

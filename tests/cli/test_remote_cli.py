@@ -8,7 +8,7 @@ import time
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import TinyTrainer, train_and_close
 from trainkit.checkpoint.remote import LEASE_LOCK, open_store
-from trainkit.checkpoint.remote_manifest import LEASE, Lease, lease_bytes
+from trainkit.checkpoint.remote.manifest import LEASE, Lease, lease_bytes
 from trainkit.cli import main
 
 

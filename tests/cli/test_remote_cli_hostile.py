@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from trainkit.checkpoint.remote import open_store
-from trainkit.checkpoint.remote_manifest import LEASE, MANIFEST
+from trainkit.checkpoint.remote.manifest import LEASE, MANIFEST
 from trainkit.cli import main
 
 pytest.importorskip("fsspec")
@@ -131,7 +131,7 @@ def test_a_store_that_never_answers_a_read_is_given_up_after_the_deadline(tmp_pa
     import fsspec
     from fsspec.implementations.memory import MemoryFileSystem
 
-    from trainkit.checkpoint import remote
+    from trainkit.checkpoint.remote import store
 
     stuck = threading.Event()  # never set: the read blocks until the process ends (its thread is a daemon)
 
@@ -146,7 +146,7 @@ def test_a_store_that_never_answers_a_read_is_given_up_after_the_deadline(tmp_pa
             return super().open(path, mode, **kwargs)
 
     fsspec.register_implementation("hanging", Hanging, clobber=True)
-    monkeypatch.setattr(remote, "READ_DEADLINE_S", 0.5)
+    monkeypatch.setattr(store, "READ_DEADLINE_S", 0.5)
     url = f"hanging://trainkit-{os.getpid()}-{time.monotonic_ns()}/runs"
     hang_lease = False
     plant_folder(url, "step-6-0000000a", commit_record(6, b"weights"))

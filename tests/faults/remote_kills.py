@@ -135,20 +135,21 @@ def install(kill: list | None, log: Path, counts: dict[str, int]) -> None:
     """Wrap the store of every remote tier this process builds (see :class:`KillingStore`), and make its hand-overs
     and reports wait for an idle uploader (no upload superseded)."""
     from trainkit.checkpoint import remote
+    from trainkit.checkpoint.remote import store
 
     real_build = remote.RemoteTier.build.__func__
-    real_open = remote.open_store
+    real_open = store.open_store
 
     def build(cls: type, ckpt: Any, out_dir: Path, *, rank: int) -> Any:
         def open_killing(url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
             fs, root = real_open(url, options)
             return KillingStore(fs, kill if rank == 0 else None, log, counts), root
 
-        remote.open_store = open_killing
+        store.open_store = open_killing
         try:
             tier = real_build(cls, ckpt, out_dir, rank=rank)
         finally:
-            remote.open_store = real_open
+            store.open_store = real_open
         if tier is not None:
             for name in ("hand_over", "report"):
                 real = getattr(tier, name)

@@ -72,7 +72,7 @@ def remote_files(url: str) -> dict[str, bytes]:
 
 def committed_steps(url: str) -> list[int]:
     """The steps of the committed checkpoints under the prefix, in order."""
-    from trainkit.checkpoint.remote_manifest import MANIFEST, parse_manifest
+    from trainkit.checkpoint.remote.manifest import MANIFEST, parse_manifest
 
     objects = remote_files(url)
     return sorted(parse_manifest(data).step for name, data in objects.items() if name.endswith("/" + MANIFEST))

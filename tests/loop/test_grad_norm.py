@@ -15,7 +15,7 @@ from torch import nn
 from tests.helpers.configs import make_cfg
 from tests.helpers.host_syncs import HOST_SYNCS, count_host_syncs
 from trainkit import BaseTrainer
-from trainkit.loop.metrics import FiniteMean, LogBuffer
+from trainkit.loop.trainer_metrics import FiniteMean, LogBuffer
 
 
 class Net(nn.Module):

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 import trainkit
-import trainkit.loop.guard
-import trainkit.loop.metrics
+import trainkit.loop.divergence_guard
+import trainkit.loop.trainer_metrics
 from tests.helpers.configs import make_cfg
 from tests.helpers.host_syncs import count_host_syncs
 from tests.helpers.trainers import Crash, GuardTrainer, TwoOptimizerTrainer
 from trainkit.errors import ConfigError, DivergenceError
 
-GUARD_FILE = trainkit.loop.guard.__file__
-METRICS_FILE = trainkit.loop.metrics.__file__
+GUARD_FILE = trainkit.loop.divergence_guard.__file__
+METRICS_FILE = trainkit.loop.trainer_metrics.__file__
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -71,7 +71,7 @@ def test_a_skipped_step_equals_the_step_left_out_bitwise(tmp_path, optimizer, on
 def test_the_host_verdict_reads_a_norm_the_buffer_kept_once_per_step(tmp_path, monkeypatch):
     """When the log buffer keeps the norm as a tensor (an accelerator's norm), the host path reads it itself, once
     per optimizer step, and skips the planted step exactly as when it reuses the buffer's read."""
-    monkeypatch.setattr(trainkit.loop.metrics.LogBuffer, "read_cpu_at_log", False)
+    monkeypatch.setattr(trainkit.loop.trainer_metrics.LogBuffer, "read_cpu_at_log", False)
     with count_host_syncs(only_from=GUARD_FILE) as syncs:
         (guarded,), _ = run(tmp_path / "a", nan_batches=(NAN_AT,), guard={"nonfinite": "skip"})
     (left_out,), _ = run(tmp_path / "b", steps_left_out=(NAN_AT,))
@@ -210,7 +210,7 @@ def test_the_epochs_grad_norm_mean_leaves_a_skipped_steps_norm_out(tmp_path, mon
     options = {"optimizer": "adam_fused", "guard_on_device": True} if on_device else {}
     options = {**NORM_PLANTED, **options}
     if on_device:
-        monkeypatch.setattr(trainkit.loop.metrics.LogBuffer, "read_cpu_at_log", False)
+        monkeypatch.setattr(trainkit.loop.trainer_metrics.LogBuffer, "read_cpu_at_log", False)
     SYNCS.clear()
     (report,), rows = run(tmp_path / "a", trainer_class=EpochNormTrainer, **options)
     guarded_syncs = Counter(SYNCS)
@@ -233,7 +233,7 @@ def test_the_finite_grad_norm_mean_resumes_from_a_step_checkpoint(tmp_path, monk
     finite-norm sum and count, and logs the uninterrupted run's grad_norm_epoch, bit for bit (norms read on the
     host, or kept as tensors as an accelerator's are)."""
     if as_tensors:
-        monkeypatch.setattr(trainkit.loop.metrics.LogBuffer, "read_cpu_at_log", False)
+        monkeypatch.setattr(trainkit.loop.trainer_metrics.LogBuffer, "read_cpu_at_log", False)
     options = {**NORM_PLANTED, "ckpt": {"every_n_steps": 1}}
     _, whole = run(tmp_path / "whole", trainer_class=EpochNormTrainer, **options)
     crashing = type("Crashing", (EpochNormTrainer,), {"crash_at": 5})  # after steps 1-5, step 4 skipped

@@ -12,7 +12,7 @@ import trainkit
 from tests.helpers.configs import make_cfg
 from tests.helpers.host_syncs import count_host_syncs
 from tests.helpers.trainers import TinyConfig, TinyTrainer
-from trainkit.loop.metrics import LogBuffer
+from trainkit.loop.trainer_metrics import LogBuffer
 
 TRAINKIT_DIR = str(Path(trainkit.__file__).parent)
 
@@ -68,5 +68,5 @@ def test_cpu_tensors_are_read_once_each_at_log_time(tmp_path):
     trainer = CountingTrainer(make_cfg(tmp_path, epochs=1, progress={"enable": True}, grad_clip=0.5))
     trainer.train()
     # per step: the loss and the grad norm (clip_and_log_grad_norm); the lr is a float, the statistics a vector
-    assert set(trainer.syncs) <= {key for key in trainer.syncs if key.startswith("item from metrics.py:")}
+    assert set(trainer.syncs) <= {key for key in trainer.syncs if key.startswith("item from trainer_metrics.py:")}
     assert sum(trainer.syncs.values()) == 2 * trainer.step

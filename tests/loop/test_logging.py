@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tests.helpers.configs import make_cfg
 from tests.helpers.host_syncs import count_host_syncs
 from tests.helpers.trainers import TinyTrainer
-from trainkit.loop.metrics import LogBuffer
+from trainkit.loop.trainer_metrics import LogBuffer
 
 RUNS = {"epochs": 3, "val": {"minimize": False}}
 """What this module's runs put over make_cfg's defaults: 3 epochs and the engine's default direction (the validation
@@ -438,7 +438,7 @@ def test_journal_sync_fsyncs_every_row_written_since_the_last_sync_and_nothing_e
     """sync() before a checkpoint makes every row written since the last sync durable, and skips the fsync only when
     no byte was written since: a fresh empty file, or a second sync with no row between; a file found non-empty (a
     resumed run's rows, a cut, padding, carried history) is synced by its first sync, even when nothing is new."""
-    import trainkit.run.journal as tk_journal
+    from trainkit.run import journal
     from trainkit.run.journal import JsonlSink
 
     synced: list[int] = []
@@ -448,7 +448,7 @@ def test_journal_sync_fsyncs_every_row_written_since_the_last_sync_and_nothing_e
         synced.append(os.fstat(fd).st_size)
         real_fsync(fd)
 
-    monkeypatch.setattr(tk_journal.os, "fsync", counting_fsync)
+    monkeypatch.setattr(journal.os, "fsync", counting_fsync)
     sink = JsonlSink(tmp_path / "m.jsonl")
     sink.sync()
     assert synced == []  # empty at open, nothing written: nothing to make durable

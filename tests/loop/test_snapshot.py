@@ -13,7 +13,7 @@ from torch import nn
 
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import TinyTrainer
-from trainkit.loop.snapshot import WeightSnapshot
+from trainkit.loop.weight_snapshot import WeightSnapshot
 
 
 def fill(module: nn.Module, value: float) -> None:

@@ -207,7 +207,7 @@ def test_a_corrected_stream_state_resumes_at_the_consumed_batch_however_often_re
     pytest.importorskip("torchdata.stateful_dataloader")
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from trainkit.loop.stateful import naive_count, with_naive_count
+    from trainkit.loop.stateful_batches import naive_count, with_naive_count
 
     def loader():
         return StatefulDataLoader(Numbers(), batch_size=2, num_workers=workers, snapshot_every_n_steps=every)

@@ -25,9 +25,9 @@ from tests.helpers.trainers import Crash, StepTrainer
 from trainkit.bookkeeping import EpochPosition, next_step_checkpoint, position_mismatch, step_checkpoint_due
 from trainkit.checkpoint.payload import validate_last
 from trainkit.errors import BookkeepingError, CheckpointCorruptError, CheckpointMismatchError, TrainingInterrupted
-from trainkit.loop.batches import SampleIndex, draws_only_from_torch, iterator_rng
-from trainkit.loop.metrics import LogBuffer
 from trainkit.loop.optim import RunningMean
+from trainkit.loop.tracked_batches import SampleIndex, draws_only_from_torch, iterator_rng
+from trainkit.loop.trainer_metrics import LogBuffer
 from trainkit.run.lock import RunLock
 from trainkit.state.rng import sample_epoch
 

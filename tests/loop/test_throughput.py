@@ -12,8 +12,8 @@ import torch
 from tests.helpers.configs import make_cfg
 from tests.helpers.host_syncs import count_host_syncs
 from tests.helpers.trainers import TinyTrainer
-from trainkit.loop.metrics import LogBuffer
 from trainkit.loop.throughput import CountedBatches, Throughput
+from trainkit.loop.trainer_metrics import LogBuffer
 
 RUNS = {"epochs": 2, "val": {"minimize": False}}
 """What this module's runs put over make_cfg's defaults: 2 epochs and the engine's default direction (the validation

@@ -20,7 +20,7 @@ from tests.faults.harness import train, write_run
 from tests.helpers.configs import make_cfg
 from tests.helpers.trainers import TinyTrainer, param_digest
 from trainkit import OutDirError
-from trainkit import checkpoint as ckpt_io
+from trainkit.checkpoint import atomic_save, load_checkpoint, previous_path
 from trainkit.run.journal import JsonlSink
 from trainkit.run.lock import LOCK_FILE, RunLock
 
@@ -140,15 +140,15 @@ def test_planted_prev_links_never_redirect_the_rotation(tmp_path):
     victim = tmp_path / "victim.bin"
     victim.write_bytes(b"precious")
     path = tmp_path / "last.pt"
-    ckpt_io.atomic_save({"n": 0}, path, keep_previous=True)
+    atomic_save({"n": 0}, path, keep_previous=True)
     for n in range(2000):  # every name this process's next saves could pick
         (tmp_path / f".last.prev.pt.{os.getpid()}.{n}.tmp").symlink_to(victim)
     for n in (1, 2, 3):
-        ckpt_io.atomic_save({"n": n}, path, keep_previous=True)
+        atomic_save({"n": n}, path, keep_previous=True)
     assert victim.read_bytes() == b"precious"
-    previous = ckpt_io.previous_path(path)
-    assert not previous.is_symlink() and ckpt_io.load_checkpoint(previous)["n"] == 2
-    assert ckpt_io.load_checkpoint(path)["n"] == 3
+    previous = previous_path(path)
+    assert not previous.is_symlink() and load_checkpoint(previous)["n"] == 2
+    assert load_checkpoint(path)["n"] == 3
 
 
 def test_a_symlinked_out_dir_still_works(tmp_path):

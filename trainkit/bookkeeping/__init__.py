@@ -26,7 +26,7 @@ from trainkit.bookkeeping.lineage import (
     lineage_from,
 )
 from trainkit.bookkeeping.patience import PatienceState, retune_patience, step_patience
-from trainkit.bookkeeping.position import EpochPosition, next_step_checkpoint, position_mismatch, step_checkpoint_due
+from trainkit.bookkeeping.position import EpochPosition, position_mismatch
 from trainkit.bookkeeping.registry import (
     RESERVED_NAMES,
     CkptRegistry,
@@ -69,7 +69,15 @@ from trainkit.bookkeeping.schedule import (
     should_validate,
     validates_at_epoch_end,
 )
-from trainkit.bookkeeping.throughput import PEAK_FLOPS, PERF_KEYS, ThroughputMark, mfu, peak_flops, throughput_rates
+from trainkit.bookkeeping.step_schedule import next_step_checkpoint, step_checkpoint_due
+from trainkit.bookkeeping.throughput_rates import (
+    PEAK_FLOPS,
+    PERF_KEYS,
+    ThroughputMark,
+    mfu,
+    peak_flops,
+    throughput_rates,
+)
 
 __all__ = [
     "GUARD_MODES",

@@ -185,13 +185,3 @@ def as_verdict(value: Any) -> bool:
             f"{value!r} ({exc})"
         ) from exc
 
-
-def same_float(a: float | None, b: float | None) -> bool:
-    """Tell whether two optional floats are equal, counting NaN as equal to NaN.
-
-    >>> same_float(float("nan"), float("nan")), same_float(1.0, 1.0), same_float(None, 0.0)
-    (True, True, False)
-    """
-    if a is None or b is None:
-        return a is b
-    return a == b or (math.isnan(a) and math.isnan(b))

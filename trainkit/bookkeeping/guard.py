@@ -1,8 +1,8 @@
 """The divergence guard's decisions: what to do with an optimizer step whose gradients are not finite.
 
-Pure: stdlib and attrs only. The trainer's guard part (:mod:`trainkit.loop.guard`) feeds :func:`step_guard` one
-flag per optimizer step (whether the total grad norm was finite); ``python -m trainkit replay --guard`` feeds
-it the grad norms and losses a ``metrics.jsonl`` recorded, to show where a guard would have fired.
+Pure: stdlib and attrs only. The trainer's guard part (:mod:`trainkit.loop.divergence_guard`) feeds
+:func:`step_guard` one flag per optimizer step (whether the total grad norm was finite); ``python -m trainkit replay
+--guard`` feeds it the grad norms and losses a ``metrics.jsonl`` recorded, to show where a guard would have fired.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where a run stands inside an epoch: the position a step checkpoint records, and when one is due.
+"""Where a run stands inside an epoch: the position a step checkpoint records, and whether it resumes here.
 
 Pure: stdlib and attrs only.
 """
@@ -13,7 +13,7 @@ import attrs
 from trainkit.bookkeeping._records import is_int, record_from_dict, record_to_dict
 from trainkit.errors import BookkeepingError
 
-__all__ = ["EpochPosition", "step_checkpoint_due", "next_step_checkpoint", "position_mismatch"]
+__all__ = ["EpochPosition", "position_mismatch"]
 
 
 def _count(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -138,48 +138,6 @@ class EpochPosition:
         :raises BookkeepingError: On a foreign kind, a newer schema or an invalid field.
         """
         return record_from_dict(cls, data)
-
-
-def step_checkpoint_due(last_saved_step: int, step: int, every_n_steps: int | None) -> bool:
-    """Tell whether a step checkpoint is due at a step boundary.
-
-    Pure. Due when ``step`` has reached a multiple of ``every_n_steps`` that ``last_saved_step`` had not,
-    so a counter that jumps past a multiple (two optimizer steps between batches) still saves once.
-
-    :param last_saved_step: The step of the last checkpoint (or where the epoch started).
-    :param step: Optimizer steps taken now.
-    :param every_n_steps: The period; None means step checkpoints are off.
-    :returns: Whether to write ``last.pt`` now.
-    :raises BookkeepingError: When ``every_n_steps`` is not None and not an int >= 1.
-
-    >>> [s for s in range(1, 10) if step_checkpoint_due(s - 1, s, 3)]
-    [3, 6, 9]
-    >>> step_checkpoint_due(5, 7, 3), step_checkpoint_due(6, 8, 3), step_checkpoint_due(0, 9, None)
-    (True, False, False)
-    """
-    due_at = next_step_checkpoint(last_saved_step, every_n_steps)
-    return due_at is not None and step >= due_at
-
-
-def next_step_checkpoint(last_saved_step: int, every_n_steps: int | None) -> int | None:
-    """The step count from which the next step checkpoint is due: the next multiple of ``every_n_steps``.
-
-    Pure. ``step_checkpoint_due(last, step, n)`` is ``step >= next_step_checkpoint(last, n)``; a loop that
-    reads the threshold once per save compares one int per step instead.
-
-    :param last_saved_step: The step of the last checkpoint (or where the epoch started).
-    :param every_n_steps: The period; None means step checkpoints are off.
-    :returns: The first step count at which one is due; None when they are off.
-    :raises BookkeepingError: When ``every_n_steps`` is not None and not an int >= 1.
-
-    >>> [next_step_checkpoint(saved, 3) for saved in (0, 5, 6)], next_step_checkpoint(6, None)
-    ([3, 6, 9], None)
-    """
-    if every_n_steps is None:
-        return None
-    if not is_int(every_n_steps) or every_n_steps < 1:
-        raise BookkeepingError(f"every_n_steps must be None or an int >= 1, got {every_n_steps!r}")
-    return (last_saved_step // every_n_steps + 1) * every_n_steps
 
 
 def position_mismatch(

@@ -61,9 +61,10 @@ class ResumeDecision:
 
     :ivar action: ``"same"`` (the same world size: as the checkpoint says, bit for bit), ``"reshard"`` (another world
         size: each rank skips ``skip_samples`` of its share of the epoch's global order) or ``"refuse"``.
-    :ivar skip_batches: Batches of this run's loader each rank skips (the saved count, whatever the world size).
-    :ivar skip_samples: Samples of its share each rank skips, ``skip_batches`` of this run's per-rank batch (None
-        when the batch size is unknown).
+    :ivar skip_batches: Batches of this run's loader each rank skips (the saved count, whatever the world size): what
+        the epoch tracker's counted loop skips (:class:`~trainkit.loop.epoch_tracker.EpochTracker`).
+    :ivar skip_samples: What that skip is in samples of each rank's share, ``skip_batches`` of this run's per-rank
+        batch (None when the batch size is unknown): the samples the loop's index-level skip draws past.
     :ivar reason: For ``"refuse"``, what changed and what would work; else None.
     """
 

@@ -1,26 +1,38 @@
-"""The checkpoint layer: payloads, the checkpointer, its storage formats, kept checkpoints; and this face for files.
+"""The checkpoint layer: payloads, the checkpointer, its storage formats, kept checkpoints, exports; and its API.
 
-The layer owns the engine's payloads (:mod:`~trainkit.checkpoint.payload`), the
-:class:`~trainkit.checkpoint.checkpointer.Checkpointer` part and the one storage interface under it
-(:mod:`~trainkit.checkpoint.storage`), the ``.pt`` format (:mod:`~trainkit.checkpoint.pt_files`, with background writes
-in :mod:`~trainkit.checkpoint.async_save`), the sharded DCP format (:mod:`~trainkit.checkpoint.dcp`, read as hostile
-input by :mod:`~trainkit.checkpoint.dcp_read`, laid out in the run folder by :mod:`~trainkit.checkpoint.dcp_files`)
-and the checkpoints kept by ``ckpt.keep`` (:mod:`~trainkit.checkpoint.kept`).
+Housed by job, as orbax and torchtitan house theirs:
 
-This face is the one place to import a checkpoint file's writes and reads from: atomic, durable writes; verified,
-code-free reads.
+- :mod:`~trainkit.checkpoint.payload`: the engine's payloads (pure);
+- :mod:`~trainkit.checkpoint.checkpointer`: the :class:`~trainkit.checkpoint.checkpointer.Checkpointer` part;
+- :mod:`trainkit.checkpoint.formats`: the one storage interface and one class per format behind it (``.pt`` files,
+  DCP directories), with the DCP directory machinery and its hostile-input reader;
+- :mod:`~trainkit.checkpoint.kept`: the checkpoints kept by ``ckpt.keep``;
+- :mod:`trainkit.checkpoint.export`: weights written for other programs (``python -m trainkit export``);
+- :mod:`trainkit.checkpoint.remote`: the remote tier (the store's verbs, the tier's policy, its records);
+- :mod:`~trainkit.checkpoint.compare`: two checkpoints compared.
+
+This face exports the checkpoint API, each name imported on first use (so that importing one module of the layer
+does not import them all) and documented where it is defined: the checkpointer and its records
+(:class:`~trainkit.checkpoint.checkpointer.Checkpointer`, ``Resume``, ``SaveRecord``, ``load_item``), the storage
+formats (:class:`~trainkit.checkpoint.formats.base.Storage`, ``SaveRequest``, ``BestWeights``,
+:class:`~trainkit.checkpoint.formats.pt.PtStorage`, :class:`~trainkit.checkpoint.formats.dcp.DcpStorage`, the
+sharded directory check :func:`~trainkit.checkpoint.formats.dcp_read.verify_directory`), the kept checkpoints
+(:class:`~trainkit.checkpoint.kept.KeptCheckpoints`) and the payloads' schema (``SCHEMA_VERSION``,
+``last_payload``, ``best_payload``, ``validate_last``, ``validate_best``, ``resume_refusal`` of
+:mod:`~trainkit.checkpoint.payload`). Beside them, as it always has, it exports a checkpoint file's writes and reads
+from :mod:`trainkit.files` (atomic, durable writes; verified, code-free reads), documented below; modules of
+trainkit import those from :mod:`trainkit.files` itself.
 
 Side effects: file I/O. Payloads hold only tensors and plain Python values, so every checkpoint loads
 with ``torch.load(..., weights_only=True)``; trainkit never loads with ``weights_only=False``. Numpy numeric
 values, slices and ``b""`` also load, through :func:`load_checkpoint`'s own checked allowlist (a bare
 ``torch.load`` refuses them); :func:`check_loadable` refuses anything else before a save.
-
-Each job lives in a module of its own: :mod:`trainkit.files.durable` (writing durably),
-:mod:`trainkit.files.zip_check` (verifying a file's structure), :mod:`trainkit.files.allowlist` (what a checkpoint
-may hold) and :mod:`trainkit.files.weights_only_load` (loading it safely).
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from trainkit.files.allowlist import check_loadable
 from trainkit.files.durable import (
@@ -37,6 +49,27 @@ from trainkit.files.durable import (
 from trainkit.files.weights_only_load import load_archive, load_checkpoint
 from trainkit.files.zip_check import verify_checkpoint
 
+_API = {
+    "Checkpointer": "trainkit.checkpoint.checkpointer",
+    "Resume": "trainkit.checkpoint.checkpointer",
+    "SaveRecord": "trainkit.checkpoint.checkpointer",
+    "load_item": "trainkit.checkpoint.checkpointer",
+    "Storage": "trainkit.checkpoint.formats.base",
+    "SaveRequest": "trainkit.checkpoint.formats.base",
+    "BestWeights": "trainkit.checkpoint.formats.base",
+    "PtStorage": "trainkit.checkpoint.formats.pt",
+    "DcpStorage": "trainkit.checkpoint.formats.dcp",
+    "verify_directory": "trainkit.checkpoint.formats.dcp_read",
+    "KeptCheckpoints": "trainkit.checkpoint.kept",
+    "SCHEMA_VERSION": "trainkit.checkpoint.payload",
+    "last_payload": "trainkit.checkpoint.payload",
+    "best_payload": "trainkit.checkpoint.payload",
+    "validate_last": "trainkit.checkpoint.payload",
+    "validate_best": "trainkit.checkpoint.payload",
+    "resume_refusal": "trainkit.checkpoint.payload",
+}
+"""The checkpoint API's names, each with the module that defines it (imported on first use)."""
+
 __all__ = [
     "atomic_save",
     "atomic_write_bytes",
@@ -51,4 +84,27 @@ __all__ = [
     "fsync_directory",
     "current_umask",
     "TEMP_SUFFIX",
+    *_API,
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The checkpoint API's names, imported on first use (the checkpointer imports most of the layer).
+
+    :param name: A name of the API.
+    :returns: What it names.
+    :raises AttributeError: For any other name.
+    """
+    if name not in _API:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_API[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """Every name of the face, the lazily imported ones included.
+
+    :returns: The names.
+    """
+    return sorted({*globals(), *_API})

@@ -1,6 +1,6 @@
 """The checkpointer: everything about a run's checkpoint files, behind the calls the trainer makes.
 
-Side effects: files in ``out_dir`` (through :mod:`trainkit.checkpoint.storage`), the run folder's lock,
+Side effects: files in ``out_dir`` (through :mod:`trainkit.checkpoint.formats.base`), the run folder's lock,
 collectives (every rank calls :meth:`Checkpointer.claim`, :meth:`~Checkpointer.load`, :meth:`~Checkpointer.restore`,
 :meth:`~Checkpointer.read_best`, :meth:`~Checkpointer.save` and :meth:`~Checkpointer.finish` together),
 warnings and the ``trainkit: resuming ...`` line on rank 0.
@@ -28,9 +28,11 @@ import attrs
 import torch
 from torch import nn
 
-from trainkit import bookkeeping as core
-from trainkit.checkpoint import dcp as sharded
-from trainkit.checkpoint.dcp_files import ShardedFiles
+from trainkit import bookkeeping
+from trainkit.checkpoint.formats import dcp_directory
+from trainkit.checkpoint.formats.base import BestWeights, SaveRequest, Storage
+from trainkit.checkpoint.formats.dcp import DcpStorage, published_directories
+from trainkit.checkpoint.formats.pt import PtStorage
 from trainkit.checkpoint.kept import (
     KEPT_DIR,
     KeptCheckpoints,
@@ -48,22 +50,20 @@ from trainkit.checkpoint.payload import (
     last_payload,
     mid_epoch_state,
     rank_items_state,
-    world_change_refusal,
+    resume_refusal,
 )
-from trainkit.checkpoint.pt_files import RunFiles
 from trainkit.checkpoint.remote import (
     Anchor,
     RemoteTier,
     Upload,
     folder_identity,
+    folder_name,
     published_files,
     remove_transfer_leftovers,
 )
-from trainkit.checkpoint.remote_manifest import folder_name
-from trainkit.checkpoint.storage import BestWeights, FileStorage, SaveRequest, ShardedStorage, Storage
 from trainkit.config import CkptConfig, Config, changed_on_resume, render_value, strip_secrets
-from trainkit.distributed import collectives as dist_utils
-from trainkit.distributed import fsdp as sharding
+from trainkit.distributed import fsdp
+from trainkit.distributed.collectives import all_gather_objects, broadcast_object, raise_if_any_rank_failed
 from trainkit.errors import (
     BookkeepingError,
     CheckpointCorruptError,
@@ -78,6 +78,7 @@ from trainkit.files.weights_only_load import load_checkpoint
 from trainkit.messages import say, warn_user
 from trainkit.run.folder import same_directory
 from trainkit.run.journal import JsonlSink
+from trainkit.run.lock import RunLock
 from trainkit.state.digest import state_digest
 from trainkit.state.graph import check_state_graph
 from trainkit.state.modules import load_module_state, restore_training_modes, training_modes
@@ -94,7 +95,7 @@ FETCH_TRIES = 8
 """The most remote checkpoints one resume downloads and refuses before it gives up on the remote."""
 
 
-def _same_checkpoint(a: core.Checkpoint, b: core.Checkpoint) -> bool:
+def _same_checkpoint(a: bookkeeping.Checkpoint, b: bookkeeping.Checkpoint) -> bool:
     """Whether two descriptions are of one checkpoint: a step saved inside an epoch and again at its end is two."""
     return (a.step, a.epoch, a.epoch_end) == (b.step, b.epoch, b.epoch_end)
 
@@ -108,7 +109,7 @@ def load_item(obj: Any, state: Any) -> None:
     :param obj: The registered object.
     :param state: Its saved state.
     """
-    if isinstance(state, str) and state == sharded.SHARDED:
+    if isinstance(state, str) and state == dcp_directory.SHARDED:
         return
     if isinstance(obj, nn.Module):
         load_module_state(obj, state)
@@ -116,7 +117,7 @@ def load_item(obj: Any, state: Any) -> None:
         obj.load_state_dict(state)
 
 
-def _checked_item_states(registry: core.CkptRegistry) -> tuple[dict[str, Any], CheckpointUnsafeError | None]:
+def _checked_item_states(registry: bookkeeping.CkptRegistry) -> tuple[dict[str, Any], CheckpointUnsafeError | None]:
     """Every registered item's state but the modules' and optimizers' (torch's own), each checked by
     :func:`~trainkit.state.graph.check_state_graph` (no cycle, a depth a resume reads back, bounded size), with the
     first refusal (None when all pass).
@@ -158,9 +159,9 @@ class Resume:
 
     ckpt: dict[str, Any]
     path: Path
-    records: core.Resumed
+    records: bookkeeping.Resumed
     results: dict[str, float] | None
-    lineage: core.Lineage = ()
+    lineage: bookkeeping.Lineage = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -183,14 +184,14 @@ class SaveRecord:
         whose epoch ended (copied); None elsewhere, or without such a loader.
     """
 
-    loop: core.LoopState
-    best: core.BestState | None
-    patience: core.PatienceState | None
+    loop: bookkeeping.LoopState
+    best: bookkeeping.BestState | None
+    patience: bookkeeping.PatienceState | None
     latest_metrics: Mapping[str, float]
     results: Mapping[str, float] | None
     run_id: str | None
     metrics_offset: int | None
-    position: core.EpochPosition | None = None
+    position: bookkeeping.EpochPosition | None = None
     rank_position: dict[str, Any] | None = None
     left_out: tuple[tuple[int, int], ...] = ()
     loader_state: dict[str, Any] | None = None
@@ -207,7 +208,7 @@ class Checkpointer:
     :param device: Where best weights read back go.
     :param config: The config as saved (``public_config``: no secrets).
     :param remote: The remote tier (``ckpt.remote``: rank 0's, or every rank's for sharded checkpoints; see
-        :meth:`~trainkit.checkpoint.remote.RemoteTier.build`), or None.
+        :meth:`~trainkit.checkpoint.remote.tier.RemoteTier.build`), or None.
     """
 
     def __init__(
@@ -227,21 +228,26 @@ class Checkpointer:
         self._rank = rank
         self._world_size = world_size
         self._config = config
-        self._files = RunFiles(
-            out_dir, enabled=ckpt.enable, writer=rank == 0, async_save=ckpt.async_save and not in_shards
-        )
-        shards = ShardedFiles(
+        self._files = PtStorage(
             out_dir,
             enabled=ckpt.enable,
-            rank=rank,
+            writer=rank == 0,
+            async_save=ckpt.async_save and not in_shards,
             world_size=world_size,
-            async_save=in_shards and ckpt.async_save,
-            timeout_s=timeout_s,
+            device=device,
         )
+        self._lock = RunLock(out_dir)
         # a checkpoint is read in its own format, whatever this run writes; written in this run's
         self._readers: dict[str, Storage] = {
-            "file": FileStorage(self._files, rank=rank, world_size=world_size, device=device),
-            "sharded": ShardedStorage(shards, rank=rank, world_size=world_size, background=ckpt.async_save),
+            "file": self._files,
+            "sharded": DcpStorage(
+                out_dir,
+                enabled=ckpt.enable,
+                rank=rank,
+                world_size=world_size,
+                async_save=in_shards and ckpt.async_save,
+                timeout_s=timeout_s,
+            ),
         }
         self._storage = self._readers[ckpt.format]
         self.last_path: Path = self._storage.last_path
@@ -257,7 +263,7 @@ class Checkpointer:
         self._remote = remote
         self._remote_token: str | None = None  # sharded with ckpt.remote: names the run's remote folders
         self._remote_saves = 0
-        self._lineage: core.Lineage = ()  # this life's: a fresh start's, or the resumed checkpoint's plus a segment
+        self._lineage: bookkeeping.Lineage = ()  # this life's: a fresh start's, or the resumed one's plus a segment
 
     @property
     def config(self) -> dict[str, Any]:
@@ -281,40 +287,42 @@ class Checkpointer:
         """
         error: BaseException | None = None
         try:
-            self._files.claim()
+            if self._files.writes:
+                self._lock.acquire()
+                self._files.check_writable()
             if self._files.writes:  # rank 0 holds the folder now, and no rank staged anything yet
                 remove_transfer_leftovers(self._files.out_dir)
             if self._remote is not None:  # a lease a killed run of this folder left is taken over at once
                 self._remote.acquire(folder=folder_identity(self._files.out_dir) if self._files.writes else None)
         except OutDirError as exc:
             error = exc
-        dist_utils.raise_if_any_rank_failed(
+        raise_if_any_rank_failed(
             error,
             lambda: OutDirError(f"rank 0 could not use out_dir {self._files.out_dir}; see rank 0's error"),
             world_size=self._world_size,
         )
         if self._ckpt.remote is not None and self._ckpt.enable and self._ckpt.format == "sharded":
-            self._remote_token = dist_utils.broadcast_object(secrets.token_hex(4))
+            self._remote_token = broadcast_object(secrets.token_hex(4))
 
     def load(self, cfg: Config, path: Path | None = None, *, quiet: bool = False) -> Resume | None:
         """Find and load what ``ckpt.resume`` names, with fallback, checked and reconciled with ``cfg``.
 
         A named checkpoint is read in its own format (that is how a DDP run's ``last.pt`` continues as an FSDP2
         run with sharded checkpoints, and back); a changed config is warned about (a changed ``val.minimize``
-        refused), and the records are reconciled with the config through the pure core.
+        refused), and the records are reconciled with the config through the pure bookkeeping.
 
         :param cfg: The run's config.
         :param path: A checkpoint file to load instead of what ``ckpt.resume`` names (a rollback's).
         :param quiet: Do not say "resuming" on stderr (a rollback's candidates: the rollback says which it took).
         :returns: The checkpoint to resume, or None for a fresh run.
-        :raises CheckpointError: When it cannot be resumed (see ``RunFiles`` and ``ShardedFiles``).
+        :raises CheckpointError: When it cannot be resumed (see ``PtStorage`` and ``DcpStorage``).
         """
         self._refuse_other_format()
         starting = path is None  # not a rollback's candidate
         resume = self._ckpt.resume if path is None else str(path)
         named = resume not in ("auto", "never")
         in_shards = Path(resume).is_dir() if named else self._ckpt.format == "sharded"
-        ckpt, path = self._readers["sharded" if in_shards else "file"].load_resume(resume)
+        ckpt, path = self._read_resumable(resume, in_shards=in_shards)
         fetched = None
         if resume == "auto" and self._ckpt.remote is not None:
             fetched = self._fetched(ckpt, cfg)  # checked in its download folder, published only then
@@ -322,18 +330,20 @@ class Checkpointer:
                 ckpt, path = fetched
         if ckpt is None or path is None:
             if starting:
-                self._lineage = core.fresh_lineage(secrets.token_hex(8))
+                self._lineage = bookkeeping.fresh_lineage(secrets.token_hex(8))
                 self._record_lineage(self._lineage, 0)
             return None
         if fetched is None:  # a fetched one was checked before it was published
             self._check_config(ckpt, path, cfg)
-        lineage = core.branch_lineage(core.lineage_from(ckpt.get("lineage", [])), secrets.token_hex(8), ckpt["step"])
+        lineage = bookkeeping.branch_lineage(
+            bookkeeping.lineage_from(ckpt.get("lineage", [])), secrets.token_hex(8), ckpt["step"]
+        )
         if starting:
             self._record_lineage(lineage, int(ckpt["step"]))
         self._resumed = path
         records = self._reconcile(ckpt, cfg)
-        if records.more and finished_run(ckpt):  # the readers let a finished run's file through: it continues here
-            self._refuse_world_change(ckpt, path)
+        if records.more and finished_run(ckpt):  # a finished run's file was let through: it continues here
+            self._refuse_world_change(ckpt, path, continues=True)
         if records.notes:
             warn_user(f"resuming {path}: " + "; ".join(records.notes))
         if not quiet:
@@ -362,7 +372,7 @@ class Checkpointer:
         anchor = self._anchor(local) if self._rank == 0 else None
         for _ in range(FETCH_TRIES):
             fetched = self._remote.fetch(anchor) if self._rank == 0 and self._remote is not None else None
-            shown = dist_utils.broadcast_object(None if fetched is None else (str(fetched.folder), fetched.manifest))
+            shown = broadcast_object(None if fetched is None else (str(fetched.folder), fetched.manifest))
             if shown is None:
                 return None
             folder, manifest = Path(shown[0]), shown[1]
@@ -375,7 +385,7 @@ class Checkpointer:
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
                 error = exc
             try:
-                dist_utils.raise_if_any_rank_failed(
+                raise_if_any_rank_failed(
                     error,
                     lambda: refused_elsewhere,  # noqa: B023 - called at once, in this iteration
                     world_size=self._world_size,
@@ -384,14 +394,14 @@ class Checkpointer:
                 if fetched is not None:
                     RemoteTier.discard(fetched)
                 raise
-            problems = [problem for problem in dist_utils.all_gather_objects(damaged) if problem is not None]
+            problems = [problem for problem in all_gather_objects(damaged) if problem is not None]
             if problems or loaded is None:
                 if fetched is not None and self._remote is not None:
                     self._remote.refuse(fetched, problems[0] if problems else "it could not be read")
                 continue
             if fetched is not None and self._remote is not None:
                 self._remote.publish(fetched)
-            dist_utils.broadcast_object(None)  # rank 0 published before any rank reads out_dir
+            broadcast_object(None)  # rank 0 published before any rank reads out_dir
             ckpt, read = loaded
             return ckpt, self._files.out_dir / read.name
         return None
@@ -399,15 +409,15 @@ class Checkpointer:
     def _load_fetched(self, folder: Path, manifest: Any, cfg: Config) -> tuple[dict[str, Any], Path]:
         """Load and check a downloaded remote checkpoint where it lies, as a named one (no fallback): its format,
         the schema, this run's world size, the config, and that its lineage is its commit record's."""
-        in_shards = (folder / sharded.LAST_DIR).is_dir()
-        ckpt, path = self._readers["sharded" if in_shards else "file"].load_resume(
-            str(folder / (sharded.LAST_DIR if in_shards else self._files.last_path.name))
+        in_shards = (folder / dcp_directory.LAST_DIR).is_dir()
+        ckpt, path = self._read_resumable(
+            str(folder / (dcp_directory.LAST_DIR if in_shards else self._files.last_path.name)), in_shards=in_shards
         )
         if ckpt is None or path is None:
             raise CheckpointCorruptError(f"{folder} holds no checkpoint")
         claimed = manifest.lineage  # a record from before lineages says nothing to compare
         if int(ckpt["step"]) != manifest.step or (
-            claimed is not None and core.lineage_from(ckpt.get("lineage", [])) != claimed
+            claimed is not None and bookkeeping.lineage_from(ckpt.get("lineage", [])) != claimed
         ):
             raise CheckpointCorruptError(
                 f"{path} does not match its remote commit record (step {ckpt['step']} and its lineage against step "
@@ -415,17 +425,17 @@ class Checkpointer:
             )
         self._check_config(ckpt, path, cfg)
         if finished_run(ckpt) and self._reconcile(ckpt, cfg).more:  # as load() refuses it, before the publish
-            self._refuse_world_change(ckpt, path)
+            self._refuse_world_change(ckpt, path, continues=True)
         return ckpt, path
 
     @staticmethod
-    def _reconcile(ckpt: Mapping[str, Any], cfg: Config) -> core.Resumed:
+    def _reconcile(ckpt: Mapping[str, Any], cfg: Config) -> bookkeeping.Resumed:
         """A checkpoint's records reconciled with the config (:func:`~trainkit.bookkeeping.reconcile`)."""
         val = cfg.val
-        return core.reconcile(
-            core.LoopState.from_dict(ckpt["loop"]),
-            core.BestState.from_dict(ckpt["best"]) if ckpt.get("best") is not None else None,
-            core.PatienceState.from_dict(ckpt["patience"]) if ckpt.get("patience") is not None else None,
+        return bookkeeping.reconcile(
+            bookkeeping.LoopState.from_dict(ckpt["loop"]),
+            bookkeeping.BestState.from_dict(ckpt["best"]) if ckpt.get("best") is not None else None,
+            bookkeeping.PatienceState.from_dict(ckpt["patience"]) if ckpt.get("patience") is not None else None,
             epochs=cfg.epochs,
             max_steps=cfg.max_steps,
             val_patience=val.patience,
@@ -438,7 +448,7 @@ class Checkpointer:
         (a life that started here and was killed before its first save), else nothing (an empty folder)."""
         if local is not None:
             return Anchor(
-                lineage=core.lineage_from(local.get("lineage", [])),
+                lineage=bookkeeping.lineage_from(local.get("lineage", [])),
                 step=int(local["step"]),
                 checkpoint=True,
                 what=f"the local checkpoint (step {local['step']})",
@@ -449,7 +459,7 @@ class Checkpointer:
         what = f"the run that started in {self._files.out_dir} ({record.name})"
         try:
             raw = load_json(read_regular(record, MAX_LINEAGE_RECORD_BYTES))
-            lineage, step = core.lineage_from(raw["lineage"]), raw["step"]
+            lineage, step = bookkeeping.lineage_from(raw["lineage"]), raw["step"]
             if type(step) is not int or not 0 <= step < 2**63:
                 raise TypeError(f"step must be an int in [0, 2**63), got {step!r:.40}")
         except (OSError, ValueError, TypeError, KeyError, BookkeepingError) as exc:
@@ -457,7 +467,7 @@ class Checkpointer:
             return Anchor(lineage=(), step=0, checkpoint=False, what=what)
         return Anchor(lineage=lineage, step=step, checkpoint=False, what=what)
 
-    def _record_lineage(self, lineage: core.Lineage, step: int) -> None:
+    def _record_lineage(self, lineage: bookkeeping.Lineage, step: int) -> None:
         """Rank 0 of a run with ``ckpt.remote`` records the life starting in ``out_dir`` (see :data:`LINEAGE_RECORD`;
         only the remote tier reads it)."""
         if self._rank != 0 or not self._ckpt.enable or self._ckpt.remote is None:
@@ -469,14 +479,23 @@ class Checkpointer:
         except OSError as exc:  # a directory planted there, say: a clear error, nothing else changed
             raise OutDirError(f"{path} cannot be written ({exc}); move it away") from None
 
-    def _refuse_world_change(self, ckpt: dict[str, Any], path: Path) -> None:
-        """Refuse to continue, on this number of processes, a finished run that cannot resume here (the readers
-        refuse an unfinished one as they read it)."""
-        refusal = world_change_refusal(ckpt, self._world_size)
+    def _read_resumable(self, resume: str, *, in_shards: bool) -> tuple[dict[str, Any] | None, Path | None]:
+        """Read what ``resume`` names in its format; an unfinished run's checkpoint that cannot resume on this number
+        of processes is refused here, for both formats (a finished run's only once it is known to continue)."""
+        ckpt, path = self._readers["sharded" if in_shards else "file"].load_resume(resume)
+        if ckpt is not None and path is not None and not finished_run(ckpt):
+            self._refuse_world_change(ckpt, path, continues=False)
+        return ckpt, path
+
+    def _refuse_world_change(self, ckpt: dict[str, Any], path: Path, *, continues: bool) -> None:
+        """Refuse a checkpoint that cannot resume on this number of processes: the one place that asks
+        (:func:`~trainkit.checkpoint.payload.resume_refusal`); ``continues``: a finished run that trains on."""
+        refusal = resume_refusal(ckpt, self._world_size)
         if refusal is not None:
             raise CheckpointMismatchError(
                 f"{path} was written by a run with world_size={ckpt['world_size']}, this run has "
-                f"world_size={self._world_size} and continues it: {refusal} (or start fresh with ckpt.resume=never)"
+                f"world_size={self._world_size}{' and continues it' if continues else ''}: {refusal} (or start fresh "
+                "with ckpt.resume=never)"
             )
 
     def catch_up_remote(self, resume: Resume | None) -> None:
@@ -498,14 +517,14 @@ class Checkpointer:
         if self._remote is None or resume is None or not self._ckpt.enable:
             return
         several = self._ckpt.format == "sharded" and self._world_size > 1
-        plan: tuple[list[tuple[core.Checkpoint, Path]], Any] | None = None
+        plan: tuple[list[tuple[bookkeeping.Checkpoint, Path]], Any] | None = None
         if self._rank == 0:
             try:
                 plan = self._catch_up_plan(resume, last_only=several)
             except Exception as exc:  # noqa: BLE001 - the run goes on; its next commit's retention still runs
                 warn_user(f"ckpt.remote={self._remote.url}: could not compare the remote with {resume.path} ({exc})")
         if several:
-            wanted = dist_utils.broadcast_object([description.step for description, _ in plan[0]] if plan else [])
+            wanted = broadcast_object([description.step for description, _ in plan[0]] if plan else [])
             if wanted:  # every rank uploads its own shards of the resumed directory into one folder
                 self._remote_saves += 1
                 description = plan[0][0][0] if plan else None  # rank 0's goes into the commit record
@@ -526,7 +545,7 @@ class Checkpointer:
 
     def _catch_up_plan(
         self, resume: Resume, *, last_only: bool
-    ) -> tuple[list[tuple[core.Checkpoint, Path]], Any] | None:
+    ) -> tuple[list[tuple[bookkeeping.Checkpoint, Path]], Any] | None:
         """Rank 0: the local checkpoints to upload (oldest first) and the retention to run after them."""
         assert self._remote is not None
         path, ckpt = resume.path, resume.ckpt
@@ -537,7 +556,7 @@ class Checkpointer:
             return None
         last, minimize = described
         resumed_step = last.step
-        local: dict[int, tuple[core.Checkpoint, Path]] = {}
+        local: dict[int, tuple[bookkeeping.Checkpoint, Path]] = {}
         if not last_only:
             for description, kept in self._kept.history():  # a larger step is an abandoned history's
                 if description.step < resumed_step:
@@ -550,16 +569,16 @@ class Checkpointer:
         union = {step: description for step, (description, _) in local.items()}
         for name, manifest in committed:
             d = manifest.description
-            remote = core.Checkpoint(
+            remote = bookkeeping.Checkpoint(
                 step=manifest.step, epoch=manifest.epoch, epoch_end=d["epoch_end"], time=d["time"], scores=d["scores"]
             )
             union.setdefault(manifest.step, remote)
             if manifest.step in local and _same_checkpoint(local[manifest.step][0], remote):
                 present.setdefault(manifest.step, name)
         policy = self._kept.policy(minimize)
-        reasons = core.keep_reasons(policy, union.values(), newest=resumed_step)
+        reasons = bookkeeping.keep_reasons(policy, union.values(), newest=resumed_step)
         missing = [local[step] for step in sorted(local) if reasons.get(step) and step not in present]
-        lineage = core.lineage_from(ckpt.get("lineage", []))
+        lineage = bookkeeping.lineage_from(ckpt.get("lineage", []))
         history = (lineage, resumed_step) if lineage else None  # retention judges the resumed checkpoint's history
         return missing, (policy, resumed_step, tuple(present.values()), history)
 
@@ -567,10 +586,10 @@ class Checkpointer:
         self,
         resume: Resume,
         path: Path,
-        description: core.Checkpoint | None,
+        description: bookkeeping.Checkpoint | None,
         *,
         last: bool,
-        plan: tuple[list[tuple[core.Checkpoint, Path]], Any] | None,
+        plan: tuple[list[tuple[bookkeeping.Checkpoint, Path]], Any] | None,
     ) -> tuple[list[tuple[Path, str, int | None]], Callable[..., Upload]] | None:
         """One catch-up upload: a committed folder as the save's own upload makes it (``best`` when it is the one
         that save had, ``metrics.jsonl`` up to the size the checkpoint records, ``last`` last); None (warned) when
@@ -579,7 +598,7 @@ class Checkpointer:
         record: Mapping[str, Any] = resume.ckpt
         if not last:
             try:  # an older kept checkpoint: its own record says its metrics' size and its best
-                record = load_checkpoint(path / sharded.ENGINE_FILE if path.is_dir() else path)
+                record = load_checkpoint(path / dcp_directory.ENGINE_FILE if path.is_dir() else path)
             except (CheckpointCorruptError, CheckpointUnsafeError, OSError) as exc:
                 warn_user(f"ckpt.remote={self._remote.url}: {path} is not uploaded ({exc})")
                 return None
@@ -598,13 +617,15 @@ class Checkpointer:
         several = self._ckpt.format == "sharded" and self._world_size > 1
         folder = self._remote_folder(step) if several else None
         retention = plan[1] if plan is not None else (None, int(resume.ckpt["step"]), (), None)
-        lineage = core.lineage_from(record.get("lineage", []))  # its commit record names the checkpoint's own history
+        lineage = bookkeeping.lineage_from(
+            record.get("lineage", [])
+        )  # its commit record names the checkpoint's own history
         return files, functools.partial(
             Upload,
             step=step,
             epoch=int(record["epoch"]) if description is None else description.epoch,
             run_id=record.get("wandb_run_id"),
-            description=description if description is not None else core.Checkpoint(step=step),
+            description=description if description is not None else bookkeeping.Checkpoint(step=step),
             policy=self._kept.policy(minimize),
             minimize=minimize,
             folder=folder,
@@ -630,7 +651,9 @@ class Checkpointer:
             if resume is not None and resume.ckpt["step"] <= first_bad_step:
                 return resume
         candidates = [(c.step, c.step) for c in read_kept(self._kept.directory).described]
-        while (chosen := core.rollback_candidate(candidates, first_bad_step)) is not None:  # one try per kept one
+        while (
+            chosen := bookkeeping.rollback_candidate(candidates, first_bad_step)
+        ) is not None:  # one try per kept one
             resume = self._load_for_rollback(cfg, kept_path(self._kept.directory, chosen))
             if resume is not None:
                 return resume
@@ -661,7 +684,9 @@ class Checkpointer:
             os.replace(self.last_path, kept)
             warn_user(f"the damaged {self.last_path} is kept as {kept}; the next save writes {self.last_path} anew")
 
-    def _keep_resumed(self, path: Path, ckpt: Mapping[str, Any], records: core.Resumed, *, fetched: bool) -> None:
+    def _keep_resumed(
+        self, path: Path, ckpt: Mapping[str, Any], records: bookkeeping.Resumed, *, fetched: bool
+    ) -> None:
         """Rank 0 under ``ckpt.keep``: the resumed ``last`` of this folder is kept if its step is not (a kill
         between its publish and its link, or one just taken from the remote), described as its save described it,
         with the time it was written."""
@@ -681,11 +706,11 @@ class Checkpointer:
             say(f"kept {path} as {self._kept.directory.name}/step-{description.step}: {why} (ckpt.keep)")
 
     def _describe_resumed(
-        self, path: Path, ckpt: Mapping[str, Any], records: core.Resumed
-    ) -> tuple[core.Checkpoint, bool] | None:
+        self, path: Path, ckpt: Mapping[str, Any], records: bookkeeping.Resumed
+    ) -> tuple[bookkeeping.Checkpoint, bool] | None:
         """The resumed checkpoint as retention sees it (the time it was written), and the run's direction; None when
         its file cannot be examined."""
-        loop, best = core.LoopState.from_dict(ckpt["loop"]), records.best
+        loop, best = bookkeeping.LoopState.from_dict(ckpt["loop"]), records.best
         score = None  # the score of an epoch that did not improve is not in the checkpoint (its val/* metrics are)
         epoch_end = ckpt.get("trainkit") is None
         if best is not None and best.score is not None and best.epoch == loop.epoch - 1 and epoch_end:
@@ -705,10 +730,10 @@ class Checkpointer:
         )
         return description, best.minimize if best is not None else self._minimize
 
-    def _say_resuming(self, path: Path, records: core.Resumed, mid_epoch: Mapping[str, Any] | None) -> None:
+    def _say_resuming(self, path: Path, records: bookkeeping.Resumed, mid_epoch: Mapping[str, Any] | None) -> None:
         line = records.line
         if records.more and mid_epoch is not None:
-            position = core.EpochPosition.from_dict(mid_epoch["position"])
+            position = bookkeeping.EpochPosition.from_dict(mid_epoch["position"])
             line += f", inside it: {position.done} done"
             if position.world_size != self._world_size:
                 line += f" on {position.world_size} ranks, dealt anew over {self._world_size}"
@@ -746,7 +771,7 @@ class Checkpointer:
                 f"resuming {path} with a changed config ({details}); the result may differ from an uninterrupted run"
             )
 
-    def check_format(self, registry: core.CkptRegistry) -> None:
+    def check_format(self, registry: bookkeeping.CkptRegistry) -> None:
         """Refuse what ``ckpt.format`` cannot save: a model sharded by ``make_fsdp()`` in a single file.
 
         :param registry: The registry after ``setup()``.
@@ -755,13 +780,13 @@ class Checkpointer:
         if not self._ckpt.enable or self._ckpt.format != "file":
             return
         for name, obj in registry.items.items():
-            if isinstance(obj, nn.Module) and sharding.is_sharded(obj):
+            if isinstance(obj, nn.Module) and fsdp.is_sharded(obj):
                 raise UsageError(
                     f"checkpoint item {name!r} is sharded by make_fsdp(), and ckpt.format='file' would write only "
                     "rank 0's shards; set ckpt.format='sharded' (or ckpt.enable=false)"
                 )
 
-    def restore(self, resume: Resume, registry: core.CkptRegistry) -> core.CkptRegistry:
+    def restore(self, resume: Resume, registry: bookkeeping.CkptRegistry) -> bookkeeping.CkptRegistry:
         """Put a checkpoint's items, train/eval modes and this rank's RNG states back (after ``setup()``).
 
         A running mean whose state differed between the saving ranks comes back as this rank's own (the same world
@@ -777,14 +802,14 @@ class Checkpointer:
         ckpt, items = resume.ckpt, registry.items
         self._lineage = resume.lineage  # the saves from here on belong to the resuming life
         if resume.path.is_dir():
-            in_dcp = [name for name in items if isinstance(ckpt.get(name), str) and ckpt[name] == sharded.SHARDED]
-            sharded.apply_items(items, sharded.load_items(items, resume.path, in_dcp))
-        elif any(sharding.is_sharded(obj) for obj in items.values() if isinstance(obj, nn.Module)):
-            converted = sharded.apply_whole_items(items, ckpt)
-            ckpt = {**ckpt, **dict.fromkeys(converted, sharded.SHARDED)}
+            in_dcp = [name for name in items if isinstance(ckpt.get(name), str) and ckpt[name] == dcp_directory.SHARDED]
+            dcp_directory.apply_items(items, dcp_directory.load_items(items, resume.path, in_dcp))
+        elif any(fsdp.is_sharded(obj) for obj in items.values() if isinstance(obj, nn.Module)):
+            converted = dcp_directory.apply_whole_items(items, ckpt)
+            ckpt = {**ckpt, **dict.fromkeys(converted, dcp_directory.SHARDED)}
         # a running mean that differed between the saved ranks: this rank's own, or the pooled share on another world
         ckpt = {**ckpt, **item_states_for_rank(ckpt, rank=self._rank, world_size=self._world_size)}
-        registry, _ = core.apply_payload(registry, ckpt, load_into=load_item)
+        registry, _ = bookkeeping.apply_payload(registry, ckpt, load_into=load_item)
         modes = ckpt.get("training_modes") or {}
         for name, obj in registry.items.items():
             if isinstance(obj, nn.Module) and isinstance(modes.get(name), Mapping):
@@ -796,7 +821,7 @@ class Checkpointer:
             restore_rng(rng[self._rank])
         return registry
 
-    def read_best(self, directory: Path, best: core.BestState, model: nn.Module | None) -> BestWeights | None:
+    def read_best(self, directory: Path, best: bookkeeping.BestState, model: nn.Module | None) -> BestWeights | None:
         """The best weights beside a resumed checkpoint, whose recorded best is ``best`` (a collective).
 
         Read in their own format, into ``model``'s layout. When they came from another folder or format, the
@@ -809,15 +834,11 @@ class Checkpointer:
         """
         if self._resumed is not None and directory == self._resumed.parent:
             directory = run_folder_of(self._resumed)  # a kept checkpoint's best.pt is in its run folder
-        in_shards = bool(ShardedFiles.published(directory / sharded.BEST_DIR))
-        loaded = self._readers["sharded" if in_shards else "file"].read_best(directory, best, model)
+        in_shards = bool(published_directories(directory / dcp_directory.BEST_DIR))
+        loaded = self._readers["sharded" if in_shards else "file"].best_weights(directory, best, model)
         if loaded is not None and loaded.rewrite:
             self._best_changed = True
         return loaded
-
-    def best_changed(self) -> None:
-        """Record that the best weights changed: the next :meth:`save` writes the best checkpoint first."""
-        self._best_changed = True
 
     def scored(self, score: Any, *, step: int, improved: bool, minimize: bool) -> None:
         """Record a ``save_if_best`` result: the score at this step (for ``ckpt.keep``'s ``best`` rules) and, when it
@@ -861,7 +882,7 @@ class Checkpointer:
     def save(
         self,
         record: SaveRecord,
-        registry: core.CkptRegistry,
+        registry: bookkeeping.CkptRegistry,
         *,
         best_weights: dict[str, Any] | None,
         before: Callable[[], None] | None,
@@ -890,7 +911,7 @@ class Checkpointer:
         state = {"rng": capture_rng(), "position": record.rank_position, "remote": uploaded, "items": shares}
         state["loader"] = record.loader_state
         state["refused"] = refused
-        gathered = dist_utils.all_gather_objects(state)  # also carries each rank's sharded upload, for the commit
+        gathered = all_gather_objects(state)  # also carries each rank's sharded upload, for the commit
         _raise_refused([rank_state["refused"] for rank_state in gathered])
         self._remote_reports([rank_state["remote"] for rank_state in gathered])
         self._set_damaged_aside()  # every rank is here, past any read of it
@@ -902,7 +923,7 @@ class Checkpointer:
         loader_states = loader_states if any(each is not None for each in loader_states) else None
         rank_items = None
         if shares is not None:
-            differ = core.differing_items([state["items"]["digests"] for state in gathered])
+            differ = bookkeeping.differing_items([state["items"]["digests"] for state in gathered])
             rank_items = rank_items_state([state["items"]["means"] for state in gathered], differ)
         best = best_weights if changed and record.best is not None else None
         engine = functools.partial(
@@ -919,7 +940,7 @@ class Checkpointer:
             step=record.loop.step,
             **self._keeping(record, before),
         )
-        return self._storage.save(request)
+        return self._storage.save_checkpoint(request)
 
     def _item_shares(self, states: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
         """This rank's digest of every registered item's state but the modules and optimizers (replicated by DDP,
@@ -967,7 +988,7 @@ class Checkpointer:
 
         return {"before": announce_then_before, "after": keep_then_hand_over}
 
-    def _hand_over(self, record: SaveRecord, description: core.Checkpoint, minimize: bool) -> None:
+    def _hand_over(self, record: SaveRecord, description: bookkeeping.Checkpoint, minimize: bool) -> None:
         """Hand the just-published ``best``, ``metrics.jsonl`` (up to this checkpoint's line) and ``last`` to the
         remote uploader (where the save's writes run, right after the publish)."""
         assert self._remote is not None
@@ -1007,7 +1028,7 @@ class Checkpointer:
         record: SaveRecord,
         rng: list[dict[str, Any]],
         mid_epoch: dict[str, Any] | None,
-        registry: core.CkptRegistry,
+        registry: bookkeeping.CkptRegistry,
         rank_items: dict[str, Any] | None,
         loader_states: list[dict[str, Any] | None] | None = None,
     ) -> dict[str, Any]:
@@ -1090,7 +1111,7 @@ class Checkpointer:
         if self._remote is not None:
             self._remote.finish()
         if self._remote_token is not None:  # every rank: the last sharded upload is committed once all are up
-            self._remote_reports(dist_utils.all_gather_objects(self._remote.report() if self._remote else None))
+            self._remote_reports(all_gather_objects(self._remote.report() if self._remote else None))
             if self._rank == 0 and self._remote is not None:
                 self._remote.finish()
 
@@ -1106,7 +1127,7 @@ class Checkpointer:
         """Let the folder go, and the remote prefix with it (idempotent): the next run on them may start."""
         if self._remote is not None:
             self._remote.close()
-        self._files.release()
+        self._lock.release()
 
     def close(self, failed: bool, before_release: Callable[[], None]) -> None:
         """Let go of everything: a background save lands (unless the run failed), then the folder is released.
@@ -1122,4 +1143,4 @@ class Checkpointer:
         if self._remote is not None:
             self._remote.close()
         before_release()
-        self._files.release()
+        self._lock.release()

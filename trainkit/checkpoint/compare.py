@@ -47,23 +47,35 @@ _RECORD_KEYS = ("loop", "best", "patience", "epoch", "step", "world_size", "trai
 
 @attrs.frozen(kw_only=True)
 class Difference:
-    """Where two values first differ.
+    """Where two checkpoints, or two runs, first differ: the one record of a difference, for
+    :func:`compare_checkpoints` and for certify's comparison of two run folders
+    (:func:`trainkit.certification.comparison.compare_runs`, which says in which file and at which step).
 
-    :ivar section: The checkpoint section (a registered item's name, ``rng``, ``records``, ...).
+    :ivar where: The file the difference is in (``checkpoints/step-7.pt``, ``last.pt``, ``best.pt``,
+        ``metrics.jsonl``); empty when two given checkpoints were compared.
+    :ivar step: The step of that checkpoint (of that metrics row), when it has one.
+    :ivar section: The checkpoint section (a registered item's name, ``rng``, ``records``, ...), ``checkpoint`` for
+        a whole checkpoint, or a metrics row.
     :ivar name: The path inside it (``layers.0.weight``, ``state.0.exp_avg``, ``loop.step``); empty for the whole.
     :ivar detail: What differs, in words.
-    :ivar max_abs_diff: For two tensors of the same shape, the largest absolute difference; None otherwise.
+    :ivar max_abs_diff: For two tensors of the same shape, or two numbers, the largest absolute difference; None
+        otherwise.
     """
 
+    where: str = ""
+    step: int | None = None
     section: str
     name: str
     detail: str
     max_abs_diff: float | None = None
 
     def describe(self) -> str:
-        """One line: the section, the name and what differs.
+        """One line: the section, the name and what differs (how certify's report prints it).
 
         :returns: E.g. ``model: weight (max abs difference 0.0123)``.
+
+        >>> Difference(section="model", name="w", detail="max abs difference 0.5").describe()
+        'model: w (max abs difference 0.5)'
         """
         where = f"{self.section}: {self.name}" if self.name else self.section
         return f"{where} ({self.detail})"
@@ -109,7 +121,7 @@ def first_difference(a: Any, b: Any, *, section: str = "", path: str = "") -> Di
     :returns: The first difference, or None when the two are the same.
 
     >>> first_difference({"w": torch.zeros(2), "n": 3}, {"w": torch.tensor([0.0, 0.5]), "n": 3}, section="model")
-    Difference(section='model', name='w', detail='max abs difference 0.5', max_abs_diff=0.5)
+    Difference(where='', step=None, section='model', name='w', detail='max abs difference 0.5', max_abs_diff=0.5)
     >>> first_difference({"a": [1, 2]}, {"a": [1, 2]}) is None
     True
     """
@@ -193,22 +205,22 @@ def read_comparable(path: str | Path) -> dict[str, Any]:
     :returns: The sections.
     :raises CheckpointError: When the checkpoint is damaged or unsafe.
     """
-    from trainkit.checkpoint import dcp as sharded
     from trainkit.checkpoint import load_checkpoint
+    from trainkit.checkpoint.formats import dcp_directory
     from trainkit.errors import CheckpointCorruptError
 
     source = Path(path)
     if not source.is_dir():
         return comparable_sections(load_checkpoint(source))
-    problem = sharded.verify_directory(source, rank=0, world_size=1)
+    problem = dcp_directory.verify_directory(source, rank=0, world_size=1)
     if problem is not None:
         raise CheckpointCorruptError(problem)
-    payload = dict(load_checkpoint(source / sharded.ENGINE_FILE))
+    payload = dict(load_checkpoint(source / dcp_directory.ENGINE_FILE))
     with warnings.catch_warnings():  # DCP's "loading in a single process" is what is meant here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         for key, value in list(payload.items()):
-            if isinstance(value, str) and value == sharded.SHARDED:
-                payload[key] = sharded.read_whole(source, key)
+            if isinstance(value, str) and value == dcp_directory.SHARDED:
+                payload[key] = dcp_directory.read_whole(source, key)
     return comparable_sections(payload)
 
 

@@ -45,10 +45,10 @@ from typing import Any
 
 import attrs
 
-from trainkit import bookkeeping as core
+from trainkit import bookkeeping
 from trainkit.errors import BookkeepingError
 from trainkit.files.bounded_read import UnreadableFile, load_json, read_regular
-from trainkit.files.durable import NO_HARD_LINKS, copy_new_file, current_umask, fsync_directory, process_gone
+from trainkit.files.durable import current_umask, fsync_directory, link_or_copy, process_gone
 from trainkit.messages import warn_user
 
 __all__ = [
@@ -180,14 +180,14 @@ def _kind(mode: int) -> str:
     return file_kind(mode)
 
 
-def _describe(entry: Any, step: int) -> core.Checkpoint | None:
+def _describe(entry: Any, step: int) -> bookkeeping.Checkpoint | None:
     if not isinstance(entry, Mapping):
         return None
     scores = entry.get("scores", {})
     if not isinstance(scores, Mapping) or not all(isinstance(v, int | float) for v in scores.values()):
         return None
     try:
-        return core.Checkpoint(
+        return bookkeeping.Checkpoint(
             step=step,
             epoch=entry.get("epoch", 0),
             epoch_end=entry.get("epoch_end", False),
@@ -244,7 +244,7 @@ def folder_problem(directory: Path) -> str | None:
 
 def read_index(
     directory: Path,
-) -> tuple[dict[int, core.Checkpoint], bool | None, tuple[str, ...] | None, int | None]:
+) -> tuple[dict[int, bookkeeping.Checkpoint], bool | None, tuple[str, ...] | None, int | None]:
     """Read ``checkpoints/index.json`` as hostile input: the entries that check out, the run's direction and rules,
     and the step of the newest checkpoint the run kept.
 
@@ -266,7 +266,7 @@ def read_index(
     if not isinstance(data, dict) or data.get("format") != INDEX_FORMAT or not isinstance(data.get("kept"), dict):
         warn_user(f"{path} is not a trainkit index of kept checkpoints; they are judged by their steps alone")
         return {}, None, None, None
-    found: dict[int, core.Checkpoint] = {}
+    found: dict[int, bookkeeping.Checkpoint] = {}
     bad = 0
     for key, entry in data["kept"].items():
         step = kept_step(f"step-{key}.pt")
@@ -280,7 +280,7 @@ def read_index(
     minimize = data.get("minimize")
     keep = data.get("keep")
     try:
-        rules = tuple(keep) if isinstance(keep, list) and core.parse_keep(keep) is not None else None
+        rules = tuple(keep) if isinstance(keep, list) and bookkeeping.parse_keep(keep) is not None else None
     except BookkeepingError:
         rules = None
     newest = data.get("newest")
@@ -300,7 +300,7 @@ class KeptFolder:
     :ivar newest: The step of the newest checkpoint the run kept (None: not recorded; the largest step is).
     """
 
-    described: tuple[core.Checkpoint, ...] = attrs.field(converter=tuple)
+    described: tuple[bookkeeping.Checkpoint, ...] = attrs.field(converter=tuple)
     refused: tuple[str, ...] = attrs.field(converter=tuple)
     minimize: bool | None
     keep: tuple[str, ...] | None
@@ -319,7 +319,9 @@ def read_kept(directory: Path) -> KeptFolder:
     return KeptFolder(described=described, refused=refused, minimize=minimize, keep=keep, newest=newest)
 
 
-def on_disk(directory: Path, known: Mapping[int, core.Checkpoint]) -> tuple[list[core.Checkpoint], list[str]]:
+def on_disk(
+    directory: Path, known: Mapping[int, bookkeeping.Checkpoint]
+) -> tuple[list[bookkeeping.Checkpoint], list[str]]:
     """The kept checkpoints in ``directory`` (regular files named ``step-<int>.pt``, directories named
     ``step-<int>.ckpt``), described by ``known`` or, for one it lacks, by its name and modification time; and the
     entries refused under a kept name. A step kept under both names counts once.
@@ -328,7 +330,7 @@ def on_disk(directory: Path, known: Mapping[int, core.Checkpoint]) -> tuple[list
     :param known: Descriptions by step (the index's, or the ones this run recorded).
     :returns: The descriptions in step order, and the refused entries' names with their kinds.
     """
-    described: list[core.Checkpoint] = []
+    described: list[bookkeeping.Checkpoint] = []
     refused: list[str] = []
     seen: set[int] = set()
     if directory_problem(directory) is not None:  # a link out of the run folder is never followed, even to read
@@ -353,12 +355,12 @@ def on_disk(directory: Path, known: Mapping[int, core.Checkpoint]) -> tuple[list
         seen.add(step)
         found = known.get(step)
         mtime = info.st_mtime if math.isfinite(info.st_mtime) else 0.0
-        described.append(found if found is not None else core.Checkpoint(step=step, epoch_end=False, time=mtime))
+        described.append(found if found is not None else bookkeeping.Checkpoint(step=step, epoch_end=False, time=mtime))
     described.sort(key=lambda c: c.step)
     return described, refused
 
 
-def _index_entry(c: core.Checkpoint) -> dict[str, Any]:
+def _index_entry(c: bookkeeping.Checkpoint) -> dict[str, Any]:
     return {
         "epoch": c.epoch,
         "epoch_end": c.epoch_end,
@@ -369,7 +371,7 @@ def _index_entry(c: core.Checkpoint) -> dict[str, Any]:
 
 def write_index(
     directory: Path,
-    kept: Iterable[core.Checkpoint],
+    kept: Iterable[bookkeeping.Checkpoint],
     minimize: bool | None,
     keep: tuple[str, ...] | None,
     *,
@@ -431,9 +433,9 @@ class KeptCheckpoints:
         self._keep = keep
         self._suffix = ".ckpt" if sharded else ".pt"
         self.active = writes and bool(keep)
-        self._known: dict[int, core.Checkpoint] | None = None  # read from disk at the first use
-        self._recorded: dict[int, core.Checkpoint] = {}  # what index.json described then, files or not
-        self._announced: core.Checkpoint | None = None  # in index.json already, its checkpoint not kept yet
+        self._known: dict[int, bookkeeping.Checkpoint] | None = None  # read from disk at the first use
+        self._recorded: dict[int, bookkeeping.Checkpoint] = {}  # what index.json described then, files or not
+        self._announced: bookkeeping.Checkpoint | None = None  # in index.json already, its checkpoint not kept yet
         self._deleter: threading.Thread | None = None
         self._disabled = False
         self._unranked: set[str] = set()  # the best rules warned about as ranking nothing
@@ -441,9 +443,9 @@ class KeptCheckpoints:
         """The step of the kept checkpoint of this folder the run resumed from (``ckpt.resume`` named it): never
         deleted while the run goes on, so the same command run again finds it."""
 
-    def policy(self, minimize: bool) -> core.KeepAny:
+    def policy(self, minimize: bool) -> bookkeeping.KeepAny:
         """The rules as a policy, ``best`` rules without a direction taking ``minimize``."""
-        return core.parse_keep(self._keep, minimize=minimize)
+        return bookkeeping.parse_keep(self._keep, minimize=minimize)
 
     def _ready(self) -> bool:
         """Make ``checkpoints/`` and read what it keeps (at the first use); False when this run keeps nothing there
@@ -462,11 +464,11 @@ class KeptCheckpoints:
             self._known = {c.step: c for c in on_disk(self.directory, self._recorded)[0]}
         return True
 
-    def _on_disk(self) -> dict[int, core.Checkpoint]:
+    def _on_disk(self) -> dict[int, bookkeeping.Checkpoint]:
         """The kept checkpoints on disk now, by step (a file removed or added by hand meanwhile counts as it is)."""
         return {c.step: c for c in on_disk(self.directory, self._known or {})[0]}
 
-    def announce(self, description: core.Checkpoint, *, minimize: bool) -> None:
+    def announce(self, description: bookkeeping.Checkpoint, *, minimize: bool) -> None:
         """Describe a checkpoint in ``index.json`` before it is written, so that no kill can lose its description:
         one after ``last`` is published and before it is kept leaves it for the resume that keeps it.
 
@@ -488,7 +490,7 @@ class KeptCheckpoints:
             return  # publish() writes the index again, and warns if that fails too: one warning per failed keep
         self._announced = description
 
-    def publish(self, source: Path, description: core.Checkpoint, *, minimize: bool) -> bool:
+    def publish(self, source: Path, description: bookkeeping.Checkpoint, *, minimize: bool) -> bool:
         """Keep ``source`` (the ``last.pt`` just published) as ``checkpoints/step-<step>.pt`` (``last.ckpt/`` as
         ``checkpoints/step-<step>.ckpt/``), then start deleting in the background what the policy does not keep.
 
@@ -516,7 +518,12 @@ class KeptCheckpoints:
             return False
 
     def _publish(
-        self, source: Path, description: core.Checkpoint, announced: core.Checkpoint | None, *, minimize: bool
+        self,
+        source: Path,
+        description: bookkeeping.Checkpoint,
+        announced: bookkeeping.Checkpoint | None,
+        *,
+        minimize: bool,
     ) -> bool:
         if not self._ready():
             return False
@@ -547,7 +554,7 @@ class KeptCheckpoints:
     def _apply(self, minimize: bool, *, newest: int) -> None:
         """Start deleting in the background what the policy does not keep of ``self._known``."""
         policy = self.policy(minimize)
-        keep = core.retain(policy, (self._known or {}).values(), newest=newest, resumed_from=self.resumed_from)
+        keep = bookkeeping.retain(policy, (self._known or {}).values(), newest=newest, resumed_from=self.resumed_from)
         self._warn_unranked(policy, newest)
         doomed = sorted(step for step in self._known or {} if step not in keep)
         if doomed:
@@ -556,12 +563,12 @@ class KeptCheckpoints:
             )
             self._deleter.start()
 
-    def _warn_unranked(self, policy: core.KeepAny, newest: int) -> None:
+    def _warn_unranked(self, policy: bookkeeping.KeepAny, newest: int) -> None:
         """Warn once about a ``best`` rule that ranks nothing although validation scores were recorded (a misspelt
         metric keeps nothing, silently otherwise)."""
         mine = [c for c in (self._known or {}).values() if c.step <= newest]
         names = sorted({name for c in mine for name in c.scores})
-        idle = [rule.spec for rule in core.unranked(policy, mine) if rule.spec not in self._unranked]
+        idle = [rule.spec for rule in bookkeeping.unranked(policy, mine) if rule.spec not in self._unranked]
         if not names or not idle:
             return
         self._unranked.update(idle)
@@ -570,7 +577,7 @@ class KeptCheckpoints:
             f"scores recorded are {', '.join(names)}); it keeps nothing until one does (check the metric's name)"
         )
 
-    def keep_resumed(self, source: Path, description: core.Checkpoint, *, minimize: bool) -> bool:
+    def keep_resumed(self, source: Path, description: bookkeeping.Checkpoint, *, minimize: bool) -> bool:
         """Finish what a kill left undone for the ``last`` a run resumes from: keep it when no checkpoint of its
         step is kept (a kill between publishing it and keeping it, a few milliseconds, or a background save's whole
         write), and delete what the policy does not keep (a kill during the deletion after its save, the last
@@ -605,7 +612,7 @@ class KeptCheckpoints:
             description = recorded  # what the save announced before it wrote the checkpoint
         return self.publish(source, description, minimize=minimize)
 
-    def history(self) -> list[tuple[core.Checkpoint, Path]]:
+    def history(self) -> list[tuple[bookkeeping.Checkpoint, Path]]:
         """The kept checkpoints on disk now (none when this run keeps none), each with its path, in step order:
         described as their saves recorded them in ``index.json`` (else by name and modification time).
 
@@ -617,12 +624,7 @@ class KeptCheckpoints:
 
     def _link(self, source: Path, target: Path) -> None:
         tmp = str(self.directory / f".{target.name}.{os.getpid()}.{next(_COUNTER)}.tmp")
-        try:
-            os.link(source, tmp, follow_symlinks=False)
-        except OSError as exc:
-            if exc.errno not in NO_HARD_LINKS:
-                raise
-            copy_new_file(str(source), tmp)  # no hard links here: a durable copy into a file of our own
+        link_or_copy(source, tmp)
         try:
             os.replace(tmp, target)
         except BaseException:
@@ -643,12 +645,7 @@ class KeptCheckpoints:
                 info = entry.stat(follow_symlinks=False)
                 if not stat.S_ISREG(info.st_mode):
                     raise OSError(f"{entry.path} is {_kind(info.st_mode)}, not a file trainkit wrote")
-                try:
-                    os.link(entry.path, tmp / entry.name, follow_symlinks=False)
-                except OSError as exc:
-                    if exc.errno not in NO_HARD_LINKS:
-                        raise
-                    copy_new_file(entry.path, str(tmp / entry.name))
+                link_or_copy(entry.path, tmp / entry.name)
             fsync_directory(tmp)
             os.chmod(tmp, 0o777 & ~current_umask())
             if replace:  # the same step kept before (a resumed run saving it again): the old one goes first
@@ -698,7 +695,7 @@ def describe_save(
     score: tuple[int, float] | None,
     latest_metrics: Mapping[str, float],
     saved_at: float | None = None,
-) -> core.Checkpoint:
+) -> bookkeeping.Checkpoint:
     """What retention knows of a checkpoint being saved now (or, with ``saved_at``, saved then).
 
     Scores are recorded only for a checkpoint whose weights were validated: an epoch-end checkpoint whose epoch
@@ -721,4 +718,4 @@ def describe_save(
         if score is not None and score[0] == step:
             scores["score"] = score[1]
     when = time.time() if saved_at is None else saved_at
-    return core.Checkpoint(step=step, epoch=epoch, epoch_end=epoch_end, time=when, scores=scores)
+    return bookkeeping.Checkpoint(step=step, epoch=epoch, epoch_end=epoch_end, time=when, scores=scores)

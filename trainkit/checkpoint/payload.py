@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import torch
 
-from trainkit import bookkeeping as core
+from trainkit import bookkeeping
 from trainkit.bookkeeping import RESERVED_NAMES, BestState, EpochPosition, LoopState, PatienceState
 from trainkit.errors import BookkeepingError, CheckpointCorruptError
 
@@ -41,11 +41,12 @@ __all__ = [
     "last_payload",
     "best_payload",
     "mid_epoch_state",
-    "world_change_refusal",
+    "resume_refusal",
     "finished_run",
     "is_running_mean",
     "rank_items_state",
     "item_states_for_rank",
+    "pooled_running_mean",
 ]
 
 SCHEMA_VERSION = 1
@@ -415,13 +416,14 @@ def _check_rank_items(value: Any, where: str) -> None:
 
 
 _LINEAGE_RULE = (
-    f"a list of at most {core.MAX_SEGMENTS} [token, first_step] pairs (tokens lowercase hex, steps never decreasing)"
+    f"a list of at most {bookkeeping.MAX_SEGMENTS} [token, first_step] pairs "
+    "(tokens lowercase hex, steps never decreasing)"
 )
 
 
 def _check_lineage(value: Any, where: str) -> None:
     try:
-        core.lineage_from(value)
+        bookkeeping.lineage_from(value)
     except BookkeepingError:
         raise _Bad(where, _LINEAGE_RULE, value) from None
 
@@ -579,7 +581,7 @@ def last_payload(
     mid_epoch: dict[str, Any] | None = None,
     guard_skips: list[list[int]] | None = None,
     rank_items: dict[str, Any] | None = None,
-    lineage: core.Lineage = (),
+    lineage: bookkeeping.Lineage = (),
     loader_states: list[dict[str, Any] | None] | None = None,
 ) -> dict[str, Any]:
     """Build a ``last.pt`` payload: every registered item's state under its name, then the engine's keys.
@@ -664,9 +666,9 @@ def mid_epoch_state(position: EpochPosition, ranks: list[dict[str, Any]]) -> dic
 def finished_run(ckpt: dict[str, Any]) -> bool:
     """Whether a checkpoint (validated) is a finished run's: its loop records why it stopped.
 
-    A reader does not refuse such a checkpoint for another world size (:func:`world_change_refusal`): rerun as it
-    was, the run only says it has finished and returns its results, on any number of processes; the checkpointer
-    refuses it once the config is known to continue it (a raised ``epochs`` or ``max_steps``).
+    The checkpointer does not refuse such a checkpoint for another world size (:func:`resume_refusal`) as it reads
+    it: rerun as it was, the run only says it has finished and returns its results, on any number of processes; the
+    checkpointer refuses it once the config is known to continue it (a raised ``epochs`` or ``max_steps``).
 
     >>> finished_run({"loop": {"epoch": 3, "stop_reason": "max_epochs"}}), finished_run({"loop": {"epoch": 1}})
     (True, False)
@@ -677,15 +679,16 @@ def finished_run(ckpt: dict[str, Any]) -> bool:
     return ckpt["loop"].get("stop_reason") is not None
 
 
-def world_change_refusal(ckpt: dict[str, Any], world_size: int) -> str | None:
+def resume_refusal(ckpt: dict[str, Any], world_size: int) -> str | None:
     """Say why a checkpoint (validated) cannot resume on ``world_size`` processes, or None when it can.
 
-    Pure. An epoch's end resumes on any number (the model and optimizer are replicated in a file, resharded from a
-    sharded directory); a position inside an epoch resumes on another number only when it records its place in a
-    world-size-free order whose global batch the new number divides
-    (:func:`~trainkit.bookkeeping.world_change_refusal`).
+    The one question "may this checkpoint resume on W ranks", for both formats: the checkpointer asks it once per
+    resume (``Checkpointer._refuse_world_change``). Pure. An epoch's end resumes on any number (the model and
+    optimizer are replicated in a file, resharded from a sharded directory); a position inside an epoch resumes on
+    another number only when it records its place in a world-size-free order whose global batch the new number
+    divides (:func:`~trainkit.bookkeeping.world_change_refusal`).
 
-    >>> world_change_refusal({"world_size": 2, "trainkit": None}, 3) is None
+    >>> resume_refusal({"world_size": 2, "trainkit": None}, 3) is None
     True
 
     :param ckpt: The checkpoint's engine entries.
@@ -696,18 +699,18 @@ def world_change_refusal(ckpt: dict[str, Any], world_size: int) -> str | None:
     if ckpt.get("world_size") == world_size:
         return None
     rank_items = ckpt.get("rank_items") or {"means": {}, "differ": []}
-    refusal = core.differing_items_refusal(
+    refusal = bookkeeping.differing_items_refusal(
         rank_items["differ"], saved_world_size=ckpt["world_size"], world_size=world_size
     )
     for name, states in rank_items["means"].items():
         if refusal is None:
             try:
-                _pooled(states, name)
+                pooled_running_mean(states, name=f"checkpoint item {name!r}")
             except BookkeepingError as exc:
                 refusal = str(exc)
     if refusal is not None or mid_epoch is None:
         return refusal
-    return core.world_change_refusal(EpochPosition.from_dict(mid_epoch["position"]), world_size)
+    return bookkeeping.world_change_refusal(EpochPosition.from_dict(mid_epoch["position"]), world_size)
 
 
 def is_running_mean(state: Any) -> bool:
@@ -753,14 +756,14 @@ def rank_items_state(states: list[dict[str, Any]], differ: list[str]) -> dict[st
 
 def item_states_for_rank(ckpt: dict[str, Any], *, rank: int, world_size: int) -> dict[str, Any]:
     """The running means' states this rank resumes with: its own on the world size that wrote them, the pooled
-    share (:func:`~trainkit.bookkeeping.pooled_mean_share`) on another.
+    share (:func:`pooled_running_mean`) on another.
 
-    :param ckpt: The checkpoint (validated; :func:`world_change_refusal` found nothing in the way).
+    :param ckpt: The checkpoint (validated; :func:`resume_refusal` found nothing in the way).
     :param rank: This rank.
     :param world_size: This run's number of processes.
     :returns: Item name to the state to load (empty for a checkpoint whose ranks held the same states).
-    :raises BookkeepingError: When the saved counts differ on another world size, naming the item (the readers
-        refuse such a checkpoint first, through :func:`world_change_refusal`).
+    :raises BookkeepingError: When the saved counts differ on another world size, naming the item (the checkpointer
+        refuses such a checkpoint first, through :func:`resume_refusal`).
 
     >>> shares = [{"sum": torch.tensor(1.0), "count": 1}, {"sum": torch.tensor(3.0), "count": 1}]
     >>> ckpt = {"world_size": 2, "rank_items": {"means": {"m": shares}, "differ": []}}
@@ -772,15 +775,30 @@ def item_states_for_rank(ckpt: dict[str, Any], *, rank: int, world_size: int) ->
     means = (ckpt.get("rank_items") or {}).get("means") or {}
     if ckpt.get("world_size") == world_size:
         return {name: states[rank] for name, states in means.items()}
-    return {name: _pooled(states, name) for name, states in means.items()}
+    return {name: pooled_running_mean(states, name=f"checkpoint item {name!r}") for name, states in means.items()}
 
 
-def _pooled(states: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    """Running-mean states pooled into one share, summed in float64 and kept in the saved dtype."""
-    total, count = core.pooled_mean_share(
-        [(0.0 if state["sum"] is None else float(state["sum"].double()), state["count"]) for state in states],
-        name=f"checkpoint item {name!r}",
-    )
+def pooled_running_mean(states: list[dict[str, Any]], *, name: str) -> dict[str, Any]:
+    """What every rank of a run on another world size takes of the saved ranks' running-mean states (a
+    ``trainkit.RunningMean``'s, the epoch's grad-norm mean): the pooled mean over the count each saved rank held
+    (:func:`~trainkit.bookkeeping.pooled_mean_share`), summed in float64 and kept in the saved dtype. Identical
+    states (a mean of all-reduced values) come back as they are.
+
+    >>> pooled_running_mean([{"sum": torch.tensor(2.0), "count": 2}, {"sum": torch.tensor(6.0), "count": 2}],
+    ...                     name="loss_mean")
+    {'sum': tensor(4.), 'count': 2}
+    >>> pooled_running_mean([{"sum": None, "count": 0}, {"sum": None, "count": 0}], name="loss_mean")
+    {'sum': None, 'count': 0}
+
+    :param states: Each saved rank's ``{"sum": a 0-d floating tensor or None, "count": int}``.
+    :param name: What the states are, for the error (``"checkpoint item 'loss_mean'"``).
+    :returns: The state for every new rank.
+    :raises BookkeepingError: When the saved ranks' counts differ (no per-rank share is then exact), naming ``name``.
+    """
+    shares = [(0.0 if state["sum"] is None else float(state["sum"].double()), state["count"]) for state in states]
+    total, count = bookkeeping.pooled_mean_share(shares, name=name)
+    if (total, count) == shares[0]:
+        return {"sum": states[0]["sum"], "count": states[0]["count"]}
     dtype = next((state["sum"].dtype for state in states if state["sum"] is not None), None)
     return {"sum": None if dtype is None else torch.tensor(total, dtype=dtype), "count": count}
 

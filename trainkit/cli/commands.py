@@ -18,7 +18,20 @@ from pathlib import Path
 
 from trainkit.errors import CheckpointError, ConfigError, OutDirError, TrainkitError, UsageError
 
-__all__ = ["main"]
+__all__ = ["is_remote", "main"]
+
+
+def is_remote(target: str) -> bool:
+    """Whether a command's argument is a URL (``s3://...``) rather than a local path (``inspect`` and ``retain``
+    answer both).
+
+    :param target: The argument.
+    :returns: True for a URL.
+
+    >>> is_remote("s3://bucket/runs/a"), is_remote("runs/a"), is_remote("file:///tmp/x")
+    (True, False, True)
+    """
+    return "://" in target
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -29,9 +42,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> list[str]:
     from trainkit.checkpoint.remote import store_errors
-    from trainkit.cli.inspect import describe_checkpoint
-    from trainkit.cli.remote import describe_remote, is_remote
-    from trainkit.cli.retain import describe_run_folder, is_run_folder
+    from trainkit.cli.inspect import describe_checkpoint, describe_remote, describe_run_folder, is_run_folder
 
     if is_remote(args.checkpoint):
         with store_errors(args.checkpoint, "reading the prefix"):
@@ -42,7 +53,7 @@ def _inspect(args: argparse.Namespace) -> list[str]:
 
 
 def _export(args: argparse.Namespace) -> list[str]:
-    from trainkit.checkpoint.safetensors_files import parse_size
+    from trainkit.checkpoint.export.safetensors_files import parse_size
     from trainkit.cli.export import export_weights
 
     limit = parse_size(args.max_shard_size) if args.max_shard_size is not None else None
@@ -53,8 +64,7 @@ def _export(args: argparse.Namespace) -> list[str]:
 
 def _retain(args: argparse.Namespace) -> list[str]:
     from trainkit.checkpoint.remote import store_errors
-    from trainkit.cli.remote import is_remote, retain_remote
-    from trainkit.cli.retain import retain_run
+    from trainkit.cli.retain import retain_remote, retain_run
 
     if is_remote(args.out_dir):
         with store_errors(args.out_dir, "applying retention"):

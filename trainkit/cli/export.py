@@ -6,8 +6,8 @@ Side effects: reads the checkpoint (with trainkit's checks, before anything is w
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
-from importlib import metadata as dist_metadata
 from pathlib import Path
 from typing import Any
 
@@ -40,25 +40,26 @@ def config_sha256(config: Any) -> str:
 
 def _read(source: Path, item: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """One item's whole weights from a checkpoint, and the payload they came from (``trainkit.pt``'s, sharded)."""
-    from trainkit.checkpoint import dcp, load_checkpoint
+    from trainkit.checkpoint import load_checkpoint
+    from trainkit.checkpoint.formats import dcp_directory
     from trainkit.checkpoint.payload import validate_best, validate_last
     from trainkit.errors import CheckpointCorruptError, CheckpointError
 
     if source.is_dir():
-        problem = dcp.verify_directory(source, rank=0, world_size=1)
+        problem = dcp_directory.verify_directory(source, rank=0, world_size=1)
         if problem is not None:
             raise CheckpointCorruptError(problem)
-        engine = load_checkpoint(source / dcp.ENGINE_FILE)
+        engine = load_checkpoint(source / dcp_directory.ENGINE_FILE)
         if "loop" in engine:
-            validate_last(engine, path=source / dcp.ENGINE_FILE)
+            validate_last(engine, path=source / dcp_directory.ENGINE_FILE)
             key = item
-            if engine.get(item) != dcp.SHARDED:
-                stored = [name for name in engine["items"] if engine[name] == dcp.SHARDED]
+            if engine.get(item) != dcp_directory.SHARDED:
+                stored = [name for name in engine["items"] if engine[name] == dcp_directory.SHARDED]
                 raise CheckpointError(f"{source} holds no sharded item {item!r}; it holds {stored} (--item NAME)")
         else:
-            validate_best(engine, path=source / dcp.ENGINE_FILE)
+            validate_best(engine, path=source / dcp_directory.ENGINE_FILE)
             key = "model"
-        return dcp.read_whole(source, key), engine
+        return dcp_directory.read_whole(source, key), engine
     payload = load_checkpoint(source)
     if "loop" not in payload:
         validate_best(payload, path=source)
@@ -73,8 +74,8 @@ def _header(payload: dict[str, Any], item: str) -> dict[str, str]:
     """An export's header (the safetensors metadata, the torch file's marker): what the weights are, and of which
     run (text only, as safetensors wants)."""
     try:
-        version = dist_metadata.version("trainkit")
-    except dist_metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        version = importlib.metadata.version("trainkit")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
         version = "unknown"
     last = "loop" in payload
     header = {"format": "pt", "trainkit_version": version, "checkpoint": "last" if last else "best"}
@@ -103,16 +104,16 @@ def export_weights(
     manifest is checked first) or a ``last.pt``/``best.pt``, in one process, with trainkit's checks (nothing in it
     runs; a refused checkpoint writes nothing). Names are a bare module's, whatever wrap (DDP, FSDP2,
     ``torch.compile``, none) wrote the checkpoint: DDP's ``module.`` and compile's ``_orig_mod.`` are dropped
-    (:func:`~trainkit.checkpoint.safetensors_files.export_names`).
+    (:func:`~trainkit.checkpoint.export.safetensors_files.export_names`).
 
     ``format="torch"`` writes ``{name: tensor}`` (an ``OrderedDict`` marked as an export:
-    :func:`~trainkit.checkpoint.export_target.mark_export`) with :func:`~trainkit.checkpoint.atomic_save` to the file
+    :func:`~trainkit.checkpoint.export.target.mark_export`) with :func:`~trainkit.checkpoint.atomic_save` to the file
     ``out`` (a temp file in its folder, fsynced, renamed into place):
     ``model.load_state_dict(torch.load(out, weights_only=True))`` takes it. ``format="safetensors"`` writes
     ``out`` ending in ``.safetensors`` as one file, and any other ``out`` as a folder the Hugging Face hub reads
-    (:func:`~trainkit.checkpoint.safetensors_files.write_safetensors`). In both formats an existing ``out`` is
+    (:func:`~trainkit.checkpoint.export.safetensors_files.write_safetensors`). In both formats an existing ``out`` is
     refused unless ``overwrite`` and it is an earlier export, and ``out`` is never the checkpoint, inside it, or
-    named as a checkpoint (:func:`~trainkit.checkpoint.export_target.check_out`), all before the checkpoint is read.
+    named as a checkpoint (:func:`~trainkit.checkpoint.export.target.check_out`), all before the checkpoint is read.
     Each file's header (the torch file's marker) records ``format: pt``, the trainkit version, the
     item, which checkpoint (``last``/``best``), its epoch and step (a best one's are the best's) and ``config_sha256``
     (:func:`config_sha256` of the config it records); a tied weight is written once, each dropped name recorded as
@@ -126,7 +127,7 @@ def export_weights(
     :param item: The registered item to export (a ``best`` checkpoint holds only the model, under any name).
     :param format: ``"torch"`` or ``"safetensors"``.
     :param max_shard_size: safetensors only: the largest shard's bytes (``parse_size`` in
-        :mod:`~trainkit.checkpoint.safetensors_files` reads ``"5GB"``).
+        :mod:`~trainkit.checkpoint.export.safetensors_files` reads ``"5GB"``).
     :param overwrite: Replace an earlier export at ``out`` (nothing else).
     :returns: Lines describing what was written.
     :raises CheckpointError: When the checkpoint is damaged, is not a trainkit checkpoint, or has no such item.
@@ -138,8 +139,8 @@ def export_weights(
     import torch
 
     from trainkit.checkpoint import atomic_save, payload_nbytes
-    from trainkit.checkpoint import safetensors_files as st
-    from trainkit.checkpoint.export_target import check_out, mark_export, same_file_still
+    from trainkit.checkpoint.export import safetensors_files
+    from trainkit.checkpoint.export.target import check_out, mark_export, same_file_still
     from trainkit.errors import ConfigError
 
     if format not in FORMATS:
@@ -150,11 +151,11 @@ def export_weights(
             hint="--format torch writes one file",
         )  # fmt: skip
     if format == "safetensors":
-        st.require_safetensors()
+        safetensors_files.require_safetensors()
     source = Path(checkpoint)
     checked = check_out(out, overwrite=overwrite, format=format, source=source)  # before the read: it can take minutes
     weights, payload = _read(source, item)
-    names = st.export_names(weights)
+    names = safetensors_files.export_names(weights)
     weights = {names[name]: value for name, value in weights.items()}
     tensors = {name: value for name, value in weights.items() if isinstance(value, torch.Tensor)}
     if format == "torch":
@@ -162,9 +163,9 @@ def export_weights(
         atomic_save(mark_export(weights, _header(payload, item)), out)
         written, aliases = [Path(out)], {}
     else:
-        tensors, aliases = st.unique_storages(tensors)
+        tensors, aliases = safetensors_files.unique_storages(tensors)
         header = {**aliases, **_header(payload, item)}
-        written = st.write_safetensors(
+        written = safetensors_files.write_safetensors(
             tensors, out, metadata=header, max_shard_size=max_shard_size, overwrite=overwrite
         )
     size = payload_nbytes(tensors)  # a tied weight's memory once, as both formats write it

@@ -1,20 +1,42 @@
-"""``python -m trainkit inspect CHECKPOINT``: what a checkpoint holds, read as untrusted input.
+"""``python -m trainkit inspect CHECKPOINT``: what a checkpoint holds, read as untrusted input; or a run folder's
+kept checkpoints with the rule keeping each (``inspect OUT_DIR``); or a remote prefix (``inspect URL``).
 
-Side effects: reads the checkpoint; nothing is written.
+Side effects: reads the checkpoint, the run folder (links and files of other kinds are never followed) or the prefix
+(``ckpt.remote``'s store, through fsspec); ``inspect`` of one remote checkpoint folder downloads and verifies it
+into a temporary folder (removed after). Nothing is written.
+
+Everything shown that came from the store (a lease's holder, a commit record's run id and version, what the
+downloaded checkpoint holds) is escaped (:func:`~trainkit.messages.printable`): a planted value can neither drive
+the terminal nor forge a line.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import stat
+import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from trainkit import bookkeeping
 from trainkit.bookkeeping import EpochPosition, resumable_world_sizes
+from trainkit.checkpoint.formats.pt import BEST_CKPT, LAST_CKPT
+from trainkit.checkpoint.kept import KEPT_DIR, directory_problem, folder_problem, kept_path, read_kept
+from trainkit.checkpoint.remote import LAST, LAST_DIR, folder_step, shown
 from trainkit.cli.report import format_value
+from trainkit.cli.retain import keep_policy, open_remote_prefix
+from trainkit.errors import ConfigError
+from trainkit.messages import printable
 
 __all__ = [
     "describe_checkpoint",
+    "describe_remote",
+    "describe_run_folder",
     "format_bytes",
+    "is_run_folder",
 ]
 
 _SHOWN_TENSORS = 20
@@ -64,9 +86,9 @@ def _global_order_lines(position: EpochPosition, pinned: str | None = None) -> l
 
 def _pinned(payload: Mapping[str, Any]) -> str | None:
     """Why a checkpoint resumes only on the world size that wrote it because of its registered items, or None."""
-    from trainkit.checkpoint.payload import world_change_refusal  # torch, only once a checkpoint is read
+    from trainkit.checkpoint.payload import resume_refusal  # torch, only once a checkpoint is read
 
-    refusal = world_change_refusal({**payload, "trainkit": None}, payload["world_size"] + 1)
+    refusal = resume_refusal({**payload, "trainkit": None}, payload["world_size"] + 1)
     return None if refusal is None else "registered items differ between its ranks"
 
 
@@ -143,18 +165,18 @@ def describe_checkpoint(path: str | Path, *, all_tensors: bool = False) -> list[
     :returns: The lines to print.
     :raises CheckpointError: When the file is damaged, unsafe, or not a trainkit checkpoint.
     """
-    from trainkit.checkpoint import dcp as sharded
     from trainkit.checkpoint import load_checkpoint
+    from trainkit.checkpoint.formats import dcp_directory
     from trainkit.checkpoint.payload import validate_best, validate_last
     from trainkit.errors import CheckpointCorruptError
 
     source = Path(path)
     path = source
     if source.is_dir():  # a sharded checkpoint: its manifest first, then its engine payload
-        problem = sharded.verify_directory(source, rank=0, world_size=1)
+        problem = dcp_directory.verify_directory(source, rank=0, world_size=1)
         if problem is not None:
             raise CheckpointCorruptError(problem)
-        path = source / sharded.ENGINE_FILE
+        path = source / dcp_directory.ENGINE_FILE
     payload = load_checkpoint(path)
     if "loop" in payload:
         kind = "last.pt"
@@ -236,7 +258,7 @@ def describe_checkpoint(path: str | Path, *, all_tensors: bool = False) -> list[
     items = {"model": payload["model"]} if kind == "best.pt" else {name: payload[name] for name in payload["items"]}
     lines.append("items:" if kind == "last.pt" else "weights:")
     for name, value in items.items():
-        if (isinstance(value, str) and value == sharded.SHARDED) or (source.is_dir() and kind == "best.pt"):
+        if (isinstance(value, str) and value == dcp_directory.SHARDED) or (source.is_dir() and kind == "best.pt"):
             lines.append(f"  {name}: in the DCP shards (python -m trainkit export {source} OUT.pt --item {name})")
             continue
         tensors = _tensors(value, "")
@@ -250,4 +272,129 @@ def describe_checkpoint(path: str | Path, *, all_tensors: bool = False) -> list[
             lines.append(f"    {where}: {dtype} {shape} ({format_bytes(tensor.numel() * tensor.element_size())})")
         if len(tensors) > len(shown):
             lines.append(f"    ... {len(tensors) - len(shown)} more (--all lists them)")
+    return lines
+
+
+def is_run_folder(path: Path) -> bool:
+    """Whether ``path`` is a run folder rather than a sharded checkpoint directory (``*.ckpt``, or one holding a
+    manifest or an engine payload, even a damaged one).
+
+    :param path: What ``inspect`` was given.
+    """
+    from trainkit.checkpoint.formats.dcp_directory import ENGINE_FILE, MANIFEST_FILE
+
+    if not path.is_dir() or path.suffix == ".ckpt":
+        return False
+    return not (path / MANIFEST_FILE).exists() and not (path / ENGINE_FILE).exists()
+
+
+def _size(path: Path) -> str:
+    """What ``path`` takes on disk, as people read it; a directory's files together (none of them followed)."""
+    try:
+        info = os.lstat(path)
+        if stat.S_ISDIR(info.st_mode):  # a sharded checkpoint: its files together (none of them followed)
+            return format_bytes(sum(entry.stat(follow_symlinks=False).st_size for entry in os.scandir(path)))
+        return format_bytes(info.st_size)
+    except OSError:
+        return "?"
+
+
+def _rows(described: list[bookkeeping.Checkpoint], reasons: dict[int, tuple[str, ...]], directory: Path) -> list[str]:
+    lines = [f"  {'step':>8}  {'epoch':>5}  {'score':>10}  {'size':>10}  kept by"]
+    for c in described:
+        score = c.scores.get("score")
+        shown = f"{score:.6g}" if score is not None and math.isfinite(score) else "-"
+        epoch = f"{c.epoch}" if c.epoch_end else f"{c.epoch}+"  # "+": written inside that epoch
+        why = ", ".join(reasons[c.step]) or "(no rule: deleted at the next save)"
+        lines.append(f"  {c.step:>8}  {epoch:>5}  {shown:>10}  {_size(kept_path(directory, c.step)):>10}  {why}")
+    return lines
+
+
+def describe_run_folder(out_dir: str | Path) -> list[str]:
+    """Describe a run folder's checkpoints: ``last.pt``/``best.pt`` and every kept one, with the rule keeping it.
+
+    Side effects: reads ``out_dir`` and ``out_dir/checkpoints`` (no checkpoint is loaded).
+
+    :param out_dir: The run folder.
+    :returns: The lines to print.
+    """
+    out = Path(out_dir)
+    lines = [f"{out}: a run folder"]
+    for name in (LAST_CKPT, BEST_CKPT, "last.ckpt", "best.ckpt"):
+        if (out / name).exists():
+            lines.append(f"  {name}: {_size(out / name)}")
+    directory = out / KEPT_DIR
+    problem = directory_problem(directory)
+    if problem is not None:
+        lines.append(f"  {problem}: not followed (a run keeps nothing there, retain refuses it)")
+        return lines
+    problem = folder_problem(directory)
+    if problem is not None:
+        lines.append(f"  {problem}: a run keeps nothing there while it is so, retain refuses the folder")
+    folder = read_kept(directory)
+    described = list(folder.described)
+    if not described and not folder.refused:
+        lines.append(f"  no kept checkpoints in {directory} (ckpt.keep is empty, or nothing was kept yet)")
+        return lines
+    try:
+        policy = keep_policy(folder.keep or (), folder.minimize, where="ckpt.keep")
+    except ConfigError:
+        policy = bookkeeping.KeepAny()
+    rules = policy.spec or "none recorded"
+    lines.append(f"  {len(described)} kept checkpoints in {directory} (ckpt.keep={rules}):")
+    lines.extend(_rows(described, bookkeeping.keep_reasons(policy, described, newest=folder.newest), directory))
+    lines.extend(f"  {name}: not a file trainkit wrote; never followed nor deleted" for name in folder.refused)
+    return lines
+
+
+def describe_remote(url: str, *, all_tensors: bool = False) -> list[str]:
+    """Describe a remote prefix (its committed checkpoints, uncommitted folders and lease) or, for a URL naming one
+    committed folder, that checkpoint's ``last.pt`` (or a sharded one's ``last.ckpt/``) after the resume's checks
+    (downloaded, verified, loaded safely).
+
+    :param url: ``ckpt.remote``, or ``ckpt.remote/step-<step>-<token>``.
+    :param all_tensors: List every tensor (one checkpoint).
+    :returns: The lines to print.
+    :raises CheckpointError: When the named folder is not committed, damaged or unsafe.
+    :raises UsageError: When fsspec or the store's package is missing.
+    """
+    from trainkit.errors import CheckpointCorruptError
+
+    where = shown(url)
+    head, _, last = url.rstrip("/").rpartition("/")
+    if folder_step(last) is not None:
+        with tempfile.TemporaryDirectory(prefix="trainkit-inspect-") as scratch:
+            tier = open_remote_prefix(head, Path(scratch))
+            found = dict(tier.committed())
+            if last not in found:
+                raise CheckpointCorruptError(f"{where} is not a committed remote checkpoint (no valid commit record)")
+            tops = {item.name.split("/")[0] for item in found[last].objects}
+            if not tops & {LAST, LAST_DIR}:
+                raise CheckpointCorruptError(f"{where}: its commit record lists neither {LAST} nor {LAST_DIR}/")
+            folder = tier.download(last, found[last])
+            lines = describe_checkpoint(folder / (LAST if LAST in tops else LAST_DIR), all_tensors=all_tensors)
+            described = [printable(line, limit=4096) for line in lines[1:]]  # what the store's checkpoint holds
+            return [f"remote:       {where} (verified: sizes and CRC-32 of its commit record)", *described]
+    tier = open_remote_prefix(url, Path(tempfile.gettempdir()))
+    lines = [f"{where}: a remote checkpoint prefix"]
+    lease = tier.lease()
+    if lease is None:
+        lines.append("lease:        none (no run writes here)")
+    else:
+        state = "expired" if lease.expired(time.time()) else "held"
+        until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(lease.expires))
+        lines.append(f"lease:        {state} by {printable(lease.holder)} until {until}")
+    committed = tier.committed()
+    for name, manifest in committed:
+        size = format_bytes(sum(o.size for o in manifest.objects))
+        names = ", ".join(o.name for o in manifest.objects)
+        lines.append(
+            f"  {name}: step {manifest.step}, epoch {manifest.epoch}, {size} ({names}), "
+            f"W&B run {printable(manifest.run_id)}, trainkit {printable(manifest.version)}"
+        )
+    uncommitted = tier.uncommitted()
+    if uncommitted:
+        lines.append(f"uncommitted (never read; the next writer deletes them): {', '.join(sorted(uncommitted))}")
+    if not committed:
+        lines.append("no committed checkpoint")
     return lines

@@ -1,57 +1,33 @@
-"""``python -m trainkit inspect OUT_DIR`` and ``python -m trainkit retain OUT_DIR --keep ...``: kept checkpoints.
+"""``python -m trainkit retain OUT_DIR --keep ...``: apply retention rules to a run folder's kept checkpoints, or to
+a remote prefix (``retain URL``).
 
-Side effects: reads a run folder's ``checkpoints/`` (links and files of other kinds are never followed);
-``retain`` without ``--dry-run`` deletes the kept checkpoints its rules do not keep, holding the run folder's
-lock meanwhile (it refuses a folder a live run holds).
+Side effects: reads a run folder's ``checkpoints/`` (links and files of other kinds are never followed), or the
+prefix (``ckpt.remote``'s store, through fsspec); without ``--dry-run`` deletes the kept checkpoints (the remote
+folders) its rules do not keep, holding the run folder's lock (the prefix's lease) meanwhile: it refuses a folder or
+a prefix a live run holds. Everything shown that came from the store is escaped
+(:func:`~trainkit.messages.printable`, :func:`~trainkit.config.redact_text`).
 """
 
 from __future__ import annotations
 
-import math
-import os
-import stat
+import tempfile
 from pathlib import Path
 
-from trainkit import bookkeeping as core
+from trainkit import bookkeeping
 from trainkit.checkpoint.kept import (
     KEPT_DIR,
-    directory_problem,
     folder_problem,
     kept_path,
     read_kept,
     remove_kept,
     write_index,
 )
-from trainkit.checkpoint.pt_files import BEST_CKPT, LAST_CKPT
-from trainkit.cli.inspect import format_bytes
+from trainkit.checkpoint.remote import RemoteTier, open_store
+from trainkit.config import redact_text
 from trainkit.errors import BookkeepingError, ConfigError, OutDirError
 from trainkit.run.lock import RunLock
 
-__all__ = ["describe_run_folder", "retain_run", "is_run_folder"]
-
-
-def is_run_folder(path: Path) -> bool:
-    """Whether ``path`` is a run folder rather than a sharded checkpoint directory (``*.ckpt``, or one holding a
-    manifest or an engine payload, even a damaged one).
-
-    :param path: What ``inspect`` was given.
-    """
-    from trainkit.checkpoint.dcp import ENGINE_FILE, MANIFEST_FILE
-
-    if not path.is_dir() or path.suffix == ".ckpt":
-        return False
-    return not (path / MANIFEST_FILE).exists() and not (path / ENGINE_FILE).exists()
-
-
-def _size(path: Path) -> str:
-    """What ``path`` takes on disk, as people read it; a directory's files together (none of them followed)."""
-    try:
-        info = os.lstat(path)
-        if stat.S_ISDIR(info.st_mode):  # a sharded checkpoint: its files together (none of them followed)
-            return format_bytes(sum(entry.stat(follow_symlinks=False).st_size for entry in os.scandir(path)))
-        return format_bytes(info.st_size)
-    except OSError:
-        return "?"
+__all__ = ["keep_policy", "open_remote_prefix", "retain_remote", "retain_run"]
 
 
 def keep_policy(
@@ -60,7 +36,7 @@ def keep_policy(
     *,
     where: str,
     unknown: str = "the run folder does not record val.minimize",
-) -> core.KeepAny:
+) -> bookkeeping.KeepAny:
     """The rules as a policy; a ``best`` rule without a direction needs the run's (recorded in the index).
 
     :param keep: The rules (``ckpt.keep``'s form, or ``--keep``'s).
@@ -71,7 +47,7 @@ def keep_policy(
     :raises ConfigError: On rules that do not parse, or a ``best`` rule without a known direction.
     """
     try:
-        lower, higher = core.parse_keep(keep, minimize=True), core.parse_keep(keep, minimize=False)
+        lower, higher = bookkeeping.parse_keep(keep, minimize=True), bookkeeping.parse_keep(keep, minimize=False)
     except BookkeepingError as exc:
         raise ConfigError(where, "must be comma-separated retention rules", keep, hint=str(exc)) from None
     if where == "--keep" and not lower.policies:  # no rule would keep only the newest: say so, delete nothing
@@ -91,59 +67,11 @@ def keep_policy(
     return lower if minimize else higher
 
 
-def _ranks_nothing(rule: core.KeepBest, described: list[core.Checkpoint]) -> str:
+def _ranks_nothing(rule: bookkeeping.KeepBest, described: list[bookkeeping.Checkpoint]) -> str:
     """Say why a ``best`` rule ranks nothing, with the scores the kept checkpoints do have."""
     names = sorted({name for c in described for name in c.scores})
     have = f"the scores recorded are {', '.join(names)}" if names else "no kept checkpoint has a score"
     return f"{rule.spec} ranks no checkpoint: none has a finite {rule.metric!r} ({have})"
-
-
-def _rows(described: list[core.Checkpoint], reasons: dict[int, tuple[str, ...]], directory: Path) -> list[str]:
-    lines = [f"  {'step':>8}  {'epoch':>5}  {'score':>10}  {'size':>10}  kept by"]
-    for c in described:
-        score = c.scores.get("score")
-        shown = f"{score:.6g}" if score is not None and math.isfinite(score) else "-"
-        epoch = f"{c.epoch}" if c.epoch_end else f"{c.epoch}+"  # "+": written inside that epoch
-        why = ", ".join(reasons[c.step]) or "(no rule: deleted at the next save)"
-        lines.append(f"  {c.step:>8}  {epoch:>5}  {shown:>10}  {_size(kept_path(directory, c.step)):>10}  {why}")
-    return lines
-
-
-def describe_run_folder(out_dir: str | Path) -> list[str]:
-    """Describe a run folder's checkpoints: ``last.pt``/``best.pt`` and every kept one, with the rule keeping it.
-
-    Side effects: reads ``out_dir`` and ``out_dir/checkpoints`` (no checkpoint is loaded).
-
-    :param out_dir: The run folder.
-    :returns: The lines to print.
-    """
-    out = Path(out_dir)
-    lines = [f"{out}: a run folder"]
-    for name in (LAST_CKPT, BEST_CKPT, "last.ckpt", "best.ckpt"):
-        if (out / name).exists():
-            lines.append(f"  {name}: {_size(out / name)}")
-    directory = out / KEPT_DIR
-    problem = directory_problem(directory)
-    if problem is not None:
-        lines.append(f"  {problem}: not followed (a run keeps nothing there, retain refuses it)")
-        return lines
-    problem = folder_problem(directory)
-    if problem is not None:
-        lines.append(f"  {problem}: a run keeps nothing there while it is so, retain refuses the folder")
-    folder = read_kept(directory)
-    described = list(folder.described)
-    if not described and not folder.refused:
-        lines.append(f"  no kept checkpoints in {directory} (ckpt.keep is empty, or nothing was kept yet)")
-        return lines
-    try:
-        policy = keep_policy(folder.keep or (), folder.minimize, where="ckpt.keep")
-    except ConfigError:
-        policy = core.KeepAny()
-    rules = policy.spec or "none recorded"
-    lines.append(f"  {len(described)} kept checkpoints in {directory} (ckpt.keep={rules}):")
-    lines.extend(_rows(described, core.keep_reasons(policy, described, newest=folder.newest), directory))
-    lines.extend(f"  {name}: not a file trainkit wrote; never followed nor deleted" for name in folder.refused)
-    return lines
 
 
 def retain_run(out_dir: str | Path, keep: str, *, dry_run: bool) -> list[str]:
@@ -177,9 +105,11 @@ def retain_run(out_dir: str | Path, keep: str, *, dry_run: bool) -> list[str]:
         described, minimize = list(folder.described), folder.minimize
         policy = keep_policy(keep, minimize, where="--keep")
         # the newest is the one the run recorded: a larger step (a planted step-999.pt) is left alone
-        reasons = core.keep_reasons(policy, described, newest=folder.newest)
+        reasons = bookkeeping.keep_reasons(policy, described, newest=folder.newest)
         doomed = [c for c in described if not reasons[c.step]]
-        idle = [_ranks_nothing(rule, described) for rule in core.unranked(policy, described, newest=folder.newest)]
+        idle = [
+            _ranks_nothing(rule, described) for rule in bookkeeping.unranked(policy, described, newest=folder.newest)
+        ]
         if idle and described and not dry_run:
             raise ConfigError(
                 "--keep",
@@ -205,3 +135,60 @@ def retain_run(out_dir: str | Path, keep: str, *, dry_run: bool) -> list[str]:
         return lines
     finally:
         lock.release()
+
+
+def open_remote_prefix(url: str, scratch: Path) -> RemoteTier:
+    """The remote tier over a prefix, for a command's one look at it (``inspect``, ``retain``): a lease of 60 s if
+    taken, never waited for.
+
+    Side effects: opens the store (fsspec); nothing is read yet.
+
+    :param url: ``ckpt.remote``.
+    :param scratch: The tier's staging folder (a download lands there).
+    :returns: The tier.
+    :raises UsageError: When fsspec or the store's package is missing.
+    """
+    fs, root = open_store(url)
+    return RemoteTier(url, fs, root, out_dir=scratch, lease_s=60.0, wait_s=0.0)
+
+
+def retain_remote(url: str, keep: str, *, dry_run: bool) -> list[str]:
+    """Apply retention rules to a remote prefix: say what is kept and why, delete the rest (and uncommitted folders).
+
+    Side effects: without ``dry_run``, takes the prefix's lease (refused while a run holds it), deletes, lets go.
+
+    :param url: ``ckpt.remote``.
+    :param keep: The rules, as ``ckpt.keep`` spells them.
+    :param dry_run: Only say what would be deleted.
+    :returns: The lines to print.
+    :raises ConfigError: On bad rules (naming ``--keep``), or a ``best`` rule without a direction when the commit
+        records do not say the run's.
+    :raises OutDirError: When a live run holds the prefix, or a folder could not be deleted (after every other one
+        was; naming it, its cause and the folders left).
+    """
+    # the tier's scratch folder (its staging, removed at close) is a folder of its own, never the system's temp
+    with tempfile.TemporaryDirectory(prefix="trainkit-retain-") as scratch:
+        tier = open_remote_prefix(url, Path(scratch))
+        # a best rule without a direction ranks by the direction the run recorded in its commit records
+        recorded = {manifest.description.get("minimize") for _, manifest in tier.committed()}
+        minimize = recorded.pop() if len(recorded) == 1 else True if not recorded else None  # none: nothing ranked
+        unknown = (
+            "the prefix's commit records disagree on val.minimize"
+            if len(recorded) > 1 and None not in recorded
+            else "the prefix's commit records do not record val.minimize (written by an older trainkit)"
+        )
+        policy = keep_policy(keep, minimize, where="--keep", unknown=unknown)
+        leftovers = tier.uncommitted()  # taking the lease deletes them
+        if not dry_run:
+            tier.acquire(uploads=False)
+        try:
+            reasons, doomed = tier.plan(policy)
+            doomed = sorted(set(doomed) | set(leftovers))
+            lines = [f"{redact_text(url)}: {len(reasons)} kept, {len(doomed)} {'to delete' if dry_run else 'deleted'}"]
+            lines += [f"  keep   {name}: {', '.join(why)}" for name, why in sorted(reasons.items())]
+            lines += [f"  delete {name}" for name in sorted(doomed)]
+            if not dry_run:
+                tier.delete(doomed)
+            return lines
+        finally:
+            tier.close()

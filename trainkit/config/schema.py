@@ -264,7 +264,7 @@ class CkptConfig(Section):
     ``format`` is ``"file"`` (``last.pt``/``best.pt``, written whole by rank 0) or ``"sharded"``
     (``last.ckpt/``/``best.ckpt/`` directories in which every rank writes its own shards through
     ``torch.distributed.checkpoint``; needed for a model wrapped by ``make_fsdp``, and resumable on another
-    number of processes at an epoch boundary). See :mod:`trainkit.checkpoint.dcp`.
+    number of processes at an epoch boundary). See :mod:`trainkit.checkpoint.formats.dcp_directory`.
     ``keep`` also keeps checkpoints under ``checkpoints/step-<step>.pt`` (``step-<step>.ckpt/`` directories with
     ``format="sharded"``), deleting the older ones no rule keeps: rules such as
     ``"latest:3,every_steps:1000,best:2"`` (a string or a list; see :func:`~trainkit.bookkeeping.parse_keep`).
@@ -360,7 +360,7 @@ class GuardConfig(Section):
     ``max_rollbacks`` times in a row to the same checkpoint (then it stops with a
     :class:`~trainkit.DivergenceError`). ``skip_batches`` (``"EPOCH:BATCH"`` strings) leaves those
     batch positions out of the counted loop, as a rollback does (how a rerun skips the batches a rollback
-    skipped). See :mod:`trainkit.loop.guard`.
+    skipped). See :mod:`trainkit.loop.divergence_guard`.
     """
 
     nonfinite: str = attrs.field(default="off", validator=one_of(*GUARD_NONFINITE))

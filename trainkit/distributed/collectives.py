@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainkit import torch_private
 from trainkit.errors import DistributedError, UsageError
 from trainkit.messages import warn_user
 
@@ -470,7 +471,7 @@ def unwrap(module: nn.Module | None) -> nn.Module | None:
     """
     while module is not None:
         inner = getattr(module, "module", None) if isinstance(module, nn.parallel.DistributedDataParallel) else None
-        inner = inner if inner is not None else getattr(module, "_orig_mod", None)
+        inner = inner if inner is not None else torch_private.compiled_inner_module(module)
         if inner is None:
             return module
         module = inner

@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 import torch.distributed
 import torch.multiprocessing as mp
 
-from trainkit import errors
+from trainkit import errors, torch_private
 from trainkit.config import Config
 from trainkit.distributed.collectives import broadcast_object, free_port
 from trainkit.errors import TrainingInterrupted, TrainkitError
@@ -186,9 +186,9 @@ def _first_to_say(line: str) -> bool:
         return True
 
 
-_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "trainkit.trainer"]
+_PRELOAD = ["torch", torch_private.COMPILER_MODULE, "torch.distributed", "torch.nn.parallel", "trainkit.trainer"]
 """What the fork server imports once for every rank it forks: torch, and what a first optimizer imports
-(``torch._dynamo``, 2-3 s of CPU per process otherwise). No user module: the ranks import those anew."""
+(torch's compiler, 2-3 s of CPU per process otherwise). No user module: the ranks import those anew."""
 
 
 def _server() -> Any:

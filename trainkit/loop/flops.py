@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from trainkit.bookkeeping.throughput import peak_flops
+from trainkit import torch_private
+from trainkit.bookkeeping.throughput_rates import peak_flops
 from trainkit.config.schema import ThroughputConfig
 from trainkit.messages import warn_user
 
@@ -31,7 +31,7 @@ autotunes and initializes lazily (a ``torch.compile``'d model first called under
 after), so the counted step is one that runs as every later one does."""
 
 _TABLE_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
-_CONVOLUTIONS = {torch.ops.aten.convolution, torch.ops.aten.convolution_backward, torch.ops.aten._convolution}
+_CONVOLUTIONS = {torch.ops.aten.convolution, torch.ops.aten.convolution_backward, torch_private.legacy_convolution_op()}
 _FP8 = {dtype for name, dtype in vars(torch).items() if name.startswith("float8_") and isinstance(dtype, torch.dtype)}
 
 
@@ -47,7 +47,7 @@ def _compute_dtype(packet: Any, args: tuple[Any, ...]) -> str:
     return "fp8" if dtype in _FP8 else names.get(dtype, str(dtype).removeprefix("torch."))
 
 
-class ForwardFlops(TorchDispatchMode):
+class ForwardFlops(torch_private.dispatch_mode_base()):  # type: ignore[misc]
     """Count the FLOPs of the ops dispatched outside backward, by the dtype they run in.
 
     Side effects: none on the ops (each runs exactly as called); the counts go into ``by_dtype``.
@@ -62,9 +62,9 @@ class ForwardFlops(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is not None and torch._C._current_graph_task_id() == -1:  # -1: not inside a backward
-            dtype = _compute_dtype(func._overloadpacket, args)
+        formula = flop_registry.get(func.overloadpacket)
+        if formula is not None and torch_private.autograd_task_id() == -1:  # -1: not inside a backward
+            dtype = _compute_dtype(func.overloadpacket, args)
             self.by_dtype[dtype] = self.by_dtype.get(dtype, 0) + int(formula(*args, **kwargs, out_val=out))
         return out
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainkit import torch_private
 from trainkit.distributed.collectives import unwrap
 
 __all__ = [
@@ -151,7 +152,7 @@ def total_grad_norm(params: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.zeros((), device=device)
     if hasattr(torch.nn.utils, "get_total_norm"):
         return torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    norms = torch._foreach_norm(grads, 2.0)
+    norms = torch_private.foreach_norm(grads, 2.0)
     return torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]), 2.0)
 
 
@@ -169,7 +170,7 @@ def clip_grads_(params: Sequence[torch.Tensor], max_norm: float, total_norm: tor
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach=True)
         return
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, coef.to(grads[0].device))
+    torch_private.foreach_mul_(grads, coef.to(grads[0].device))
 
 
 def param_stats(
@@ -191,19 +192,21 @@ def param_stats(
     if not named_params or not (weights or grads):
         return keys, torch.zeros(0)
     tensors = [p.detach() for _, p in named_params]
-    weight_norms = torch.stack([n.float() for n in torch._foreach_norm(tensors, 2.0)])
+    weight_norms = torch.stack([n.float() for n in torch_private.foreach_norm(tensors, 2.0)])
     if weights:
         keys += [f"params/{name}/weight_norm" for name, _ in named_params]
         pieces.append(weight_norms)
     if grads:
         with_grad = [(name, p) for name, p in named_params if p.grad is not None]
         if with_grad:
-            grad_norms = torch.stack([n.float() for n in torch._foreach_norm([p.grad for _, p in with_grad], 2.0)])
+            grad_norms = torch.stack(
+                [n.float() for n in torch_private.foreach_norm([p.grad for _, p in with_grad], 2.0)]
+            )
             if len(with_grad) == len(named_params):
                 own_weight_norms = weight_norms
             else:  # a second fused norm rather than an index tensor built on the host (an H2D copy)
                 own_weight_norms = torch.stack(
-                    [n.float() for n in torch._foreach_norm([p.detach() for _, p in with_grad], 2.0)]
+                    [n.float() for n in torch_private.foreach_norm([p.detach() for _, p in with_grad], 2.0)]
                 )
             # torch.where keeps it on the device: no host sync to test for zero weights
             ratios = torch.where(own_weight_norms > 0, grad_norms / own_weight_norms, torch.zeros_like(grad_norms))

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainkit import bookkeeping as core
+from trainkit import bookkeeping
 from trainkit.errors import DivergenceError, RollbackNeeded
-from trainkit.loop.metrics import TrainerMetrics
-from trainkit.loop.position import EpochTracker
+from trainkit.loop.epoch_tracker import EpochTracker
+from trainkit.loop.trainer_metrics import TrainerMetrics
 from trainkit.messages import say
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ class Rollback:
         self._run_log = run_log
         self._restore = restore
         self._is_main = is_main
-        self._streak = core.RollbackStreak()
+        self._streak = bookkeeping.RollbackStreak()
 
     @classmethod
     def build(cls, cfg: Config, *parts: Any, **named: Any) -> Rollback | None:
@@ -143,7 +143,7 @@ class Rollback:
         """Stop after ``guard.max_rollbacks`` rollbacks in a row to the same checkpoint (no newer one was written
         between: the run got nowhere)."""
         limit, back_to = self._cfg.guard.max_rollbacks, resume.records.loop.step
-        self._streak, allowed = core.step_rollbacks(self._streak, back_to, limit=limit)
+        self._streak, allowed = bookkeeping.step_rollbacks(self._streak, back_to, limit=limit)
         if not allowed:
             raise DivergenceError(
                 f"{request}; guard.nonfinite=rollback rolled back {limit} times in a row to {resume.path} (step "
@@ -161,9 +161,9 @@ class Rollback:
         """Stop when the checkpoint was written after every batch some bad step trained on: the replay would meet
         none of them, and fail the same way again."""
         loop, mid_epoch = resume.records.loop, resume.ckpt.get("trainkit")
-        at = core.EpochPosition.from_dict(mid_epoch["position"]) if mid_epoch is not None else None
+        at = bookkeeping.EpochPosition.from_dict(mid_epoch["position"]) if mid_epoch is not None else None
         epoch, consumed = (at.epoch, at.batches) if at is not None else (loop.epoch, 0)
-        futile = core.unblamable_steps(request.bad, epoch=epoch, consumed=consumed)
+        futile = bookkeeping.unblamable_steps(request.bad, epoch=epoch, consumed=consumed)
         if futile:
             raise DivergenceError(
                 f"{request}; guard.nonfinite=rollback would go back to {resume.path} (step {loop.step}, {consumed} "

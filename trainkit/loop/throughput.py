@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from trainkit.bookkeeping import is_finite_real
-from trainkit.bookkeeping.throughput import ThroughputMark, mfu, throughput_rates
+from trainkit.bookkeeping.throughput_rates import ThroughputMark, mfu, throughput_rates
 from trainkit.config.schema import ThroughputConfig
 from trainkit.loop.flops import ModelFlops
 from trainkit.messages import warn_user
@@ -258,7 +258,7 @@ class Throughput:
         """Drain ``buffer`` (the device-side token count in its one transfer) and add the rates since the last
         row that carried them, and the seconds outside training since the last row that carried those.
 
-        :param buffer: The trainer's log buffer (a :class:`~trainkit.loop.metrics.LogBuffer`).
+        :param buffer: The trainer's log buffer (a :class:`~trainkit.loop.trainer_metrics.LogBuffer`).
         :returns: The drained metrics, with the rates, ``perf/mfu``, ``perf/train_s`` and ``perf/data_wait_s`` when
             steps were taken since, and ``perf/<kind>_s`` for each kind of time outside training since; empty when
             nothing was logged.

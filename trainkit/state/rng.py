@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from trainkit import torch_private
+
 __all__ = [
     "seed_everything",
     "capture_rng",
@@ -68,7 +70,7 @@ def restore_rng(state: dict[str, Any]) -> None:
 
     :param state: The captured states.
     """
-    if "python" in state:  # a loader's iterator-time states may hold torch's alone (see trainkit.loop.batches)
+    if "python" in state:  # a loader's iterator-time states may hold torch's alone (see trainkit.loop.tracked_batches)
         version, internal, gauss = state["python"]
         if isinstance(internal, bytes):
             internal = array.array("q", internal).tolist()
@@ -117,7 +119,7 @@ def start_persistent_workers(loader: Any) -> None:
     """
     if not isinstance(loader, DataLoader) or not loader.persistent_workers or loader.num_workers == 0:
         return
-    if getattr(loader, "_iterator", None) is not None:  # started before: its draw already happened
+    if torch_private.persistent_iterator(loader) is not None:  # started before: its draw already happened
         return
     state = torch.get_rng_state()
     # the loader's own generators too: its base seed, and a sampler's shuffle when prefetching starts
@@ -194,13 +196,14 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
 LOADING = threading.local()
 """``LOADING.epoch``: the epoch of the batch this thread is loading (the ``DataLoader`` fetcher iterates the
 batch's indices, calling ``__getitem__`` for each), else absent or None; :func:`sample_seed` reads it for an index
-that carries no epoch. :mod:`trainkit.loop.batches` sets it as such a batch is iterated and clears it as the batch
-is freed, right after its fetch. Per thread: a thread that loads no batch of the epoch never sees it."""
+that carries no epoch. :mod:`trainkit.loop.tracked_batches` sets it as such a batch is iterated and clears it as the
+batch is freed, right after its fetch. Per thread: a thread that loads no batch of the epoch never sees it."""
 
 
 def sample_epoch(index: int) -> int | None:
     """The epoch a sample index belongs to, as :func:`sample_seed` finds it: the index's own (a
-    :class:`~trainkit.loop.batches.SampleIndex`), else that of the batch this thread is loading (:data:`LOADING`).
+    :class:`~trainkit.loop.tracked_batches.SampleIndex`), else that of the batch this thread is loading
+    (:data:`LOADING`).
 
     >>> sample_epoch(3) is None  # a plain int, no batch being loaded
     True
@@ -220,7 +223,7 @@ def sample_seed(seed: int, index: int, epoch: int | None = None) -> int:
     before, which a worker's own generator cannot promise. The epoch is known without ``epoch=`` while
     ``train_epoch()`` iterates a ``DataLoader`` through ``self.progress()``, with or without step checkpoints and
     workers: the loader's fetcher calls ``__getitem__`` while it iterates the batch's indices, and trainkit's batch
-    says its epoch then (and an unbatched loader hands over a :class:`~trainkit.loop.batches.SampleIndex`, which
+    says its epoch then (and an unbatched loader hands over a :class:`~trainkit.loop.tracked_batches.SampleIndex`, which
     carries it). Anywhere else, pass ``epoch``.
 
     >>> seed = sample_seed(0, 5, epoch=1)

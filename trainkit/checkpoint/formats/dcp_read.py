@@ -33,18 +33,19 @@ import math
 import os
 import pickle
 import re
-import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePath
 from typing import Any
 
 import torch
 
-from trainkit import checkpoint as ckpt_io
-from trainkit.distributed import collectives as dist_utils
+from trainkit import torch_private
+from trainkit.distributed.collectives import all_gather_objects
 from trainkit.errors import CheckpointCorruptError, CheckpointError, CheckpointUnsafeError
 from trainkit.files.bounded_read import UnreadableFile, load_json, open_regular, read_regular
+from trainkit.files.checksum import file_checksum
 from trainkit.files.pickle_scan import MAX_COLLISIONS, PickleUnsafe, check_pickle
+from trainkit.files.weights_only_load import load_archive
 
 __all__ = [
     "ENGINE_FILE",
@@ -52,7 +53,6 @@ __all__ = [
     "METADATA_FILE",
     "MANIFEST_LIMIT",
     "read_manifest",
-    "checksum",
     "verify_directory",
     "read_metadata",
     "SafeReader",  # noqa: F822 - made at first use (module __getattr__)
@@ -111,42 +111,13 @@ def read_manifest(directory: Path) -> dict[str, tuple[int, int]]:
     return checked
 
 
-def checksum(path: Path, size: int | None = None) -> tuple[int, int]:
-    """The size and CRC-32 of a regular file, read through no link and never past ``size`` bytes.
-
-    Side effects: reads the file.
-
-    :param path: The file.
-    :param size: The size it should have; a file of another size is not read (its size is returned, with CRC 0).
-    :returns: ``(size, crc)``.
-    :raises UnreadableFile: When the file is missing, a link, not a regular file, or unreadable.
-    """
-    fd, info = open_regular(path)
-    try:
-        if size is not None and info.st_size != size:
-            return info.st_size, 0
-        crc, total = 0, 0
-        buffer = bytearray(_CHUNK)  # one buffer read into again and again: no allocation per chunk
-        view = memoryview(buffer)
-        limit = info.st_size if size is None else size
-        while total < limit and (read := os.readv(fd, [view[: min(_CHUNK, limit - total)]])):
-            crc = zlib.crc32(view[:read], crc)
-            total += read
-        return total, crc
-    except OSError as exc:
-        if isinstance(exc, UnreadableFile):
-            raise
-        raise UnreadableFile(path, f"unreadable ({exc.strerror or exc})") from exc
-    finally:
-        os.close(fd)
-
-
 def verify_directory(directory: Path, *, rank: int, world_size: int) -> str | None:
     """Check a checkpoint directory against its manifest, every rank a share of the files (a collective).
 
     Every file the manifest lists must be a regular file (no link, FIFO or device) of its recorded size and
-    CRC-32; the rank that checks ``.metadata`` also reads it as :func:`~trainkit.checkpoint.dcp_read.read_metadata`
-    does, so a planted one is refused before anything trusts the directory.
+    CRC-32; the rank that checks ``.metadata`` also reads it as
+    :func:`~trainkit.checkpoint.formats.dcp_read.read_metadata` does, so a planted one is refused before anything
+    trusts the directory.
 
     :param directory: The checkpoint directory.
     :param rank: This rank.
@@ -161,7 +132,7 @@ def verify_directory(directory: Path, *, rank: int, world_size: int) -> str | No
         for index, (name, (size, crc)) in enumerate(sorted(files.items())):
             if index % world_size != rank:
                 continue
-            got_size, got_crc = checksum(directory / name, size)
+            got_size, got_crc = file_checksum(directory / name, size)
             if (got_size, got_crc) != (size, crc):
                 problem = (
                     "corrupt",
@@ -178,7 +149,7 @@ def verify_directory(directory: Path, *, rank: int, world_size: int) -> str | No
         problem = ("corrupt", str(exc), "")
     except OSError as exc:
         problem = ("corrupt", str(exc), "")
-    answers = [answer for answer in dist_utils.all_gather_objects(problem) if answer is not None]
+    answers = [answer for answer in all_gather_objects(problem) if answer is not None]
     unsafe = [answer for answer in answers if answer[0] == "unsafe"]
     if unsafe:
         raise CheckpointUnsafeError(unsafe[0][1], unsafe[0][2])
@@ -206,9 +177,11 @@ def _metadata_globals() -> dict[tuple[str, str], Any]:
         )
         if hasattr(metadata, name)
     }
-    allowed[(filesystem.__name__, "_StorageInfo")] = filesystem._StorageInfo
+    storage_info = torch_private.dcp_storage_info_class()
+    allowed[(filesystem.__name__, storage_info.__name__)] = storage_info
     allowed[("torch", "Size")] = torch.Size
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # a lookup by name
+    layout_by_name = torch_private.tensor_layout_by_name()
+    allowed[(layout_by_name.__module__, layout_by_name.__name__)] = layout_by_name  # a lookup by name
     allowed.update({("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)})
     import collections
     import pathlib
@@ -328,7 +301,6 @@ def read_metadata(directory: Path, files: Mapping[str, tuple[int, int]] | None =
 
 
 def _check_metadata(metadata: Any, files: Mapping[str, tuple[int, int]]) -> None:
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         MetadataIndex,
@@ -336,6 +308,7 @@ def _check_metadata(metadata: Any, files: Mapping[str, tuple[int, int]]) -> None
         TensorStorageMetadata,
     )
 
+    storage_info = torch_private.dcp_storage_info_class()
     _fields(metadata, {"state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"}, "Metadata")
     entries = metadata.state_dict_metadata
     if type(entries) is not dict or not all(type(key) is str for key in entries):
@@ -360,7 +333,7 @@ def _check_metadata(metadata: Any, files: Mapping[str, tuple[int, int]]) -> None
             f"the entries declare {declared // 2} bytes of tensors, more than the shard files hold ({data_bytes})", True
         )
     for index, info in storage.items():
-        if type(index) is not MetadataIndex or type(info) is not _StorageInfo:
+        if type(index) is not MetadataIndex or type(info) is not storage_info:
             raise _Bad(f"storage_data maps a {type(index).__name__} to a {type(info).__name__}")
         _fields(index, {"fqn", "offset", "index"}, "MetadataIndex")
         if type(index.fqn) is not str or not (index.offset is None or _is_size(index.offset)):
@@ -510,7 +483,7 @@ def _dcp_classes() -> tuple[type, type]:
             :param read_item: DCP's read item.
             :param value: The entry's bytes.
             """
-            self.set_value(read_item, ckpt_io.load_archive(value.getvalue(), f"entry {read_item.dest_index.fqn!r}"))
+            self.set_value(read_item, load_archive(value.getvalue(), f"entry {read_item.dest_index.fqn!r}"))
 
         def set_value(self, read_item: Any, value: Any) -> None:
             """Put an entry's loaded value into the state dict being filled.
@@ -519,9 +492,7 @@ def _dcp_classes() -> tuple[type, type]:
             :param value: The loaded value.
             """
             if self.flatten_state_dict:
-                from torch.distributed.checkpoint._traverse import set_element
-
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
+                torch_private.dcp_set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
             else:
                 self.state_dict[read_item.dest_index.fqn] = value
 
@@ -559,7 +530,6 @@ def _dcp_classes() -> tuple[type, type]:
             :returns: A completed future.
             :raises CheckpointError: When an entry cannot be read, or holds what trainkit does not load.
             """
-            from torch.distributed._shard._utils import narrow_tensor_by_index
             from torch.distributed.checkpoint.planner import LoadItemType
             from torch.futures import Future
 
@@ -579,7 +549,7 @@ def _dcp_classes() -> tuple[type, type]:
                         stored = self.storage_data[item.storage_index]
                         what = f"{path}, entry {item.storage_index.fqn!r}"
                         data = _read_span(fd, info.st_size, stored.offset, stored.length, what)
-                        value = ckpt_io.load_archive(data, what)
+                        value = load_archive(data, what)
                         if item.type == LoadItemType.BYTE_IO:
                             planner.set_value(item, value)
                             continue
@@ -587,7 +557,7 @@ def _dcp_classes() -> tuple[type, type]:
                             raise CheckpointCorruptError(
                                 f"{what} holds a {type(value).__name__} where a tensor is stored"
                             )
-                        tensor = narrow_tensor_by_index(value, item.storage_offsets, item.lengths)
+                        tensor = torch_private.narrow_tensor_by_index(value, item.storage_offsets, item.lengths)
                         target = planner.resolve_tensor(item).detach()
                         if target.size() != tensor.size():
                             raise CheckpointCorruptError(

@@ -21,10 +21,10 @@ from typing import Any
 
 from torch.utils.data import DistributedSampler, IterableDataset
 
-from trainkit import bookkeeping as core
+from trainkit import bookkeeping
 from trainkit.checkpoint.payload import MAX_ITEM_DEPTH
 from trainkit.errors import CheckpointMismatchError, ConfigError, UsageError
-from trainkit.loop.batches import TrackedBatches, unskippable_reason
+from trainkit.loop.tracked_batches import TrackedBatches, unskippable_reason
 from trainkit.state.graph import check_state_graph
 from trainkit.state.rng import capture_rng, loader_generators, restore_rng
 
@@ -168,7 +168,7 @@ def loader_order(loader: Any) -> str | None:
     if sampler is None:
         return None
     if type(sampler) is DistributedSampler:
-        return core.distributed_order(shuffle=sampler.shuffle, seed=sampler.seed, drop_last=sampler.drop_last)
+        return bookkeeping.distributed_order(shuffle=sampler.shuffle, seed=sampler.seed, drop_last=sampler.drop_last)
     return type(sampler).__name__
 
 
@@ -278,7 +278,7 @@ def with_naive_count(loader: Any, state: dict[str, Any], consumed: int) -> dict[
 
 class StatefulBatches(TrackedBatches):
     """The batches of one training epoch from a loader that carries its own position, counted as
-    :class:`~trainkit.loop.batches.TrackedBatches` counts them.
+    :class:`~trainkit.loop.tracked_batches.TrackedBatches` counts them.
 
     To resume, the loader is given the state it returned from ``state_dict()`` at the save point
     (``resume.loader_state``) before its iterator is made; the RNG states are put back around that as for a tracked
@@ -290,7 +290,7 @@ class StatefulBatches(TrackedBatches):
     :param epoch: The 0-based epoch.
     :param skip: Batches the saved state had consumed (a resumed epoch), 0 otherwise.
     :param resume: What this rank puts back when resuming (with its ``loader_state``), else None.
-    :param kwargs: The rest of :class:`~trainkit.loop.batches.TrackedBatches`'s keywords; ``drop`` must be empty
+    :param kwargs: The rest of :class:`~trainkit.loop.tracked_batches.TrackedBatches`'s keywords; ``drop`` must be empty
         (batches cannot be left out of a loader that only knows its own position).
     :raises CheckpointMismatchError: When iterated to resume and the loader refuses the saved state, naming the
         loader's class and its error.

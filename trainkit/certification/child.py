@@ -236,9 +236,9 @@ def loader_coverage(loaders: Mapping[str, Any]) -> dict[int, str]:
     dataset, the dataset's generator, a sampler's generator...), a bounded walk.
 
     Such a loader's ``state_dict()`` is saved in each step checkpoint and loaded when a resumed epoch starts
-    (:mod:`trainkit.loop.stateful`): what its batches depend on is its to save (a dataset's ``state_dict()``, which
-    torchdata's ``StatefulDataLoader`` saves with its own) or to replay (a ``StatefulDataLoader`` fast-forwards a
-    dataset without one). Whether it really does shows in the run: :func:`snapshot_values` records its state.
+    (:mod:`trainkit.loop.stateful_batches`): what its batches depend on is its to save (a dataset's ``state_dict()``,
+    which torchdata's ``StatefulDataLoader`` saves with its own) or to replay (a ``StatefulDataLoader`` fast-forwards
+    a dataset without one). Whether it really does shows in the run: :func:`snapshot_values` records its state.
 
     Pure: reads the objects only.
 
@@ -255,13 +255,13 @@ def loader_coverage(loaders: Mapping[str, Any]) -> dict[int, str]:
 
 def stateful_loaders(attributes: Mapping[str, Any]) -> dict[str, Any]:
     """The trainer's attributes (and their list or dict entries) that are loaders carrying their own position: iterable,
-    with ``state_dict()`` and ``load_state_dict()`` (:func:`trainkit.loop.stateful.carries_own_position`), and no
-    optimizer, scheduler or module; a dataset with both methods inside such a loader is the loader's.
+    with ``state_dict()`` and ``load_state_dict()`` (:func:`trainkit.loop.stateful_batches.carries_own_position`), and
+    no optimizer, scheduler or module; a dataset with both methods inside such a loader is the loader's.
 
     :param attributes: The trainer's attributes.
     :returns: Path to loader.
     """
-    from trainkit.loop.stateful import carries_own_position
+    from trainkit.loop.stateful_batches import carries_own_position
 
     found = {}
     for name, value, _ in _walk(_public(attributes), max_depth=1):
@@ -553,7 +553,7 @@ def run_rank(rank: int, spec: Mapping[str, Any]) -> None:
             trainer.train()
         finally:
             names = {id(value): name for name, value in attributes.items()}
-            from trainkit.loop.stateful import carries_own_position
+            from trainkit.loop.stateful_batches import carries_own_position
 
             for key, loader in watch.trained.items():
                 if carries_own_position(loader) and all(loader is not seen for seen in loaders.values()):

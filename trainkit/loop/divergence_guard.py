@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainkit import bookkeeping as core
+from trainkit import bookkeeping, torch_private
 from trainkit.bookkeeping.guard import CONTINUE, RAISE, ROLLBACK, SKIP
 from trainkit.errors import DivergenceError, RollbackNeeded
-from trainkit.loop.batches import TrackedBatches
-from trainkit.loop.position import EpochTracker
+from trainkit.loop.epoch_tracker import EpochTracker
+from trainkit.loop.tracked_batches import TrackedBatches
 
 if TYPE_CHECKING:
     from trainkit.config import GuardConfig
@@ -51,7 +51,7 @@ SKIPPED_KEY = "guard/skipped_steps"
 
 def _fused(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the optimizer's step takes ``found_inf`` (GradScaler's contract: a fused torch optimizer)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+    return torch_private.optimizer_unscales_itself(optimizer)
 
 
 class DivergenceGuard:
@@ -64,7 +64,7 @@ class DivergenceGuard:
     """
 
     def __init__(self, *, mode: str, max_skips: int | None, window: int, world_size: int) -> None:
-        self._state = core.GuardState(mode=mode, max_skips=max_skips, window=window)
+        self._state = bookkeeping.GuardState(mode=mode, max_skips=max_skips, window=window)
         self._host = mode != "skip" or max_skips is not None  # a verdict that needs the flag on the host
         self._all_fused = True
         self._on_device: bool | None = None  # the path, decided at the first observe()
@@ -93,7 +93,9 @@ class DivergenceGuard:
         """
         state = self._state
         count = int(skipped) if skipped is not None else 0
-        self._state = core.GuardState(mode=state.mode, max_skips=state.max_skips, window=state.window, skipped=count)
+        self._state = bookkeeping.GuardState(
+            mode=state.mode, max_skips=state.max_skips, window=state.window, skipped=count
+        )
         self._flag = self._skipped = self._verdict = None
         self._seen = {}
         self._stepped_in = None
@@ -246,7 +248,7 @@ class DivergenceGuard:
         if recent and step <= recent[-1]:
             # the counted optimizer did not step since (a second optimizer's step): judged as the next step
             step = recent[-1] + 1
-        self._state, verdict = core.step_guard(self._state, step, finite=False)
+        self._state, verdict = bookkeeping.step_guard(self._state, step, finite=False)
         if self._state.mode == "rollback":
             self._seen = {s: self._seen.get(s, (epoch, batches)) for s in self._state.recent}
         if verdict == ROLLBACK:

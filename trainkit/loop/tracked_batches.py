@@ -35,6 +35,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
+from trainkit import torch_private
 from trainkit.errors import CheckpointMismatchError
 from trainkit.messages import warn_user
 from trainkit.state.rng import LOADING, capture_rng, loader_generators, restore_rng
@@ -168,10 +169,10 @@ def draws_only_from_torch(loader: Any) -> bool:
     :returns: Whether Python's and numpy's generators are out of the iterator's reach.
     """
     kind = type(loader)
-    if kind.__iter__ is not DataLoader.__iter__ or kind._get_iterator is not DataLoader._get_iterator:
+    if not torch_private.makes_iterator_as_dataloader(kind):
         return False  # a loader class that makes its own iterator may draw from anything
     known = _TORCH_ONLY_SAMPLERS
-    sampler = loader.batch_sampler if loader._auto_collation else loader.sampler
+    sampler = loader.batch_sampler if torch_private.loader_uses_batch_sampler(loader) else loader.sampler
     while sampler is not None:
         if type(sampler) not in known:
             return False
@@ -427,7 +428,7 @@ class _EpochTagged:
 
     def __iter__(self) -> Iterator[Any]:
         loader = self.loader
-        batched = loader._auto_collation
+        batched = torch_private.loader_uses_batch_sampler(loader)
         inner = loader.batch_sampler if batched else loader.sampler
         return _iterator_reading(loader, _EpochIndices(inner, epoch=self.epoch, batched=batched))
 
@@ -448,7 +449,7 @@ def epoch_tagged(loader: Any, epoch: int) -> Any:
     """
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return loader
-    if not loader._auto_collation and isinstance(loader.sampler, BatchSampler):
+    if not torch_private.loader_uses_batch_sampler(loader) and isinstance(loader.sampler, BatchSampler):
         return loader  # its dataset is handed whole lists of indices: no int to tag, no per-batch cost
     return _EpochTagged(loader, epoch)
 
@@ -461,21 +462,21 @@ def _iterator_reading(loader: Any, indices: Any) -> Iterator[Any]:
     DataLoader iterator lazily (a subclass whose ``__iter__`` is a generator, say), at its first ``next()``, after
     the swap, reads the real sampler, untagged.
     """
-    attribute = "batch_sampler" if loader._auto_collation else "sampler"
+    attribute = "batch_sampler" if torch_private.loader_uses_batch_sampler(loader) else "sampler"
     real = getattr(loader, attribute)
-    persistent = getattr(loader, "_iterator", None)
+    persistent = torch_private.persistent_iterator(loader)
     # DataLoader refuses to set these after construction; the swap lasts only while the iterator is made
     object.__setattr__(loader, attribute, indices)
     if persistent is not None:
-        persistent._index_sampler = indices
+        torch_private.set_index_sampler(persistent, indices)
     try:
         iterator = iter(loader)
     finally:
         object.__setattr__(loader, attribute, real)
-        made = getattr(loader, "_iterator", None)
+        made = torch_private.persistent_iterator(loader)
         for each in (persistent, made):
             if each is not None:
-                each._index_sampler = real
+                torch_private.set_index_sampler(each, real)
     return iterator
 
 
@@ -490,8 +491,8 @@ def _made_iterator(loader: Any, indices: _SkippingIndices) -> tuple[Iterator[Any
     if stream is None:
         return iterator, False
     stream.prime()
-    if getattr(iterator, "_sampler_iter", None) is stream:
-        iterator._sampler_iter = stream.rest()  # where DataLoader's iterators read their indices from
+    if torch_private.index_stream(iterator) is stream:
+        torch_private.set_index_stream(iterator, stream.rest())  # where DataLoader's iterators read their indices
     return iterator, True
 
 
@@ -564,7 +565,7 @@ class TrackedBatches:
     @property
     def per_epoch(self) -> int | None:
         """The epoch's batches, ``len(loader)``; None for a loader without a length (see
-        :class:`~trainkit.loop.stateful.StatefulBatches`)."""
+        :class:`~trainkit.loop.stateful_batches.StatefulBatches`)."""
         return len(self.loader)
 
     @property
@@ -639,7 +640,7 @@ class TrackedBatches:
         """The loader's iterator from batch ``skip`` on, its indices tagged with the epoch, the skip done now, the
         positions in ``drop`` left out; and whether it could be made so (see :func:`_made_iterator`)."""
         loader = self.loader
-        batched = loader._auto_collation
+        batched = torch_private.loader_uses_batch_sampler(loader)
         inner = loader.batch_sampler if batched else loader.sampler
         indices = _SkippingIndices(
             inner, skip=skip, epoch=self.epoch, batched=batched, drop=drop, on_drop=self._drop_one

@@ -164,7 +164,7 @@ def check_out(
     :param format: ``"torch"`` (one file) or ``"safetensors"``.
     :param source: The checkpoint being exported, when known.
     :returns: ``out``'s ``lstat`` when something is there (to check before the rename that it is still the same
-        file: :func:`~trainkit.checkpoint.export_target.same_file_still`), else None.
+        file: :func:`~trainkit.checkpoint.export.target.same_file_still`), else None.
     :raises ConfigError: When ``out`` is the checkpoint, lies inside it, or bears a checkpoint's name.
     :raises FileExistsError: When ``out`` is there and may not be replaced, or a folder on its way is a file,
         saying what to do.

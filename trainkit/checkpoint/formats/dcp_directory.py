@@ -15,8 +15,8 @@ rank has finished its files (each checked to be a regular file it wrote, not a l
 temporary one into place, then fsyncs ``out_dir``. A run killed at any point leaves either the old
 ``last.ckpt`` or the new one (and ``last.prev.ckpt``), never a half-written one under a published name; the
 temporary directory is removed by the next save or run. A resume checks the manifest (every rank a share of
-the files) and reads every file as hostile input (:mod:`trainkit.checkpoint.dcp_read`) before it trusts a directory,
-and falls back to ``last.prev.ckpt``.
+the files) and reads every file as hostile input (:mod:`trainkit.checkpoint.formats.dcp_read`) before it trusts a
+directory, and falls back to ``last.prev.ckpt``.
 
 Modules and optimizers go through ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict``,
 ``get_optimizer_state_dict`` over a ``ModuleDict`` of the registered modules), so a checkpoint written by N
@@ -41,11 +41,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainkit import checkpoint as ckpt_io
-from trainkit.checkpoint.dcp_read import ENGINE_FILE, MANIFEST_FILE, checksum, entries_of, load_into, read_metadata
-from trainkit.checkpoint.dcp_read import verify_directory as verify_directory
-from trainkit.distributed import collectives as dist_utils
+from trainkit.checkpoint.formats.dcp_read import ENGINE_FILE, MANIFEST_FILE, entries_of, load_into, read_metadata
+from trainkit.checkpoint.formats.dcp_read import verify_directory as verify_directory
+from trainkit.distributed.collectives import all_gather_objects, raise_if_any_rank_failed, unwrap
 from trainkit.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from trainkit.files.checksum import file_checksum
+from trainkit.files.durable import atomic_save, current_umask, fsync_directory
+from trainkit.files.weights_only_load import load_checkpoint
 
 __all__ = [
     "LAST_DIR",
@@ -104,7 +106,7 @@ def dcp_items(items: Mapping[str, Any]) -> dict[str, Any]:
 def _modules(items: Mapping[str, Any]) -> nn.ModuleDict:
     # one container for every registered module: an optimizer's parameters are named through it, whichever
     # module holds them (unwrapped from DDP: the same names with either wrap)
-    return nn.ModuleDict({name: dist_utils.unwrap(obj) for name, obj in items.items() if isinstance(obj, nn.Module)})
+    return nn.ModuleDict({name: unwrap(obj) for name, obj in items.items() if isinstance(obj, nn.Module)})
 
 
 def _states(items: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
@@ -116,7 +118,7 @@ def _states(items: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
     for name in names:
         obj = items[name]
         if isinstance(obj, nn.Module):
-            state[name] = get_model_state_dict(dist_utils.unwrap(obj))
+            state[name] = get_model_state_dict(unwrap(obj))
         else:
             state[name] = get_optimizer_state_dict(container, obj)
     return state
@@ -146,8 +148,8 @@ def load_items(items: Mapping[str, Any], directory: Path, names: Iterable[str]) 
 def load_items_into(state: dict[str, Any], directory: Path, *, no_dist: bool = False) -> dict[str, Any]:
     """Fill ``state`` (tensors and DTensors of this run's shapes and shards) from a checkpoint directory.
 
-    Read through :func:`trainkit.checkpoint.dcp_read.load_into`: nothing in the directory reaches an unpickler that
-    could run it.
+    Read through :func:`trainkit.checkpoint.formats.dcp_read.load_into`: nothing in the directory reaches an unpickler
+    that could run it.
 
     :param state: The template, filled in place.
     :param directory: The checkpoint directory.
@@ -171,7 +173,7 @@ def apply_items(items: Mapping[str, Any], states: Mapping[str, Any]) -> None:
     for name, state in states.items():
         obj = items[name]
         if isinstance(obj, nn.Module):
-            set_model_state_dict(dist_utils.unwrap(obj), state)
+            set_model_state_dict(unwrap(obj), state)
         else:
             set_optimizer_state_dict(container, obj, state)
 
@@ -226,7 +228,7 @@ def apply_whole_items(items: Mapping[str, Any], payload: Mapping[str, Any]) -> l
         if isinstance(obj, nn.Module):
             if state and all(key.startswith("module.") for key in state):
                 state = {key.removeprefix("module."): value for key, value in state.items()}
-            set_model_state_dict(dist_utils.unwrap(obj), state, options=whole)
+            set_model_state_dict(unwrap(obj), state, options=whole)
         elif not state.get("state"):  # saved before its first step: nothing to shard, nothing to name
             obj.load_state_dict(state)
         else:
@@ -266,7 +268,7 @@ def read_engine(
         return None, problem
     path = directory / ENGINE_FILE
     try:
-        engine = ckpt_io.load_checkpoint(path)
+        engine = load_checkpoint(path)
         validate(engine, path=path)
     except CheckpointCorruptError as exc:
         return None, str(exc)
@@ -305,7 +307,7 @@ def _own_checksums(temporary: Path, rank: int) -> dict[str, list[int]]:
     files = _own_files(temporary, rank)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainkit-fsync") as flusher:
         flushed = [flusher.submit(_fsync_file, path) for path in files]
-        checksums = {path.name: list(checksum(path)) for path in files}  # a link in its place: refused here
+        checksums = {path.name: list(file_checksum(path)) for path in files}  # a link in its place: refused here
         for done in flushed:
             done.result()
     return checksums
@@ -336,7 +338,7 @@ def _prepare(final: Path, *, rank: int, world_size: int, tag: str) -> Path:
         except Exception as exc:  # noqa: BLE001 - every rank hears of it below
             failed = True
             error: BaseException = exc
-    answers = dist_utils.all_gather_objects((made, failed)) if world_size > 1 else [(made, failed)]
+    answers = all_gather_objects((made, failed)) if world_size > 1 else [(made, failed)]
     if failed:
         raise error
     if any(answer[1] for answer in answers):
@@ -363,7 +365,7 @@ def _complete(
         except Exception as exc:  # noqa: BLE001 - every rank hears of it below
             error = _write_failed(final, rank, exc)  # a link planted among the files: a failed write
     checksums = checksums if error is None and checksums is not None else {}
-    gathered = dist_utils.all_gather_objects((checksums, error is not None))
+    gathered = all_gather_objects((checksums, error is not None))
     if error is None and any(failed for _, failed in gathered):
         error = RuntimeError("another rank failed to write its shards")
     if rank == 0 and error is None:
@@ -373,19 +375,19 @@ def _complete(
                 manifest.update(files)
             for path in sorted(temporary.iterdir()):  # a file no rank claimed (another DCP naming): rank 0 sums it
                 if path.name not in manifest:
-                    manifest[path.name] = list(checksum(path))  # anything but a regular file fails the save
-            ckpt_io.atomic_save(engine, temporary / ENGINE_FILE)
-            manifest[ENGINE_FILE] = list(checksum(temporary / ENGINE_FILE))
+                    manifest[path.name] = list(file_checksum(path))  # anything but a regular file fails the save
+            atomic_save(engine, temporary / ENGINE_FILE)
+            manifest[ENGINE_FILE] = list(file_checksum(temporary / ENGINE_FILE))
             with open(temporary / MANIFEST_FILE, "w") as handle:
                 json.dump({"version": 1, "files": manifest}, handle, sort_keys=True)
                 handle.flush()
                 os.fsync(handle.fileno())
-            ckpt_io.fsync_directory(temporary)
-            os.chmod(temporary, 0o777 & ~ckpt_io.current_umask())  # mkdtemp's 0700 kept others out while it was written
+            fsync_directory(temporary)
+            os.chmod(temporary, 0o777 & ~current_umask())  # mkdtemp's 0700 kept others out while it was written
             _publish(temporary, final)
         except Exception as exc:  # noqa: BLE001 - every rank hears of it below
             error = exc
-    dist_utils.raise_if_any_rank_failed(
+    raise_if_any_rank_failed(
         error, lambda: RuntimeError(f"a rank failed to write {final}; see its traceback"), world_size=world_size
     )
 
@@ -594,7 +596,7 @@ def _publish(temporary: Path, final: Path) -> None:
             _discard(old)
         os.replace(final, previous)  # a kill here leaves `previous` published: a resume falls back to it
     os.replace(temporary, final)
-    ckpt_io.fsync_directory(final.parent)
+    fsync_directory(final.parent)
 
 
 _discarder: concurrent.futures.ThreadPoolExecutor | None = None

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainkit.bookkeeping import is_real
-from trainkit.loop.guard import SKIPPED_KEY
+from trainkit.loop.divergence_guard import SKIPPED_KEY
 from trainkit.loop.optim import RunningMean
 
 if TYPE_CHECKING:
-    from trainkit.loop.guard import DivergenceGuard
+    from trainkit.loop.divergence_guard import DivergenceGuard
     from trainkit.loop.throughput import Throughput
 
 __all__ = [
@@ -287,8 +287,8 @@ class TrainerMetrics:
     :ivar grad_norm: The running mean of the epoch's grad norms (``log_epoch_grad_norm``): a
         :class:`~trainkit.loop.optim.RunningMean`, or with the guard a :class:`FiniteMean` (a skipped step's
         non-finite norm left out: it costs the guard's runs a tensor op or two per step, and the others nothing).
-    :ivar guard: The divergence guard (:class:`~trainkit.loop.guard.DivergenceGuard`), None when ``guard.nonfinite``
-        is off.
+    :ivar guard: The divergence guard (:class:`~trainkit.loop.divergence_guard.DivergenceGuard`), None when
+        ``guard.nonfinite`` is off.
     :ivar throughput: The ``perf/*`` counters (a :class:`trainkit.loop.throughput.Throughput`) with
         ``log_throughput``, else None.
     :ivar drain: What ``push_logs`` drains by: :meth:`LogBuffer.drain` itself when neither the guard nor the

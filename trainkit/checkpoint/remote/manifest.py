@@ -26,6 +26,7 @@ from trainkit.errors import BookkeepingError, CheckpointUnsafeError
 from trainkit.files.bounded_read import load_json
 
 __all__ = [
+    "KIND",
     "MANIFEST",
     "LEASE",
     "MAX_MANIFEST_BYTES",
@@ -46,6 +47,8 @@ __all__ = [
     "folder_id",
 ]
 
+KIND = "last"
+"""What a commit record says was saved: the only kind trainkit writes (a run's ``last`` checkpoint)."""
 MANIFEST = "commit.json"
 """The commit record of a remote checkpoint folder, written last."""
 LEASE = "lease.json"
@@ -168,6 +171,24 @@ def _description(value: Any) -> dict[str, Any]:
     return described if minimize is None else {**described, "minimize": minimize}
 
 
+def _kind(value: Any) -> str:
+    """The kind a commit record says it holds: only :data:`KIND` (a record of another kind is none this version
+    wrote, and is refused rather than taken for a ``last`` checkpoint).
+
+    >>> _kind("last")
+    'last'
+    >>> _kind("best")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    trainkit.errors.CheckpointUnsafeError: remote manifest: kind must be 'last' (...), got 'best'
+    """
+    if value != KIND:
+        raise CheckpointUnsafeError(
+            f"remote manifest: kind must be {KIND!r} (the only kind trainkit writes), got {_short(value)}"
+        )
+    return KIND
+
+
 def _short(value: Any) -> str:
     """``repr(value)`` cut short: an int of 400 digits is named by its size, not printed whole."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
@@ -191,7 +212,8 @@ class Manifest:
 
     :ivar step: The optimizer step of the checkpoint.
     :ivar epoch: Its epoch.
-    :ivar kind: What was saved (``"last"``).
+    :ivar kind: What was saved: :data:`KIND`, the only kind trainkit writes; a record of another kind is refused
+        (:class:`~trainkit.errors.CheckpointUnsafeError`), as a record of a format this version does not know.
     :ivar objects: Every object of the folder but the manifest.
     :ivar run_id: The W&B run id it belongs to (None without one).
     :ivar version: The trainkit version that wrote it.
@@ -203,16 +225,12 @@ class Manifest:
 
     step: int = attrs.field(converter=lambda v: _count(v, "step", 1 << 62))
     epoch: int = attrs.field(converter=lambda v: _count(v, "epoch", 1 << 62))
-    kind: str
+    kind: str = attrs.field(converter=_kind)
     objects: tuple[RemoteObject, ...]
     run_id: str | None
     version: str
     description: Mapping[str, Any] = attrs.field(factory=dict, converter=_description, hash=False)
     lineage: Lineage | None = attrs.field(default=None, converter=lambda v: _lineage(v))
-
-    def object(self, name: str) -> RemoteObject | None:
-        """The object named ``name``, or None."""
-        return next((o for o in self.objects if o.name == name), None)
 
 
 def manifest_bytes(manifest: Manifest) -> bytes:
@@ -263,7 +281,7 @@ def parse_manifest(data: bytes) -> Manifest:
     return Manifest(
         step=raw.get("step"),
         epoch=raw.get("epoch"),
-        kind=_text(raw, "kind"),
+        kind=raw.get("kind"),
         objects=listed,
         run_id=_text(raw, "run_id", optional=True),
         version=_text(raw, "version"),

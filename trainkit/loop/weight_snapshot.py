@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from trainkit import torch_private
 from trainkit.state.modules import load_module_state, restore_training_modes, training_modes
 
 __all__ = ["WeightSnapshot", "weights_swapped_in", "modes_kept"]
@@ -31,7 +32,7 @@ H200), while a launch per tensor costs nothing next to copying a million element
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor's own memory: an FSDP2 ``DTensor``'s local shard (which it shares), else the tensor itself."""
-    return tensor if type(tensor) is torch.Tensor else getattr(tensor, "_local_tensor", tensor)
+    return torch_private.dtensor_local_shard(tensor)
 
 
 def _reusable(held: Any, value: torch.Tensor) -> bool:
@@ -65,7 +66,7 @@ def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
             small_targets.append(target)
             small_sources.append(source)
     if small_targets:
-        torch._foreach_copy_(small_targets, small_sources)
+        torch_private.foreach_copy_(small_targets, small_sources)
 
 
 class WeightSnapshot:

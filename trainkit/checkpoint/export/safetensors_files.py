@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from trainkit import checkpoint as ckpt_io
-from trainkit.checkpoint.export_target import check_out
+from trainkit.checkpoint.export.target import check_out
 from trainkit.errors import CheckpointError, ConfigError
+from trainkit.files.durable import TEMP_SUFFIX, atomic_write_bytes, current_umask, fsync_directory
 from trainkit.state.modules import canonical_name
 
 __all__ = [
@@ -245,12 +245,12 @@ def write_safetensors(
     :param max_shard_size: The largest shard's tensor bytes; for a ``.safetensors`` file, a limit the tensors must
         fit in.
     :param overwrite: Replace what an earlier export wrote at ``out``
-        (:func:`~trainkit.checkpoint.export_target.check_out`).
+        (:func:`~trainkit.checkpoint.export.target.check_out`).
     :returns: The files written.
     :raises ImportError: When safetensors is not installed, saying how to get it.
     :raises ConfigError: When a single file would exceed ``max_shard_size``.
     :raises FileExistsError: When ``out`` may not be written
-        (:func:`~trainkit.checkpoint.export_target.check_out`).
+        (:func:`~trainkit.checkpoint.export.target.check_out`).
     """
     save = require_safetensors()
     target = Path(out)
@@ -265,7 +265,7 @@ def write_safetensors(
                 max_shard_size,
                 hint="name a folder (no .safetensors suffix) to write shards",
             )
-        ckpt_io.atomic_write_bytes(save(dict(tensors), metadata=header), target)
+        atomic_write_bytes(save(dict(tensors), metadata=header), target)
         return [target]
     plan = plan_shards(sizes, DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
     files: dict[str, Any] = {
@@ -287,7 +287,7 @@ def _publish_folder(files: Mapping[str, Any], out: Path, *, overwrite: bool) -> 
     it into place; a previous export there goes first, renamed away, and is deleted once the new one is in place."""
     out.parent.mkdir(parents=True, exist_ok=True)
     while True:  # a folder of our own (mode 0700): nothing planted in it, no link to write through
-        temporary = out.parent / f".{out.name}.{os.getpid()}.{next(_COUNTER)}{ckpt_io.TEMP_SUFFIX}"
+        temporary = out.parent / f".{out.name}.{os.getpid()}.{next(_COUNTER)}{TEMP_SUFFIX}"
         try:
             os.mkdir(temporary, 0o700)
             break
@@ -296,12 +296,12 @@ def _publish_folder(files: Mapping[str, Any], out: Path, *, overwrite: bool) -> 
     retired = None
     try:
         for name, build in files.items():
-            ckpt_io.atomic_write_bytes(build(), temporary / name)
-        ckpt_io.fsync_directory(temporary)
-        os.chmod(temporary, 0o777 & ~ckpt_io.current_umask())
+            atomic_write_bytes(build(), temporary / name)
+        fsync_directory(temporary)
+        os.chmod(temporary, 0o777 & ~current_umask())
         check_out(out, overwrite=overwrite)  # again: what is there now is what may be replaced
         if os.path.lexists(out) and os.listdir(out):
-            retired = out.parent / f".{out.name}.{os.getpid()}.{next(_COUNTER)}.old{ckpt_io.TEMP_SUFFIX}"
+            retired = out.parent / f".{out.name}.{os.getpid()}.{next(_COUNTER)}.old{TEMP_SUFFIX}"
             os.rename(out, retired)
         os.rename(temporary, out)  # over an empty folder, or where nothing is
     except BaseException:
@@ -309,6 +309,6 @@ def _publish_folder(files: Mapping[str, Any], out: Path, *, overwrite: bool) -> 
         if retired is not None and not os.path.lexists(out):
             os.rename(retired, out)
         raise
-    ckpt_io.fsync_directory(out.parent)
+    fsync_directory(out.parent)
     if retired is not None:
         shutil.rmtree(retired, ignore_errors=True)

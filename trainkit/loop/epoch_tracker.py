@@ -1,14 +1,16 @@
 """Where the training epoch stands: the loop's batches counted, step boundaries decided, samplers and loaders checked.
 
 Side effects: warnings (pointing at the user's code), the ranks' stop vote (a non-blocking all-reduce per step
-boundary under DDP), ``set_epoch`` on the samplers handed over, and what :class:`~trainkit.loop.batches.TrackedBatches`
-does to a loader it counts.
+boundary under DDP), ``set_epoch`` on the samplers handed over, and what
+:class:`~trainkit.loop.tracked_batches.TrackedBatches` does to a loader it counts.
 
 :class:`EpochTracker` is the position part of the trainer: ``progress()`` hands it the epoch's loader and
 gets the batches back (counted for step checkpoints, and skipped into when an epoch resumes inside); at each
 step boundary the loop asks it whether a step checkpoint is due and whether the ranks must stop; the
 checkpointer saves what it reports (:meth:`EpochTracker.epoch_position`, :meth:`EpochTracker.rank_position`).
-It is built from plain values (``ckpt.every_n_steps``, ``ckpt.enable``, the world size, ``dist.timeout_s``).
+It is built from plain values (``ckpt.every_n_steps``, ``ckpt.enable``, the world size, ``dist.timeout_s``). What
+falls due at a step boundary is decided on plain numbers in :mod:`trainkit.bookkeeping.step_schedule`; the tracker
+keeps the effects.
 """
 
 from __future__ import annotations
@@ -18,68 +20,43 @@ import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-import torch
-
-from trainkit import bookkeeping as core
-from trainkit.distributed import collectives as dist_utils
+from trainkit import bookkeeping
+from trainkit.bookkeeping.step_schedule import StepDue, StepSchedule, schedule_from, schedule_saved, step_due
+from trainkit.checkpoint.payload import pooled_running_mean
+from trainkit.distributed import collectives
 from trainkit.errors import BookkeepingError, CheckpointMismatchError, UsageError
-from trainkit.loop.batches import RankPosition, TrackedBatches, WatchedBatches, epoch_tagged, unskippable_reason
-from trainkit.loop.stateful import (
+from trainkit.loop.stateful_batches import (
     StatefulBatches,
     carries_own_position,
     check_rollback_loader,
     loader_facts,
     loader_order,
 )
+from trainkit.loop.tracked_batches import RankPosition, TrackedBatches, WatchedBatches, epoch_tagged, unskippable_reason
 from trainkit.messages import warn_user
 from trainkit.state.rng import capture_rng, loader_generators
 
-__all__ = ["EpochTracker", "StepDue"]
+__all__ = ["EpochTracker"]
 
 _NOTHING: frozenset[int] = frozenset()
 """No batch left out (shared: looked up once per epoch)."""
-
-
-class StepDue(NamedTuple):
-    """What falls due at a step boundary of the training loop (:meth:`EpochTracker.boundary`)."""
-
-    save: bool
-    """A step checkpoint is due (or the ranks stop on a signal, and the loop can be resumed from here)."""
-    stop: bool
-    """The ranks stop on a signal now."""
-    validate: bool
-    """A step validation is due (``val.every_n_steps``)."""
-    push: bool
-    """A row is due (``log_every_n_steps``)."""
-    end: bool
-    """``max_steps`` is reached: the loop ends here (the run's final validation, save and test follow)."""
-
-
-def _next_due(step: int, every_n_steps: int | None) -> float:
-    """The first step after ``step`` that is a multiple of ``every_n_steps`` (inf: never)."""
-    due = core.next_step_checkpoint(step, every_n_steps)
-    return math.inf if due is None else due
 
 
 def _pooled_share(ranks: list[dict[str, Any]], resume_path: Path) -> dict[str, Any]:
     """What every rank of a run on another world size takes of a step checkpoint's per-rank shares.
 
     The unpushed logs are saved rank 0's (rank 0 writes the rows: the journal and W&B continue as they would have);
-    the epoch's grad-norm mean pools the saved ranks' sums and counts (:func:`~trainkit.bookkeeping.pooled_mean_share`:
-    identical ones, as DDP's all-reduced gradients give, stay as they are).
+    the epoch's grad-norm mean pools the saved ranks' sums and counts
+    (:func:`~trainkit.checkpoint.payload.pooled_running_mean`: identical ones, as DDP's all-reduced gradients give, stay
+    as they are).
     """
     means = [state["grad_norm"] for state in ranks]
-    shares = [(0.0 if mean["sum"] is None else float(mean["sum"]), int(mean["count"])) for mean in means]
     try:
-        total, count = core.pooled_mean_share(shares, name="the epoch's grad-norm mean (train/grad_norm_epoch)")
+        grad_norm = pooled_running_mean(means, name="the epoch's grad-norm mean (train/grad_norm_epoch)")
     except BookkeepingError as exc:
         raise CheckpointMismatchError(f"{resume_path} was written inside an epoch: {exc}") from exc
-    grad_norm = means[0]
-    if (total, count) != shares[0]:
-        dtype = grad_norm["sum"].dtype if grad_norm["sum"] is not None else torch.float64
-        grad_norm = {"sum": torch.tensor(total, dtype=dtype), "count": count}
     return {"logs": ranks[0]["logs"], "grad_norm": grad_norm}
 
 
@@ -119,18 +96,20 @@ class EpochTracker:
         """The epoch being run (0-based); after the last one, the last one that ran."""
         self.step = 0
         """The optimizer steps taken so far, in the run and the runs it resumed."""
-        self._every_n_steps = every_n_steps
         self._stepping = enabled and every_n_steps is not None
         self._enabled = enabled
         self._world_size = world_size
-        self._vote = dist_utils.DelayedVote(timeout_s)
-        self._pending: tuple[core.EpochPosition, RankPosition] | None = None
-        self._max_steps = math.inf if max_steps is None else max_steps
-        self._val_every, self._log_every = val_every_n_steps, log_every_n_steps
+        self._vote = collectives.DelayedVote(timeout_s)
+        self._pending: tuple[bookkeeping.EpochPosition, RankPosition] | None = None
+        self._schedule = StepSchedule(
+            every_n_steps=every_n_steps,
+            val_every_n_steps=val_every_n_steps,
+            log_every_n_steps=log_every_n_steps,
+            max_steps=math.inf if max_steps is None else max_steps,
+        )
         # step boundaries are watched for step checkpoints, for the step budget, step validation and rows
         self._watching = self._stepping or max_steps is not None or val_every_n_steps or log_every_n_steps
-        self._ckpt_due = self._val_due = self._log_due = math.inf
-        self._due_at = math.inf  # the first step from which anything above is due (this epoch's tracked loop)
+        self._due_at = self._schedule.due_at  # read at every step boundary: an attribute, not the record's
         self._resumable = False  # whether this epoch's loop writes step checkpoints (it can resume, and they are on)
         self._can_resume = False  # whether this epoch's loop can be resumed from a recorded position at all
         self.validated_at: int | None = None
@@ -212,7 +191,7 @@ class EpochTracker:
     # ------------------------------------------------------------------ the epoch
 
     def resume(
-        self, resume_path: Path, ckpt: Mapping[str, Any], *, rank: int, loop: core.LoopState, budget: str
+        self, resume_path: Path, ckpt: Mapping[str, Any], *, rank: int, loop: bookkeeping.LoopState, budget: str
     ) -> dict[str, Any] | None:
         """Take a checkpoint's place in the run: the batches it leaves out and, for a step checkpoint, its position,
         kept for the resumed epoch's tracked loop.
@@ -226,8 +205,8 @@ class EpochTracker:
         :returns: This rank's share of a step checkpoint (its unpushed ``logs`` and ``grad_norm`` mean), or None
             (an epoch-end checkpoint, a finished run's, or a run that ends before that epoch: warned). On another
             world size every rank's share is the same: saved rank 0's logs and the pooled grad-norm mean.
-        :raises CheckpointMismatchError: When written by another number of processes and it cannot be dealt over
-            this one (:func:`~trainkit.bookkeeping.world_change_refusal`), or its grad-norm means cannot be pooled;
+        :raises CheckpointMismatchError: When written by another number of processes and its grad-norm means cannot
+            be pooled (one that cannot be dealt over this one the checkpointer refused as it read it);
             when the run ended inside an epoch (``max_steps``, a step validation's early stop) without recording its
             position there, and this run would continue that epoch (its first batches would be trained twice).
         """
@@ -247,7 +226,7 @@ class EpochTracker:
             )
         if mid_epoch is None or rng is None:
             return None
-        position = core.EpochPosition.from_dict(mid_epoch["position"])
+        position = bookkeeping.EpochPosition.from_dict(mid_epoch["position"])
         if loop.finished or loop.epoch != position.epoch:
             if ckpt["loop"].get("stop_reason") is None:  # a finished run's final position is no news
                 warn_user(
@@ -255,9 +234,6 @@ class EpochTracker:
                     "ends the run before it: the rest of that epoch is not trained"
                 )
             return None
-        refusal = core.world_change_refusal(position, self._world_size)
-        if refusal is not None:  # the checkpoint's reader refuses it already; kept for a caller
-            raise CheckpointMismatchError(f"{resume_path} was written inside an epoch: {refusal}")
         self.first_batch = position.batches
         if position.world_size != self._world_size:
             state = _pooled_share(mid_epoch["ranks"], resume_path)
@@ -279,8 +255,8 @@ class EpochTracker:
 
     def _take_epoch_end_state(self, resume_path: Path, states: list[dict[str, Any] | None], rank: int) -> None:
         """Keep this rank's state of the loader whose epoch ended at an epoch-end checkpoint, for the next epoch's
-        pass to start from (:class:`~trainkit.loop.stateful.StatefulBatches`); on another world size no saved rank's
-        state is this rank's: warned, and the loaders start as they are."""
+        pass to start from (:class:`~trainkit.loop.stateful_batches.StatefulBatches`); on another world size no saved
+        rank's state is this rank's: warned, and the loaders start as they are."""
         if len(states) != self._world_size:
             warn_user(
                 f"{resume_path} holds the states of {len(states)} ranks' loaders at the epoch's end, and this run has "
@@ -296,7 +272,7 @@ class EpochTracker:
         ended inside the epoch: that save records the position instead).
 
         :returns: The state (copied), or None.
-        :raises UsageError: As :meth:`~trainkit.loop.stateful.StatefulBatches.loader_state` does.
+        :raises UsageError: As :meth:`~trainkit.loop.stateful_batches.StatefulBatches.loader_state` does.
         """
         batches = self._ran_out
         if batches is None or self._end_batches is not None:
@@ -339,7 +315,7 @@ class EpochTracker:
         :returns: The tracked batches, or None when this loop is not counted (warned once when it should be).
         :raises CheckpointMismatchError: When a resumed epoch's loader cannot be skipped into, or differs.
         :raises ConfigError: Under ``guard.nonfinite=rollback`` (``count_always``), when the loop is one a rollback
-            could not leave batches out of (:func:`~trainkit.loop.stateful.check_rollback_loader`).
+            could not leave batches out of (:func:`~trainkit.loop.stateful_batches.check_rollback_loader`).
         """
         pending, epoch = self._pending, self.epoch
         drop = self._left_out.get(epoch, _NOTHING)
@@ -380,8 +356,9 @@ class EpochTracker:
                 return None
             return self._counted(WatchedBatches(loader, step=self.read_step, at_step_boundary=at_boundary), False)
         position, resume = pending if pending is not None else (None, None)
+        skip = 0
         if position is not None:
-            self._check_same_data(position, resume, loader)
+            skip = self._decide_resume(position, resume, loader).skip_batches
             self._pending = None
         beyond = sorted(batch for batch in drop if batch >= len(loader))
         if beyond:
@@ -392,7 +369,7 @@ class EpochTracker:
         batches = (StatefulBatches if stateful else TrackedBatches)(
             loader,
             epoch=epoch,
-            skip=position.batches if position is not None else 0,
+            skip=skip,
             resume=resume,
             step=self.read_step,
             at_step_boundary=at_boundary if self._watching else None,
@@ -417,10 +394,9 @@ class EpochTracker:
         """
         self._tracked, self._can_resume = True, can_resume
         self._resumable = self._stepping and can_resume
-        self._voting = self._resumable and dist_utils.is_distributed()
-        step = self.step
-        self._val_due, self._log_due = _next_due(step, self._val_every), _next_due(step, self._log_every)
-        self.saved(step)
+        self._voting = self._resumable and collectives.is_distributed()
+        self._schedule = schedule_from(self._schedule, self.step, saving=self._resumable)
+        self._due_at = self._schedule.due_at
         self.counted_batches = batches
         return batches
 
@@ -435,7 +411,7 @@ class EpochTracker:
         :func:`trainkit.sample_generator` inside ``train_epoch()``; outside it, ``loader`` itself.
 
         :param loader: What ``progress()`` was given.
-        :returns: What ``progress()`` iterates (see :func:`trainkit.loop.batches.epoch_tagged`).
+        :returns: What ``progress()`` iterates (see :func:`trainkit.loop.tracked_batches.epoch_tagged`).
         """
         return epoch_tagged(loader, self.epoch) if self._in_epoch else loader
 
@@ -448,7 +424,7 @@ class EpochTracker:
         return None if batches is None or batches.consumed == 0 else batches.consumed - 1
 
     def _check_stateful(
-        self, loader: Any, pending: tuple[core.EpochPosition, RankPosition] | None, drop: frozenset[int]
+        self, loader: Any, pending: tuple[bookkeeping.EpochPosition, RankPosition] | None, drop: frozenset[int]
     ) -> None:
         """Refuse what a loader that carries its own position cannot do, or a resume its position cannot serve."""
         name = type(loader).__name__
@@ -475,9 +451,17 @@ class EpochTracker:
                 "epoch-boundary checkpoint, or start fresh (ckpt.resume=never)"
             )
 
-    def _check_same_data(self, position: core.EpochPosition, resume: Any, loader: Any) -> None:
+    def _decide_resume(
+        self, position: bookkeeping.EpochPosition, resume: Any, loader: Any
+    ) -> bookkeeping.ResumeDecision:
+        """How the resumed epoch goes on over ``loader``: the core's decision
+        (:func:`~trainkit.bookkeeping.decide_resume`), whose ``skip_batches`` the counted loop skips.
+
+        :raises CheckpointMismatchError: Unless the rest of the epoch is the same samples (the decision refuses, or
+            the loader's own generators differ in number from the saved ones).
+        """
         batch_size, dataset_length, per_epoch = loader_facts(loader)
-        decision = core.decide_resume(
+        decision = bookkeeping.decide_resume(
             position,
             world_size=self._world_size,
             batch_size=batch_size,
@@ -502,6 +486,7 @@ class EpochTracker:
                 f"there needs the same data: {mismatch}; "
                 "resume from an epoch-boundary checkpoint, or start fresh (ckpt.resume=never)"
             )
+        return decision
 
     def _warn_untracked(self, message: str) -> None:
         """Say once per trainer that a loop runs without step checkpoints."""
@@ -517,7 +502,8 @@ class EpochTracker:
 
         The ranks agree on a signal through a vote started at the previous boundary, so no rank waits here; a
         signal is acted on one step later under DDP than on one process, and only where a step checkpoint can be
-        written (elsewhere at the epoch's end). The rest is decided by the step count alone, alike on every rank.
+        written (elsewhere at the epoch's end). The rest is decided by the step count alone, alike on every rank
+        (:func:`~trainkit.bookkeeping.step_schedule.step_due`).
 
         :param step: The optimizer step counter.
         :param signalled: Whether this process got a stop signal.
@@ -528,24 +514,17 @@ class EpochTracker:
         stop = self._vote.cast(signalled) if self._resumable else False
         if not (stop or step >= self._due_at):
             return None
-        end = step >= self._max_steps
-        validate = step >= self._val_due and not end  # the run's final validation follows the end instead
-        push = step >= self._log_due
-        save = self._resumable and (stop or step >= self._ckpt_due) and not end
-        if validate:
-            self._val_due = _next_due(step, self._val_every)
-        if push:
-            self._log_due = _next_due(step, self._log_every)
-        self._due_at = min(self._ckpt_due, self._val_due, self._log_due, self._max_steps)
-        return StepDue(save=save, stop=stop, validate=validate, push=push, end=end)
+        due, self._schedule = step_due(self._schedule, step, stop=stop, saving=self._resumable)
+        self._due_at = self._schedule.due_at
+        return due
 
     def saved(self, step: int) -> None:
         """Record that ``last`` holds ``step`` (or that the tracked epoch starts there): the next one is due later.
 
         :param step: The optimizer step counter.
         """
-        self._ckpt_due = _next_due(step, self._every_n_steps) if self._resumable else math.inf
-        self._due_at = min(self._ckpt_due, self._val_due, self._log_due, self._max_steps)
+        self._schedule = schedule_saved(self._schedule, step, saving=self._resumable)
+        self._due_at = self._schedule.due_at
 
     def validated(self, step: int) -> None:
         """Record a validation at ``step`` (never a second one there: see
@@ -582,7 +561,7 @@ class EpochTracker:
 
     def save_position(
         self, batches: TrackedBatches | None, epoch: int, metrics: tuple[dict[str, Any], dict[str, Any]]
-    ) -> tuple[core.EpochPosition | None, dict[str, Any] | None]:
+    ) -> tuple[bookkeeping.EpochPosition | None, dict[str, Any] | None]:
         """What a save records of the epoch's position: none at an epoch's end (``batches`` None), else where the
         epoch stands and this rank's share (:meth:`epoch_position`, :meth:`rank_position`). A run whose last loop
         ended at a step boundary (:meth:`end_inside`) records that position in its final saves.
@@ -597,7 +576,7 @@ class EpochTracker:
         return self.epoch_position(batches, epoch, self._world_size), self.rank_position(batches, *metrics)
 
     @staticmethod
-    def epoch_position(batches: TrackedBatches, epoch: int, world_size: int) -> core.EpochPosition:
+    def epoch_position(batches: TrackedBatches, epoch: int, world_size: int) -> bookkeeping.EpochPosition:
         """Where the tracked epoch stands, for a step checkpoint.
 
         :param batches: The tracked batches.
@@ -608,7 +587,7 @@ class EpochTracker:
         # a loader that carries its own position keeps it per rank: no place in a global order to record
         own = isinstance(batches, StatefulBatches)
         global_batch = None if batch_size is None or own else batch_size * world_size
-        return core.EpochPosition(
+        return bookkeeping.EpochPosition(
             epoch=epoch,
             batches=batches.consumed,
             batches_per_epoch=batches.per_epoch,
@@ -628,8 +607,8 @@ class EpochTracker:
         :param logs: Its unpushed metrics (``LogBuffer.state_dict()``).
         :param grad_norm: Its epoch grad-norm mean so far.
         :returns: Its share; with ``loader_state`` and ``generators_at_save`` for a loader that carries its own
-            position (:meth:`~trainkit.loop.stateful.StatefulBatches.saved_share`), without for one trainkit skips into
-            (as checkpoints were written before such loaders).
+            position (:meth:`~trainkit.loop.stateful_batches.StatefulBatches.saved_share`), without for one trainkit
+            skips into (as checkpoints were written before such loaders).
         """
         share = {
             "rng_at_iter": batches.rng_at_iter,

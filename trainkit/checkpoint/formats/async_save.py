@@ -1,6 +1,6 @@
 """Asynchronous checkpoint writes: copy the state into reused CPU buffers, write it in the background.
 
-Side effects: a background thread that calls :func:`trainkit.checkpoint.atomic_save`, so every write is
+Side effects: a background thread that calls :func:`trainkit.files.durable.atomic_save`, so every write is
 as atomic and durable as a synchronous one. At most one write is in flight; the next submit, and
 :meth:`AsyncCheckpointWriter.wait`, wait for it and re-raise its failure with the original exception.
 """
@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from trainkit import checkpoint
-from trainkit.files.durable import finish_freeing
+from trainkit.files.durable import atomic_save, finish_freeing
 
 __all__ = ["AsyncCheckpointWriter", "SyncCheckpointWriter", "StagingBuffers", "write_in_order"]
 
@@ -112,7 +111,7 @@ def write_in_order(
     total = 0.0
     for index, (payload, path) in enumerate(writes):
         # looked up at each call: a test can put a failing save in its place for both writers
-        total += checkpoint.atomic_save(payload, path, keep_previous=True, alongside=before if index == 0 else None)
+        total += atomic_save(payload, path, keep_previous=True, alongside=before if index == 0 else None)
     if after is not None:
         after()
     return total

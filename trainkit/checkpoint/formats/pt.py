@@ -1,11 +1,13 @@
-"""A run folder's checkpoint files: their names, reading one to resume, and writing them.
+"""The ``.pt`` format (``ckpt.format="file"``): ``last.pt`` and ``best.pt`` written whole by rank 0.
 
 Side effects: files in ``out_dir`` (``last.pt``, ``best.pt``, their ``.prev`` copies, temp files of
-unfinished saves, ``*.corrupt.pt`` kept for inspection) and, with ``ckpt.async_save``, a writer thread.
-:class:`RunFiles` is built from plain values and knows nothing of the trainer: the trainer hands it payloads
-(built by :func:`trainkit.checkpoint.payload.last_payload`) and engine records, and it returns loaded dicts. The other
-storage format (a directory per checkpoint, written by every rank) sits beside it behind the same method
-names: :class:`trainkit.checkpoint.dcp_files.ShardedFiles`.
+unfinished saves, ``*.corrupt.pt`` kept for inspection), with ``ckpt.async_save`` a writer thread, and the one
+collective of a save (every rank learns whether rank 0's write worked). :class:`PtStorage` is built from plain
+values and knows nothing of the trainer: the :class:`~trainkit.checkpoint.checkpointer.Checkpointer` hands it a
+:class:`~trainkit.checkpoint.formats.base.SaveRequest` (or, one level down, payloads built by
+:func:`trainkit.checkpoint.payload.last_payload`) and it returns loaded dicts. The other format (a directory per
+checkpoint, written by every rank) answers the same :class:`~trainkit.checkpoint.formats.base.Storage` calls:
+:class:`trainkit.checkpoint.formats.dcp.DcpStorage`.
 """
 
 from __future__ import annotations
@@ -16,31 +18,33 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import torch
+from torch import nn
 
-from trainkit import checkpoint as ckpt_io
+from trainkit import bookkeeping
 from trainkit.bookkeeping import BestState
-from trainkit.checkpoint.async_save import AsyncCheckpointWriter, StagingBuffers, SyncCheckpointWriter
-from trainkit.checkpoint.payload import (
-    SCHEMA_VERSION,
-    finished_run,
-    validate_best,
-    validate_last,
-    world_change_refusal,
-)
+from trainkit.checkpoint.formats.async_save import AsyncCheckpointWriter, StagingBuffers, SyncCheckpointWriter
+from trainkit.checkpoint.formats.base import BestWeights, SaveRequest, item_state
+from trainkit.checkpoint.payload import SCHEMA_VERSION, best_payload, validate_best, validate_last
+from trainkit.distributed import fsdp
+from trainkit.distributed.collectives import raise_if_any_rank_failed
 from trainkit.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, OutDirError
+from trainkit.files.allowlist import check_loadable
 from trainkit.files.bounded_read import UnreadableFile, open_regular
+from trainkit.files.durable import atomic_save, previous_path, remove_stale_temp_files, warn_if_low_on_space
+from trainkit.files.weights_only_load import load_checkpoint
 from trainkit.messages import warn_user
 from trainkit.run.folder import METRICS_FILE, same_directory
-from trainkit.run.lock import RunLock
+from trainkit.state.modules import module_state
 
-__all__ = ["LAST_CKPT", "BEST_CKPT", "METRICS_FILE", "RunFiles", "same_directory"]
+__all__ = ["LAST_CKPT", "BEST_CKPT", "METRICS_FILE", "PtStorage", "same_directory"]
 
 LAST_CKPT = "last.pt"
 BEST_CKPT = "best.pt"
 
 
-class RunFiles:
-    """The checkpoint files of one run folder: every rank reads them, rank 0 writes them.
+class PtStorage:
+    """The ``.pt`` checkpoint files of one run folder: every rank reads them, rank 0 writes them.
 
     :param out_dir: The run folder.
     :param enabled: ``ckpt.enable``: whether this run writes checkpoints at all.
@@ -48,9 +52,20 @@ class RunFiles:
         without checkpoints still keeps a damaged ``last.pt`` aside and repairs ``best.pt`` in ``out_dir``.
     :param async_save: ``ckpt.async_save``: stage each save in reused host buffers and write it in the
         background (one write in flight), instead of writing before :meth:`save` returns.
+    :param world_size: The number of processes (a resume is validated for it; every rank hears of a failed write).
+    :param device: Where best weights read back go (the CPU unless given).
     """
 
-    def __init__(self, out_dir: Path, *, enabled: bool, writer: bool, async_save: bool) -> None:
+    def __init__(
+        self,
+        out_dir: Path,
+        *,
+        enabled: bool,
+        writer: bool,
+        async_save: bool,
+        world_size: int = 1,
+        device: torch.device | None = None,
+    ) -> None:
         self.out_dir = out_dir
         self.last_path = out_dir / LAST_CKPT
         """``out_dir/last.pt``."""
@@ -64,7 +79,8 @@ class RunFiles:
         )
         self._staging = StagingBuffers() if async_save else None
         self._space_checked = False
-        self._lock = RunLock(out_dir)
+        self._world_size = world_size
+        self._device = device if device is not None else torch.device("cpu")
 
     @property
     def metrics_path(self) -> Path:
@@ -72,22 +88,6 @@ class RunFiles:
         return self.out_dir / METRICS_FILE
 
     # ------------------------------------------------------------------ before the run
-
-    def claim(self) -> None:
-        """Lock ``out_dir`` for this run (:class:`~trainkit.run.lock.RunLock`) and check it can take checkpoints.
-
-        Only a writer of a run with checkpoints does anything; call it before reading anything, so a second
-        run on the same folder is refused at once. :meth:`release` lets the folder go.
-
-        :raises OutDirError: When another run holds the folder, or a checkpoint cannot be written there.
-        """
-        if self.writes:
-            self._lock.acquire()
-            self.check_writable()
-
-    def release(self) -> None:
-        """Let the folder go (idempotent): the next run on it may start."""
-        self._lock.release()
 
     def check_writable(self) -> None:
         """Refuse a folder where a checkpoint cannot be written (a directory in a checkpoint's place).
@@ -97,7 +97,7 @@ class RunFiles:
         if not self.writes:
             return
         for name in (LAST_CKPT, BEST_CKPT):
-            for path in (self.out_dir / name, ckpt_io.previous_path(self.out_dir / name)):
+            for path in (self.out_dir / name, previous_path(self.out_dir / name)):
                 if path.is_dir() and not path.is_symlink():
                     raise OutDirError(f"{path} is a directory, so no checkpoint can be written there; move it away")
 
@@ -106,26 +106,29 @@ class RunFiles:
 
         :returns: The removed paths.
         """
-        return ckpt_io.remove_stale_temp_files(self.out_dir) if self.writes else []
+        return remove_stale_temp_files(self.out_dir) if self.writes else []
 
     # ------------------------------------------------------------------ resuming
 
-    def load_resume(self, resume: str, *, world_size: int) -> tuple[dict[str, Any] | None, Path | None]:
-        """Load the checkpoint ``ckpt.resume`` names, checked against the schema and this run's world size.
+    def load_resume(self, resume: str, *, world_size: int | None = None) -> tuple[dict[str, Any] | None, Path | None]:
+        """Load the checkpoint ``ckpt.resume`` names, checked against the schema (and validated for this run's world
+        size; whether it may resume on it is the checkpointer's question, asked once for both formats).
 
         With ``auto`` a damaged ``last.pt`` falls back to ``last.prev.pt`` (with a warning; the damaged file
         is kept as ``last.corrupt.pt``); a named path never falls back.
 
         :param resume: ``"auto"``, ``"never"`` or a checkpoint path.
-        :param world_size: This run's number of processes.
+        :param world_size: The number of processes to validate it for (this run's unless given).
         :returns: The checkpoint and the path it was read from, or (None, None) when there is none to read.
         :raises CheckpointError: When a named path does not exist, or the file cannot be resumed here.
         """
+        if world_size is None:
+            world_size = self._world_size
         if resume == "never" or (resume == "auto" and not self.enabled):
             # a run that writes no checkpoints reads none either, unless ckpt.resume names one
             return None, None
         path = self.last_path if resume == "auto" else Path(resume)
-        previous = ckpt_io.previous_path(path)
+        previous = previous_path(path)
         if resume == "auto" and not path.exists() and not previous.exists():
             return None, None
         if resume != "auto" and not path.exists():
@@ -148,12 +151,12 @@ class RunFiles:
                 f"{exc}; resuming from the previous checkpoint {previous} instead (the refused file is kept as {kept})"
             )
             path = previous
-        _check_compatible(ckpt, path, world_size)
+        _check_schema(ckpt, path)
         return ckpt, path
 
     @staticmethod
     def _read_last(path: Path, world_size: int) -> dict[str, Any]:
-        ckpt = ckpt_io.load_checkpoint(path)
+        ckpt = load_checkpoint(path)
         validate_last(ckpt, path=path, world_size=world_size)
         return ckpt
 
@@ -171,11 +174,11 @@ class RunFiles:
         path = directory / BEST_CKPT
         repair = self.writer and same_directory(directory, self.out_dir)
         found = []
-        for candidate in (path, ckpt_io.previous_path(path)):
+        for candidate in (path, previous_path(path)):
             if not candidate.exists():
                 continue
             try:
-                payload = ckpt_io.load_checkpoint(candidate)
+                payload = load_checkpoint(candidate)
                 validate_best(payload, path=candidate)
             except CheckpointCorruptError as exc:
                 warn_user(str(exc))
@@ -184,7 +187,7 @@ class RunFiles:
             if attrs.evolve(recorded, min_delta=best.min_delta) == best:  # a resume may have changed min_delta
                 if candidate != path and repair:
                     # best.pt was written, last.pt was not: put the matching best back in place
-                    ckpt_io.atomic_save(payload, path)
+                    atomic_save(payload, path)
                     warn_user(
                         f"{path} did not match the best recorded in {self.last_path} (epoch "
                         f"{best.epoch}); repaired it from {candidate}"
@@ -242,9 +245,9 @@ class RunFiles:
         self._writer.wait()
         payloads = {"best": best, "last": last} if best is not None else {"last": last}
         for data in payloads.values():  # a value that would not load back is refused before writing
-            ckpt_io.check_loadable(data)
+            check_loadable(data)
         if not self._space_checked:
-            ckpt_io.warn_if_low_on_space(last, self.last_path)
+            warn_if_low_on_space(last, self.last_path)
             self._space_checked = True
         if self._staging is not None:  # named slots: best's buffers stay best's whether or not it is saved
             payloads = self._staging.stage(payloads)
@@ -264,15 +267,87 @@ class RunFiles:
         """
         self._writer.wait()
 
-    def wait_quietly(self) -> None:
+    wait_local = wait
+
+    def abandon(self) -> None:
         """Let a background write land without raising (a failure is warned): for use while another error is raised."""
         try:
             self._writer.wait()
         except Exception as exc:  # noqa: BLE001 - the exception being raised matters more
             warn_user(f"a background checkpoint write also failed: {exc!r}")
 
+    def release(self) -> None:
+        """Nothing is held between saves but the writer, which :meth:`wait` finishes."""
+        self._writer.wait()
 
-def _check_compatible(ckpt: Mapping[str, Any], path: Path, world_size: int) -> None:
+    # ------------------------------------------------------------------ the Storage calls
+
+    def published(self) -> list[Path]:
+        """``last.pt`` and ``last.prev.pt``, those that exist.
+
+        :returns: Their paths, newest first.
+        """
+        return [path for path in (self.last_path, previous_path(self.last_path)) if path.exists()]
+
+    def best_weights(self, directory: Path, best: BestState, model: nn.Module | None) -> BestWeights | None:
+        """The ``best.pt`` beside a resumed checkpoint that matches ``best`` (:meth:`read_best`), in ``model``'s layout.
+
+        :param directory: The resumed checkpoint's folder.
+        :param best: The best record it holds.
+        :param model: The run's model (unwrapped), whose layout the weights take; None keeps them whole.
+        :returns: The weights, or None (warned) when no file matches.
+        """
+        saved = self.read_best(directory, best)
+        if saved is None:
+            return None
+        if model is not None and fsdp.is_sharded(model):  # whole weights: each rank keeps its own shards
+            return BestWeights(weights=fsdp.shard_like(saved["model"], module_state(model)), private=True, rewrite=True)
+        weights = {
+            key: value.to(self._device) if isinstance(value, torch.Tensor) else value
+            for key, value in saved["model"].items()
+        }
+        # loaded tensors may share memory (tied weights): not private, so the next improvement allocates anew
+        return BestWeights(weights=weights, private=False, rewrite=not same_directory(directory, self.out_dir))
+
+    def save_checkpoint(self, request: SaveRequest) -> float | None:
+        """Build the payloads of ``request`` and :meth:`save` them on rank 0; every rank learns whether it worked.
+
+        :param request: What to write.
+        :returns: The seconds the writes took on rank 0 (None elsewhere, or when they run in the background).
+        :raises CheckpointError: On every rank when rank 0's write failed.
+        """
+        seconds, error = None, None
+        if self.writer:
+            try:
+                self._writer.wait()  # a failed background write surfaces here, and every rank hears of it
+                best = None
+                if request.best_weights is not None and request.best is not None:
+                    best = best_payload(model=request.best_weights, best=request.best, config=request.config)
+                last = request.engine(bookkeeping.collect_payload(request.registry, state_of=item_state))
+                seconds = self.save(last, best, before=request.before, after=request.after)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
+                error = exc
+        raise_if_any_rank_failed(
+            error,
+            lambda: CheckpointError(f"rank 0 failed to write {self.last_path}; see rank 0's traceback"),
+            world_size=self._world_size,
+        )
+        return seconds
+
+    def lost_best(self, tracked: bool) -> bool:
+        """Whether ``best.pt`` went missing from disk during the run (rank 0 looks; others answer False).
+
+        :param tracked: Whether a best was written and has not changed since.
+        :returns: Whether it is gone.
+        """
+        if not self.writer or not tracked:
+            return False
+        self._writer.wait()  # a background write may be about to put it there
+        return not self.best_path.exists()
+
+
+def _check_schema(ckpt: Mapping[str, Any], path: Path) -> None:
+    """Refuse what is not a trainkit checkpoint, or one a newer trainkit wrote."""
     version = ckpt.get("schema_version")
     if not isinstance(version, int) or "loop" not in ckpt:
         raise CheckpointMismatchError(f"{path} is not a trainkit checkpoint (no schema_version/loop entries)")
@@ -280,10 +355,4 @@ def _check_compatible(ckpt: Mapping[str, Any], path: Path, world_size: int) -> N
         raise CheckpointMismatchError(
             f"{path} has checkpoint schema version {version}, newer than this trainkit's "
             f"{SCHEMA_VERSION}; upgrade trainkit to resume it"
-        )
-    refusal = None if finished_run(dict(ckpt)) else world_change_refusal(dict(ckpt), world_size)
-    if refusal is not None:
-        raise CheckpointMismatchError(
-            f"{path} was written by a run with world_size={ckpt.get('world_size')}, this run has "
-            f"world_size={world_size}: {refusal} (or start fresh with ckpt.resume=never)"
         )
