@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -45,6 +46,10 @@ def test_overhead_quick_mode_runs_and_checks_same_work(tmp_path):
     for g in report["gates"]:
         if g["verdict"] == "UNDECIDED":
             line = next(x for x in proc.stdout.splitlines() if x.startswith(f"UNDECIDED: {g['gate']}: "))
+            if not math.isfinite(g["ci_low"]) or not math.isfinite(g["ci_high"]):
+                # one repetition on a loaded host can fit the raw loop's own step at or under 0: no fraction of it
+                assert "is unbounded" in line, line
+                continue
             straddles = g["ci_low"] <= g["limit"] <= g["ci_high"]
             assert ("straddles" in line) == straddles and ("fewer than the 8" in line) != straddles, line
 
