@@ -37,7 +37,7 @@ import torch
 
 from benchmarks.common import RESULTS, write_json
 from benchmarks.confidence import bootstrap_median, judge
-from trainkit import bookkeeping as core
+from trainkit import bookkeeping
 from trainkit.checkpoint import atomic_save
 from trainkit.checkpoint.remote import RemoteTier, Upload, open_store
 
@@ -86,7 +86,7 @@ def make_state(total_mb: int) -> dict:
 
 
 def upload_for(step: int):
-    description = core.Checkpoint(step=step, epoch=step, time=time.time())
+    description = bookkeeping.Checkpoint(step=step, epoch=step, time=time.time())
     return lambda staged, files: Upload(
         staged=staged,
         files=files,
@@ -94,7 +94,7 @@ def upload_for(step: int):
         epoch=step,
         run_id="bench",
         description=description,
-        policy=core.KeepAny(),
+        policy=bookkeeping.KeepAny(),
     )
 
 
