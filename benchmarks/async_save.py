@@ -38,8 +38,11 @@ def make_state(total_mb: int, device: torch.device) -> dict:
     shapes = [(per_copy // 64,)] * 64
     weights = {f"layer{i}.weight": torch.randn(shape, device=device) for i, shape in enumerate(shapes)}
     adam = {
-        i: {"exp_avg": torch.randn(shape, device=device), "exp_avg_sq": torch.rand(shape, device=device),
-            "step": torch.tensor(10.0)}  # Adam keeps step on the CPU unless capturable
+        i: {
+            "exp_avg": torch.randn(shape, device=device),
+            "exp_avg_sq": torch.rand(shape, device=device),
+            "step": torch.tensor(10.0),
+        }  # Adam keeps step on the CPU unless capturable
         for i, shape in enumerate(shapes)
     }
     return {"model": weights, "optimizer": {"state": adam, "param_groups": [{"lr": 1e-3, "params": list(range(64))}]}}

@@ -202,3 +202,26 @@ def write_json(out_dir: Path | str, name: str, doc: Any, indent: int = 2) -> Pat
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=indent) + "\n")
     return path
+
+
+def save_inputs(items: dict[str, Any]) -> tuple[Any, Any]:
+    """What a checkpointer's save of ``items`` takes besides them, built from plain values as the trainer builds
+    them: an empty loop's save record and the items' registry.
+
+    :param items: The checkpoint's items (name to a module, an optimizer, ...).
+    :returns: The save record and the registry.
+    """
+    from trainkit import bookkeeping
+    from trainkit.checkpoint.checkpointer import SaveRecord
+
+    registry, _ = bookkeeping.register_items(bookkeeping.CkptRegistry(), items)
+    record = SaveRecord(
+        loop=bookkeeping.LoopState(),
+        best=None,
+        patience=None,
+        latest_metrics={},
+        results=None,
+        run_id=None,
+        metrics_offset=None,
+    )
+    return record, registry

@@ -103,42 +103,9 @@ def raw_run(wl: Workload, tmp: Path, feature: str, spin_s: float = 0.0) -> tuple
     model = wl.build_model()
     optimizer = wl.make_optimizer(model)
     loader = wl.train_loader()
-    run = None
-    if feature == "wandb":
-        import wandb
-
-        run = wandb.init(
-            mode="offline",
-            dir=str(tmp),
-            id=uuid.uuid4().hex[:8],
-            resume="allow",
-            project="trainkit-bench",
-            config=wandb_config(wl),
-            reinit="create_new",
-            settings=wandb.Settings(init_timeout=60, silent=True),
-        )
-        # the same W&B setup trainkit's WandbSink does (config panel included), so both log the same way
-        run.define_metric("trainer/step")
-        run.define_metric("*", step_metric="trainer/step")
-    if feature == "tqdm":
-        from tqdm.auto import tqdm
-
-        # the step bar with trainkit's settings (trainkit.loop.progress: redraw at most every 0.5 s on a terminal, every
-        # 30 s elsewhere; the training section runs into /dev/null, the engine section's tqdm group on a terminal)
-        interval = 0.5 if sys.stderr.isatty() else 30.0
-
-        def batches(epoch: int) -> Any:
-            return tqdm(loader, desc=f"epoch {epoch}", leave=False, mininterval=interval, dynamic_ncols=True)
-    else:
-
-        def batches(epoch: int) -> Any:
-            return loader
-
-    config = checkpoint_config(wl) if feature in ("ckpt", "ckpt_last") else None
-    best = float("inf")
-    best_epoch = None
-    best_state: dict[str, torch.Tensor] | None = None
-    improvements = 0
+    run = start_wandb(wl, tmp) if feature == "wandb" else None
+    batches = tqdm_batches(loader) if feature == "tqdm" else lambda epoch: loader
+    saves = HandCheckpoints(feature, tmp, checkpoint_config(wl) if feature in ("ckpt", "ckpt_last") else None)
     step = rows = 0
     val = float("nan")
     loss = torch.zeros(())
@@ -162,38 +129,126 @@ def raw_run(wl: Workload, tmp: Path, feature: str, spin_s: float = 0.0) -> tuple
                 rows += 1
         val = wl.val_loss(model)
         if feature in ("ckpt", "ckpt_min", "ckpt_last"):
-            same_as_trainkit = feature != "ckpt_min"
-            if feature != "ckpt_last" and val < best:
-                best = val
-                best_epoch = epoch
-                improvements += 1
-                best_state = keep_weights(best_state, model)
-                best_payload: dict[str, Any] = {"model": best_state, "epoch": epoch}
-                if same_as_trainkit:
-                    best_payload.update(best=best_record(best, epoch), config=config)
-                else:
-                    best_payload["best"] = best
-                durable_save(best_payload, tmp / "best.pt", keep_previous=same_as_trainkit)
-            last: dict[str, Any] = {
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "epoch": epoch + 1,
-                "step": step,
-            }
-            if same_as_trainkit:
-                tracks_best = feature == "ckpt"
-                last.update(
-                    config=config,
-                    loop={"epoch": epoch + 1, "step": step, "stop_reason": None},
-                    best=best_record(best, best_epoch) if tracks_best else None,
-                    patience={"patience": None, "start_patience": 0, "remaining": None} if tracks_best else None,
-                    rng=[rng_states()],
-                )
-            else:
-                last.update(best=best, rng=torch.get_rng_state())
-            durable_save(last, tmp / "last.pt", keep_previous=same_as_trainkit)
-    # the end-of-run report trainkit gives (log_training_results): the W&B summary and one printed line
-    summary: dict[str, Any] = {"epochs_run": wl.epochs, "stop_reason": "max_epochs"}
+            saves.epoch_end(model, optimizer, epoch, step, val)
+    end_report(run, wl.epochs, saves.best_epoch, saves.best)
+    return model, (loss, val, saves.improvements if feature in ("ckpt", "ckpt_min") else None)
+
+
+def start_wandb(wl: Workload, tmp: Path) -> Any:
+    """An offline W&B run set up as trainkit's WandbSink sets it up (config panel included), so both log the same
+    way.
+
+    :param wl: The workload (its config goes to the run).
+    :param tmp: The run's folder.
+    :returns: The W&B run.
+    """
+    import wandb
+
+    run = wandb.init(
+        mode="offline",
+        dir=str(tmp),
+        id=uuid.uuid4().hex[:8],
+        resume="allow",
+        project="trainkit-bench",
+        config=wandb_config(wl),
+        reinit="create_new",
+        settings=wandb.Settings(init_timeout=60, silent=True),
+    )
+    run.define_metric("trainer/step")
+    run.define_metric("*", step_metric="trainer/step")
+    return run
+
+
+def tqdm_batches(loader: Any) -> Any:
+    """A function of the epoch that wraps ``loader`` in the step bar with trainkit's settings.
+
+    trainkit.loop.progress redraws at most every 0.5 s on a terminal, every 30 s elsewhere; the training section
+    runs into /dev/null, the engine section's tqdm group on a terminal.
+
+    :param loader: The training batches.
+    :returns: ``epoch -> iterable of batches``.
+    """
+    from tqdm.auto import tqdm
+
+    interval = 0.5 if sys.stderr.isatty() else 30.0
+
+    def batches(epoch: int) -> Any:
+        return tqdm(loader, desc=f"epoch {epoch}", leave=False, mininterval=interval, dynamic_ncols=True)
+
+    return batches
+
+
+class HandCheckpoints:
+    """The checkpoints a hand-written loop writes at each epoch's end for the ``ckpt`` variants (see
+    :func:`raw_run`), and the best score it tracks for them."""
+
+    def __init__(self, feature: str, tmp: Path, config: dict[str, Any] | None) -> None:
+        self.feature, self.tmp, self.config = feature, tmp, config
+        self.same_as_trainkit = feature != "ckpt_min"
+        self.best = float("inf")
+        self.best_epoch: int | None = None
+        self.best_state: dict[str, torch.Tensor] | None = None
+        self.improvements = 0
+
+    def epoch_end(self, model: nn.Module, optimizer: Any, epoch: int, step: int, val: float) -> None:
+        """Write ``best.pt`` when ``val`` improved (not for ``ckpt_last``), then ``last.pt``.
+
+        :param model: The model.
+        :param optimizer: Its optimizer.
+        :param epoch: The epoch that ended (0-based).
+        :param step: Optimizer steps so far.
+        :param val: The epoch's validation loss.
+        """
+        if self.feature != "ckpt_last" and val < self.best:
+            self.save_best(model, epoch, val)
+        last: dict[str, Any] = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "epoch": epoch + 1,
+            "step": step,
+        }
+        if self.same_as_trainkit:
+            tracks_best = self.feature == "ckpt"
+            last.update(
+                config=self.config,
+                loop={"epoch": epoch + 1, "step": step, "stop_reason": None},
+                best=best_record(self.best, self.best_epoch) if tracks_best else None,
+                patience={"patience": None, "start_patience": 0, "remaining": None} if tracks_best else None,
+                rng=[rng_states()],
+            )
+        else:
+            last.update(best=self.best, rng=torch.get_rng_state())
+        durable_save(last, self.tmp / "last.pt", keep_previous=self.same_as_trainkit)
+
+    def save_best(self, model: nn.Module, epoch: int, val: float) -> None:
+        """Record a new best score and write ``best.pt``.
+
+        :param model: The model.
+        :param epoch: The epoch that improved.
+        :param val: Its validation loss.
+        """
+        self.best = val
+        self.best_epoch = epoch
+        self.improvements += 1
+        self.best_state = keep_weights(self.best_state, model)
+        best_payload: dict[str, Any] = {"model": self.best_state, "epoch": epoch}
+        if self.same_as_trainkit:
+            best_payload.update(best=best_record(self.best, epoch), config=self.config)
+        else:
+            best_payload["best"] = self.best
+        durable_save(best_payload, self.tmp / "best.pt", keep_previous=self.same_as_trainkit)
+
+
+def end_report(run: Any, epochs: int, best_epoch: int | None, best: float) -> None:
+    """The end-of-run report trainkit gives (log_training_results): the W&B summary and one printed line; the
+    W&B run finished.
+
+    :param run: The W&B run, or None.
+    :param epochs: Epochs run.
+    :param best_epoch: The best epoch, or None when none was tracked.
+    :param best: Its score.
+    """
+    summary: dict[str, Any] = {"epochs_run": epochs, "stop_reason": "max_epochs"}
     if best_epoch is not None:
         summary.update({"best/epoch": best_epoch, "best/score": best})
     if run is not None:
@@ -201,9 +256,6 @@ def raw_run(wl: Workload, tmp: Path, feature: str, spin_s: float = 0.0) -> tuple
     print("raw: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
     if run is not None:
         run.finish()
-    return model, (loss, val, improvements if feature in ("ckpt", "ckpt_min") else None)
-
-
 
 
 class BenchTrainer(BaseTrainer):
@@ -348,5 +400,3 @@ def trainkit_run(wl: Workload, tmp: Path, feature: str) -> tuple[nn.Module, Any]
         # the epoch-end last.pt (and its .prev) only: a step checkpoint would be a mistake in the setup
         raise SystemExit(f"the `{feature}` variant wrote other files: {sorted(p.name for p in tmp.glob('*.pt'))}")
     return trainer.model, (trainer.last_loss, trainer.last_val, trainer.improvements if feature == "ckpt" else None)
-
-

@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -119,8 +120,7 @@ def add_cost_row(
 ) -> dict[str, Any]:
     """Fit, judge and record one engine row: what ``ours`` adds to ``base``.
 
-    A gated cost is judged in raw steps (:data:`ENGINE_FRACTION_GATES`): over the reference loop's own cost per
-    step in the same run. Its microseconds and their limit (:data:`ENGINE_GATES`) are recorded as information.
+    A gated cost is judged in raw steps (:func:`judge_engine_gate`), its microseconds recorded as information.
 
     :param report: Where the row and its verdicts go.
     :param res: The group's samples.
@@ -129,7 +129,7 @@ def add_cost_row(
     :param ours: The contestant.
     :param base: Its baseline.
     :param gates: Unit (``step``, ``epoch``, ``run``) to the name of the gate it is judged by.
-    :param anchor: A contestant (Lightning) whose per-step cost against the same baseline is shown beside the row.
+    :param anchor: A contestant (Lightning) whose per-step cost against ``base`` is shown beside the row.
     :param note: What the row measures, for the table.
     :param raw: The group's reference loop, whose own step a gated cost is a fraction of (default: ``base``).
     :returns: The row.
@@ -155,19 +155,10 @@ def add_cost_row(
         text = f"{unit} {_fmt_cost(costs[unit])}"
         gate = gates.get(unit)
         if gate is not None:
-            limit, limit_us = ENGINE_FRACTION_GATES[gate], ENGINE_GATES[gate]
-            c, f = costs[unit], fractions[unit]
-            us = {
-                "limit": limit_us,
-                "estimate": c["us"],
-                "ci_low": c["low"],
-                "ci_high": c["high"],
-                "verdict": confidence.judge(c["low"], c["high"], limit_us, pairs),
-            }
-            information = {"us": us, "raw_step": row["raw_step"]}
-            verdict = report.judge_gate(gate, limit, "raw_step", f["fraction"], f["low"], f["high"], pairs, information)
-            row["gates"][unit] = {"gate": gate, "limit": limit, "limit_us": limit_us, "verdict": verdict, **f}
-            text += f" (<= {limit_us:g} us) = {fmt_fraction(f)} raw steps {verdict} (<= {limit:g})"
+            judged = judge_engine_gate(report, gate, costs[unit], fractions[unit], pairs, row["raw_step"])
+            row["gates"][unit] = judged
+            text += f" (<= {judged['limit_us']:g} us) = {fmt_fraction(judged)} raw steps {judged['verdict']}"
+            text += f" (<= {judged['limit']:g})"
         parts.append(text)
     if anchor is not None and (anchor, shapes[0]) in res.times:
         row["anchor"] = {"contestant": anchor, **fitted_costs(res, anchor, base, shapes, report.resamples)["step"]}
@@ -177,8 +168,212 @@ def add_cost_row(
     return row
 
 
+def judge_engine_gate(
+    report: Report,
+    gate: str,
+    cost: dict[str, float],
+    fraction: dict[str, float],
+    pairs: int,
+    own_step: dict[str, Any],
+) -> dict[str, Any]:
+    """Judge one engine gate in raw steps (:data:`ENGINE_FRACTION_GATES`) and record it in ``report``, its
+    microseconds against :data:`ENGINE_GATES` beside it as information.
+
+    :param report: Where the verdict goes.
+    :param gate: The gate's name.
+    :param cost: The unit's cost in microseconds (:func:`fitted_costs`).
+    :param fraction: The same cost in raw steps (:func:`fitted_fractions`).
+    :param pairs: The pairs behind both.
+    :param own_step: The raw loop's own step (:func:`raw_step`).
+    :returns: The row's record of the gate: name, limits, verdict and the fraction with its interval.
+    """
+    limit, limit_us = ENGINE_FRACTION_GATES[gate], ENGINE_GATES[gate]
+    us = {
+        "limit": limit_us,
+        "estimate": cost["us"],
+        "ci_low": cost["low"],
+        "ci_high": cost["high"],
+        "verdict": confidence.judge(cost["low"], cost["high"], limit_us, pairs),
+    }
+    information = {"us": us, "raw_step": own_step}
+    verdict = report.judge_gate(
+        gate, limit, "raw_step", fraction["fraction"], fraction["low"], fraction["high"], pairs, information
+    )
+    return {"gate": gate, "limit": limit, "limit_us": limit_us, "verdict": verdict, **fraction}
+
+
 ENGINE_GROUPS = ("off", "tqdm", "wandb", "ckpt", "guard")
 """The engine section's groups, each a baseline and the trainkit variants measured against it."""
+
+
+def _every_unit(group: str) -> dict[str, str]:
+    return {unit: f"engine/{group}/{unit}" for unit in ("step", "epoch", "run")}
+
+
+@dataclass(frozen=True)
+class CostRow:
+    """One engine row: what ``ours`` adds to ``base``, judged by ``gates`` (unit to gate name; none: information),
+    shown beside Lightning's cost when ``anchored``, each gated cost a fraction of ``raw``'s own step (default:
+    ``base``)."""
+
+    feature: str
+    ours: str
+    base: str
+    gates: dict[str, str] = field(default_factory=dict)
+    anchored: bool = False
+    note: str = ""
+    raw: str | None = None
+
+
+ENGINE_ROWS: dict[str, tuple[CostRow, ...]] = {
+    "off": (
+        CostRow("off", "raw (again)", "raw", note="noise floor: raw against itself"),
+        CostRow(
+            "off",
+            "trainkit",
+            "raw",
+            _every_unit("off"),
+            True,
+            "the epoch loop, config, seeding, run setup; progress and W&B off, no checkpoints",
+        ),
+        CostRow(
+            "steps",
+            "trainkit (steps)",
+            "raw (ckpt last)",
+            {"step": "engine/steps/step"},
+            True,
+            "ckpt.every_n_steps past the run's end (the tracked loop and the step-boundary check, none due) "
+            "against the hand-written loop writing the same last.pt at every epoch end, as ckpt.enable does",
+            raw="raw",
+        ),
+        CostRow(
+            "steps",
+            "trainkit (steps)",
+            "trainkit (ckpt last)",
+            {"epoch": "engine/steps/epoch"},
+            note="the tracked loop alone: against trainkit writing the same last.pt at every epoch end",
+            raw="raw",
+        ),
+        CostRow(
+            "steps",
+            "trainkit (steps)",
+            "raw",
+            note="information: against the loop that writes nothing (its epoch and run columns are the "
+            "epoch-end last.pt writes, its step column carries the per-step share below)",
+        ),
+        CostRow(
+            "ckpt last",
+            "raw (ckpt last)",
+            "raw",
+            note="information: the hand-written loop's own epoch-end last.pt; a save after a longer epoch "
+            "costs more CPU on this host, which the fit puts in the step column",
+        ),
+        CostRow(
+            "ckpt last",
+            "trainkit (ckpt last)",
+            "raw (ckpt last)",
+            note="information: ckpt.enable against the same last.pt written by hand",
+        ),
+    ),
+    "tqdm": (
+        CostRow(
+            "tqdm",
+            "trainkit",
+            "raw_tqdm",
+            _every_unit("tqdm"),
+            True,
+            "trainkit's bars (progress.enable, on a terminal) against a tqdm bar over the batches",
+        ),
+    ),
+    "wandb": (
+        CostRow(
+            "wandb",
+            "trainkit",
+            "raw_wandb",
+            _every_unit("wandb"),
+            True,
+            "trainkit's work per row (log + push_logs: buffer, drain, the row, RunLog) against the "
+            "raw loop's (.item(), the row); W&B's own Run.log, wandb.init and finish timed apart (below)",
+        ),
+    ),
+    "ckpt": (
+        CostRow(
+            "ckpt",
+            "trainkit",
+            "raw_ckpt",
+            anchored=True,
+            note="durable last.pt and best.pt (save_if_best) against the same files written by hand; "
+            "disk-bound, judged on wall time by tiny/ckpt, information here",
+        ),
+    ),
+    "guard": (
+        CostRow(
+            "guard",
+            "trainkit (guard)",
+            "trainkit (clip)",
+            {"step": "engine/guard/step"},
+            note="guard.nonfinite=skip with nothing non-finite (the norm judged before each optimizer step) "
+            "against the same loop with the guard off; both call clip_and_log_grad_norm()",
+        ),
+        CostRow(
+            "guard, rollback",
+            "trainkit (rollback, steps)",
+            "trainkit (clip, steps)",
+            {"step": "engine/guard/rollback/step"},
+            note="guard.nonfinite=rollback with nothing non-finite against the same loop with the guard off, "
+            "both with ckpt.every_n_steps (none due), as a run that rolls back to a step has it: the verdict "
+            "and the positions of each step's batches",
+            raw="trainkit (clip)",
+        ),
+        CostRow(
+            "guard, rollback, no step checkpoints",
+            "trainkit (rollback)",
+            "trainkit (clip)",
+            note="guard.nonfinite=rollback without ckpt.every_n_steps (it rolls back to the epoch's start; "
+            "information): the above plus the counted loop, which this mode runs even so",
+        ),
+    ),
+}
+"""Each engine group's rows, in the order the report lists them."""
+
+
+def engine_contestants() -> dict[str, tuple[str, list[Contestant]]]:
+    """Each engine group's baseline and contestants, in :data:`ENGINE_GROUPS` order.
+
+    :returns: ``{group: (baseline's name, contestants)}``.
+    """
+
+    def raw(feature: str) -> Callable[[Workload, Path], tuple[nn.Module, Any]]:
+        return lambda wl, tmp: raw_run(wl, tmp, feature)
+
+    def ours(feature: str) -> Callable[[Workload, Path], tuple[nn.Module, Any]]:
+        return lambda wl, tmp: trainkit_run(wl, tmp, feature)
+
+    def pair(base: str, feature: str) -> tuple[str, list[Contestant]]:
+        return base, [Contestant(base, raw(feature), "raw"), Contestant("trainkit", ours(feature), "trainkit")]
+
+    off = [
+        Contestant("raw", raw("off"), "raw"),
+        Contestant("raw (again)", raw("off"), "raw"),
+        Contestant("trainkit", ours("off"), "trainkit"),
+        Contestant("trainkit (steps)", ours("steps"), "trainkit"),
+        Contestant("trainkit (ckpt last)", ours("ckpt_last"), "trainkit"),
+        Contestant("raw (ckpt last)", raw("ckpt_last"), "raw"),
+    ]
+    guard = [
+        Contestant("trainkit (clip)", ours("clip"), "trainkit"),
+        Contestant("trainkit (guard)", ours("guard"), "trainkit"),
+        Contestant("trainkit (rollback)", ours("rollback"), "trainkit"),
+        Contestant("trainkit (clip, steps)", ours("clip_steps"), "trainkit"),
+        Contestant("trainkit (rollback, steps)", ours("rollback_steps"), "trainkit"),
+    ]
+    return {
+        "off": ("raw", off),
+        "tqdm": pair("raw_tqdm", "tqdm"),
+        "wandb": pair("raw_wandb", "wandb"),
+        "ckpt": pair("raw_ckpt", "ckpt"),
+        "guard": ("trainkit (clip)", guard),
+    }
 
 
 def bench_engine(report: Report, s: Settings, use_lightning: bool, only: tuple[str, ...] = ENGINE_GROUPS) -> None:
@@ -205,201 +400,19 @@ def bench_engine(report: Report, s: Settings, use_lightning: bool, only: tuple[s
         f"{s.engine_rounds} rounds x {s.engine_reps} interleaved runs per contestant and length ({s.engine_wandb_reps} "
         "for W&B), CPU time" + "".join(f"; {group}: {rounds} rounds" for group, rounds in s.engine_group_rounds)
     )
-
-    def raw(feature: str) -> Callable[[Workload, Path], tuple[nn.Module, Any]]:
-        return lambda wl, tmp: raw_run(wl, tmp, feature)
-
-    def ours(feature: str) -> Callable[[Workload, Path], tuple[nn.Module, Any]]:
-        return lambda wl, tmp: trainkit_run(wl, tmp, feature)
-
-    groups: dict[str, tuple[str, list[Contestant]]] = {
-        "off": (
-            "raw",
-            [
-                Contestant("raw", raw("off"), "raw"),
-                Contestant("raw (again)", raw("off"), "raw"),
-                Contestant("trainkit", ours("off"), "trainkit"),
-                Contestant("trainkit (steps)", ours("steps"), "trainkit"),
-                Contestant("trainkit (ckpt last)", ours("ckpt_last"), "trainkit"),
-                Contestant("raw (ckpt last)", raw("ckpt_last"), "raw"),
-            ],
-        ),
-        "tqdm": (
-            "raw_tqdm",
-            [Contestant("raw_tqdm", raw("tqdm"), "raw"), Contestant("trainkit", ours("tqdm"), "trainkit")],
-        ),
-        "wandb": (
-            "raw_wandb",
-            [Contestant("raw_wandb", raw("wandb"), "raw"), Contestant("trainkit", ours("wandb"), "trainkit")],
-        ),
-        "ckpt": (
-            "raw_ckpt",
-            [Contestant("raw_ckpt", raw("ckpt"), "raw"), Contestant("trainkit", ours("ckpt"), "trainkit")],
-        ),
-        "guard": (
-            "trainkit (clip)",
-            [
-                Contestant("trainkit (clip)", ours("clip"), "trainkit"),
-                Contestant("trainkit (guard)", ours("guard"), "trainkit"),
-                Contestant("trainkit (rollback)", ours("rollback"), "trainkit"),
-                Contestant("trainkit (clip, steps)", ours("clip_steps"), "trainkit"),
-                Contestant("trainkit (rollback, steps)", ours("rollback_steps"), "trainkit"),
-            ],
-        ),
-    }
-    groups = {feature: group for feature, group in groups.items() if feature in only}
     lightning = "lightning" if use_lightning else None
     with wandb_calls_apart():
-        for feature, (base, contestants) in groups.items():
+        for feature, (base, contestants) in engine_contestants().items():
+            if feature not in only:
+                continue
             if use_lightning and feature in LIGHTNING_NOTES:
                 contestants.append(
                     Contestant("lightning", lambda wl, tmp, f=feature: lightning_run(wl, tmp, f), "lightning")
                 )
-            # the tqdm group on a terminal: trainkit draws its step bar only there (elsewhere it costs nothing)
-            t0 = time.perf_counter()
-            reps = s.engine_wandb_reps if feature == "wandb" else s.engine_reps
-            rounds = dict(s.engine_group_rounds).get(feature, s.engine_rounds)
-            res = run_grid(f"engine/{feature}", workloads, contestants, rounds, reps, terminal=feature == "tqdm")
-            report.engine_samples[feature] = {
-                c.name: {
-                    f"{e}x{b}": {
-                        "cpu": res.times[(c.name, (e, b))].cpu,
-                        "wall": res.times[(c.name, (e, b))].wall,
-                        **{f"{cat}_cpu": res.apart[cat][(c.name, (e, b))].cpu for cat in APART},
-                    }
-                    for e, b in shapes
-                }
-                for c in contestants
-            }
-            log(f"  engine/{feature}: {len(contestants)} contestants in {time.perf_counter() - t0:.1f} s")
-            families = {c.name: c.family for c in contestants}
-            for sh in shapes:
-                outcomes = {c.name: res.outcomes[(c.name, sh)] for c in contestants}
-                report.check_work(f"engine/{feature} {sh[0]}x{sh[1]}", outcomes, base, families)
-            for name, msgs in res.warnings.items():
-                report.notes.extend(f"engine/{feature}: {name} warned: {msg}" for msg in msgs)
-            own = confidence.fit_costs(
-                np.array([res.times[(base, sh)].cpu for sh in shapes]), confidence.design_matrix(shapes)
-            )
-            log(
-                f"  engine/{feature:<6} {base} itself: {own[2] * 1e6:.1f} us per step, {own[1] * 1e6:.0f} us per "
-                f"epoch, {own[0] * 1e6:.0f} us per run (CPU, fitted)"
-            )
-            report.own_costs.append(
-                {"feature": feature, "contestant": base, **{f"per_{u}_us": own[i] * 1e6 for i, u in enumerate(_UNITS)}}
-            )
-            if feature == "off":
-                add_cost_row(
-                    report, res, shapes, "off", "raw (again)", "raw", {}, note="noise floor: raw against itself"
-                )
-                add_cost_row(
-                    report,
-                    res,
-                    shapes,
-                    "off",
-                    "trainkit",
-                    "raw",
-                    {u: f"engine/off/{u}" for u in ("step", "epoch", "run")},
-                    lightning,
-                    "the epoch loop, config, seeding, run setup; progress and W&B off, no checkpoints",
-                )
-                add_cost_row(
-                    report,
-                    res,
-                    shapes,
-                    "steps",
-                    "trainkit (steps)",
-                    "raw (ckpt last)",
-                    {"step": "engine/steps/step"},
-                    lightning,
-                    "ckpt.every_n_steps past the run's end (the tracked loop and the step-boundary check, none due) "
-                    "against the hand-written loop writing the same last.pt at every epoch end, as ckpt.enable does",
-                    raw=base,
-                )
-                add_cost_row(
-                    report,
-                    res,
-                    shapes,
-                    "steps",
-                    "trainkit (steps)",
-                    "trainkit (ckpt last)",
-                    {"epoch": "engine/steps/epoch"},
-                    note="the tracked loop alone: against trainkit writing the same last.pt at every epoch end",
-                    raw=base,
-                )
-                for row_feature, ours_name, base_name, note in (
-                    (
-                        "steps",
-                        "trainkit (steps)",
-                        "raw",
-                        "information: against the loop that writes nothing (its epoch and run columns are the "
-                        "epoch-end last.pt writes, its step column carries the per-step share below)",
-                    ),
-                    (
-                        "ckpt last",
-                        "raw (ckpt last)",
-                        "raw",
-                        "information: the hand-written loop's own epoch-end last.pt; a save after a longer epoch "
-                        "costs more CPU on this host, which the fit puts in the step column",
-                    ),
-                    (
-                        "ckpt last",
-                        "trainkit (ckpt last)",
-                        "raw (ckpt last)",
-                        "information: ckpt.enable against the same last.pt written by hand",
-                    ),
-                ):
-                    add_cost_row(report, res, shapes, row_feature, ours_name, base_name, {}, note=note)
-            elif feature != "guard":
-                trainkit_gates = {
-                    "tqdm": {u: f"engine/tqdm/{u}" for u in ("step", "epoch", "run")},
-                    "wandb": {u: f"engine/wandb/{u}" for u in ("step", "epoch", "run")},
-                    "ckpt": {},
-                }[feature]
-                notes = {
-                    "tqdm": "trainkit's bars (progress.enable, on a terminal) against a tqdm bar over the batches",
-                    "wandb": "trainkit's work per row (log + push_logs: buffer, drain, the row, RunLog) against the "
-                    "raw loop's (.item(), the row); W&B's own Run.log, wandb.init and finish timed apart (below)",
-                    "ckpt": "durable last.pt and best.pt (save_if_best) against the same files written by hand; "
-                    "disk-bound, judged on wall time by tiny/ckpt, information here",
-                }
-                add_cost_row(report, res, shapes, feature, "trainkit", base, trainkit_gates, lightning, notes[feature])
-            elif feature == "guard":
-                add_cost_row(
-                    report,
-                    res,
-                    shapes,
-                    "guard",
-                    "trainkit (guard)",
-                    "trainkit (clip)",
-                    {"step": "engine/guard/step"},
-                    note="guard.nonfinite=skip with nothing non-finite (the norm judged before each optimizer step) "
-                    "against the same loop with the guard off; both call clip_and_log_grad_norm()",
-                )
-                add_cost_row(
-                    report,
-                    res,
-                    shapes,
-                    "guard, rollback",
-                    "trainkit (rollback, steps)",
-                    "trainkit (clip, steps)",
-                    {"step": "engine/guard/rollback/step"},
-                    note="guard.nonfinite=rollback with nothing non-finite against the same loop with the guard off, "
-                    "both with ckpt.every_n_steps (none due), as a run that rolls back to a step has it: the verdict "
-                    "and the positions of each step's batches",
-                    raw=base,
-                )
-                add_cost_row(
-                    report,
-                    res,
-                    shapes,
-                    "guard, rollback, no step checkpoints",
-                    "trainkit (rollback)",
-                    "trainkit (clip)",
-                    {},
-                    note="guard.nonfinite=rollback without ckpt.every_n_steps (it rolls back to the epoch's start; "
-                    "information): the above plus the counted loop, which this mode runs even so",
-                )
+            res = run_engine_group(report, s, feature, base, contestants, workloads)
+            for row in ENGINE_ROWS[feature]:
+                anchor = lightning if row.anchored else None
+                add_cost_row(report, res, shapes, row.feature, row.ours, row.base, row.gates, anchor, row.note, row.raw)
             if feature == "wandb":
                 add_cost_row(
                     report,
@@ -414,6 +427,60 @@ def bench_engine(report: Report, s: Settings, use_lightning: bool, only: tuple[s
                     "information, W&B's wander buries microseconds here",
                 )
                 wandb_apart(report, res, shapes, [c.name for c in contestants], base)
+
+
+def run_engine_group(
+    report: Report,
+    s: Settings,
+    feature: str,
+    base: str,
+    contestants: list[Contestant],
+    workloads: dict[Shape, Workload],
+) -> GridResult:
+    """Run one engine group's grid and record its samples, its work checks, its warnings and its baseline's own
+    fitted cost in ``report``.
+
+    :param report: Where it all goes.
+    :param s: The run mode's sizes.
+    :param feature: The group.
+    :param base: Its baseline.
+    :param contestants: Its contestants.
+    :param workloads: The null workload at each run length.
+    :returns: The group's samples.
+    """
+    shapes = list(workloads)
+    t0 = time.perf_counter()
+    reps = s.engine_wandb_reps if feature == "wandb" else s.engine_reps
+    rounds = dict(s.engine_group_rounds).get(feature, s.engine_rounds)
+    # the tqdm group on a terminal: trainkit draws its step bar only there (elsewhere it costs nothing)
+    res = run_grid(f"engine/{feature}", workloads, contestants, rounds, reps, terminal=feature == "tqdm")
+    report.engine_samples[feature] = {
+        c.name: {
+            f"{e}x{b}": {
+                "cpu": res.times[(c.name, (e, b))].cpu,
+                "wall": res.times[(c.name, (e, b))].wall,
+                **{f"{cat}_cpu": res.apart[cat][(c.name, (e, b))].cpu for cat in APART},
+            }
+            for e, b in shapes
+        }
+        for c in contestants
+    }
+    log(f"  engine/{feature}: {len(contestants)} contestants in {time.perf_counter() - t0:.1f} s")
+    families = {c.name: c.family for c in contestants}
+    for sh in shapes:
+        outcomes = {c.name: res.outcomes[(c.name, sh)] for c in contestants}
+        report.check_work(f"engine/{feature} {sh[0]}x{sh[1]}", outcomes, base, families)
+    for name, msgs in res.warnings.items():
+        report.notes.extend(f"engine/{feature}: {name} warned: {msg}" for msg in msgs)
+    own = confidence.fit_costs(np.array([res.times[(base, sh)].cpu for sh in shapes]), confidence.design_matrix(shapes))
+    log(
+        f"  engine/{feature:<6} {base} itself: {own[2] * 1e6:.1f} us per step, {own[1] * 1e6:.0f} us per "
+        f"epoch, {own[0] * 1e6:.0f} us per run (CPU, fitted)"
+    )
+    report.own_costs.append(
+        {"feature": feature, "contestant": base, **{f"per_{u}_us": own[i] * 1e6 for i, u in enumerate(_UNITS)}}
+    )
+    return res
 
 
 def with_apart(res: GridResult, category: str) -> GridResult:
@@ -472,4 +539,3 @@ def wandb_apart(report: Report, res: GridResult, shapes: list[Shape], names: lis
             f"{hi:+.2f}]; Run.log {est[2] * 1e6:+.1f} us per row [{lo_r[2] * 1e6:+.1f}, {hi_r[2] * 1e6:+.1f}]"
         )
     report.wandb_apart = entry
-

@@ -75,7 +75,6 @@ def new_tmp(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir=session_tmp()))
 
 
-
 CLOCKS = ("cpu", "wall")
 
 
@@ -309,43 +308,84 @@ def run_grid(
     settle_heap()
     for rnd in range(rounds + 1):
         for _ in range(reps if rnd else 1):
-            lengths = list(workloads)
-            shuffler.shuffle(lengths)
-            order = []
-            for shape in lengths:
-                at_length = list(contestants)
-                shuffler.shuffle(at_length)
-                order += [(c, shape) for c in at_length]
-            for c, shape in order:
-                wl = workloads[shape]
-                tmp = new_tmp(f"{wl.name}-{c.name}-")
-                gc.collect()
-                _APART.take()
-                with warnings.catch_warnings(record=True) as seen, quiet(terminal):
-                    warnings.simplefilter("always" if rnd == 0 else "ignore")
-                    w0, c0 = time.perf_counter(), time.process_time()
-                    model, extra = c.run(wl, tmp)
-                    w1, c1 = time.perf_counter(), time.process_time()
-                cpu_apart, wall_apart = _APART.take()
-                out = _outcome(model, extra, tmp)
+            for c, shape in grid_order(workloads, contestants, shuffler):
                 key = (c.name, shape)
-                if key in outcomes and outcomes[key].key() != out.key():
-                    raise SystemExit(f"{title}: {c.name} at {shape} is not deterministic: {outcomes[key]} vs {out}")
-                outcomes[key] = out
+                run = timed_run(c, workloads[shape], terminal, warm_up=rnd == 0)
+                if key in outcomes and outcomes[key].key() != run.outcome.key():
+                    raise SystemExit(
+                        f"{title}: {c.name} at {shape} is not deterministic: {outcomes[key]} vs {run.outcome}"
+                    )
+                outcomes[key] = run.outcome
                 if rnd == 0 and c.family == "trainkit":
-                    caught.setdefault(c.name, set()).update(f"{w.category.__name__}: {w.message}" for w in seen)
-                del model, extra
-                shutil.rmtree(tmp, ignore_errors=True)
-                if torch.get_num_threads() != 1:
-                    raise SystemExit(f"{c.name} changed torch's thread count to {torch.get_num_threads()}")
+                    caught.setdefault(c.name, set()).update(run.warnings)
                 if rnd > 0:
-                    times[key].wall.append(w1 - w0 - sum(wall_apart.values()))
-                    times[key].cpu.append(c1 - c0 - sum(cpu_apart.values()))
+                    times[key].wall.append(run.wall - sum(run.wall_apart.values()))
+                    times[key].cpu.append(run.cpu - sum(run.cpu_apart.values()))
                     for category in APART:
-                        apart[category][key].wall.append(wall_apart[category])
-                        apart[category][key].cpu.append(cpu_apart[category])
+                        apart[category][key].wall.append(run.wall_apart[category])
+                        apart[category][key].cpu.append(run.cpu_apart[category])
         if rnd == 0:
             settle_heap()
     gc.unfreeze()
     return GridResult(times, apart, outcomes, {name: sorted(msgs) for name, msgs in caught.items()})
 
+
+def grid_order(
+    workloads: dict[Shape, Workload], contestants: list[Contestant], shuffler: random.Random
+) -> list[tuple[Contestant, Shape]]:
+    """One repetition's runs: the lengths in a shuffled order, and at each length the contestants shuffled.
+
+    :param workloads: One workload per run length.
+    :param contestants: The contestants.
+    :param shuffler: The grid's seeded shuffler (advanced).
+    :returns: ``(contestant, run length)`` in the order they run.
+    """
+    lengths = list(workloads)
+    shuffler.shuffle(lengths)
+    order = []
+    for shape in lengths:
+        at_length = list(contestants)
+        shuffler.shuffle(at_length)
+        order += [(c, shape) for c in at_length]
+    return order
+
+
+@dataclass
+class TimedRun:
+    """One contestant's run in a grid: its outcome, its seconds (W&B's calls included) and those of W&B's calls
+    by category, and the warnings it raised."""
+
+    outcome: Outcome
+    wall: float
+    cpu: float
+    wall_apart: dict[str, float]
+    cpu_apart: dict[str, float]
+    warnings: set[str]
+
+
+def timed_run(c: Contestant, wl: Workload, terminal: bool, warm_up: bool) -> TimedRun:
+    """Run one contestant once in a fresh folder (removed after), after a full collection, and time it.
+
+    :param c: The contestant.
+    :param wl: The workload.
+    :param terminal: Run with stdout and stderr on a terminal that drops its output (see :func:`quiet`).
+    :param warm_up: Whether this is the warm-up round (its warnings are kept, later ones ignored).
+    :returns: The run.
+    :raises SystemExit: When the contestant changed torch's thread count.
+    """
+    tmp = new_tmp(f"{wl.name}-{c.name}-")
+    gc.collect()
+    _APART.take()
+    with warnings.catch_warnings(record=True) as seen, quiet(terminal):
+        warnings.simplefilter("always" if warm_up else "ignore")
+        w0, c0 = time.perf_counter(), time.process_time()
+        model, extra = c.run(wl, tmp)
+        w1, c1 = time.perf_counter(), time.process_time()
+    cpu_apart, wall_apart = _APART.take()
+    out = _outcome(model, extra, tmp)
+    del model, extra
+    shutil.rmtree(tmp, ignore_errors=True)
+    if torch.get_num_threads() != 1:
+        raise SystemExit(f"{c.name} changed torch's thread count to {torch.get_num_threads()}")
+    caught = {f"{w.category.__name__}: {w.message}" for w in seen}
+    return TimedRun(out, w1 - w0, c1 - c0, wall_apart, cpu_apart, caught)

@@ -143,5 +143,3 @@ def lightning_run(wl: Workload, tmp: Path, feature: str) -> tuple[nn.Module, Any
         logger.experiment.finish()
         os.environ.pop("WANDB_MODE", None)  # set by offline=True; the other contestants state their mode themselves
     return module.net, (module.last_loss, module.last_val, None)
-
-

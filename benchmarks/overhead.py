@@ -58,12 +58,10 @@ from benchmarks.settings import FULL, QUICK, Settings
 from benchmarks.verdicts import Report
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the sections asked for, write ``latest.json`` and ``latest.md``, and judge the gates.
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's options.
 
-    :param argv: The command line's arguments (default: ``sys.argv[1:]``).
-    :returns: The exit status: 0 when no gate FAILs, 1 when one does (full mode, or ``--enforce-gates``), 2 when
-        contestants did different work, 3 when a section raised.
+    :returns: The parser.
     """
     parser = argparse.ArgumentParser(description="trainkit overhead benchmarks (see benchmarks/README.md)")
     parser.add_argument("--quick", action="store_true", help="smoke mode: small sizes, 3 rounds, gates advisory")
@@ -95,8 +93,17 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated groups of the engine section: {', '.join(ENGINE_GROUPS)} (default: all)",
     )
     parser.add_argument("--enforce-gates", action="store_true", help="exit 1 on a missed gate in --quick mode too")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings, set[str], tuple[str, ...]]:
+    """The command line, checked, and what it asks for.
+
+    :param argv: The command line's arguments (default: ``sys.argv[1:]``).
+    :returns: The arguments, the run mode (``--rounds`` applied), the sections and the engine groups to run.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
     s = QUICK if args.quick else FULL
     if args.rounds is not None:
         s = Settings(**{**s.__dict__, "rounds": args.rounds, "engine_rounds": args.rounds, "engine_group_rounds": ()})
@@ -110,9 +117,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--engine-groups: unknown or no groups in {args.engine_groups!r} (choose from {', '.join(ENGINE_GROUPS)})"
         )
-    enforce = args.enforce_gates or not args.quick
     if args.resamples < 100:
         parser.error("--resamples must be at least 100")
+    return args, s, sections, engine_groups
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the sections asked for, write ``latest.json`` and ``latest.md``, and judge the gates.
+
+    :param argv: The command line's arguments (default: ``sys.argv[1:]``).
+    :returns: The exit status: 0 when no gate FAILs, 1 when one does (full mode, or ``--enforce-gates``), 2 when
+        contestants did different work, 3 when a section raised.
+    """
+    args, s, sections, engine_groups = parse_args(argv)
+    enforce = args.enforce_gates or not args.quick
     isolate_environment()  # before anything imports W&B (Lightning's check included)
     one_thread()
     report = Report(settings=s, enforce=enforce, clock_mode=args.clock, resamples=args.resamples)
@@ -124,37 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     if s.mode == "full" and s.rounds < 7:
         report.notes.append(f"only {s.rounds} measured rounds (--rounds); the gates are meant for 7 or more")
-
-    use_lightning = False
-    if sections & {"engine", "training"} and not args.no_lightning:
-        why = lightning_available()
-        if why is None:
-            use_lightning = True
-            import lightning
-
-            meta["lightning"] = lightning.__version__
-        else:
-            log(f"Lightning skipped ({why}); install it with: pip install -e '.[bench]'")
-            report.notes.append(f"Lightning skipped: {why}")
-    elif args.no_lightning:
-        report.notes.append("Lightning skipped (--no-lightning)")
+    use_lightning = pick_lightning(report, meta, bool(sections & {"engine", "training"}), args.no_lightning)
     log(
         f"trainkit overhead benchmark, mode {s.mode}: {s.rounds} measured rounds + 1 warm-up, 1 torch thread, "
         f"clock {args.clock}; load average {meta['loadavg_start']}"
     )
     try:
-        runners: dict[str, Callable[[Report, Settings], None]] = {
-            "engine": functools.partial(bench_engine, use_lightning=use_lightning, only=engine_groups),
-            "training": functools.partial(bench_training, use_lightning=use_lightning),
-            "import": bench_import,
-            "micro": bench_micro,
-        }
-        for name, section in runners.items():
-            if name in sections:
-                t0 = time.perf_counter()
-                section(report, s)
-                meta.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 1)
-                log(f"  ({name}: {meta['section_seconds'][name]} s)")
+        run_sections(report, s, meta, sections, engine_groups, use_lightning)
     except Exception:
         traceback.print_exc()
         return 3
@@ -172,6 +166,71 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(md_path.read_text())
     log(f"wrote {json_path} and {md_path} in {meta['seconds']} s")
+    return exit_status(report, enforce)
+
+
+def pick_lightning(report: Report, meta: dict[str, Any], wanted: bool, refused: bool) -> bool:
+    """Whether the Lightning contestants run; why not, noted in ``report`` (and its version in ``meta``).
+
+    :param report: Where a note on a skipped Lightning goes.
+    :param meta: The run's facts (``lightning``: its version, when it runs).
+    :param wanted: Whether a section that has Lightning contestants runs.
+    :param refused: ``--no-lightning``.
+    :returns: Whether Lightning runs.
+    """
+    if wanted and not refused:
+        why = lightning_available()
+        if why is None:
+            import lightning
+
+            meta["lightning"] = lightning.__version__
+            return True
+        log(f"Lightning skipped ({why}); install it with: pip install -e '.[bench]'")
+        report.notes.append(f"Lightning skipped: {why}")
+    elif refused:
+        report.notes.append("Lightning skipped (--no-lightning)")
+    return False
+
+
+def run_sections(
+    report: Report,
+    s: Settings,
+    meta: dict[str, Any],
+    sections: set[str],
+    engine_groups: tuple[str, ...],
+    use_lightning: bool,
+) -> None:
+    """Run the sections asked for, in their fixed order, each one's seconds in ``meta["section_seconds"]``.
+
+    :param report: Where their rows and verdicts go.
+    :param s: The run mode's sizes.
+    :param meta: The run's facts.
+    :param sections: The sections to run.
+    :param engine_groups: The engine section's groups to run.
+    :param use_lightning: Whether the Lightning contestants run.
+    """
+    runners: dict[str, Callable[[Report, Settings], None]] = {
+        "engine": functools.partial(bench_engine, use_lightning=use_lightning, only=engine_groups),
+        "training": functools.partial(bench_training, use_lightning=use_lightning),
+        "import": bench_import,
+        "micro": bench_micro,
+    }
+    for name, section in runners.items():
+        if name in sections:
+            t0 = time.perf_counter()
+            section(report, s)
+            meta.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 1)
+            log(f"  ({name}: {meta['section_seconds'][name]} s)")
+
+
+def exit_status(report: Report, enforce: bool) -> int:
+    """The run's exit status (see :func:`main`), with the lines that say why: every UNDECIDED gate's reason, the
+    failed gates, or the count of those that passed.
+
+    :param report: The judged run.
+    :param enforce: Whether a FAIL exits 1.
+    :returns: The exit status.
+    """
     if report.work_mismatch:
         log("FAILED: contestants did different work (see 'Same work')")
         return 2

@@ -14,6 +14,8 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,9 +26,9 @@ from benchmarks.harness import Contestant, Timings, interleave, new_tmp, run_gro
 from benchmarks.lightning_contestant import lightning_run
 from benchmarks.settings import LR, SEED, Settings
 from benchmarks.verdicts import Report
-from benchmarks.workloads import medium_workload, tiny_workload
+from benchmarks.workloads import Workload, medium_workload, tiny_workload
 from trainkit.checkpoint import atomic_save
-from trainkit.loop import optim as tk_optim
+from trainkit.loop import optim
 from trainkit.loop.weight_snapshot import WeightSnapshot
 from trainkit.state.modules import module_state
 
@@ -36,6 +38,13 @@ TINY_CLOCK = {"off": "cpu", "tqdm": "cpu", "wandb": "cpu", "ckpt": "wall", "step
 
 
 def bench_training(report: Report, s: Settings, use_lightning: bool) -> None:
+    """The training section: the tiny workload with each feature against its hand-written loop, step checkpoints,
+    and the compute-bound medium workload.
+
+    :param report: Where the rows, verdicts and work checks go.
+    :param s: The run mode's sizes.
+    :param use_lightning: Whether Lightning contestants run.
+    """
     tiny = tiny_workload(s)
     log(
         f"tiny: digits MLP 64-128-10, Adam, batch 64, {tiny.epochs} epochs = {tiny.steps} steps per run; "
@@ -44,37 +53,60 @@ def bench_training(report: Report, s: Settings, use_lightning: bool) -> None:
     wandb_config(tiny)  # built here, not inside a timed run
     checkpoint_config(tiny)
     for feature, raw_name in (("off", "raw"), ("tqdm", "raw_tqdm"), ("wandb", "raw_wandb"), ("ckpt", "raw_ckpt")):
-        contestants = [
-            Contestant(raw_name, lambda wl, tmp, f=feature: raw_run(wl, tmp, f), "raw"),
-            Contestant("trainkit", lambda wl, tmp, f=feature: trainkit_run(wl, tmp, f), "trainkit"),
-        ]
-        if feature == "off":  # A/A control: the raw loop against itself shows the noise floor
-            contestants.append(Contestant("raw (again)", lambda wl, tmp: raw_run(wl, tmp, "off"), "raw"))
-        if feature == "ckpt":  # what the richer checkpoint costs: the minimal one a quick script writes
-            contestants.append(Contestant("raw_ckpt_min", lambda wl, tmp: raw_run(wl, tmp, "ckpt_min"), "raw"))
-        if use_lightning:
-            contestants.append(
-                Contestant("lightning", lambda wl, tmp, f=feature: lightning_run(wl, tmp, f), "lightning")
-            )
-        families = {c.name: c.family for c in contestants}
-        reps = s.wandb_reps if feature == "wandb" else s.tiny_reps
-        res = run_group(f"tiny/{feature}", tiny, contestants, s.rounds, reps)
-        report.check_work(f"tiny/{feature}", res.outcomes, raw_name, families)
-        for name, msgs in res.warnings.items():
-            report.notes.extend(f"tiny/{feature}: {name} warned: {msg}" for msg in msgs)
-        clock = report.pick(TINY_CLOCK[feature])
-        t = res.times
-        report.add_row("tiny", feature, "trainkit", raw_name, t["trainkit"], t[raw_name], clock, f"tiny/{feature}")
-        if feature == "off":
-            report.add_row("tiny", "off", "raw (again)", "raw", t["raw (again)"], t["raw"], clock, None)
-        if feature == "ckpt":
-            report.add_row("tiny", "ckpt", "trainkit", "raw_ckpt_min", t["trainkit"], t["raw_ckpt_min"], clock, None)
-        if use_lightning:
-            report.add_row("tiny", feature, "trainkit", "lightning", t["trainkit"], t["lightning"], clock, None)
+        bench_tiny_feature(report, s, tiny, feature, raw_name, use_lightning)
+    bench_tiny_steps(report, s, tiny)
+    bench_medium(report, s, use_lightning)
 
-    # step checkpoints (ckpt.every_n_steps, none due) with the epoch-end last.pt writes ckpt.enable brings:
-    # against trainkit writing the same files without step checkpoints (ckpt last), the tracked loop alone;
-    # against the raw loop and trainkit (off), what turning them on costs in all (information)
+
+def bench_tiny_feature(
+    report: Report, s: Settings, tiny: Workload, feature: str, raw_name: str, use_lightning: bool
+) -> None:
+    """One feature on the tiny workload: trainkit against the hand-written loop that does the same (gated), with
+    the noise floor (``off``), the minimal checkpoint (``ckpt``) and Lightning beside it as information.
+
+    :param report: Where the rows go.
+    :param s: The run mode's sizes.
+    :param tiny: The tiny workload.
+    :param feature: The feature.
+    :param raw_name: Its hand-written loop's name.
+    :param use_lightning: Whether Lightning runs.
+    """
+    contestants = [
+        Contestant(raw_name, lambda wl, tmp, f=feature: raw_run(wl, tmp, f), "raw"),
+        Contestant("trainkit", lambda wl, tmp, f=feature: trainkit_run(wl, tmp, f), "trainkit"),
+    ]
+    if feature == "off":  # A/A control: the raw loop against itself shows the noise floor
+        contestants.append(Contestant("raw (again)", lambda wl, tmp: raw_run(wl, tmp, "off"), "raw"))
+    if feature == "ckpt":  # what the richer checkpoint costs: the minimal one a quick script writes
+        contestants.append(Contestant("raw_ckpt_min", lambda wl, tmp: raw_run(wl, tmp, "ckpt_min"), "raw"))
+    if use_lightning:
+        contestants.append(Contestant("lightning", lambda wl, tmp, f=feature: lightning_run(wl, tmp, f), "lightning"))
+    families = {c.name: c.family for c in contestants}
+    reps = s.wandb_reps if feature == "wandb" else s.tiny_reps
+    res = run_group(f"tiny/{feature}", tiny, contestants, s.rounds, reps)
+    report.check_work(f"tiny/{feature}", res.outcomes, raw_name, families)
+    for name, msgs in res.warnings.items():
+        report.notes.extend(f"tiny/{feature}: {name} warned: {msg}" for msg in msgs)
+    clock = report.pick(TINY_CLOCK[feature])
+    t = res.times
+    report.add_row("tiny", feature, "trainkit", raw_name, t["trainkit"], t[raw_name], clock, f"tiny/{feature}")
+    if feature == "off":
+        report.add_row("tiny", "off", "raw (again)", "raw", t["raw (again)"], t["raw"], clock, None)
+    if feature == "ckpt":
+        report.add_row("tiny", "ckpt", "trainkit", "raw_ckpt_min", t["trainkit"], t["raw_ckpt_min"], clock, None)
+    if use_lightning:
+        report.add_row("tiny", feature, "trainkit", "lightning", t["trainkit"], t["lightning"], clock, None)
+
+
+def bench_tiny_steps(report: Report, s: Settings, tiny: Workload) -> None:
+    """Step checkpoints (``ckpt.every_n_steps``, none due) with the epoch-end ``last.pt`` writes ``ckpt.enable``
+    brings, on the tiny workload: against the raw loop (gated), and as information against trainkit writing the
+    same files without step checkpoints (the tracked loop alone) and trainkit (off) (what turning them on costs).
+
+    :param report: Where the rows go.
+    :param s: The run mode's sizes.
+    :param tiny: The tiny workload.
+    """
     contestants = [
         Contestant("raw", lambda wl, tmp: raw_run(wl, tmp, "off"), "raw"),
         Contestant("trainkit", lambda wl, tmp: trainkit_run(wl, tmp, "steps"), "trainkit"),
@@ -91,6 +123,15 @@ def bench_training(report: Report, s: Settings, use_lightning: bool) -> None:
         "tiny", "steps", "trainkit", "trainkit (ckpt last)", t["trainkit"], t["trainkit (ckpt last)"], clock, None
     )
 
+
+def bench_medium(report: Report, s: Settings, use_lightning: bool) -> None:
+    """The compute-bound medium workload: trainkit against the raw loop (gated) with the noise floor, and step
+    checkpoints against trainkit writing the same ``last.pt`` without them (gated; both write it once).
+
+    :param report: Where the rows go.
+    :param s: The run mode's sizes.
+    :param use_lightning: Whether Lightning runs.
+    """
     medium = medium_workload(s)
     log(
         f"medium: MLP 256-4x1024-10, Adam, batch 128, {medium.steps} steps per run; "
@@ -111,7 +152,6 @@ def bench_training(report: Report, s: Settings, use_lightning: bool) -> None:
     t = res.times
     report.add_row("medium", "off", "trainkit", "raw", t["trainkit"], t["raw"], clock, "medium/off")
     report.add_row("medium", "off", "raw (again)", "raw", t["raw (again)"], t["raw"], clock, None)
-    # the gate: step checkpoints against trainkit writing the same last.pt without them (both write it once)
     report.add_row("medium", "steps", "trainkit (steps)", "raw", t["trainkit (steps)"], t["raw"], clock, None)
     report.add_row("medium", "steps", "trainkit (steps)", "trainkit", t["trainkit (steps)"], t["trainkit"], clock, None)
     steps, last = t["trainkit (steps)"], t["trainkit (ckpt last)"]
@@ -126,6 +166,12 @@ def _child_cpu() -> float:
 
 
 def bench_import(report: Report, s: Settings) -> None:
+    """The import section: ``import trainkit`` and ``from trainkit import BaseTrainer`` against ``import torch``,
+    each in a fresh interpreter, with bytecode cached.
+
+    :param report: Where the rows and the note on what ``import trainkit`` loads go.
+    :param s: The run mode's sizes.
+    """
     log(
         f"import: a fresh interpreter per import, {s.import_rounds} rounds (+{s.import_warmups} warm-up), wall and "
         "child CPU time"
@@ -141,20 +187,7 @@ def bench_import(report: Report, s: Settings) -> None:
     # with PYTHONDONTWRITEBYTECODE=1 would compile trainkit's sources in every timed child, ~40 ms that no user pays
     # twice, while torch's were compiled when pip installed it)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    times = {k: Timings() for k in stmts}
-    shuffler = random.Random(2000)
-    for rnd in range(s.import_rounds + s.import_warmups):
-        order = list(stmts)
-        shuffler.shuffle(order)
-        for key in order:
-            w0, c0 = time.perf_counter(), _child_cpu()
-            proc = subprocess.run([sys.executable, "-c", stmts[key]], cwd=REPO, env=env, capture_output=True, text=True)
-            w1, c1 = time.perf_counter(), _child_cpu()
-            if proc.returncode != 0:
-                raise SystemExit(f"`{stmts[key]}` failed:\n{proc.stderr}")
-            if rnd >= s.import_warmups:
-                times[key].wall.append(w1 - w0)
-                times[key].cpu.append(c1 - c0)
+    times = time_imports(stmts, env, s.import_rounds, s.import_warmups)
     probe = subprocess.run(
         [
             sys.executable,
@@ -172,26 +205,35 @@ def bench_import(report: Report, s: Settings) -> None:
         "BaseTrainer`) is the import a training script really pays"
     )
     clock = report.pick("cpu")
-    report.add_row(
-        "import",
-        "process",
-        "import trainkit",
-        "import torch",
-        times["import trainkit"],
-        times["import torch"],
-        clock,
-        "import/trainkit",
-    )
-    report.add_row(
-        "import",
-        "process",
-        "trainkit.BaseTrainer",
-        "import torch",
-        times["trainkit.BaseTrainer"],
-        times["import torch"],
-        clock,
-        "import/BaseTrainer",
-    )
+    for name, gate in (("import trainkit", "import/trainkit"), ("trainkit.BaseTrainer", "import/BaseTrainer")):
+        report.add_row("import", "process", name, "import torch", times[name], times["import torch"], clock, gate)
+
+
+def time_imports(stmts: dict[str, str], env: dict[str, str], rounds: int, warmups: int) -> dict[str, Timings]:
+    """Time each statement in a fresh interpreter, the statements in a freshly shuffled order every round.
+
+    :param stmts: Name to the statement run with ``python -c``.
+    :param env: The children's environment.
+    :param rounds: Measured rounds.
+    :param warmups: Rounds run first and discarded.
+    :returns: Each statement's wall and child CPU seconds.
+    :raises SystemExit: When a statement fails.
+    """
+    times = {k: Timings() for k in stmts}
+    shuffler = random.Random(2000)
+    for rnd in range(rounds + warmups):
+        order = list(stmts)
+        shuffler.shuffle(order)
+        for key in order:
+            w0, c0 = time.perf_counter(), _child_cpu()
+            proc = subprocess.run([sys.executable, "-c", stmts[key]], cwd=REPO, env=env, capture_output=True, text=True)
+            w1, c1 = time.perf_counter(), _child_cpu()
+            if proc.returncode != 0:
+                raise SystemExit(f"`{stmts[key]}` failed:\n{proc.stderr}")
+            if rnd >= warmups:
+                times[key].wall.append(w1 - w0)
+                times[key].cpu.append(c1 - c0)
+    return times
 
 
 def big_model(n_params: int) -> nn.Module:
@@ -263,13 +305,13 @@ def bench_grad_norm(report: Report, s: Settings) -> None:
         f"micro/grad_norm: {len(params)} tensors, {sum(p.numel() for p in params) / 1e6:.1f}M elements, "
         f"{s.norm_calls} calls per sample; {rounds} rounds x {s.micro_reps}"
     )
-    ours = tk_optim.total_grad_norm(params)
+    ours = optim.total_grad_norm(params)
     theirs = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
     assert torch.equal(ours, theirs), f"the grad norms differ: {ours} vs {theirs}"
 
     def run_ours() -> None:
         for _ in range(s.norm_calls):
-            tk_optim.total_grad_norm(params)
+            optim.total_grad_norm(params)
 
     def run_theirs() -> None:
         for _ in range(s.norm_calls):
@@ -289,16 +331,14 @@ def bench_grad_norm(report: Report, s: Settings) -> None:
 
 
 def bench_ckpt_save(report: Report, s: Settings, model: nn.Module) -> None:
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    optimizer.step()  # allocates Adam's two moment buffers per parameter
-    for p in model.parameters():
-        p.grad = None
-    payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    n_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + sum(
-        t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values() if torch.is_tensor(t)
-    )
+    """The checkpoint-save micro-benchmark: :func:`atomic_save` against the hand-written durable save of the
+    same model and Adam state, each save from a synced disk, its file deleted after it.
+
+    :param report: Where the row and notes go.
+    :param s: The run mode's sizes.
+    :param model: The model (its Adam state is made here).
+    """
+    payload, n_bytes = adam_payload(model)
     save_dir = new_tmp("save-")
     free = shutil.disk_usage(save_dir).free
     log(
@@ -309,33 +349,8 @@ def bench_ckpt_save(report: Report, s: Settings, model: nn.Module) -> None:
         report.notes.append(f"micro/ckpt_save skipped: {free} bytes free on {save_dir}, it needs {3 * n_bytes}")
         log("  skipped: not enough free disk")
         return
-    paths = {"trainkit": save_dir / "atomic.pt", "manual": save_dir / "manual.pt"}
-    savers = {"trainkit": atomic_save, "manual": durable_save}
-    times = {k: Timings() for k in savers}
-    shuffler = random.Random(5000)
-    size = 0
     try:
-        for rnd in range(s.save_rounds + 1):
-            walls: dict[str, list[float]] = {k: [] for k in savers}
-            cpus: dict[str, list[float]] = {k: [] for k in savers}
-            for _ in range(s.save_reps if rnd else 1):
-                order = list(savers)
-                shuffler.shuffle(order)
-                for key in order:
-                    os.sync()  # start every save with no dirty pages left by the previous one
-                    gc.collect()
-                    w0, c0 = time.perf_counter(), time.process_time()
-                    savers[key](payload, paths[key])
-                    w1, c1 = time.perf_counter(), time.process_time()
-                    walls[key].append(w1 - w0)
-                    cpus[key].append(c1 - c0)
-                    size = paths[key].stat().st_size
-                    paths[key].unlink()
-                    fsync_dir(save_dir)
-            if rnd > 0:
-                for key in savers:
-                    times[key].wall.extend(walls[key])
-                    times[key].cpu.extend(cpus[key])
+        times, size = time_saves(payload, save_dir, s.save_rounds, s.save_reps)
     finally:
         shutil.rmtree(save_dir, ignore_errors=True)
     report.notes.append(
@@ -353,6 +368,58 @@ def bench_ckpt_save(report: Report, s: Settings, model: nn.Module) -> None:
     )
 
 
+def adam_payload(model: nn.Module) -> tuple[dict[str, Any], int]:
+    """A checkpoint's payload: the model's state and an Adam optimizer's, its two moments allocated.
+
+    :param model: The model.
+    :returns: The payload and its tensors' bytes.
+    """
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    optimizer.step()  # allocates Adam's two moment buffers per parameter
+    for p in model.parameters():
+        p.grad = None
+    payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    n_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + sum(
+        t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values() if torch.is_tensor(t)
+    )
+    return payload, n_bytes
+
+
+def time_saves(payload: dict[str, Any], save_dir: Path, rounds: int, reps: int) -> tuple[dict[str, Timings], int]:
+    """Time both saves of ``payload`` into ``save_dir``, interleaved in a shuffled order, after one warm-up round.
+
+    :param payload: What is saved.
+    :param save_dir: Where (each file is deleted after its save).
+    :param rounds: Measured rounds.
+    :param reps: Saves of each kind per round.
+    :returns: Each saver's seconds (``trainkit``, ``manual``) and the size of the last file written.
+    """
+    paths = {"trainkit": save_dir / "atomic.pt", "manual": save_dir / "manual.pt"}
+    savers = {"trainkit": atomic_save, "manual": durable_save}
+    times = {k: Timings() for k in savers}
+    shuffler = random.Random(5000)
+    size = 0
+    for rnd in range(rounds + 1):
+        for _ in range(reps if rnd else 1):
+            order = list(savers)
+            shuffler.shuffle(order)
+            for key in order:
+                os.sync()  # start every save with no dirty pages left by the previous one
+                gc.collect()
+                w0, c0 = time.perf_counter(), time.process_time()
+                savers[key](payload, paths[key])
+                w1, c1 = time.perf_counter(), time.process_time()
+                if rnd > 0:
+                    times[key].wall.append(w1 - w0)
+                    times[key].cpu.append(c1 - c0)
+                size = paths[key].stat().st_size
+                paths[key].unlink()
+                fsync_dir(save_dir)
+    return times, size
+
+
 def bench_micro(report: Report, s: Settings) -> None:
     model = big_model(s.snapshot_params)
     bench_snapshot(report, s, model)
@@ -360,4 +427,3 @@ def bench_micro(report: Report, s: Settings) -> None:
     if s.save_params != s.snapshot_params:
         model = big_model(s.save_params)
     bench_ckpt_save(report, s, model)
-

@@ -145,8 +145,34 @@ def write_outputs(report: Report, out_dir: Path, meta: dict[str, Any]) -> tuple[
     :returns: The paths of the JSON and the Markdown file.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / "latest.json"
+    json_path.write_text(json.dumps(report_doc(report, meta), indent=2) + "\n")
+    lines = [
+        *page_header(report, meta),
+        *gate_summary(report),
+        "",
+        *engine_part(report),
+        *ratios_part(report),
+        *same_work_part(report),
+    ]
+    if report.notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in report.notes]
+    if meta.get("lightning"):
+        lines += ["", "## Lightning settings", ""] + [f"- {k}: {v}" for k, v in LIGHTNING_NOTES.items()]
+    md_path = out_dir / "latest.md"
+    md_path.write_text("\n".join(lines) + "\n")
+    return json_path, md_path
+
+
+def report_doc(report: Report, meta: dict[str, Any]) -> dict[str, Any]:
+    """What ``latest.json`` holds: the run's facts, every gate, row, engine row and sample, the work checks.
+
+    :param report: The report.
+    :param meta: The run's metadata.
+    :returns: The document.
+    """
     verdicts = [g["verdict"] for g in report.gates]
-    doc = {
+    return {
         "meta": meta,
         "settings": report.settings.__dict__,
         "clock_mode": report.clock_mode,
@@ -167,11 +193,17 @@ def write_outputs(report: Report, out_dir: Path, meta: dict[str, Any]) -> tuple[
         "work_checks": report.checks,
         "notes": report.notes,
     }
-    json_path = out_dir / "latest.json"
-    json_path.write_text(json.dumps(doc, indent=2) + "\n")
 
+
+def page_header(report: Report, meta: dict[str, Any]) -> list[str]:
+    """``latest.md``'s title, the run's facts and how gates are judged.
+
+    :param report: The report.
+    :param meta: The run's metadata.
+    :returns: The lines, ending with a blank one.
+    """
     s = report.settings
-    lines = [
+    return [
         "# trainkit overhead benchmark",
         "",
         f"{meta['timestamp']}; mode `{s.mode}`; {s.rounds} measured rounds (+1 warm-up); torch {meta['torch']} "
@@ -188,25 +220,39 @@ def write_outputs(report: Report, out_dir: Path, meta: dict[str, Any]) -> tuple[
         "in raw steps: the cost a contestant adds, over its group baseline's own CPU cost per step in the same run "
         "(the same on a host of any speed); its microseconds and their limit are information.",
         "",
-        *gate_summary(report),
+    ]
+
+
+def engine_part(report: Report) -> list[str]:
+    """``latest.md``'s engine section (none when the engine section did not run).
+
+    :param report: The report.
+    :returns: The lines, ending with a blank one.
+    """
+    if not report.costs:
+        return []
+    shapes = ", ".join(f"{e}x{b}" for e, b in report.settings.engine_shapes)
+    return [
+        "## Engine cost (null workload)",
         "",
-        *(
-            [
-                "## Engine cost (null workload)",
-                "",
-                "Added CPU microseconds, contestant minus baseline, fitted over the run lengths "
-                f"{', '.join(f'{e}x{b}' for e, b in s.engine_shapes)} (epochs x steps per epoch) to "
-                "`run + epoch * epochs + step * steps`; median of the paired differences at each length, 95% "
-                "bootstrap interval over repetitions in brackets. `raw (again) - raw` is the noise floor. A gated "
-                "cost shows its microsecond limit, then the same cost in raw steps (over the group baseline's own "
-                "cost per step, listed below), whose limit decides.",
-                "",
-                *engine_table(report),
-                "",
-            ]
-            if report.costs
-            else []
-        ),
+        f"Added CPU microseconds, contestant minus baseline, fitted over the run lengths {shapes} (epochs x steps "
+        "per epoch) to `run + epoch * epochs + step * steps`; median of the paired differences at each length, 95% "
+        "bootstrap interval over repetitions in brackets. `raw (again) - raw` is the noise floor. A gated "
+        "cost shows its microsecond limit, then the same cost in raw steps (over the group baseline's own "
+        "cost per step, listed below), whose limit decides.",
+        "",
+        *engine_table(report),
+        "",
+    ]
+
+
+def ratios_part(report: Report) -> list[str]:
+    """``latest.md``'s ratio section.
+
+    :param report: The report.
+    :returns: The lines, ending with a blank one.
+    """
+    return [
         "## Ratios",
         "",
         "Ratio = contestant / baseline, paired per repetition (in every repetition each contestant runs once, "
@@ -217,6 +263,16 @@ def write_outputs(report: Report, out_dir: Path, meta: dict[str, Any]) -> tuple[
         "",
         *markdown_table(report.rows, {g["gate"]: g for g in report.gates}),
         "",
+    ]
+
+
+def same_work_part(report: Report) -> list[str]:
+    """``latest.md``'s proof that the contestants of each group did the same work.
+
+    :param report: The report.
+    :returns: The lines.
+    """
+    lines = [
         "## Same work",
         "",
         "Every contestant of a group started from the same weights and saw the same batches in the same order.",
@@ -229,11 +285,4 @@ def write_outputs(report: Report, out_dir: Path, meta: dict[str, Any]) -> tuple[
             f"| {c['group']} | {c['contestant']} | {c['train_loss']!r} | {c['val_loss']!r} | {c['digest']} "
             f"| {' '.join(c['files']) or '-'} | {c['match']} |"
         )
-    if report.notes:
-        lines += ["", "## Notes", ""] + [f"- {n}" for n in report.notes]
-    if meta.get("lightning"):
-        lines += ["", "## Lightning settings", ""] + [f"- {k}: {v}" for k, v in LIGHTNING_NOTES.items()]
-    md_path = out_dir / "latest.md"
-    md_path.write_text("\n".join(lines) + "\n")
-    return json_path, md_path
-
+    return lines

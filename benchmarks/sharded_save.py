@@ -54,7 +54,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from benchmarks.common import RESULTS, write_json
+from benchmarks.common import RESULTS, save_inputs, write_json
 from trainkit import BaseTrainer, Config, fork_server
 from trainkit.distributed.collectives import all_gather_objects, free_port
 
@@ -121,20 +121,14 @@ class SaveTrainer(BaseTrainer):
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
-        from trainkit import bookkeeping as core
-        from trainkit.checkpoint.checkpointer import SaveRecord
         from trainkit.checkpoint.formats import dcp_directory
 
         bare = self.cfg.bare
         group = dist.new_group(backend="gloo") if bare == "async" else None
         stager = _stager() if bare == "async" else None
         items = dict(self.checkpoint_items)
-        registry, _ = core.register_items(core.CkptRegistry(), items)
-        record = SaveRecord(
-            loop=core.LoopState(), best=None, patience=None, latest_metrics={}, results=None, run_id=None,
-            metrics_offset=None,
-        )
-        blocked, drains, discards, peaks, disk = [], [], [], [], []
+        record, registry = save_inputs(items)
+        samples: dict[str, list[float]] = {name: [] for name in ("blocked", "drain", "discard", "peak_mib", "disk")}
         for index in range(self.cfg.rounds + 1):
             self.barrier()
             before = _reset_peak_rss()
@@ -153,28 +147,12 @@ class SaveTrainer(BaseTrainer):
             else:
                 self.checkpointer.save(record, registry, best_weights=None, before=lambda: None)
             took = time.perf_counter() - begun
-            self.barrier()
-            drain_begun = time.perf_counter()
-            self.checkpointer.wait()  # what the next save would wait for (0 for synchronous saves)
-            if writing is not None:
-                getattr(writing, "upload_completion", writing).result()
-            drain = time.perf_counter() - drain_begun
-            if bare:
-                self.barrier()
-                if self.is_main:
-                    shutil.rmtree(target)
+            drain = self.wait_for_write(writing, target)
             discard_begun = time.perf_counter()
             dcp_directory.wait_discarded()  # the replaced .prev deleted in the background: a loop trains meanwhile
             discard = time.perf_counter() - discard_begun
             if index:
-                blocked.append(took)
-                drains.append(drain)
-                discards.append(discard)
-                peaks.append((_status_kib("VmHWM") - before) / 1024)
-                if self.cfg.pair_disk:
-                    if self.is_main:
-                        disk.append(disk_seconds(self.out_dir, self.payload_bytes))
-                    self.barrier()
+                self.record_round(samples, took, drain, discard, before)
         # what background saves keep between saves: a host copy of this rank's shards of the state
         held = (
             sum(
@@ -185,13 +163,53 @@ class SaveTrainer(BaseTrainer):
             / 2**20
         )
         return {
-            "blocked": blocked,
-            "drain": drains,
-            "discard": discards,
-            "peak_mib": max(peaks),
+            "blocked": samples["blocked"],
+            "drain": samples["drain"],
+            "discard": samples["discard"],
+            "peak_mib": max(samples["peak_mib"]),
             "held_mib": held,
-            "disk": disk,
+            "disk": samples["disk"],
         }
+
+    def wait_for_write(self, writing: Any, target: str) -> float:
+        """Wait for a save's background write (the checkpointer's, or a bare ``dcp.async_save``'s) after every
+        rank's save returned; a bare save's directory removed after it.
+
+        :param writing: A bare ``dcp.async_save``'s future, or None.
+        :param target: A bare save's directory.
+        :returns: The seconds the wait took (what the next save would wait for; 0 for synchronous saves).
+        """
+        self.barrier()
+        drain_begun = time.perf_counter()
+        self.checkpointer.wait()
+        if writing is not None:
+            getattr(writing, "upload_completion", writing).result()
+        drain = time.perf_counter() - drain_begun
+        if self.cfg.bare:
+            self.barrier()
+            if self.is_main:
+                shutil.rmtree(target)
+        return drain
+
+    def record_round(
+        self, samples: dict[str, list[float]], took: float, drain: float, discard: float, before: int
+    ) -> None:
+        """Record a timed round, and with ``pair_disk`` time the disk on rank 0 right after it (the others wait).
+
+        :param samples: The rounds' samples, appended to.
+        :param took: The save's blocked seconds.
+        :param drain: Its background write's seconds after it.
+        :param discard: The wait for the replaced ``.prev`` to be deleted.
+        :param before: The resident memory (KiB) just before the save.
+        """
+        samples["blocked"].append(took)
+        samples["drain"].append(drain)
+        samples["discard"].append(discard)
+        samples["peak_mib"].append((_status_kib("VmHWM") - before) / 1024)
+        if self.cfg.pair_disk:
+            if self.is_main:
+                samples["disk"].append(disk_seconds(self.out_dir, self.payload_bytes))
+            self.barrier()
 
 
 def _stager() -> Any:

@@ -88,7 +88,12 @@ GATE_BLOCKED = 0.15  # median blocked time per step checkpoint, async / sync
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    meta, lat, blk, ex = doc["meta"], doc["latency"], doc["blocked"], doc["exactness"]
+    """The results as a Markdown page: one part per section, then the gates and notes.
+
+    :param doc: What ``step_resume.json`` holds.
+    :returns: The page.
+    """
+    meta = doc["meta"]
     lines = [
         "# trainkit step checkpoints: resume latency, blocked time, exactness",
         "",
@@ -97,6 +102,27 @@ def markdown(doc: dict[str, Any]) -> str:
         + (f"; Lightning {meta['lightning']}" if meta.get("lightning") else "")
         + f"; load average {meta['loadavg_start']} / {meta['loadavg_end']}; {meta['seconds']} s.",
         "",
+        *latency_part(doc),
+        *blocked_part(doc["blocked"]),
+        *iteration_part(doc["iteration"]),
+        *exactness_part(doc["exactness"]),
+    ]
+    lines += ["", "## Gates", "", "| gate | value | limit | result |", "|---|---|---|---|"]
+    for g in doc["gates"]:
+        lines.append(f"| {g['name']} | {g['value']:.3f} | <= {g['limit']} | {'PASS' if g['passed'] else '**FAIL**'} |")
+    if doc["notes"]:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in doc["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def latency_part(doc: dict[str, Any]) -> list[str]:
+    """The page's resume-latency section.
+
+    :param doc: What ``step_resume.json`` holds.
+    :returns: The lines, ending with a blank one.
+    """
+    lat = doc["latency"]
+    lines = [
         "## Resume latency vs position in the epoch",
         "",
         f"{lat['batches_per_epoch']} batches of {lat['batch_size']} per epoch, `__getitem__` "
@@ -117,13 +143,23 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {lat['median_s']['discard'][key]:.4f} | {same_batch} "
             f"| {'yes' if lat['resumed_to_end_exact'][key] else 'NO'} |"
         )
-    lines += [
+    return lines + [
         f"| last / first | {lat['ratio_last_over_first']['trainkit']:.2f}x "
         f"| {lat['ratio_last_over_first']['discard']:.2f}x | | |",
         "",
         f"Iterate-and-discard grows by {lat['discard_seconds_per_skipped_batch'] * 1000:.2f} ms per skipped batch "
         f"(loading one batch costs {lat['expected_loading_seconds_per_batch'] * 1000:.2f} ms here).",
         "",
+    ]
+
+
+def blocked_part(blk: dict[str, Any]) -> list[str]:
+    """The page's blocked-time section.
+
+    :param blk: The blocked section's results.
+    :returns: The lines, ending with a blank one.
+    """
+    lines = [
         "## Blocked time of a step checkpoint",
         "",
         f"{blk['parameters'] / 1e6:.1f}M parameters, {blk['checkpoint_mib']:.0f} MiB per `last.pt` (weights + Adam), "
@@ -142,7 +178,7 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {statistics.median(blk['epoch_s'][m]):.2f} "
             f"| {statistics.median(blk['epoch_minus_blocked_s'][m]):.2f} |"
         )
-    lines += [
+    return lines + [
         "",
         f"async / sync blocked: **{blk['blocked_async_over_sync']:.3f}**; same final weights: "
         f"{'yes' if blk['same_weights'] else 'NO'}. Outside the boundaries the async run's steps took "
@@ -150,20 +186,40 @@ def markdown(doc: dict[str, Any]) -> str:
         f"for the CPU and the GIL; information, not a gate): (blocked + lost) / sync = "
         f"{blk['blocked_plus_lost_async_over_sync']:.3f}.",
         "",
+    ]
+
+
+def iteration_part(iteration: dict[str, Any]) -> list[str]:
+    """The page's section on the tracked batch loop's own cost (information).
+
+    :param iteration: The iteration section's results.
+    :returns: The lines, ending with a blank one.
+    """
+    return [
         "## The tracked batch loop (information)",
         "",
         f"CPU time of the bare loop (no model work; an optimizer step without gradients ends every batch's step), "
-        f"{doc['iteration']['epochs']} epochs of 23 batches of 64 in-memory samples, step checkpoints on (none due) "
+        f"{iteration['epochs']} epochs of 23 batches of 64 in-memory samples, step checkpoints on (none due) "
         "against off; median of the paired ratios.",
         "",
         "| loader | plain us per batch | extra us per batch when tracked | ratio |",
         "|---|---|---|---|",
         *[
-            f"| {shape} | {doc['iteration'][shape]['plain_us_per_batch']:.1f} "
-            f"| {doc['iteration'][shape]['extra_us_per_batch']:+.1f} | {doc['iteration'][shape]['ratio_median']:.3f} |"
+            f"| {shape} | {iteration[shape]['plain_us_per_batch']:.1f} "
+            f"| {iteration[shape]['extra_us_per_batch']:+.1f} | {iteration[shape]['ratio_median']:.3f} |"
             for shape in ("per-sample", "per-batch")
         ],
         "",
+    ]
+
+
+def exactness_part(ex: dict[str, Any]) -> list[str]:
+    """The page's section on exactness after a SIGKILL mid-epoch, one row per framework that ran.
+
+    :param ex: The exactness section's results.
+    :returns: The lines.
+    """
+    lines = [
         "## Exactness after a SIGKILL mid-epoch",
         "",
         f"{ex['setup']['loader']}; {ex['setup']['model']}; {ex['setup']['epochs']} epochs of "
@@ -190,12 +246,25 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"| {fw} | {how[fw]} | {'yes' if e['exact'] else 'no'} | {e['max_abs_diff']:.3g} "
                 f"| {e['relative_l2_diff']:.3g} | {e['steps']['reference']} / {e['steps']['resumed']} |"
             )
-    lines += ["", "## Gates", "", "| gate | value | limit | result |", "|---|---|---|---|"]
-    for g in doc["gates"]:
-        lines.append(f"| {g['name']} | {g['value']:.3f} | <= {g['limit']} | {'PASS' if g['passed'] else '**FAIL**'} |")
-    if doc["notes"]:
-        lines += ["", "## Notes", ""] + [f"- {n}" for n in doc["notes"]]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line.
+
+    :param argv: The command line's arguments (default: ``sys.argv[1:]``).
+    :returns: The arguments.
+    """
+    parser = argparse.ArgumentParser(description="trainkit step-checkpoint benchmarks (see benchmarks/README.md)")
+    parser.add_argument("--quick", action="store_true", help="smoke mode: small sizes, gates advisory")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="output folder")
+    parser.add_argument("--no-lightning", action="store_true", help="skip the Lightning exactness run")
+    parser.add_argument("--enforce-gates", action="store_true", help="exit 1 on a missed gate in --quick mode too")
+    parser.add_argument(
+        "--world-change", action="store_true", help="only the latency of a resume on another world size (1 -> 2)"
+    )
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,19 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     """
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU benchmark, also on a machine with a GPU
     os.environ.setdefault("WANDB_SILENT", "true")
-    parser = argparse.ArgumentParser(description="trainkit step-checkpoint benchmarks (see benchmarks/README.md)")
-    parser.add_argument("--quick", action="store_true", help="smoke mode: small sizes, gates advisory")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="output folder")
-    parser.add_argument("--no-lightning", action="store_true", help="skip the Lightning exactness run")
-    parser.add_argument("--enforce-gates", action="store_true", help="exit 1 on a missed gate in --quick mode too")
-    parser.add_argument(
-        "--world-change", action="store_true", help="only the latency of a resume on another world size (1 -> 2)"
-    )
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     if args.child:
         return child_main(args.child)
-
     s = QUICK if args.quick else FULL
     enforce = args.enforce_gates or not args.quick
     one_thread()
@@ -227,20 +286,20 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     meta: dict[str, Any] = run_meta()
     lightning_why = "--no-lightning" if args.no_lightning else lightning_missing()
-    use_lightning = lightning_why is None
-    if use_lightning:
+    if lightning_why is None:
         import lightning
 
         meta["lightning"] = lightning.__version__
     else:
         log(f"Lightning skipped ({lightning_why})")
-    notes: list[str] = []
     tmp = Path(tempfile.mkdtemp(prefix="trainkit-step-bench-"))  # $TMPDIR: it must be a real disk (fsync)
     try:
-        latency = bench_latency(s, tmp)
-        blocked = bench_blocked(s, tmp)
-        iteration = bench_iteration(s, tmp)
-        exactness = bench_exactness(tmp, use_lightning, lightning_why)
+        sections = {
+            "latency": bench_latency(s, tmp),
+            "blocked": bench_blocked(s, tmp),
+            "iteration": bench_iteration(s, tmp),
+            "exactness": bench_exactness(tmp, lightning_why is None, lightning_why),
+        }
     except Exception:
         traceback.print_exc()
         return 3
@@ -248,6 +307,27 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     meta["loadavg_end"] = load_average()
     meta["seconds"] = round(time.perf_counter() - start, 1)
+    doc = results_doc(meta, s, enforce, sections)
+    write_json(args.out, "step_resume.json", doc)
+    md = markdown(doc)
+    (args.out / "step_resume.md").write_text(md)
+    print()
+    print(md)
+    log(f"wrote {args.out / 'step_resume.json'} and {args.out / 'step_resume.md'} in {meta['seconds']} s")
+    return exit_status(doc, enforce)
+
+
+def results_doc(meta: dict[str, Any], s: Settings, enforce: bool, sections: dict[str, Any]) -> dict[str, Any]:
+    """What ``step_resume.json`` holds: the run's facts, the gates judged, whether trainkit resumed exactly
+    everywhere, and every section's results (the exactness runs' weights left out).
+
+    :param meta: The run's facts.
+    :param s: The run mode.
+    :param enforce: Whether a missed gate fails the run.
+    :param sections: ``latency``, ``blocked``, ``iteration`` and ``exactness``: each section's results.
+    :returns: The document.
+    """
+    latency, blocked, exactness = sections["latency"], sections["blocked"], sections["exactness"]
     gates = [
         {
             "name": "latency/trainkit last/first",
@@ -264,11 +344,12 @@ def main(argv: list[str] | None = None) -> int:
         and blocked["same_weights"]
         and exactness["trainkit"].get("exact") is True
     )
+    notes = []
     if machine_was_busy(meta):
         notes.append(f"the machine was busy (load average {meta['loadavg_start']} / {meta['loadavg_end']})")
     if s.mode == "quick":
         notes.append("quick mode: small sizes; the gates are meant for the full run")
-    doc = {
+    return {
         "meta": meta,
         "settings": asdict(s),
         "gates_enforced": enforce,
@@ -277,23 +358,26 @@ def main(argv: list[str] | None = None) -> int:
         "trainkit_exact": trainkit_exact,
         "latency": latency,
         "blocked": blocked,
-        "iteration": iteration,
+        "iteration": sections["iteration"],
         "exactness": {
             k: ({kk: vv for kk, vv in v.items() if kk != "weights"} if isinstance(v, dict) else v)
             for k, v in exactness.items()
         },
         "notes": notes,
     }
-    write_json(args.out, "step_resume.json", doc)
-    md = markdown(doc)
-    (args.out / "step_resume.md").write_text(md)
-    print()
-    print(md)
-    log(f"wrote {args.out / 'step_resume.json'} and {args.out / 'step_resume.md'} in {meta['seconds']} s")
-    if not trainkit_exact:
+
+
+def exit_status(doc: dict[str, Any], enforce: bool) -> int:
+    """The run's exit status (see the module's docstring), with the line that says why.
+
+    :param doc: What ``step_resume.json`` holds.
+    :param enforce: Whether a missed gate exits 1.
+    :returns: 2 when trainkit's resume was not exact, 1 on an enforced missed gate, else 0.
+    """
+    if not doc["trainkit_exact"]:
         log("FAILED: trainkit's resume was not exact")
         return 2
-    failed = [g["name"] for g in gates if not g["passed"]]
+    failed = [g["name"] for g in doc["gates"] if not g["passed"]]
     if failed:
         log(f"gates missed: {', '.join(failed)}" + ("" if enforce else " (advisory in --quick mode)"))
         return 1 if enforce else 0

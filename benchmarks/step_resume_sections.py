@@ -248,6 +248,13 @@ def _torch_rng(ckpt: dict[str, Any]) -> torch.Tensor:
 
 
 def bench_latency(s: Settings, tmp: Path) -> dict[str, Any]:
+    """The latency section: seconds to the first batch of a resumed epoch against the position in it, trainkit's
+    resume against iterate-and-discard, interleaved; every resume's first batch and final weights checked.
+
+    :param s: The run mode.
+    :param tmp: A scratch folder on a real disk.
+    :returns: The section's results.
+    """
     log(
         f"latency: {s.batches} batches of {s.batch_size} per epoch, {s.sample_ms} ms per sample "
         f"({s.batches * s.batch_size * s.sample_ms / 1000:.2f} s of loading per epoch); positions {list(s.positions)}; "
@@ -257,43 +264,8 @@ def bench_latency(s: Settings, tmp: Path) -> dict[str, Any]:
     with quiet():
         reference = run_resume_trainer(resume_config(s, tmp / "reference"), record_batches=True)
     ref_weights = weights_digest(reference.model)
-    # the measured cost of one __getitem__ here (time.sleep overshoots a little)
-    probe = SlowDataset(torch.zeros(50, 1), torch.zeros(50, 1), s.sample_ms / 1000)
-    t0 = time.perf_counter()
-    for i in range(50):
-        probe[i]
-    sample_s = (time.perf_counter() - t0) / 50
-    # one step checkpoint per position: SIGTERM after batch p-1 (p batches trained), saved at that boundary
-    runs: dict[int, Path] = {}
-    for p in s.positions:
-        run_dir = tmp / f"at{p}"
-        with quiet():
-            trainer = run_resume_trainer(resume_config(s, run_dir), sigterm_after=p - 1)
-        ckpt = torch.load(run_dir / "last.pt", map_location="cpu", weights_only=False)
-        consumed = ckpt["trainkit"]["position"]["batches"]
-        if consumed != p or trainer.step != p:
-            raise SystemExit(f"the step checkpoint for position {p} recorded {consumed} batches (step {trainer.step})")
-        runs[p] = run_dir
-
-    def fresh_copy(p: int, tag: str) -> Path:
-        target = tmp / f"resume-{p}-{tag}-{time.perf_counter_ns()}"
-        shutil.copytree(runs[p], target)
-        return target
-
-    def time_trainkit(p: int) -> tuple[float, int | None, str | None]:
-        run_dir = fresh_copy(p, "tk")
-        config = resume_config(s, run_dir)
-        with quiet():
-            start = time.perf_counter()
-            trainer = run_resume_trainer(config, stop_at_first_batch=True)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        if trainer.first_batch_at is None:
-            raise SystemExit(f"the resumed run at position {p} never reached a batch")
-        return trainer.first_batch_at - start, trainer.first_batch_index, trainer.first_batch_digest
-
-    def time_discard(p: int) -> float:
-        return discard_resume(s, runs[p], p)[0]
-
+    sample_s = measured_sample_s(s)
+    runs = {p: checkpoint_at(s, tmp / f"at{p}", p) for p in s.positions}
     times: dict[str, dict[int, list[float]]] = {"trainkit": {p: [] for p in s.positions}}
     times["discard"] = {p: [] for p in s.positions}
     first_batch_ok: dict[int, bool] = {}
@@ -303,26 +275,119 @@ def bench_latency(s: Settings, tmp: Path) -> dict[str, Any]:
         shuffler.shuffle(order)
         for p, method in order:
             if method == "trainkit":
-                seconds, index, batch = time_trainkit(p)
+                seconds, index, batch = time_trainkit_resume(s, fresh_copy(runs[p], tmp, f"{p}-tk"), p)
                 first_batch_ok[p] = first_batch_ok.get(p, True) and index == p and batch == reference.batch_digests[p]
             else:
-                seconds = time_discard(p)
+                seconds = discard_resume(s, runs[p], p)[0]
             if rnd > 0:
                 times[method][p].append(seconds)
     # every position resumed to the end: the final weights must be the uninterrupted run's
     resumed_exact: dict[int, bool] = {}
     for p in s.positions:
-        run_dir = fresh_copy(p, "full")
+        run_dir = fresh_copy(runs[p], tmp, f"{p}-full")
         with quiet():
             trainer = run_resume_trainer(resume_config(s, run_dir))
         resumed_exact[p] = weights_digest(trainer.model) == ref_weights and trainer.step == s.batches
         shutil.rmtree(run_dir, ignore_errors=True)
+    checks = {"first_batch_matches_uninterrupted": first_batch_ok, "resumed_to_end_exact": resumed_exact}
+    return latency_result(s, times, sample_s, checks, ref_weights)
+
+
+def measured_sample_s(s: Settings) -> float:
+    """The measured cost of one ``__getitem__`` of the slow dataset (``time.sleep`` overshoots a little).
+
+    :param s: The run mode (its nominal milliseconds per sample).
+    :returns: Seconds per sample, the mean of 50.
+    """
+    probe = SlowDataset(torch.zeros(50, 1), torch.zeros(50, 1), s.sample_ms / 1000)
+    t0 = time.perf_counter()
+    for i in range(50):
+        probe[i]
+    return (time.perf_counter() - t0) / 50
+
+
+def checkpoint_at(s: Settings, run_dir: Path, p: int) -> Path:
+    """A run stopped by SIGTERM after batch ``p - 1`` (``p`` batches trained), its step checkpoint saved at that
+    boundary.
+
+    :param s: The run mode.
+    :param run_dir: The run's folder.
+    :param p: The position.
+    :returns: ``run_dir``.
+    :raises SystemExit: When the checkpoint does not record ``p`` batches.
+    """
+    with quiet():
+        trainer = run_resume_trainer(resume_config(s, run_dir), sigterm_after=p - 1)
+    ckpt = torch.load(run_dir / "last.pt", map_location="cpu", weights_only=False)
+    consumed = ckpt["trainkit"]["position"]["batches"]
+    if consumed != p or trainer.step != p:
+        raise SystemExit(f"the step checkpoint for position {p} recorded {consumed} batches (step {trainer.step})")
+    return run_dir
+
+
+def fresh_copy(run_dir: Path, tmp: Path, tag: str) -> Path:
+    """A copy of a run folder to resume from, so that every resume starts from the same checkpoint.
+
+    :param run_dir: The run folder.
+    :param tmp: Where the copy goes.
+    :param tag: Part of the copy's name.
+    :returns: The copy.
+    """
+    target = tmp / f"resume-{tag}-{time.perf_counter_ns()}"
+    shutil.copytree(run_dir, target)
+    return target
+
+
+def time_trainkit_resume(s: Settings, run_dir: Path, p: int) -> tuple[float, int | None, str | None]:
+    """Resume in ``run_dir`` (removed after) up to the first batch of the resumed epoch, timed from the trainer's
+    construction.
+
+    :param s: The run mode.
+    :param run_dir: A fresh copy of the run stopped at position ``p``.
+    :param p: The position.
+    :returns: The seconds, the first batch's index in the epoch and its digest.
+    :raises SystemExit: When the resumed run never reached a batch.
+    """
+    config = resume_config(s, run_dir)
+    with quiet():
+        start = time.perf_counter()
+        trainer = run_resume_trainer(config, stop_at_first_batch=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if trainer.first_batch_at is None:
+        raise SystemExit(f"the resumed run at position {p} never reached a batch")
+    return trainer.first_batch_at - start, trainer.first_batch_index, trainer.first_batch_digest
+
+
+def latency_result(
+    s: Settings,
+    times: dict[str, dict[int, list[float]]],
+    sample_s: float,
+    checks: dict[str, dict[int, bool]],
+    ref_weights: str,
+) -> dict[str, Any]:
+    """The latency section's results from its samples, each position's line logged.
+
+    :param s: The run mode.
+    :param times: ``trainkit`` and ``discard``: each position's seconds.
+    :param sample_s: The measured seconds per sample.
+    :param checks: ``first_batch_matches_uninterrupted`` and ``resumed_to_end_exact``, by position.
+    :param ref_weights: The uninterrupted run's weights' digest.
+    :returns: The results.
+    """
     median = {m: {p: statistics.median(v) for p, v in per.items()} for m, per in times.items()}
     first, last = s.positions[0], s.positions[-1]
     ratio = {m: median[m][last] / median[m][first] for m in median}
     # iterate-and-discard should cost about the loading of the skipped batches on top of its fixed part
     slope = (median["discard"][last] - median["discard"][first]) / (last - first)
-    result = {
+    first_batch_ok, resumed_exact = checks["first_batch_matches_uninterrupted"], checks["resumed_to_end_exact"]
+    for p in s.positions:
+        log(
+            f"  position {p:>4}: trainkit {median['trainkit'][p] * 1000:8.1f} ms   iterate-and-discard "
+            f"{median['discard'][p] * 1000:8.1f} ms   first batch = uninterrupted batch {p}: {first_batch_ok[p]}; "
+            f"resumed to the end exact: {resumed_exact[p]}"
+        )
+    log(f"  last / first: trainkit {ratio['trainkit']:.2f}x, iterate-and-discard {ratio['discard']:.2f}x")
+    return {
         "batches_per_epoch": s.batches,
         "batch_size": s.batch_size,
         "sample_ms_nominal": s.sample_ms,
@@ -337,14 +402,6 @@ def bench_latency(s: Settings, tmp: Path) -> dict[str, Any]:
         "resumed_to_end_exact": {str(p): v for p, v in resumed_exact.items()},
         "reference_weights": ref_weights,
     }
-    for p in s.positions:
-        log(
-            f"  position {p:>4}: trainkit {median['trainkit'][p] * 1000:8.1f} ms   iterate-and-discard "
-            f"{median['discard'][p] * 1000:8.1f} ms   first batch = uninterrupted batch {p}: {first_batch_ok[p]}; "
-            f"resumed to the end exact: {resumed_exact[p]}"
-        )
-    log(f"  last / first: trainkit {ratio['trainkit']:.2f}x, iterate-and-discard {ratio['discard']:.2f}x")
-    return result
 
 
 # ---------------------------------------------------------------------------------------------- iteration
@@ -494,7 +551,6 @@ class BlockTrainer(BaseTrainer):
         return False
 
 
-
 def block_config(s: Settings, out_dir: Path, async_save: bool) -> dict[str, Any]:
     return {
         "epochs": 1,
@@ -511,7 +567,36 @@ def block_config(s: Settings, out_dir: Path, async_save: bool) -> dict[str, Any]
     }
 
 
+def blocked_run(s: Settings, run_dir: Path, mode: str, async_save: bool) -> BlockTrainer:
+    """One run of the blocked section in ``run_dir`` (removed after), from a synced disk.
+
+    :param s: The run mode.
+    :param run_dir: The run's folder.
+    :param mode: ``sync`` or ``async``, for messages.
+    :param async_save: Whether step checkpoints save asynchronously.
+    :returns: The closed trainer, with its blocked seconds per save and its epoch's seconds.
+    :raises SystemExit: When the run did not write the step checkpoints it should have.
+    """
+    os.sync()  # no dirty pages of the previous run left to flush
+    with quiet():
+        trainer = BlockTrainer(block_config(s, run_dir, async_save))
+        trainer.train()
+        trainer.close()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if len(trainer.saving) != s.saves:
+        raise SystemExit(f"{mode}: {len(trainer.saving)} step checkpoints written, expected {s.saves}")
+    return trainer
+
+
 def bench_blocked(s: Settings, tmp: Path) -> dict[str, Any]:
+    """The blocked section: the loop's time per step checkpoint, sync against async, in interleaved runs; the
+    time the async run lost outside the boundaries beside it.
+
+    :param s: The run mode.
+    :param tmp: A scratch folder on a real disk.
+    :returns: The section's results.
+    :raises SystemExit: When the disk has too little room.
+    """
     params = s.layers * (s.width * s.width + s.width)
     ckpt_mb = params * 4 * 3 / 2**20
     log(
@@ -522,38 +607,48 @@ def bench_blocked(s: Settings, tmp: Path) -> dict[str, Any]:
     if free < 8 * ckpt_mb * 2**20:
         raise SystemExit(f"not enough free disk in {tmp}: {free} bytes")
     modes = {"sync": False, "async": True}
-    saving: dict[str, list[float]] = {m: [] for m in modes}
-    first_saves: dict[str, list[float]] = {m: [] for m in modes}
-    epoch_s: dict[str, list[float]] = {m: [] for m in modes}
-    outside: dict[str, list[float]] = {m: [] for m in modes}  # epoch time minus every saving boundary
-    digests: dict[str, set[str]] = {m: set() for m in modes}
+    # blocked_s leaves each run's first save out (the first async save also allocates the staging buffers);
+    # epoch_minus_blocked_s is the epoch's time minus every saving boundary
+    names = ("blocked_s", "first_save_blocked_s", "epoch_s", "epoch_minus_blocked_s")
+    samples: dict[str, dict[str, list[float]]] = {name: {m: [] for m in modes} for name in names}
+    digests: set[str] = set()
     shuffler = random.Random(4000)
     for _ in range(s.block_runs):
         order = list(modes)
         shuffler.shuffle(order)
         for mode in order:
-            run_dir = tmp / f"block-{mode}-{time.perf_counter_ns()}"
-            os.sync()  # no dirty pages of the previous run left to flush
-            with quiet():
-                trainer = BlockTrainer(block_config(s, run_dir, modes[mode]))
-                trainer.train()
-                trainer.close()
-            if len(trainer.saving) != s.saves:
-                raise SystemExit(f"{mode}: {len(trainer.saving)} step checkpoints written, expected {s.saves}")
-            first_saves[mode].append(trainer.saving[0])
-            saving[mode].extend(trainer.saving[1:])  # the first async save also allocates the staging buffers
-            epoch_s[mode].append(trainer.epoch_s)
-            outside[mode].append(trainer.epoch_s - sum(trainer.saving))
-            digests[mode].add(weights_digest(trainer.model))
-            shutil.rmtree(run_dir, ignore_errors=True)
-    median = {m: statistics.median(saving[m]) for m in modes}
+            trainer = blocked_run(s, tmp / f"block-{mode}-{time.perf_counter_ns()}", mode, modes[mode])
+            samples["first_save_blocked_s"][mode].append(trainer.saving[0])
+            samples["blocked_s"][mode].extend(trainer.saving[1:])
+            samples["epoch_s"][mode].append(trainer.epoch_s)
+            samples["epoch_minus_blocked_s"][mode].append(trainer.epoch_s - sum(trainer.saving))
+            digests.add(weights_digest(trainer.model))
+    return blocked_result(s, samples, len(digests) == 1)
+
+
+def blocked_result(s: Settings, samples: dict[str, dict[str, list[float]]], same_weights: bool) -> dict[str, Any]:
+    """The blocked section's results from its samples, its line logged.
+
+    :param s: The run mode.
+    :param samples: ``blocked_s`` (every save but the first), ``first_save_blocked_s``, ``epoch_s`` and
+        ``epoch_minus_blocked_s``, each by mode.
+    :param same_weights: Whether every run ended with the same weights.
+    :returns: The results.
+    """
+    params = s.layers * (s.width * s.width + s.width)
+    saving, first_saves, outside = (
+        samples["blocked_s"],
+        samples["first_save_blocked_s"],
+        samples["epoch_minus_blocked_s"],
+    )
+    median = {m: statistics.median(saving[m]) for m in ("sync", "async")}
     ratio = median["async"] / median["sync"]
     # training time the async run lost outside the boundaries (the writer thread competing for the CPU and the
     # GIL): the same steps took that much longer than in the sync run, where nothing runs beside them
     lost = (statistics.median(outside["async"]) - statistics.median(outside["sync"])) / s.saves
     result = {
         "parameters": params,
-        "checkpoint_mib": ckpt_mb,
+        "checkpoint_mib": params * 4 * 3 / 2**20,
         "every_n_steps": s.every_n_steps,
         "saves_per_run": s.saves,
         "runs_per_mode": s.block_runs,
@@ -561,11 +656,11 @@ def bench_blocked(s: Settings, tmp: Path) -> dict[str, Any]:
         "first_save_blocked_s": first_saves,
         "median_blocked_s": median,
         "blocked_async_over_sync": ratio,
-        "epoch_s": epoch_s,
+        "epoch_s": samples["epoch_s"],
         "epoch_minus_blocked_s": outside,
         "lost_per_save_s": lost,
         "blocked_plus_lost_async_over_sync": (median["async"] + lost) / median["sync"],
-        "same_weights": len(digests["sync"] | digests["async"]) == 1,
+        "same_weights": same_weights,
     }
     log(
         f"  median blocked per step checkpoint: sync {median['sync'] * 1000:.1f} ms, async "
@@ -783,5 +878,3 @@ def bench_exactness(tmp: Path, use_lightning: bool, lightning_why: str | None) -
                 f"L2 {entry['relative_l2_diff']:.3g}); steps {entry['steps']}; {entry['seconds']} s"
             )
     return out
-
-

@@ -186,4 +186,3 @@ def _close(a: Outcome, b: Outcome) -> bool:
         return abs(x - y) <= 1e-6 * max(abs(x), abs(y), 1e-12)
 
     return near(a.train_loss, b.train_loss) and near(a.val_loss, b.val_loss)
-

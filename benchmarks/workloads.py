@@ -223,5 +223,3 @@ class Outcome:
 
     def key(self) -> tuple[Any, ...]:
         return (self.train_loss, self.val_loss, self.digest)
-
-

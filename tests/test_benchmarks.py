@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -18,8 +19,9 @@ def run_script(module: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_overhead_quick_mode_runs_and_checks_same_work(tmp_path):
-    """python -m benchmarks.overhead --quick runs every section and writes its JSON and Markdown tables."""
-    proc = run_script("benchmarks.overhead", "--quick", "--no-lightning", "--out", str(tmp_path))
+    """python -m benchmarks.overhead --quick runs every section and writes its JSON and Markdown tables (one
+    measured round each: the smoke run proves the code paths, and more rounds would decide nothing either)."""
+    proc = run_script("benchmarks.overhead", "--quick", "--rounds", "1", "--no-lightning", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "latest.md").is_file()
     report = json.loads((tmp_path / "latest.json").read_text())
@@ -44,6 +46,10 @@ def test_overhead_quick_mode_runs_and_checks_same_work(tmp_path):
     for g in report["gates"]:
         if g["verdict"] == "UNDECIDED":
             line = next(x for x in proc.stdout.splitlines() if x.startswith(f"UNDECIDED: {g['gate']}: "))
+            if not math.isfinite(g["ci_low"]) or not math.isfinite(g["ci_high"]):
+                # one repetition on a loaded host can fit the raw loop's own step at or under 0: no fraction of it
+                assert "is unbounded" in line, line
+                continue
             straddles = g["ci_low"] <= g["limit"] <= g["ci_high"]
             assert ("straddles" in line) == straddles and ("fewer than the 8" in line) != straddles, line
 
@@ -326,3 +332,25 @@ def test_remote_upload_benchmark_runs(tmp_path):
     medians = report["median_s"]
     assert medians["hand_over_s"] > 0 and medians["tier_s"] > 0 and medians["put_s"] > 0
     assert {g["gate"] for g in report["gates"]} == {"remote/blocked_extra_s", "remote/throughput_ratio"}
+
+
+# ------------------------------------------------------------------ the benchmarks' own code
+
+
+BENCHMARK_FUNCTION_LINES = 60
+"""The longest a benchmark function may be, its ``def`` line to its last line: the library's own standard."""
+
+
+def test_no_benchmark_function_is_over_60_lines():
+    """Every function and method in benchmarks/ (nested ones included) reads in one screen: a long one is split
+    into named steps, as the library's are."""
+    import ast
+
+    long = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > BENCHMARK_FUNCTION_LINES:
+                    long.append(f"{path.name}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, f"benchmark functions over {BENCHMARK_FUNCTION_LINES} lines: {long}"
