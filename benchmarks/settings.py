@@ -95,19 +95,25 @@ QUICK = Settings(
 
 # ratio gates, judged on the 95 % bootstrap interval of the median paired ratio (confidence.judge). tiny/wandb
 # and tiny/steps are information now: what trainkit adds per W&B row and per tracked step is gated in the
-# engine section (ENGINE_GATES), where W&B's start and the model's work do not drown it
+# engine section (ENGINE_GATES), where W&B's start and the model's work do not drown it. Every "no slower" limit
+# stands above the host's measured noise (MEDIUM_NOISE for the medium group), so that a true ratio of 1 can pass
 GATES = {
     "tiny/off": 1.02,
-    "medium/off": 1.01,
+    "medium/off": 1.02,
     "tiny/tqdm": 1.02,
     "tiny/ckpt": 1.03,
-    "medium/steps": 1.01,
+    "medium/steps": 1.02,
     "import/trainkit": 1.10,
     "import/BaseTrainer": 1.10,
     "micro/snapshot": 1.30,
     "micro/grad_norm": 1.05,
     "micro/ckpt_save": 1.10,
 }
+
+MEDIUM_NOISE = 1.017
+"""The medium group's noise floor on the 2-core host: ``raw (again) / raw`` reached 1.7 % in the quiet recorded run
+(benchmarks/README.md), which a limit of 1.01 could not tell from trainkit's cost: ``medium/off`` and
+``medium/steps`` are judged at 1.02, above it."""
 
 # the engine section's limits in added CPU microseconds per optimizer step / epoch / run (construction to the end
 # of train()), set on a 2-core host whose raw null step cost ~30 us. W&B's per-run gate leaves out wandb.init and
