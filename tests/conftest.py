@@ -19,7 +19,6 @@ The helpers these fixtures build on (trainers, config builders, file readers) li
 
 from __future__ import annotations
 
-import os
 import secrets
 import signal
 
@@ -28,14 +27,13 @@ import torch
 from hypothesis import settings
 
 from tests.helpers.configs import make_cfg
+from tests.helpers.slow import SLOW
 from tests.helpers.trainers import TinyTrainer
 
 torch.set_num_threads(1)
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-SLOW = os.environ.get("TRAINKIT_SLOW") == "1"
-"""The long run: every case marked ``slow`` and hypothesis's full count of examples."""
 
 # No deadline in either: a deadline is a clock, and a loaded host would miss it. The counts live here, not on the
 # tests: 30 examples find what a property test is for in the default run, 300 search longer in the slow one.

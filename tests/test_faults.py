@@ -28,6 +28,7 @@ import trainkit.checkpoint.formats.async_save
 from tests.faults.harness import SIGTERM_CODE, assert_equal_state, assert_same_training, load, train, write_run
 from tests.helpers.checkpoint_files import flip_bit_in_tensor_data
 from tests.helpers.configs import make_cfg
+from tests.helpers.slow import SLOW
 from tests.helpers.trainers import Crash, TinyTrainer, dying, param_digest
 from trainkit import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, RegistryError
 from trainkit.checkpoint import (
@@ -40,8 +41,6 @@ from trainkit.checkpoint import (
     verify_checkpoint,
     warn_if_low_on_space,
 )
-
-SLOW = os.environ.get("TRAINKIT_SLOW") == "1"
 
 BATCH_SLEEP = 0.02
 """Seconds slept after each of the 6 batches of an epoch, so an epoch lasts ~0.15 s and signals land anywhere."""

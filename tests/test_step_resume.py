@@ -11,17 +11,15 @@ on two workers).
 from __future__ import annotations
 
 import json
-import os
 import random
 
 import pytest
 
+from tests.helpers.slow import SLOW
 from tests.helpers.step_scenarios import assert_all_exact, run_scenario
 
 pytestmark = pytest.mark.timeout(600)
 
-SLOW = os.environ.get("TRAINKIT_SLOW") == "1"
-"""Every kill point and more fuzz trials (the default run keeps one point of each kind)."""
 
 
 def kill_points(epochs, batches):

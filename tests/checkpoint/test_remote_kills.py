@@ -39,12 +39,12 @@ import pytest
 from tests.faults.harness import child_env
 from tests.helpers import ROOT
 from tests.helpers.configs import make_cfg
+from tests.helpers.slow import SLOW
 from trainkit import bookkeeping as core
 from trainkit.checkpoint.remote import FETCH_PREFIX, STAGING_DIR, RemoteTier, open_store
 
 pytest.importorskip("fsspec")
 
-SLOW = os.environ.get("TRAINKIT_SLOW") == "1"
 LEASE_S = 0.5
 """The lease of every run: renewed every ~0.17 s (many renewals to kill), expired soon after a kill."""
 KEEP = "latest:2,best:1"

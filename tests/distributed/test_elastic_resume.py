@@ -14,7 +14,6 @@ ranks in one driver process (torch imported once), which is the cheapest way to 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections import Counter, defaultdict
@@ -25,6 +24,7 @@ import torch
 
 from tests.faults.harness import ROOT, child_env
 from tests.helpers.sampling import ATOL, RTOL
+from tests.helpers.slow import SLOW
 from tests.helpers.wandb_files import offline_runs
 from trainkit.cli.inspect import describe_checkpoint
 
@@ -114,7 +114,7 @@ def test_a_run_interrupted_mid_epoch_resumes_on_other_world_sizes_with_the_same_
         [{"world": 1, "kill": ["sigterm", 0, 1], "config": SHARDED}, {"world": 2, "config": SHARDED}],
         [{"world": 2, "kill": ["batch", 0, 2]}, {"world": 2}],
     ]
-    if os.environ.get("TRAINKIT_SLOW") == "1":
+    if SLOW:
         runs += [
             [{"world": 3, "kill": ["sigterm", 0, 0]}, {"world": 2}],
             [{"world": 1, "kill": ["batch", 0, 4]}, {"world": 2}],
