@@ -26,12 +26,18 @@ def crossed(last: int, step: int, every: int | None) -> bool:
     return every is not None and step // every > last // every
 
 
+SCHEDULES = {
+    "every": periods,
+    "val_every": periods,
+    "log_every": periods,
+    "max_steps": st.none() | st.integers(min_value=1, max_value=60),
+    "start": st.integers(min_value=0, max_value=20),
+}
+"""A schedule's settings and the step it starts from, as every property here draws them."""
+
+
 @given(
-    every=periods,
-    val_every=periods,
-    log_every=periods,
-    max_steps=st.none() | st.integers(min_value=1, max_value=60),
-    start=st.integers(min_value=0, max_value=20),
+    **SCHEDULES,
     moves=st.lists(st.tuples(st.integers(min_value=1, max_value=3), st.booleans()), max_size=40),
     saving=st.booleans(),
 )
@@ -71,11 +77,7 @@ def test_each_boundary_gets_what_the_periods_crossed_since_it_was_last_done(
 
 
 @given(
-    every=periods,
-    val_every=periods,
-    log_every=periods,
-    max_steps=st.none() | st.integers(min_value=1, max_value=60),
-    start=st.integers(min_value=0, max_value=20),
+    **SCHEDULES,
     step=st.integers(min_value=0, max_value=80),
     saving=st.booleans(),
 )

@@ -29,15 +29,12 @@ import json
 import os
 import random
 import secrets
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.faults.harness import child_env
-from tests.helpers import ROOT
+from tests.faults.harness import run_driver
 from tests.helpers.configs import make_cfg
 from tests.helpers.slow import SLOW
 from trainkit import bookkeeping as core
@@ -108,18 +105,8 @@ def fuzz_plan(
         "requeue": requeue,
         "runs": runs,
     }
-    (tmp_path / "scenario.json").write_text(json.dumps(scenario))
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.faults.remote_kills", str(tmp_path / "scenario.json"), str(tmp_path / "r.json")],
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=240 + 60 * len(runs),
-    )
-    (tmp_path / "driver.err").write_text(done.stderr)  # the attempts' warnings, for a failure's diagnosis
-    assert done.returncode == 0, f"{seed}: the driver failed\n{done.stderr[-4000:]}"
-    return json.loads((tmp_path / "r.json").read_text())
+    report, _ = run_driver("remote_kills", scenario, tmp_path, timeout=240 + 60 * len(runs), label=f"{seed}: ")
+    return report
 
 
 def tier(url: str, out_dir: Path) -> RemoteTier:

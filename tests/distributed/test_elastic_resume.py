@@ -14,15 +14,13 @@ ranks in one driver process (torch imported once), which is the cheapest way to 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.faults.harness import ROOT, child_env
+from tests.faults.harness import run_driver
 from tests.helpers.sampling import ATOL, RTOL
 from tests.helpers.slow import SLOW
 from tests.helpers.wandb_files import offline_runs
@@ -46,19 +44,7 @@ WANDB = {"wandb": {"mode": "offline"}}
 def run_scenario(tmp_path: Path, runs: list[list[dict]]) -> tuple[list[dict], str]:
     """Run every run's attempts in order; return the report and the driver's stderr."""
     scenario = {"config": {**BASE, "out_dir": str(tmp_path / "out")}, "runs": runs}
-    path = tmp_path / "scenario.json"
-    path.write_text(json.dumps(scenario))
-    report = tmp_path / "report.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.faults.elastic_kills", str(path), str(report)],
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(report.read_text()), proc.stderr
+    return run_driver("elastic_kills", scenario, tmp_path)
 
 
 def ledger(out_dir: str) -> dict[tuple[int, int], list[int]]:

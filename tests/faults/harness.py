@@ -25,6 +25,29 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def run_driver(
+    module: str, scenario: dict[str, Any], folder: Path, *, timeout: float = 540, label: str = ""
+) -> tuple[Any, str]:
+    """Run a fault driver, ``python -m tests.faults.MODULE SCENARIO REPORT``, on ``scenario`` (written into
+    ``folder``, with the driver's stderr beside it for a failure's diagnosis); assert it exits 0.
+
+    :returns: The driver's report (its JSON) and its stderr.
+    """
+    path, report = folder / "scenario.json", folder / "report.json"
+    path.write_text(json.dumps(scenario))
+    proc = subprocess.run(
+        [sys.executable, "-m", f"tests.faults.{module}", str(path), str(report)],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    (folder / "driver.err").write_text(proc.stderr)
+    assert proc.returncode == 0, f"{label}the {module} driver failed\n{proc.stderr[-4000:]}"
+    return json.loads(report.read_text()), proc.stderr
+
+
 def offline_wandb_env(home: Path, **extra: str) -> dict[str, str]:
     """A training process's environment with an isolated W&B home, offline, and no W&B settings inherited."""
     home.mkdir(parents=True, exist_ok=True)

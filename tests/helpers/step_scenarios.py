@@ -4,11 +4,7 @@ exactly as the reference."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-from tests.faults.harness import ROOT, child_env
+from tests.faults.harness import run_driver
 
 BASE = {
     "epochs": 2,
@@ -27,22 +23,10 @@ def run_scenario(tmp_path, runs, world_size=1, op_counts=False, **config):
         "runs": [[], *runs],
         "op_counts": op_counts,
     }
-    path = tmp_path / "scenario.json"
-    path.write_text(json.dumps(scenario))
-    report = tmp_path / "report.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.faults.step_kills", str(path), str(report)],
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(report.read_text())
+    results, stderr = run_driver("step_kills", scenario, tmp_path)
     reference = results[0]
-    assert reference["exit_codes"] == [[0] * world_size], proc.stderr[-4000:]
-    return reference["summary"], results[1:], proc.stderr
+    assert reference["exit_codes"] == [[0] * world_size], stderr[-4000:]
+    return reference["summary"], results[1:], stderr
 
 
 def assert_all_exact(reference, results, stderr, killed=-9):
