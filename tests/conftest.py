@@ -42,8 +42,31 @@ settings.register_profile("slow", max_examples=300, deadline=None)
 settings.load_profile("slow" if SLOW else "default")
 
 
+LONGEST_FIRST = (
+    "tests/test_step_resume.py",
+    "tests/test_step_resume_loaders.py",
+    "tests/test_examples.py",
+    "tests/test_benchmarks.py",
+    "tests/test_fsdp.py",
+    "tests/checkpoint/test_remote_kills.py",
+    "tests/test_faults.py",
+    "tests/distributed/test_elastic_agent.py",
+    "tests/distributed/test_elastic_resume.py",
+    "tests/run/test_wandb.py",
+    "tests/test_restart.py",
+    "tests/test_ddp.py",
+)
+"""The files that take longest, longest first. ``--dist loadfile`` hands whole files to the workers in collection order,
+so a long file collected last keeps one worker busy while the other idles; handed out first, the short files fill
+the gaps (the longest-processing-time rule). The rest keep their order."""
+
+
 def pytest_collection_modifyitems(config, items):
-    """Skip the cases marked ``slow`` unless ``TRAINKIT_SLOW=1``."""
+    """Hand the longest files out first (:data:`LONGEST_FIRST`); skip the cases marked ``slow`` unless
+    ``TRAINKIT_SLOW=1``."""
+    rank = {path: index for index, path in enumerate(LONGEST_FIRST)}
+    root = config.rootpath
+    items.sort(key=lambda item: rank.get(item.path.relative_to(root).as_posix(), len(rank)))  # stable: rest in order
     if SLOW:
         return
     skip = pytest.mark.skip(reason="repeats a kind the default run covers: set TRAINKIT_SLOW=1")
