@@ -55,10 +55,13 @@ LONGEST_FIRST = (
     "tests/run/test_wandb.py",
     "tests/test_restart.py",
     "tests/test_ddp.py",
+    "tests/loop/test_sample_generator.py",
+    "tests/test_docs.py",
 )
-"""The files that take longest, longest first. ``--dist loadfile`` hands whole files to the workers in collection order,
-so a long file collected last keeps one worker busy while the other idles; handed out first, the short files fill
-the gaps (the longest-processing-time rule). The rest keep their order."""
+"""The files that take longest, longest first. ``--dist loadfile`` with ``--no-loadscope-reorder`` (pyproject) hands
+whole files to the workers in collection order, so a long file collected last would keep one worker busy while the
+other idles; handed out first, the short files fill the gaps (the longest-processing-time rule). The rest keep their
+order."""
 
 
 def pytest_collection_modifyitems(config, items):
