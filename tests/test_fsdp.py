@@ -344,7 +344,7 @@ def test_a_background_save_reuses_its_host_copy_and_never_writes_a_stale_one(tmp
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from trainkit.checkpoint.formats import dcp_directory
+    from trainkit.checkpoint.formats import dcp_directory, dcp_read
 
     real_write = FileSystemWriter.write_data
 
@@ -368,7 +368,7 @@ def test_a_background_save_reuses_its_host_copy_and_never_writes_a_stale_one(tmp
         weights.fill_(100.0)  # training changes the weights while the shards are written
         moment.fill_(100.0)
         saver.finish(rank=0, world_size=1)
-        assert dcp_directory.verify_directory(final, rank=0, world_size=1) is None
+        assert dcp_read.verify_directory(final, rank=0, world_size=1) is None
         read = {"model": {"w": torch.empty(64, 64)}, "opt": {"m": torch.empty(moment.numel())}}
         dcp.load(read, checkpoint_id=str(final), no_dist=True)
         assert torch.equal(read["model"]["w"], torch.full((64, 64), value)), save
@@ -383,7 +383,7 @@ def test_publishing_keeps_the_previous_checkpoint_and_deletes_the_older_one_off_
     run left half-deleted is removed by the next save."""
     import torch.distributed.checkpoint as dcp
 
-    from trainkit.checkpoint.formats import dcp_directory
+    from trainkit.checkpoint.formats import dcp_directory, dcp_read
 
     final = tmp_path / "last.ckpt"
     (tmp_path / ".last.ckpt.tmp-0-0-1-old").mkdir()  # a kill during an earlier run's background delete
@@ -394,7 +394,7 @@ def test_publishing_keeps_the_previous_checkpoint_and_deletes_the_older_one_off_
     dcp_directory.wait_discarded()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "last.prev.ckpt"]
     for directory, save in ((final, 3), (tmp_path / "last.prev.ckpt", 2)):
-        assert dcp_directory.verify_directory(directory, rank=0, world_size=1) is None
+        assert dcp_read.verify_directory(directory, rank=0, world_size=1) is None
         read = {"model": {"w": torch.empty(32)}}
         dcp.load(read, checkpoint_id=str(directory), no_dist=True)
         assert torch.equal(read["model"]["w"], torch.full((32,), float(save)))

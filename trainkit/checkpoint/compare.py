@@ -206,13 +206,13 @@ def read_comparable(path: str | Path) -> dict[str, Any]:
     :raises CheckpointError: When the checkpoint is damaged or unsafe.
     """
     from trainkit.checkpoint import load_checkpoint
-    from trainkit.checkpoint.formats import dcp_directory
+    from trainkit.checkpoint.formats import dcp_directory, dcp_read
     from trainkit.errors import CheckpointCorruptError
 
     source = Path(path)
     if not source.is_dir():
         return comparable_sections(load_checkpoint(source))
-    problem = dcp_directory.verify_directory(source, rank=0, world_size=1)
+    problem = dcp_read.verify_directory(source, rank=0, world_size=1)
     if problem is not None:
         raise CheckpointCorruptError(problem)
     payload = dict(load_checkpoint(source / dcp_directory.ENGINE_FILE))

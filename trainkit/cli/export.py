@@ -41,12 +41,12 @@ def config_sha256(config: Any) -> str:
 def _read(source: Path, item: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """One item's whole weights from a checkpoint, and the payload they came from (``trainkit.pt``'s, sharded)."""
     from trainkit.checkpoint import load_checkpoint
-    from trainkit.checkpoint.formats import dcp_directory
+    from trainkit.checkpoint.formats import dcp_directory, dcp_read
     from trainkit.checkpoint.payload import validate_best, validate_last
     from trainkit.errors import CheckpointCorruptError, CheckpointError
 
     if source.is_dir():
-        problem = dcp_directory.verify_directory(source, rank=0, world_size=1)
+        problem = dcp_read.verify_directory(source, rank=0, world_size=1)
         if problem is not None:
             raise CheckpointCorruptError(problem)
         engine = load_checkpoint(source / dcp_directory.ENGINE_FILE)

@@ -166,14 +166,14 @@ def describe_checkpoint(path: str | Path, *, all_tensors: bool = False) -> list[
     :raises CheckpointError: When the file is damaged, unsafe, or not a trainkit checkpoint.
     """
     from trainkit.checkpoint import load_checkpoint
-    from trainkit.checkpoint.formats import dcp_directory
+    from trainkit.checkpoint.formats import dcp_directory, dcp_read
     from trainkit.checkpoint.payload import validate_best, validate_last
     from trainkit.errors import CheckpointCorruptError
 
     source = Path(path)
     path = source
     if source.is_dir():  # a sharded checkpoint: its manifest first, then its engine payload
-        problem = dcp_directory.verify_directory(source, rank=0, world_size=1)
+        problem = dcp_read.verify_directory(source, rank=0, world_size=1)
         if problem is not None:
             raise CheckpointCorruptError(problem)
         path = source / dcp_directory.ENGINE_FILE

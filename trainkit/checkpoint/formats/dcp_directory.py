@@ -23,7 +23,7 @@ Modules and optimizers go through ``torch.distributed.checkpoint.state_dict`` (`
 ranks loads on M ranks (resharded by DCP) and into a plain module on one process.
 
 Side effects: files in ``out_dir``; collectives (every rank must call :func:`save_directory`,
-:func:`load_items` and :func:`verify_directory` together).
+:func:`load_items` and :func:`~trainkit.checkpoint.formats.dcp_read.verify_directory` together).
 """
 
 from __future__ import annotations
@@ -41,8 +41,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainkit.checkpoint.formats.dcp_read import ENGINE_FILE, MANIFEST_FILE, entries_of, load_into, read_metadata
-from trainkit.checkpoint.formats.dcp_read import verify_directory as verify_directory
+from trainkit.checkpoint.formats.dcp_read import (
+    ENGINE_FILE,
+    MANIFEST_FILE,
+    entries_of,
+    load_into,
+    read_metadata,
+    verify_directory,
+)
 from trainkit.distributed.collectives import all_gather_objects, raise_if_any_rank_failed, unwrap
 from trainkit.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from trainkit.files.checksum import file_checksum
@@ -65,7 +71,6 @@ __all__ = [
     "read_whole",
     "apply_items",
     "apply_whole_items",
-    "verify_directory",
     "read_engine",
     "remove_temporary",
     "wait_discarded",
